@@ -1,0 +1,1 @@
+"""Kernels, one module per kernel family. No dispatch logic here."""

@@ -1,0 +1,47 @@
+"""fp4-dispatch: pick and run the fastest NVFP4 GEMM for the NVIDIA GPU it is on."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from .backend import Backend, GemmOperands, Kernel, Support
+from .device import DeviceInfo
+from .hookspecs import hookimpl
+from .nvfp4 import Nvfp4Tensor, dequantize, quantize_nvfp4, reference_gemm
+from .registry import LoadError, PluginLoadError
+from .tactics import Problem, Tactic
+
+
+def __getattr__(name: str):
+    """Load the dispatcher (and with it the ranking) only when it is first used."""
+    if name in ("Dispatcher", "BackendStatus"):
+        from . import dispatcher
+
+        return getattr(dispatcher, name)
+    raise AttributeError(f"module 'fp4_dispatch' has no attribute {name!r}")
+
+
+try:
+    __version__ = metadata.version("fp4-dispatch")
+except metadata.PackageNotFoundError:  # imported from a tree that was never installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    "Backend",
+    "BackendStatus",
+    "DeviceInfo",
+    "Dispatcher",
+    "GemmOperands",
+    "Kernel",
+    "LoadError",
+    "Nvfp4Tensor",
+    "PluginLoadError",
+    "Problem",
+    "Support",
+    "Tactic",
+    "__version__",
+    "dequantize",
+    "hookimpl",
+    "quantize_nvfp4",
+    "reference_gemm",
+]

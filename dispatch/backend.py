@@ -1,0 +1,120 @@
+"""The backend contract every plugin implements (see DESIGN.md, "The plugin contract").
+
+A backend is an object: a plugin constructs it and hands it to `register`. The
+dispatcher checks `isinstance(obj, Backend)`; anything else is recorded as a
+failed registration.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from .tactics import Problem, Tactic
+
+if TYPE_CHECKING:
+    import torch
+
+    from .device import DeviceInfo
+
+
+@dataclass(frozen=True)
+class Support:
+    """Whether a backend can run on a device, and the reason shown to users."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@dataclass(frozen=True)
+class GemmOperands:
+    """Operands as every kernel receives them, already in the orientation to compute.
+
+    The kernel computes ``out = alpha * dequant(a) @ dequant(b).T`` (no global scales
+    inside the data; ``alpha`` carries their product).
+
+    - ``a_data``: uint8 ``[M, K/2]`` contiguous, e2m1 pairs, low nibble first.
+    - ``a_scale``: float8_e4m3fn ``[ceil128(M), ceil4(K/16)]`` in the 128x4 swizzled
+      storage order (padding included, never unpadded).
+    - ``b_data``: uint8 ``[N, K/2]`` contiguous; ``b_scale`` like ``a_scale``.
+    - ``alpha``: float32 tensor with one element, on the operands' device.
+
+    When a tactic sets ``swap_ab`` the dispatcher passes (b, a) here and the
+    transposed view of ``out``: kernels must honour ``out``'s strides.
+    """
+
+    a_data: torch.Tensor
+    a_scale: torch.Tensor
+    b_data: torch.Tensor
+    b_scale: torch.Tensor
+    alpha: torch.Tensor
+
+    @property
+    def m(self) -> int:
+        return self.a_data.shape[0]
+
+    @property
+    def n(self) -> int:
+        return self.b_data.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.a_data.shape[1] * 2
+
+    def swapped(self) -> GemmOperands:
+        return GemmOperands(self.b_data, self.b_scale, self.a_data, self.a_scale, self.alpha)
+
+
+Kernel = Callable[[GemmOperands, "torch.Tensor"], None]
+"""A built kernel: ``kernel(operands, out)`` writes ``out`` (shape [M, N]) in place."""
+
+
+class Backend(abc.ABC):
+    """One kernel family's entry in the registry.
+
+    Subclasses set the class attributes and implement `supports`, `tactics` and
+    `build`. `estimate_us` may refine the shared cost model (return None to keep it).
+    """
+
+    name: ClassVar[str]
+    family: ClassVar[str]
+    version: ClassVar[str]
+    tactic_type: ClassVar[type[Tactic]]
+    diversity_axes: ClassVar[tuple[str, ...]] = ()
+    #: True when kernels of this backend have been compiled but never run on hardware.
+    compile_only_note: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def supports(self, device: DeviceInfo) -> Support:
+        """Can this backend run (or at least compile) for `device`? Say why not."""
+
+    @abc.abstractmethod
+    def tactics(self, problem: Problem, device: DeviceInfo) -> Iterable[Tactic]:
+        """Every valid tactic for `problem` on `device` (only valid ones)."""
+
+    def estimate_us(self, problem: Problem, device: DeviceInfo, tactic: Tactic) -> float | None:
+        """Optional refinement of the shared cost model; None keeps the shared estimate."""
+        return None
+
+    @abc.abstractmethod
+    def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
+        """Compile (or look up) the kernel for `tactic`; the dispatcher caches the result.
+
+        `problem` is in the kernel's orientation (already swapped when `tactic.swap_ab`).
+        """
+
+    def validate(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> str | None:
+        """Why `tactic` is invalid for `problem` (None when valid).
+
+        The default re-validates the model and checks membership in `tactics()`;
+        backends with cheap rule checks should override it.
+        """
+        checked = self.tactic_type.model_validate(tactic.model_dump())
+        if checked not in set(self.tactics(problem, device)):
+            return f"{checked.canonical_json()} is not a valid tactic for {problem}"
+        return None

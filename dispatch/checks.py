@@ -1,0 +1,114 @@
+"""Argument checks for the public GEMM calls.
+
+Every check raises before anything is written, with a message naming the argument,
+what was expected and what came. TypeError for wrong types/dtypes, ValueError for
+wrong shapes, values and devices.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .nvfp4 import Nvfp4Tensor, swizzled_scale_shape
+
+FP4_DATA_DTYPES = (torch.uint8, getattr(torch, "float4_e2m1fn_x2", torch.uint8))
+OUT_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def out_dtype_name(out_dtype: object) -> str:
+    """'bfloat16' or 'float16' for a torch dtype; TypeError otherwise."""
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype: expected torch.bfloat16 or torch.float16, got {out_dtype!r}")
+    return OUT_DTYPES[out_dtype]
+
+
+def nvfp4_operand(name: str, q: object) -> Nvfp4Tensor:
+    if not isinstance(q, Nvfp4Tensor):
+        raise TypeError(
+            f"{name}: expected an Nvfp4Tensor (from quantize_nvfp4), got {type(q).__name__}"
+        )
+    return q
+
+
+def k_dims(k_a: int, k_b: int, names: tuple[str, str] = ("qa", "qb")) -> int:
+    if k_a != k_b:
+        raise ValueError(
+            f"{names[1]}: K must match {names[0]}'s K={k_a} (out = A @ B.T with B as [N, K]), "
+            f"got K={k_b}"
+        )
+    if k_a % 32:
+        raise ValueError(f"{names[0]}: K must be a multiple of 32 for the GEMM, got K={k_a}")
+    return k_a
+
+
+def same_device(device: torch.device, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
+
+
+def fp4_data(name: str, t: object, expect_rows_major: bool = True) -> torch.Tensor:
+    """A packed fp4 tensor (uint8 or float4_e2m1fn_x2), 2-D; returned as uint8."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FP4_DATA_DTYPES:
+        raise TypeError(
+            f"{name}: expected dtype torch.uint8 or torch.float4_e2m1fn_x2 (packed e2m1), "
+            f"got {t.dtype}"
+        )
+    if t.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D tensor, got shape {tuple(t.shape)}")
+    return t.view(torch.uint8)
+
+
+def swizzled_scale(name: str, t: object, rows: int, k: int) -> torch.Tensor:
+    """An e4m3 scale tensor in the 128x4 swizzle: 2-D padded shape or flat padded numel."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{name}: expected dtype torch.float8_e4m3fn, got {t.dtype}")
+    shape = swizzled_scale_shape(rows, k)
+    if tuple(t.shape) not in (shape, (shape[0] * shape[1],)):
+        raise ValueError(
+            f"{name}: expected the swizzled 128x4 layout of shape {shape} (or flat "
+            f"{shape[0] * shape[1]}) for {rows} rows and K={k}, got {tuple(t.shape)}"
+        )
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor (swizzled storage order)")
+    return t.view(shape)
+
+
+def alpha_tensor(alpha: object, device: torch.device) -> torch.Tensor:
+    """A one-element float32 tensor on `device` (None means 1.0)."""
+    if alpha is None:
+        return torch.ones(1, dtype=torch.float32, device=device)
+    if not isinstance(alpha, torch.Tensor):
+        raise TypeError(
+            f"alpha: expected a one-element float32 torch.Tensor, got {type(alpha).__name__}"
+        )
+    if alpha.dtype != torch.float32:
+        raise TypeError(f"alpha: expected dtype torch.float32, got {alpha.dtype}")
+    if alpha.numel() != 1:
+        raise ValueError(f"alpha: expected one element, got shape {tuple(alpha.shape)}")
+    if alpha.device != device:
+        raise ValueError(f"alpha: expected a tensor on {device}, got one on {alpha.device}")
+    return alpha.reshape(1)
+
+
+def out_tensor(
+    out: object, m: int, n: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """Check a caller-provided output (None: the dispatcher allocates one)."""
+    if out is None:
+        return None
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out: expected a torch.Tensor or None, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"out: expected dtype {dtype} (out_dtype), got {out.dtype}")
+    if tuple(out.shape) != (m, n):
+        raise ValueError(f"out: expected shape {(m, n)}, got {tuple(out.shape)}")
+    if out.device != device:
+        raise ValueError(f"out: expected a tensor on {device}, got one on {out.device}")
+    if not out.is_contiguous():
+        raise ValueError("out: expected a contiguous tensor")
+    return out

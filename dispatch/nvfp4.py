@@ -1,0 +1,431 @@
+"""The NVFP4 number format: quantize, dequantize, scale swizzle and a reference GEMM.
+
+Format (see DESIGN.md, "The number format"):
+
+- Values are e2m1 (fp4): 1 sign bit (bit 3), 2 exponent bits, 1 mantissa bit. Codes
+  0-7 are the magnitudes ``E2M1_VALUES`` = (0, 0.5, 1, 1.5, 2, 3, 4, 6); codes 8-15 are
+  their negatives. Two codes share a byte, the LOW nibble holding the even column, so a
+  data tensor is ``uint8 [R, K/2]`` (``torch.float4_e2m1fn_x2`` is accepted and viewed
+  as uint8).
+- Every 16 consecutive elements of a row share one ``float8_e4m3fn`` block scale.
+- One float32 *global* scale per tensor is the DECODE multiplier::
+
+      dequant[r, k] = e2m1[r, k] * scale[r, k // 16] * global_scale
+
+  FlashInfer's quantizer takes the inverse (``448 * 6 / amax``); here that convention
+  is accepted only through the keyword ``encode_scale``.
+- Block scales come in two layouts. ``linear`` is ``[R, K/16]``. ``swizzled`` is the
+  128x4 layout cuBLASLt, FlashInfer and torch ``_scaled_mm`` consume: a tensor shaped
+  ``[ceil128(R), ceil4(K/16)]`` (zero padding included) whose flat storage holds entry
+  (m, kb) at ``(m // 128) * numKTiles * 512 + (kb // 4) * 512 + (m % 32) * 16 +
+  ((m % 128) // 32) * 4 + (kb % 4)`` with ``numKTiles = ceil(K / 16 / 4)``.
+
+Exactness: an e2m1 value times an e4m3 scale is exact in fp16 and bf16 (and in
+float32), so kernels may dequantize to a 16-bit type and apply the global scale in
+float32 at the end. The default global scale ``amax / (6 * 448)`` is not exact in
+float32, so quantize -> dequantize round trips of representable values are exact only
+with a power-of-two global scale.
+
+Quantization accepts ``K % 16 == 0``; the GEMM backends additionally require
+``K % 32 == 0`` (whole bytes per 16-element block pair, the kernels' K tiling). That rule
+is checked by the backends, not by this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BLOCK_SIZE",
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "E4M3_MAX",
+    "Layout",
+    "Nvfp4Tensor",
+    "as_uint8_data",
+    "dequantize",
+    "e2m1_to_float",
+    "pack_e2m1",
+    "quantize_nvfp4",
+    "reference_gemm",
+    "round_to_e2m1",
+    "swizzle_scales",
+    "swizzled_scale_shape",
+    "unpack_e2m1",
+    "unswizzle_scales",
+]
+
+Layout = Literal["swizzled", "linear"]
+LAYOUTS: tuple[str, ...] = ("swizzled", "linear")
+
+#: Elements per block scale.
+BLOCK_SIZE = 16
+#: Largest finite e4m3fn value (block scales saturate here).
+E4M3_MAX = 448.0
+#: Largest e2m1 magnitude (values saturate here).
+E2M1_MAX = 6.0
+#: The 8 non-negative e2m1 magnitudes, indexed by code 0-7.
+E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+# Midpoints between neighbouring magnitudes. At a tie, round-to-nearest-even picks the
+# code whose index is even (0, 2, 4, 6 -> 0, 1, 2, 4): for midpoint i (between codes i
+# and i+1) ties go down when i is even and up when i is odd.
+_MIDPOINTS: tuple[float, ...] = tuple(
+    (E2M1_VALUES[i] + E2M1_VALUES[i + 1]) / 2 for i in range(len(E2M1_VALUES) - 1)
+)
+
+_FLOAT4_DTYPE: torch.dtype | None = getattr(torch, "float4_e2m1fn_x2", None)
+_SCALE_DTYPE = torch.float8_e4m3fn
+_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _ceil_to(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def swizzled_scale_shape(rows: int, k: int) -> tuple[int, int]:
+    """Shape of the swizzled scale tensor for an ``[rows, k]`` operand (padding included)."""
+    if k % BLOCK_SIZE:
+        raise ValueError(f"k must be a multiple of {BLOCK_SIZE}, got {k}")
+    return _ceil_to(rows, 128), _ceil_to(k // BLOCK_SIZE, 4)
+
+
+def as_uint8_data(t: torch.Tensor) -> torch.Tensor:
+    """View packed e2m1 data as uint8; ``float4_e2m1fn_x2`` holds the same bytes."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"data: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype == torch.uint8:
+        return t
+    if _FLOAT4_DTYPE is not None and t.dtype == _FLOAT4_DTYPE:
+        return t.view(torch.uint8)
+    raise TypeError(f"data: expected dtype torch.uint8 or torch.float4_e2m1fn_x2, got {t.dtype}")
+
+
+# ---------------------------------------------------------------------------------------
+# e2m1 codes
+# ---------------------------------------------------------------------------------------
+
+
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    mags = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    return torch.cat([mags, -mags])
+
+
+def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """Decode e2m1 codes (uint8, 0-15, one per element) to float32."""
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"codes: expected dtype torch.uint8, got {codes.dtype}")
+    return _e2m1_table(codes.device)[(codes & 0xF).long()]
+
+
+def round_to_e2m1(y: torch.Tensor) -> torch.Tensor:
+    """Round float32 values to e2m1 codes: nearest, ties to even, saturating at ±6.
+
+    A zero magnitude always gets code 0 (never the negative zero code 8).
+    """
+    a = y.abs()
+    mag = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
+    for i, t in enumerate(_MIDPOINTS):  # 7 thresholds, each a vectorised compare
+        above = a >= t if i % 2 else a > t
+        mag += above.to(torch.uint8)
+    sign = ((y < 0) & (mag != 0)).to(torch.uint8) << 3
+    return mag | sign
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Pack ``uint8 [R, K]`` codes into ``uint8 [R, K/2]``, even column in the low nibble."""
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"codes: expected dtype torch.uint8, got {codes.dtype}")
+    if codes.dim() != 2 or codes.shape[1] % 2:
+        raise ValueError(
+            f"codes: expected a 2-D tensor with even K, got shape {tuple(codes.shape)}"
+        )
+    low = codes[:, 0::2] & 0xF
+    high = codes[:, 1::2] & 0xF
+    return (low | (high << 4)).contiguous()
+
+
+def unpack_e2m1(data: torch.Tensor) -> torch.Tensor:
+    """Unpack ``[R, K/2]`` bytes (uint8 or float4_e2m1fn_x2) into ``uint8 [R, K]`` codes."""
+    data = as_uint8_data(data)
+    if data.dim() != 2:
+        raise ValueError(f"data: expected a 2-D tensor, got shape {tuple(data.shape)}")
+    low = data & 0xF
+    high = data >> 4
+    return torch.stack([low, high], dim=-1).reshape(data.shape[0], data.shape[1] * 2)
+
+
+# ---------------------------------------------------------------------------------------
+# Scale layouts
+# ---------------------------------------------------------------------------------------
+
+
+def _check_scale_dtype(t: torch.Tensor, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != _SCALE_DTYPE:
+        raise TypeError(f"{name}: expected dtype torch.float8_e4m3fn, got {t.dtype}")
+
+
+def swizzle_scales(
+    linear: torch.Tensor, rows: int | None = None, k: int | None = None
+) -> torch.Tensor:
+    """Linear ``[R, K/16]`` e4m3 scales -> swizzled ``[ceil128(R), ceil4(K/16)]``.
+
+    ``rows``/``k`` are optional and, when given, checked against ``linear``'s shape.
+    Padding entries are zero. The reshuffle runs on the uint8 bit patterns (a pure
+    permutation), so it works wherever uint8 indexing works.
+    """
+    _check_scale_dtype(linear, "linear")
+    if linear.dim() != 2:
+        raise ValueError(f"linear: expected a 2-D tensor, got shape {tuple(linear.shape)}")
+    r, kb = linear.shape
+    if rows is not None and rows != r:
+        raise ValueError(f"linear: expected {rows} rows, got {r}")
+    if k is not None and k != kb * BLOCK_SIZE:
+        raise ValueError(f"linear: expected {k // BLOCK_SIZE} scale columns (k={k}), got {kb}")
+    rp, kp = _ceil_to(r, 128), _ceil_to(kb, 4)
+    bits = linear.view(torch.uint8)
+    padded = torch.zeros((rp, kp), dtype=torch.uint8, device=linear.device)
+    padded[:r, :kb] = bits
+    # m = r128 * 128 + i4 * 32 + i32 ; kb = kt * 4 + j4  ->  order (r128, kt, i32, i4, j4)
+    tiled = padded.view(rp // 128, 4, 32, kp // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiled.contiguous().view(rp, kp).view(_SCALE_DTYPE)
+
+
+def unswizzle_scales(swizzled: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+    """Swizzled scales of an ``[rows, k]`` operand -> linear ``[rows, k/16]``."""
+    _check_scale_dtype(swizzled, "swizzled")
+    rp, kp = swizzled_scale_shape(rows, k)
+    if swizzled.numel() != rp * kp:
+        raise ValueError(
+            f"swizzled: expected {rp * kp} elements ([{rp}, {kp}] for rows={rows}, k={k}), "
+            f"got shape {tuple(swizzled.shape)}"
+        )
+    bits = swizzled.contiguous().view(torch.uint8).reshape(rp // 128, kp // 4, 32, 4, 4)
+    # order (r128, kt, i32, i4, j4) -> (r128, i4, i32, kt, j4) = row-major (m, kb)
+    linear = bits.permute(0, 3, 2, 1, 4).reshape(rp, kp)
+    return linear[:rows, : k // BLOCK_SIZE].contiguous().view(_SCALE_DTYPE)
+
+
+# ---------------------------------------------------------------------------------------
+# The tensor
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Nvfp4Tensor:
+    """An NVFP4-quantized ``[R, K]`` matrix.
+
+    - ``data``: uint8 ``[R, K/2]``, two e2m1 codes per byte, low nibble = even column
+      (a ``float4_e2m1fn_x2`` tensor is accepted and stored as its uint8 view).
+    - ``scale``: float8_e4m3fn; ``[ceil128(R), ceil4(K/16)]`` in swizzled storage order
+      when ``layout == "swizzled"``, ``[R, K/16]`` when ``layout == "linear"``.
+    - ``global_scale``: float32 0-dim tensor, the decode multiplier.
+    - ``shape``: ``(R, K)``; ``K % 16 == 0`` (GEMM backends also need ``K % 32 == 0``).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor
+    layout: Layout
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data", as_uint8_data(self.data))
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {LAYOUTS}, got {self.layout!r}")
+        shape = tuple(self.shape)
+        if len(shape) != 2 or not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise ValueError(f"shape: expected a tuple (R, K) of two ints >= 0, got {self.shape!r}")
+        object.__setattr__(self, "shape", shape)
+        r, k = shape
+        if k % BLOCK_SIZE:
+            raise ValueError(f"shape: K must be a multiple of {BLOCK_SIZE}, got K={k}")
+        if tuple(self.data.shape) != (r, k // 2):
+            raise ValueError(
+                f"data: expected shape {(r, k // 2)} for shape {shape}, "
+                f"got {tuple(self.data.shape)}"
+            )
+        _check_scale_dtype(self.scale, "scale")
+        want = swizzled_scale_shape(r, k) if self.layout == "swizzled" else (r, k // BLOCK_SIZE)
+        if tuple(self.scale.shape) != want:
+            raise ValueError(
+                f"scale: expected shape {want} for layout {self.layout!r} and shape {shape}, "
+                f"got {tuple(self.scale.shape)}"
+            )
+        if self.layout == "swizzled" and not self.scale.is_contiguous():
+            raise ValueError(
+                "scale: a swizzled scale tensor must be contiguous (its storage "
+                "order is the layout), got a non-contiguous view"
+            )
+        g = self.global_scale
+        if not isinstance(g, torch.Tensor):
+            raise TypeError(
+                f"global_scale: expected a float32 0-dim torch.Tensor, got {type(g).__name__}"
+            )
+        if g.dtype != torch.float32 or g.dim() != 0:
+            raise TypeError(
+                f"global_scale: expected a float32 0-dim tensor, "
+                f"got dtype {g.dtype} with shape {tuple(g.shape)}"
+            )
+        devices = {self.data.device, self.scale.device, g.device}
+        if len(devices) != 1:
+            raise ValueError(
+                f"data, scale and global_scale must be on one device, got "
+                f"{self.data.device}, {self.scale.device}, {g.device}"
+            )
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def to(self, device: torch.device | str) -> Nvfp4Tensor:
+        """A copy on ``device`` (the same object when already there)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        return Nvfp4Tensor(
+            data=self.data.to(device),
+            scale=self.scale.to(device),
+            global_scale=self.global_scale.to(device),
+            layout=self.layout,
+            shape=self.shape,
+        )
+
+    def linear_scale(self) -> torch.Tensor:
+        """Block scales as ``[R, K/16]`` whatever the stored layout."""
+        if self.layout == "linear":
+            return self.scale
+        return unswizzle_scales(self.scale, self.rows, self.k)
+
+    def with_layout(self, layout: Layout) -> Nvfp4Tensor:
+        """The same values with the block scales in ``layout``."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+        if layout == self.layout:
+            return self
+        lin = self.linear_scale()
+        scale = lin if layout == "linear" else swizzle_scales(lin)
+        return Nvfp4Tensor(self.data, scale, self.global_scale, layout, self.shape)
+
+
+# ---------------------------------------------------------------------------------------
+# Quantize / dequantize
+# ---------------------------------------------------------------------------------------
+
+
+def _scalar_f32(value: float | torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name}: expected one element, got shape {tuple(value.shape)}")
+        t = value.detach().reshape(()).to(device=device, dtype=torch.float32)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        t = torch.tensor(float(value), dtype=torch.float32, device=device)
+    else:
+        raise TypeError(f"{name}: expected a float or a one-element tensor, got {type(value)}")
+    v = float(t)
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name}: expected a finite value > 0, got {v}")
+    return t
+
+
+def quantize_nvfp4(
+    x: torch.Tensor,
+    global_scale: float | torch.Tensor | None = None,
+    layout: Layout = "swizzled",
+    *,
+    encode_scale: float | torch.Tensor | None = None,
+) -> Nvfp4Tensor:
+    """Quantize a 2-D float tensor ``[R, K]`` (``K % 16 == 0``) to NVFP4.
+
+    ``global_scale`` is the decode multiplier (default ``amax(|x|) / (6 * 448)``, or 1.0
+    for an all-zero tensor). ``encode_scale`` is FlashInfer's inverse convention
+    (``448 * 6 / amax``); give at most one of the two. Block scale =
+    ``e4m3(min(block_amax / 6 / global_scale, 448))``; codes are ``x / (scale *
+    global_scale)`` rounded to nearest-even on the e2m1 grid, saturating at ±6.
+    Arithmetic is float32 whatever the input dtype (fp32, fp16, bf16).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"x: expected dtype float32, float16 or bfloat16, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-D tensor [R, K], got shape {tuple(x.shape)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    r, k = x.shape
+    if k % BLOCK_SIZE:
+        raise ValueError(f"x: K must be a multiple of {BLOCK_SIZE}, got K={k}")
+    if global_scale is not None and encode_scale is not None:
+        raise ValueError("give global_scale (decode) or encode_scale (its inverse), not both")
+
+    xf = x.detach().to(torch.float32)
+    if not bool(torch.isfinite(xf).all()):
+        raise ValueError("x: contains NaN or inf; NVFP4 has no encoding for them")
+    device = xf.device
+
+    if encode_scale is not None:
+        g = torch.reciprocal(_scalar_f32(encode_scale, "encode_scale", device))
+        if not math.isfinite(float(g)) or float(g) <= 0:
+            raise ValueError(f"encode_scale: its inverse {float(g)} is not a usable global scale")
+    elif global_scale is not None:
+        g = _scalar_f32(global_scale, "global_scale", device)
+    else:
+        amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=device)
+        g = amax / (E2M1_MAX * E4M3_MAX)
+        if float(g) == 0.0:  # all zeros, or so small the division underflowed
+            g = torch.ones((), dtype=torch.float32, device=device)
+
+    kb = k // BLOCK_SIZE
+    blocks = xf.reshape(r, kb, BLOCK_SIZE)
+    block_amax = blocks.abs().amax(dim=-1) if xf.numel() else torch.zeros((r, kb), device=device)
+    scale_f = (block_amax / E2M1_MAX / g).clamp(max=E4M3_MAX)
+    scale = scale_f.to(_SCALE_DTYPE)
+
+    denom = scale.to(torch.float32) * g
+    nonzero = denom > 0
+    y = torch.where(
+        nonzero.unsqueeze(-1),
+        blocks / torch.where(nonzero, denom, torch.ones_like(denom)).unsqueeze(-1),
+        torch.zeros_like(blocks),
+    )
+    codes = round_to_e2m1(y).reshape(r, k)
+    data = pack_e2m1(codes)
+    if layout == "swizzled":
+        scale = swizzle_scales(scale)
+    return Nvfp4Tensor(data=data, scale=scale, global_scale=g, layout=layout, shape=(r, k))
+
+
+def dequantize(q: Nvfp4Tensor) -> torch.Tensor:
+    """``e2m1(q) * scale * global_scale`` as float32 ``[R, K]`` (either scale layout)."""
+    if not isinstance(q, Nvfp4Tensor):
+        raise TypeError(f"q: expected an Nvfp4Tensor, got {type(q).__name__}")
+    r, k = q.shape
+    vals = e2m1_to_float(unpack_e2m1(q.data)).reshape(r, k // BLOCK_SIZE, BLOCK_SIZE)
+    scale = q.linear_scale().to(torch.float32).unsqueeze(-1)
+    return ((vals * scale) * q.global_scale).reshape(r, k)
+
+
+def reference_gemm(qa: Nvfp4Tensor, qb: Nvfp4Tensor) -> torch.Tensor:
+    """``dequant(qa) @ dequant(qb).T`` in float64 on the CPU: the ground truth for kernels."""
+    if qa.k != qb.k:
+        raise ValueError(f"qa and qb: K must match, got {qa.k} and {qb.k}")
+    a = dequantize(qa.to("cpu")).to(torch.float64)
+    b = dequantize(qb.to("cpu")).to(torch.float64)
+    return a @ b.T

@@ -1,0 +1,76 @@
+"""Built-in plugin: the portable torch reference backend (family ``portable``).
+
+Its tactic space is small but real — compute dtype and K chunking change rounding and
+speed — so the ranking and tuning machinery has something to choose between everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+
+from ..backend import Backend, Kernel, Support
+from ..device import DeviceInfo
+from ..hookspecs import hookimpl
+from ..tactics import Problem, Tactic
+
+
+class ReferenceTactic(Tactic):
+    """Reference GEMM knobs. Tiles are nominal (torch picks its own blocking)."""
+
+    backend: Literal["torch-reference"] = "torch-reference"
+    tile_m: Literal[128] = 128
+    tile_n: Literal[128] = 128
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    k_chunk: Literal[0, 512, 2048] = 0
+
+
+class ReferenceBackend(Backend):
+    name = "torch-reference"
+    family = "portable"
+    version = "1"
+    tactic_type = ReferenceTactic
+    diversity_axes = ("compute_dtype",)
+
+    def supports(self, device: DeviceInfo) -> Support:
+        if device.is_simulated:
+            return Support(False, "simulated devices run no kernels; reference runs on cpu/cuda")
+        return Support(True, f"plain torch {torch.__version__} on {device.kind}")
+
+    def tactics(self, problem: Problem, device: DeviceInfo) -> Iterator[ReferenceTactic]:
+        dtypes = ("float32",) if device.kind == "cpu" else ("float32", "bfloat16", "float16")
+        for dtype in dtypes:
+            for chunk in (0, 512, 2048):
+                if chunk == 0 or (chunk < problem.k and problem.k % chunk == 0):
+                    yield ReferenceTactic(compute_dtype=dtype, k_chunk=chunk)
+
+    def estimate_us(self, problem: Problem, device: DeviceInfo, tactic: Tactic) -> float:
+        """Dequantize both operands (several passes) then a dense GEMM, plus launch costs."""
+        if device.kind == "cpu":
+            return 50.0 + problem.flops / 50e9 * 1e6  # ~50 GFLOP/s on a small CPU
+        rate = device.fp8_tflops if tactic.compute_dtype == "float32" else device.bf16_tflops
+        rate_tflops = rate / 8 if tactic.compute_dtype == "float32" else rate
+        elems = (problem.m + problem.n) * problem.k
+        passes_bytes = elems * 16.0  # unpack, lookup, scale, cast: several round trips
+        chunks = 1 if tactic.k_chunk == 0 else problem.k // tactic.k_chunk
+        return (
+            30.0 * chunks
+            + passes_bytes / (device.mem_bw_gbps * 1e3)
+            + problem.flops / (rate_tflops * 1e6)
+        )
+
+    def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
+        from ..backends import reference
+
+        assert isinstance(tactic, ReferenceTactic)
+        return functools.partial(
+            reference.gemm, compute_dtype=tactic.compute_dtype, k_chunk=tactic.k_chunk
+        )
+
+
+@hookimpl
+def fp4_dispatch_register_backends(register) -> None:
+    register(ReferenceBackend())
