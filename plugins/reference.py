@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 
+from .. import __version__
 from ..backend import Backend, Kernel, Support
 from ..device import DeviceInfo
 from ..hookspecs import hookimpl
@@ -31,7 +32,7 @@ class ReferenceTactic(Tactic):
 class ReferenceBackend(Backend):
     name = "torch-reference"
     family = "portable"
-    version = "1"
+    version = __version__
     tactic_type = ReferenceTactic
     diversity_axes = ("compute_dtype",)
 

@@ -77,3 +77,9 @@ def operands():
         )
 
     return make
+
+
+def pytest_configure(config):
+    """Markers live here: the tests run from a copy outside the source tree (no pyproject)."""
+    config.addinivalue_line("markers", "slow: longer tests (still run in CI)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Set up a virtual environment with fp4-dispatch and run the main job: show what is loaded,
+# self-check every backend that can run here, explain dispatch on a simulated Rubin (sm107)
+# part, and run a GEMM through Dispatcher().gemm. Works on a machine with no GPU.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv=${FP4_VENV:-$root/.venv}
+torch_spec=${FP4_TORCH_SPEC:-torch==2.13.0}
+
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+py="$venv/bin/python"
+"$py" -m pip install -q --upgrade pip
+"$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q "$torch_spec"
+"$py" -m pip install -q "$root${FP4_EXTRAS:+[$FP4_EXTRAS]}"
+fp4="$venv/bin/fp4-dispatch"
+
+echo "\$ fp4-dispatch list-backends"
+"$fp4" list-backends
+echo
+echo "\$ fp4-dispatch doctor"
+"$fp4" doctor
+echo
+echo "\$ fp4-dispatch explain 32768 4096 8192 --device sm107 --budget 16"
+"$fp4" explain 32768 4096 8192 --device sm107 --budget 16
+echo
+echo "\$ python examples/quickstart.py"
+"$py" "$root/examples/quickstart.py"
