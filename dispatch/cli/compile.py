@@ -1,0 +1,160 @@
+"""``fp4-dispatch compile M N K``: compile the shortlist's Blackwell/Rubin kernels ahead of time.
+
+Works without a GPU: ``--device sm100|sm103|sm107`` compiles for that arch and SM count
+(CuTe-DSL compiles on a CPU). Each shortlisted tactic of a family ``sm10*`` is built in
+its own process (spawned, ``--jobs`` at a time), so compiles run in parallel and one
+crashing compile cannot take the others down. Compiled kernels land in the on-disk
+kernel cache (``FP4_DISPATCH_KERNEL_CACHE``), so a later run on that device loads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import multiprocessing
+import os
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Any
+
+from .common import add_device_args, add_json_arg, emit_json, format_table, make_dispatcher
+
+FAMILY_PREFIX = "sm10"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "compile",
+        help="compile the shortlist's Blackwell/Rubin kernels ahead of time (no GPU needed)",
+    )
+    p.add_argument("m", type=int, help="rows of A and out")
+    p.add_argument("n", type=int, help="rows of B (columns of out)")
+    p.add_argument("k", type=int, help="reduction size (a multiple of 32)")
+    add_device_args(p)
+    p.add_argument("--budget", type=int, default=32, help="shortlist size (default 32)")
+    p.add_argument(
+        "--jobs", type=int, default=min(4, os.cpu_count() or 1), help="parallel compile processes"
+    )
+    p.add_argument("--out-dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_json_arg(p)
+    p.set_defaults(func=run)
+
+
+@functools.cache
+def _backends() -> dict[str, Any]:
+    """Backends of this worker process (loaded once per process)."""
+    from ..registry import load
+
+    return load(strict=False).backends
+
+
+def compile_one(backend: str, tactic_json: str, problem_json: str, device_json: str) -> dict:
+    """Build one tactic in this (worker) process; a failure is returned, never raised."""
+    from ..device import DeviceInfo
+    from ..tactics import Problem
+
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {"backend": backend, "tactic": tactic_json}
+    try:
+        b = _backends()[backend]
+        tactic = b.tactic_type.model_validate_json(tactic_json)
+        problem = Problem.model_validate_json(problem_json)
+        device = DeviceInfo.model_validate_json(device_json)
+        kernel = b.build(tactic, problem.swapped() if tactic.swap_ab else problem, device)
+    except Exception as exc:  # reported per tactic by the parent; others keep compiling
+        result.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+    else:
+        compiled = getattr(kernel, "compiled", None)
+        result.update(
+            ok=True,
+            source=getattr(compiled, "source", "?"),
+            cubin_sm=getattr(compiled, "cubin_sm", None),
+            compile_s=getattr(compiled, "seconds", None),
+        )
+    result["seconds"] = time.perf_counter() - t0
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    d = make_dispatcher(args, budget=args.budget)
+    shortlist = d.candidates(args.m, args.n, args.k, args.out_dtype)
+    todo = [c for c in shortlist.candidates if c.family.startswith(FAMILY_PREFIX)]
+    dev = d.device
+    if not todo:
+        why = [f"{r.name}: {r.status} ({r.reason})" for r in d.backends()
+               if r.family.startswith(FAMILY_PREFIX) or r.name.startswith("<sm10")]  # fmt: skip
+        print(f"nothing to compile on {dev.name}: no sm100/sm103/sm107 tactic in the shortlist",
+              *why, sep="\n  ", file=sys.stderr)  # fmt: skip
+        return 1
+    from ..tactics import Problem
+
+    problem = Problem(m=args.m, n=args.n, k=args.k, out_dtype=args.out_dtype).model_dump_json()
+    jobs = max(1, min(args.jobs, len(todo)))
+    if not args.json:
+        per = Counter(c.family for c in todo)
+        print(f"device: {dev.name}, {dev.sm_count} SMs, target {dev.arch}")
+        print(f"compiling {len(todo)} shortlisted tactics "
+              f"({', '.join(f'{f}: {n}' for f, n in sorted(per.items()))}) "
+              f"with {jobs} process(es)")  # fmt: skip
+    results = _compile_all(todo, problem, dev.model_dump_json(), jobs, args.no_progress)
+    return _report(todo, results, args.json, time.perf_counter())
+
+
+def _compile_all(todo: list, problem: str, device: str, jobs: int, quiet: bool) -> list[dict]:
+    from tqdm import tqdm
+
+    results: list[dict | None] = [None] * len(todo)
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        futures = {
+            pool.submit(compile_one, c.backend, c.tactic.model_dump_json(), problem, device): i
+            for i, c in enumerate(todo)
+        }
+        bar = tqdm(total=len(todo), disable=quiet, unit="kernel", file=sys.stderr)
+        for fut in as_completed(futures):
+            i = futures[fut]
+            try:
+                results[i] = fut.result()
+            except Exception as exc:  # the worker process itself died: report that tactic
+                results[i] = {"backend": todo[i].backend, "ok": False,
+                              "error": f"worker failed: {type(exc).__name__}: {exc}"}  # fmt: skip
+            bar.update(1)
+        bar.close()
+    return [r for r in results if r is not None]
+
+
+def _report(todo: list, results: list[dict], as_json: bool, _t: float) -> int:
+    families: dict[str, dict[str, Any]] = {}
+    failures = []
+    for cand, res in zip(todo, results, strict=True):
+        row = families.setdefault(
+            cand.family, {"shortlisted": 0, "compiled": 0, "failed": 0, "cached": 0, "seconds": 0.0}
+        )
+        row["shortlisted"] += 1
+        row["seconds"] += res.get("compile_s") or 0.0
+        if res["ok"]:
+            row["compiled"] += 1
+            row["cached"] += res.get("source") in ("disk", "memory")
+        else:
+            row["failed"] += 1
+            failures.append((cand, res["error"]))
+    if as_json:
+        emit_json({
+            "families": families,
+            "results": [{**r, "family": c.family, "tactic": c.tactic.model_dump(mode="json")}
+                        for c, r in zip(todo, results, strict=True)],
+        })  # fmt: skip
+    else:
+        table = [(f, r["shortlisted"], r["compiled"], r["failed"], r["cached"], r["seconds"])
+                 for f, r in sorted(families.items())]  # fmt: skip
+        print(format_table(table, ("family", "shortlisted", "compiled", "failed", "from cache",
+                                   "compile s (sum)")))  # fmt: skip
+        if failures:
+            print(f"\n{len(failures)} failed:")
+            for cand, err in failures:
+                print(f"  {cand.backend} {cand.tactic.canonical_json()}\n    {err}")
+        print("\nnote: compiled for the target only; Blackwell/Rubin kernels are not run here")
+    return 1 if failures else 0

@@ -1,0 +1,39 @@
+"""Built-in plugin, family ``sm100``: NVIDIA's SM100 persistent NVFP4 GEMM (CuTe-DSL).
+
+Kernel: ``PersistentDenseBlockScaledGemmOperator`` from ``nvidia-cutlass-operators``,
+compiled ahead of time for the device's own arch (sm_100a on B200; sm_107a on the SM107
+part, where it competes with family ``sm107``). On sm_103a the same design is offered
+by family ``sm103`` so that no kernel is listed (and measured) twice.
+Compiled here, not run on hardware.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from ..hookspecs import hookimpl
+from ._blackwell import CuteBackend, PersistentTactic
+
+
+class Sm100Tactic(PersistentTactic):
+    """SM100 persistent design compiled for sm_100a / sm_107a (see PersistentTactic)."""
+
+    backend: Literal["cute-sm100"] = "cute-sm100"
+
+
+class Sm100Backend(CuteBackend):
+    name = "cute-sm100"
+    family = "sm100"
+    tactic_type = Sm100Tactic
+    kind = "sm100"
+    diversity_axes = ("swap_ab", "tile_m", "cluster_m")
+    delegated: ClassVar[dict[int, str]] = {103: "sm103"}
+
+    def _tactic_of(self, design, swap: bool) -> Sm100Tactic:
+        return Sm100Tactic(tile_m=design.tile_m, tile_n=design.tile_n, cluster_m=design.cluster_m,
+                           cluster_n=design.cluster_n, swap_ab=swap)  # fmt: skip
+
+
+@hookimpl
+def fp4_dispatch_register_backends(register) -> None:
+    register(Sm100Backend())
