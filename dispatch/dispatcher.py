@@ -3,18 +3,29 @@
 ``Dispatcher().gemm(qa, qb)`` checks its arguments, looks up the plan for the problem
 (the tuned winner of its bucket, else the memoized heuristic pick), builds the kernel
 once, and runs it. Nothing is written to ``out`` unless every check has passed.
+
+Tuning (`Dispatcher.tune`, or ``with d.autotuning():``) measures a bucket's shortlist
+(`fp4_dispatch.tuning`) and stores the winner in the tuning cache
+(`fp4_dispatch.cache`), which this dispatcher reads lazily: each cached winner of its
+device is re-validated before first use, and a stale one is ignored with a warning.
+Tuning never happens on the hot path outside those two.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
 
 from . import checks, registry
+from . import tuning as _tuning
 from .backend import Backend, GemmOperands, Kernel
+from .cache import TuningCache, device_fingerprint
 from .device import DeviceInfo, resolve
 from .nvfp4 import Nvfp4Tensor
 from .ranking import Candidate, Ranker, Shortlist, m_bucket
@@ -23,6 +34,8 @@ from .tactics import Problem
 log = logging.getLogger(__name__)
 
 Status = Literal["available", "unsupported", "failed", "disabled"]
+#: (N, K, M bucket, out dtype): the unit a tuned winner covers
+BucketKey = tuple[int, int, int, str]
 
 
 @dataclass(frozen=True)
@@ -62,7 +75,9 @@ class Dispatcher:
     family ("sm90", "sm100", "sm103", "sm107") for inspecting dispatch without the
     hardware (simulated devices rank and compile but run nothing). ``strict`` (default
     ``FP4_DISPATCH_STRICT``) turns any plugin or backend failure into an exception.
-    ``budget`` is how many tactics a shortlist keeps.
+    ``budget`` is how many tactics a shortlist keeps. ``cache``: the tuning cache file
+    (None = `fp4_dispatch.cache.default_path()`, i.e. ``FP4_DISPATCH_CACHE`` or the user
+    cache dir; a path; a `TuningCache`; False = keep tuned winners in memory only).
     """
 
     def __init__(
@@ -72,6 +87,7 @@ class Dispatcher:
         strict: bool | None = None,
         budget: int = 32,
         sm_count: int | None = None,
+        cache: str | os.PathLike[str] | TuningCache | bool | None = None,
     ) -> None:
         if not isinstance(budget, int) or budget < 1:
             raise ValueError(f"budget: expected a positive int, got {budget!r}")
@@ -86,6 +102,22 @@ class Dispatcher:
         self.ranker = Ranker(self.available, self.device, budget)
         self._kernels: dict[tuple, Kernel] = {}
         self._plans: dict[tuple[int, int, int, str], tuple[Candidate, Kernel]] = {}
+        if cache is False:
+            self.cache: TuningCache | None = None
+        elif cache is None or cache is True:
+            self.cache = TuningCache()
+        elif isinstance(cache, TuningCache):
+            self.cache = cache
+        else:
+            self.cache = TuningCache(cache)
+        #: bucket -> valid tuned winner (None: looked up, nothing usable)
+        self._tuned: dict[BucketKey, Candidate | None] = {}
+        self._cache_entries: dict[BucketKey, dict] | None = None
+        self._untuned_logged: set[BucketKey] = set()
+        self._autotune_depth = 0
+        self._autotuned: set[BucketKey] = set()
+        self._capture_warned: set[BucketKey] = set()
+        self._tune_results: dict[BucketKey, _tuning.TuneResult] = {}
 
     # ---- backends -------------------------------------------------------------------
 
@@ -140,8 +172,210 @@ class Dispatcher:
         return self.ranker.shortlist(Problem(m=m, n=n, k=k, out_dtype=out_dtype))
 
     def select(self, m: int, n: int, k: int, out_dtype: str = "bfloat16") -> Candidate:
-        """The candidate a call of this shape would run."""
-        return self.ranker.pick(m, n, k, out_dtype)
+        """The candidate a call of this shape would run: the bucket's tuned winner if there
+        is a valid one, else the heuristic pick (logged once per bucket)."""
+        tuned = self._tuned_pick(m, n, k, out_dtype)
+        if tuned is not None:
+            return tuned
+        pick = self.ranker.pick(m, n, k, out_dtype)
+        bkey = (n, k, m_bucket(m), out_dtype)
+        if bkey not in self._untuned_logged:
+            self._untuned_logged.add(bkey)
+            log.info(
+                "bucket N=%d K=%d M<=%d %s is not tuned: heuristic pick %s %s",
+                *bkey, pick.backend, pick.tactic.canonical_json(),
+            )  # fmt: skip
+        return pick
+
+    # ---- tuning ---------------------------------------------------------------------
+
+    @property
+    def device_fingerprint(self) -> str:
+        """Identity of this device in the tuning cache (name, capability, SM count)."""
+        d = self.device
+        return device_fingerprint(d.name, d.compute_capability, d.sm_count)
+
+    def _load_cache_entries(self) -> dict[BucketKey, dict]:
+        if self._cache_entries is None:
+            entries: dict[BucketKey, dict] = {}
+            if self.cache is not None and not self.device.is_simulated:
+                try:
+                    rows = self.cache.entries(device=self.device_fingerprint)
+                except OSError as exc:  # unreadable cache: run untuned, say so
+                    log.warning("tuning cache %s unreadable (%s); running untuned",
+                                self.cache.path, exc)  # fmt: skip
+                    rows = []
+                for e in rows:
+                    entries[(e["n"], e["k"], e["m_bucket"], e["out_dtype"])] = e
+            self._cache_entries = entries
+        return self._cache_entries
+
+    def _tuned_bucket(self, bkey: BucketKey) -> Candidate | None:
+        """The bucket's valid tuned winner: tuned here, or a cached entry re-validated."""
+        if bkey in self._tuned:
+            return self._tuned[bkey]
+        cand = None
+        entry = self._load_cache_entries().get(bkey)
+        if entry is not None:
+            try:
+                cand = _tuning.candidate_from_entry(entry, self)
+            except _tuning.StaleEntry as exc:
+                log.warning("tuning cache %s: ignoring stale entry for N=%d K=%d M<=%d %s: %s",
+                            self.cache.path if self.cache else "-", *bkey, exc)  # fmt: skip
+        self._tuned[bkey] = cand
+        return cand
+
+    def _tuned_pick(self, m: int, n: int, k: int, dtype: str) -> Candidate | None:
+        bucket = m_bucket(m)
+        cand = self._tuned_bucket((n, k, bucket, dtype))
+        if cand is None or m == bucket:
+            return cand
+        backend = self.registry.backends[cand.backend]
+        try:
+            why = backend.validate(
+                cand.tactic, Problem(m=m, n=n, k=k, out_dtype=dtype), self.device
+            )
+        except Exception as exc:  # a raising check counts as "not valid here"
+            why = f"validate() raised {type(exc).__name__}: {exc}"
+        if why is not None:
+            log.info("tuned pick of bucket M<=%d is invalid at M=%d (%s); heuristic used",
+                     bucket, m, why)  # fmt: skip
+            return None
+        return cand
+
+    def tune(
+        self,
+        shapes: Iterable[tuple[int, int, int]],
+        *,
+        out_dtype: str = "bfloat16",
+        force: bool = False,
+        save: bool = True,
+        progress: bool | None = None,
+        timer: _tuning.Timer | None = None,
+        band: float | None = None,
+    ) -> list[_tuning.TuneResult]:
+        """Measure the shortlist of each shape's bucket and adopt the winners.
+
+        ``shapes``: (M, N, K) tuples; shapes of one bucket are tuned once. A bucket with
+        a valid cached winner is not measured again unless ``force`` (its result has
+        ``source == "cache"``). Winners are used by `gemm`/`select` from now on and, when
+        ``save``, merged into the tuning cache. A tactic that fails to build or run is
+        timed as infinity and listed in the result's ``failures``, never raised.
+        ``progress``: a progress bar (None: ``FP4_DISPATCH_PROGRESS``, else only on a
+        terminal). ``timer``/``band``: see `fp4_dispatch.tuning.Tuner`.
+        """
+        from .progress import progress as bar_of
+
+        if out_dtype not in _tuning.OUT_DTYPES:
+            raise ValueError(
+                f"out_dtype: expected one of {sorted(_tuning.OUT_DTYPES)}, got {out_dtype!r}"
+            )
+        tuner = _tuning.Tuner(self, timer=timer, band=band)
+        todo: list[Problem] = []
+        results: dict[BucketKey, _tuning.TuneResult] = {}
+        order: list[BucketKey] = []
+        for shape in shapes:
+            m, n, k = _shape(shape)
+            bkey = (n, k, m_bucket(m), out_dtype)
+            if bkey in order:
+                continue
+            order.append(bkey)
+            cached = None if force else self._tuned_bucket(bkey)
+            entry = self._load_cache_entries().get(bkey)
+            if cached is not None and bkey in self._tune_results:
+                results[bkey] = self._tune_results[bkey]
+            elif cached is not None and entry is not None:
+                results[bkey] = _tuning.result_from_entry(entry, cached, self)
+                results[bkey].requested = (m, n, k)
+            else:
+                todo.append(Problem(m=m, n=n, k=k, out_dtype=out_dtype))
+        shortlists = [
+            self.ranker.shortlist(p.model_copy(update={"m": m_bucket(p.m)})).candidates
+            for p in todo
+        ]
+        total = sum(len(sl) for sl in shortlists)
+        with bar_of(range(total), total=total, desc="tuning", unit="tactic",
+                    enable=progress) as bar:  # fmt: skip
+            for p, sl in zip(todo, shortlists, strict=True):
+                bar.set_description_str(f"tuning M={p.m} N={p.n} K={p.k}")
+                result = tuner.tune(p, bar, sl)
+                results[(p.n, p.k, result.problem.m, p.out_dtype)] = result
+                self._adopt(result, save)
+        return [results[b] for b in order]
+
+    def _adopt(self, result: _tuning.TuneResult, save: bool) -> None:
+        """Use a measured winner from now on; merge it into the cache file."""
+        p = result.problem
+        bkey = (p.n, p.k, p.m, p.out_dtype)
+        self._autotuned.add(bkey)
+        if result.winner is None:
+            return
+        self._tuned[bkey] = result.winner
+        self._tune_results[bkey] = result
+        self._plans = {
+            key: plan for key, plan in self._plans.items()
+            if (key[1], key[2], m_bucket(key[0]), key[3]) != bkey
+        }  # fmt: skip
+        if not (save and self.cache is not None):
+            return
+        from . import __version__
+
+        entry = _tuning.to_entry(result, self, __version__)
+        self._load_cache_entries()[bkey] = entry
+        metadata = {
+            "library": "fp4-dispatch",
+            "library_version": __version__,
+            "torch": torch.__version__,
+            "devices": {
+                self.device_fingerprint: {
+                    "name": self.device.name,
+                    "compute_capability": self.device.compute_capability,
+                    "sm_count": self.device.sm_count,
+                    "kind": self.device.kind,
+                }
+            },
+            "backends": {b.name: b.version for b in self.available},
+        }
+        try:
+            self.cache.put([entry], metadata)
+        except (OSError, TimeoutError) as exc:  # the winner is still used in this process
+            log.warning("tuning cache %s: could not save (%s); winner kept in memory only",
+                        self.cache.path, exc)  # fmt: skip
+
+    @contextlib.contextmanager
+    def autotuning(self) -> Iterator[Dispatcher]:
+        """While active, `gemm`/`mm_fp4` on a bucket with no tuned winner tunes it first.
+
+        The winner is used at once and saved to the cache. Inside CUDA-graph capture
+        (``torch.cuda.is_current_stream_capturing()``) nothing is tuned and nothing
+        synchronizes: the cached or heuristic pick runs, with a warning once per bucket;
+        the bucket is tuned on its next call outside capture. Nests; not thread-safe.
+        """
+        self._autotune_depth += 1
+        try:
+            yield self
+        finally:
+            self._autotune_depth -= 1
+
+    def _capturing(self) -> bool:
+        """Is the current CUDA stream being captured into a graph (never tune then)?"""
+        return self.device.kind == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def _autotune(self, m: int, n: int, k: int, dtype: str) -> None:
+        bkey = (n, k, m_bucket(m), dtype)
+        if bkey in self._autotuned:
+            return
+        if self._tuned_bucket(bkey) is not None:
+            self._autotuned.add(bkey)
+            return
+        if self._capturing():
+            if bkey not in self._capture_warned:
+                self._capture_warned.add(bkey)
+                log.warning("autotuning: N=%d K=%d M<=%d %s called inside CUDA-graph capture; "
+                            "not tuning now (heuristic or cached pick used)", *bkey)  # fmt: skip
+            return
+        self._autotuned.add(bkey)
+        self.tune([(m, n, k)], out_dtype=dtype)
 
     # ---- running --------------------------------------------------------------------
 
@@ -183,6 +417,8 @@ class Dispatcher:
 
     def run(self, operands: GemmOperands, out: torch.Tensor, dtype: str) -> torch.Tensor:
         """Run checked operands through the plan for their shape (no further checks)."""
+        if self._autotune_depth:
+            self._autotune(operands.m, operands.n, operands.k, dtype)
         candidate, kernel = self._plan(operands.m, operands.n, operands.k, dtype)
         return launch(candidate, kernel, operands, out)
 
@@ -250,3 +486,15 @@ class Dispatcher:
         if out is None:
             out = torch.empty(m, n, dtype=out_dtype, device=device)
         return self.run(GemmOperands(a, a_scale, b.t(), b_scale, alpha), out, dtype)
+
+
+def _shape(shape: object) -> tuple[int, int, int]:
+    """Check one (M, N, K) of `Dispatcher.tune`."""
+    try:
+        m, n, k = shape  # type: ignore[misc]
+    except (TypeError, ValueError):
+        raise ValueError(f"shapes: expected (M, N, K) tuples, got {shape!r}") from None
+    for name, v in (("M", m), ("N", n), ("K", k)):
+        if type(v) is not int or v < 1:
+            raise ValueError(f"shapes: {name} must be a positive int, got {v!r} in {shape!r}")
+    return m, n, k

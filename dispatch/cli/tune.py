@@ -1,0 +1,137 @@
+"""``fp4-dispatch tune --shapes M,N,K ...``: measure each shape's shortlist, keep the winner.
+
+Prints a summary table per shape bucket: the winner and its time, the runner-up, the
+heuristic pick (what an untuned call runs) and its regret, and every tactic that failed
+(which one, what error). Winners are merged into the tuning cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from ..ranking import DEFAULT_BUDGET, Candidate
+from ..tuning import TuneResult
+from . import common
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tune", help="measure the shortlist of each shape and cache the winner")
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        required=True,
+        metavar="M,N,K",
+        help="problem shapes; shapes of one M bucket (next power of two) are tuned once",
+    )
+    common.add_device_args(p)
+    p.add_argument(
+        "--budget",
+        type=int,
+        default=DEFAULT_BUDGET,
+        help=f"tactics measured per shape (default {DEFAULT_BUDGET})",
+    )
+    p.add_argument("--out-dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--force", action="store_true", help="re-measure buckets already cached")
+    p.add_argument("--no-save", action="store_true", help="do not write the tuning cache")
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (or FP4_DISPATCH_PROGRESS=0)"
+    )
+    common.add_json_arg(p)
+    p.set_defaults(func=run)
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """``"128,4096,4096"`` -> (128, 4096, 4096), with a clear error otherwise."""
+    parts = text.replace("x", ",").split(",")
+    try:
+        m, n, k = (int(x) for x in parts)
+    except ValueError:
+        raise SystemExit(f"fp4-dispatch tune: --shapes expects M,N,K (e.g. 128,4096,4096), "
+                         f"got {text!r}") from None  # fmt: skip
+    if min(m, n, k) < 1:
+        raise SystemExit(f"fp4-dispatch tune: M, N and K must be >= 1, got {text!r}")
+    return m, n, k
+
+
+def _tactic(c: Candidate | None) -> str:
+    """A compact tactic label: backend, tile, and the knobs that differ from defaults."""
+    if c is None:
+        return "-"
+    t = c.tactic
+    knobs = []
+    defaults = type(t).model_fields
+    for name, value in t.model_dump(mode="json").items():
+        if name in ("backend", "tile_m", "tile_n"):
+            continue
+        field = defaults.get(name)
+        if field is not None and field.default == value:
+            continue
+        knobs.append(f"{name}={value}")
+    return f"{c.backend} {t.tile_m}x{t.tile_n}" + (f" {' '.join(knobs)}" if knobs else "")
+
+
+def _us(x: float) -> str:
+    return "-" if not math.isfinite(x) else f"{x:,.2f}"
+
+
+def render(results: list[TuneResult]) -> str:
+    rows = []
+    for r in results:
+        p = r.problem
+        shape = "x".join(str(v) for v in (r.requested or (p.m, p.n, p.k)))
+        regret = r.regret
+        rows.append(
+            (
+                shape,
+                f"M<={p.m}",
+                _tactic(r.winner),
+                _us(r.winner_us),
+                _tactic(r.runner_up) if r.source == "measured" else "(cached)",
+                _us(r.runner_up_us),
+                _tactic(r.heuristic),
+                _us(r.heuristic_us),
+                "-" if not math.isfinite(regret) else f"{regret * 100:+.1f}%",
+                f"{r.noise_band * 100:.1f}%",
+                len(r.failures),
+                r.source if r.source == "cache" else f"{r.wall_s:.2f}s",
+            )
+        )
+    headers = ("shape", "bucket", "winner", "µs", "runner-up", "µs", "heuristic pick", "µs",
+               "regret", "band", "failed", "time")  # fmt: skip
+    lines = [common.format_table(rows, headers)]
+    failures = [(r, m) for r in results for m in r.failures]
+    if failures:
+        lines += ["", "failed tactics (timed as infinity):"]
+        for r, m in failures:
+            p = r.problem
+            lines.append(f"  M<={p.m} N={p.n} K={p.k}: {m.candidate.backend} "
+                         f"{m.candidate.tactic.canonical_json()}: {m.error}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.budget < 1:
+        raise SystemExit("fp4-dispatch tune: --budget must be >= 1")
+    shapes = [parse_shape(s) for s in args.shapes]
+    d = common.make_dispatcher(args, budget=args.budget)
+    if d.device.is_simulated:
+        print(f"fp4-dispatch tune: {d.device.name} is simulated; tuning measures kernels and "
+              "needs the real device")  # fmt: skip
+        return 2
+    results = d.tune(
+        shapes,
+        out_dtype=args.out_dtype,
+        force=args.force,
+        save=not args.no_save,
+        progress=False if args.no_progress else None,
+    )
+    where = "not saved" if args.no_save or d.cache is None else f"cache: {d.cache.path}"
+    if args.json:
+        common.emit_json(
+            {"device": d.device.name, "cache": where, "results": [r.to_json() for r in results]}
+        )
+    else:
+        print(f"device: {d.device.name} ({d.device.kind}); budget {args.budget}; {where}\n")
+        print(render(results))
+    return 0 if all(r.winner is not None for r in results) else 1

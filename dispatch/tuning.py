@@ -1,0 +1,665 @@
+"""Measuring a shortlist on the device, and a winner that independent processes agree on.
+
+Lessons from FlashInfer's autotuner (facts.md): 5+ minutes of warm-up for one model
+(issue 3295), a pick 11-12% slower than the default at M=1 before it measured with CUDA
+graphs and a cold L2 (3648), and different winners in different processes from noisy
+"fastest" picks (4433). So, per tactic of the shortlist:
+
+1. **Build** through `Dispatcher.kernel_for` (the same cache `gemm` uses). A build that
+   raises times as infinity and is reported (tactic, error); tuning goes on.
+2. **Warm-up**: one launch and a synchronize (triggers JIT; a raising or faulting
+   launch is reported like a failed build).
+3. **Timing** by a timer (injectable, see `Timer`):
+
+   - CUDA (`CudaTimer`): a delay kernel (``torch.cuda._sleep``) is queued first so the
+     CPU has enqueued the work before the GPU reaches the start event (launch overhead
+     never times into the measurement); a single-launch probe between CUDA events picks
+     ``repeat`` so one replay lasts about ``target_replay_us``; ``repeat`` launches
+     cycling over rotating input copies are captured into a CUDA graph; the graph is
+     replayed ``replays`` times, each after a delay kernel, timed with CUDA events; the
+     samples are per-launch times (replay time / repeat). If capture fails the same loop
+     runs eagerly (method ``cuda-eager``, the reason in ``note``). A kernel longer than
+     ``target_replay_us`` has ``repeat = 1``: the probe is its first sample and
+     ``replays - 1`` more single launches (each on the next input copy, after a delay
+     kernel) complete it (method ``cuda-events``) - a graph of one launch adds nothing.
+   - CPU (`WallClockTimer`): ``time.perf_counter`` around ``repeat`` launches, a few
+     times.
+   - Pruning: a tactic whose probe is over ``prune`` (1.5) x the best time measured so far
+     is not measured further (method ``pruned``, its probe is its time). It cannot win:
+     the noise band is far below 50%. Candidates are measured in rank order, so the
+     likely winners come first. This is what keeps tuning a shape near one second.
+
+   Inputs: random normal data quantized with `quantize_nvfp4` (non-zero, realistic
+   exponent spread); ``n_copies = min(ceil(3 * L2 / input_bytes) + 1, max_repeat + 1)``
+   copies (bounded by `COPY_MEMORY_CAP`) so consecutive launches read cold data.
+
+**Noise band.** Each measured tactic has several replay samples; its relative spread is
+``(max - min) / median``. The band is the median of those spreads over the measured
+tactics, clamped to [``NOISE_FLOOR`` = 2%, ``NOISE_CAP`` = 10%] (the floor covers what
+one process cannot see: run-to-run clock and placement differences between processes).
+**Winner**: among tactics within ``(1 + band) x best``, the first in the ranking's tie
+order ``(est_us, backend name, canonical tactic JSON)`` — a content order, so two
+processes whose measurements differ by noise pick the same tactic.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from .backend import GemmOperands
+from .device import DeviceInfo
+from .ranking import Candidate, m_bucket
+from .tactics import Problem
+
+if TYPE_CHECKING:
+    from .dispatcher import Dispatcher
+
+log = logging.getLogger(__name__)
+
+NOISE_FLOOR = 0.02
+NOISE_CAP = 0.10
+PRUNE_FACTOR = 1.5
+#: one graph replay should last about this long (enough launches to average noise)
+TARGET_REPLAY_US = 1000.0
+MAX_REPEAT = 100
+REPLAYS = 3
+#: delay kernel before each timed region, in GPU clock cycles (~0.5 ms at 2 GHz)
+SLEEP_CYCLES = 1_000_000
+#: total bytes of rotating input copies per problem
+COPY_MEMORY_CAP = 4 << 30
+#: rows quantized from random data; taller operands repeat these rows (a multiple of 128)
+_BASE_ROWS = 1024
+
+OUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+Launch = Callable[[int], None]
+"""``launch(i)`` runs the candidate once on input copy ``i % n_copies``."""
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What a timer measured: per-launch samples in microseconds, and how."""
+
+    samples_us: tuple[float, ...]
+    method: str
+    note: str = ""
+
+    @property
+    def us(self) -> float:
+        return statistics.median(self.samples_us) if self.samples_us else math.inf
+
+
+Timer = Callable[[Candidate, Launch, float], Timing]
+"""``timer(candidate, launch, best_us_so_far) -> Timing``; the tuner has already built
+the kernel and run one warm-up launch. Tests inject fake timers here."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One candidate's result: ``us`` is infinity when it failed (``error`` says why)."""
+
+    candidate: Candidate
+    us: float
+    method: str
+    samples_us: tuple[float, ...] = ()
+    error: str = ""
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return math.isfinite(self.us)
+
+    @property
+    def spread(self) -> float | None:
+        """Relative spread ``(max - min) / median`` of the samples (None if < 2)."""
+        s = self.samples_us
+        if len(s) < 2 or self.method == "pruned":
+            return None
+        med = statistics.median(s)
+        return (max(s) - min(s)) / med if med > 0 else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "backend": self.candidate.backend,
+            "tactic": self.candidate.tactic.model_dump(mode="json"),
+            "est_us": self.candidate.est_us,
+            "us": self.us if self.ok else None,
+            "method": self.method,
+            "samples_us": list(self.samples_us),
+            "error": self.error,
+            "note": self.note,
+        }
+
+
+def tie_key(c: Candidate) -> tuple[float, str, str]:
+    """The ranking's content order: (est_us, backend name, canonical tactic JSON)."""
+    return (c.est_us, c.backend, c.tactic.canonical_json())
+
+
+def noise_band(
+    measurements: Iterable[Measurement], floor: float = NOISE_FLOOR, cap: float = NOISE_CAP
+) -> float:
+    """Median relative spread of the measured tactics, clamped to [floor, cap]."""
+    spreads = [s for m in measurements if m.ok and (s := m.spread) is not None]
+    band = statistics.median(spreads) if spreads else floor
+    return min(cap, max(floor, band))
+
+
+def pick_winner(
+    measurements: Sequence[Measurement], band: float
+) -> tuple[Measurement | None, Measurement | None]:
+    """(winner, runner-up): the winner is the tie-order first within (1 + band) x best;
+    the runner-up is the fastest of the others. (None, None) when nothing ran."""
+    ok = [m for m in measurements if m.ok]
+    if not ok:
+        return None, None
+    best = min(m.us for m in ok)
+    within = [m for m in ok if m.us <= best * (1.0 + band)]
+    winner = min(within, key=lambda m: tie_key(m.candidate))
+    others = [m for m in ok if m is not winner]
+    runner = min(others, key=lambda m: (m.us, tie_key(m.candidate))) if others else None
+    return winner, runner
+
+
+@dataclass
+class TuneResult:
+    """The outcome of tuning one bucket (``problem`` is its representative, M = bucket)."""
+
+    problem: Problem
+    source: Literal["measured", "cache"]
+    winner: Candidate | None
+    winner_us: float
+    heuristic: Candidate
+    heuristic_us: float
+    runner_up: Candidate | None = None
+    runner_up_us: float = math.nan
+    noise_band: float = NOISE_FLOOR
+    measurements: list[Measurement] = field(default_factory=list)
+    wall_s: float = 0.0
+    requested: tuple[int, int, int] | None = None
+
+    @property
+    def failures(self) -> list[Measurement]:
+        return [m for m in self.measurements if not m.ok]
+
+    @property
+    def regret(self) -> float:
+        """How much slower the heuristic pick is than the winner (0.05 = 5%)."""
+        if not (self.winner_us > 0 and math.isfinite(self.winner_us)):
+            return math.nan
+        return self.heuristic_us / self.winner_us - 1.0
+
+    def to_json(self) -> dict[str, Any]:
+        def cand(c: Candidate | None) -> dict[str, Any] | None:
+            return None if c is None else c.to_json()
+
+        def num(x: float) -> float | None:
+            return x if math.isfinite(x) else None
+
+        return {
+            "problem": self.problem.model_dump(mode="json"),
+            "requested": list(self.requested) if self.requested else None,
+            "source": self.source,
+            "winner": cand(self.winner),
+            "winner_us": num(self.winner_us),
+            "runner_up": cand(self.runner_up),
+            "runner_up_us": num(self.runner_up_us),
+            "heuristic": cand(self.heuristic),
+            "heuristic_us": num(self.heuristic_us),
+            "regret": num(self.regret),
+            "noise_band": self.noise_band,
+            "wall_s": self.wall_s,
+            "measured": len(self.measurements),
+            "failures": [
+                {"backend": m.candidate.backend, "tactic": m.candidate.tactic.model_dump(
+                    mode="json"), "error": m.error}
+                for m in self.failures
+            ],
+        }  # fmt: skip
+
+
+# ---- inputs ---------------------------------------------------------------------------
+
+
+@dataclass
+class Inputs:
+    """Rotating operand copies for one problem, and one output tensor."""
+
+    copies: list[GemmOperands]
+    out: torch.Tensor
+    bytes_per_copy: int
+
+
+def _random_operand(rows: int, k: int, device: torch.device, gen: torch.Generator):
+    from .nvfp4 import quantize_nvfp4
+
+    base_rows = min(rows, _BASE_ROWS)
+    x = torch.randn(base_rows, k, generator=gen, device=device, dtype=torch.float32)
+    q = quantize_nvfp4(x)
+    data, scale = q.data, q.scale
+    if rows > base_rows:  # repeat whole 128-row scale blocks: the swizzle is row-block major
+        reps = -(-rows // base_rows)
+        data = data.repeat(reps, 1)[:rows].contiguous()
+        scale = scale.repeat(reps, 1)[: -(-rows // 128) * 128].contiguous()
+    return data, scale, q.global_scale
+
+
+def n_copies(bytes_per_copy: int, l2_bytes: int, max_repeat: int = MAX_REPEAT) -> int:
+    """``min(ceil(3 * L2 / bytes) + 1, max_repeat + 1)``, within `COPY_MEMORY_CAP`."""
+    want = min(math.ceil(3 * l2_bytes / max(bytes_per_copy, 1)) + 1, max_repeat + 1)
+    return max(1, min(want, COPY_MEMORY_CAP // max(bytes_per_copy, 1)))
+
+
+def make_inputs(
+    problem: Problem, device: DeviceInfo, seed: int = 0, copies: int | None = None
+) -> Inputs:
+    """Random non-zero NVFP4 operands for `problem` on `device`, in rotating copies
+    (`n_copies` of them unless ``copies`` says how many)."""
+    dev = torch.device(device.torch_device)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed)
+    a_data, a_scale, ga = _random_operand(problem.m, problem.k, dev, gen)
+    b_data, b_scale, gb = _random_operand(problem.n, problem.k, dev, gen)
+    alpha = (ga * gb).reshape(1)
+    first = GemmOperands(a_data, a_scale, b_data, b_scale, alpha)
+    size = sum(t.numel() * t.element_size() for t in (a_data, a_scale, b_data, b_scale))
+    count = n_copies(size, device.l2_bytes) if copies is None else max(1, copies)
+    rotating = [first]
+    for _ in range(count - 1):
+        rotating.append(
+            GemmOperands(a_data.clone(), a_scale.clone(), b_data.clone(), b_scale.clone(), alpha)
+        )
+    out = torch.empty(problem.m, problem.n, dtype=OUT_DTYPES[problem.out_dtype], device=dev)
+    return Inputs(rotating, out, size)
+
+
+# ---- timers ---------------------------------------------------------------------------
+
+
+def _repeat_for(probe_us: float, target_us: float, max_repeat: int) -> int:
+    return max(1, min(max_repeat, int(target_us / max(probe_us, 1e-3))))
+
+
+@dataclass
+class CudaTimer:
+    """CUDA events around CUDA-graph replays, each after a delay kernel (module doc)."""
+
+    replays: int = REPLAYS
+    target_replay_us: float = TARGET_REPLAY_US
+    max_repeat: int = MAX_REPEAT
+    prune: float = PRUNE_FACTOR
+    sleep_cycles: int = SLEEP_CYCLES
+
+    def _timed(self, body: Callable[[], None]) -> float:
+        """Microseconds of `body`'s GPU work, queued behind a delay kernel."""
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(self.sleep_cycles)
+        start.record()
+        body()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3
+
+    def _capture(self, graph: torch.cuda.CUDAGraph, loop: Callable[[], None]) -> None:
+        """Capture `loop` on a side stream. Not `torch.cuda.graph(...)`: on entry that
+        context synchronizes and empties the allocator cache (older torch versions also
+        ran ``gc.collect()``), a cost paid again per tactic."""
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream(device=current.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                loop()
+            except Exception:
+                try:
+                    graph.capture_end()
+                except RuntimeError as end_exc:  # the capture was invalidated: expected
+                    log.debug("capture_end after a failed capture: %r", end_exc)
+                raise
+            graph.capture_end()
+        current.wait_stream(side)
+
+    def __call__(self, candidate: Candidate, launch: Launch, best_us: float) -> Timing:
+        probe = self._timed(lambda: launch(1))
+        if math.isfinite(best_us) and probe > self.prune * best_us:
+            return Timing((probe,), "pruned", f"probe {probe:.1f} us > {self.prune}x best")
+        repeat = _repeat_for(probe, self.target_replay_us, self.max_repeat)
+        if repeat == 1:  # a long kernel: nothing to replay; the delay hides the launch
+            more = [self._timed(lambda i=i: launch(2 + i)) for i in range(self.replays - 1)]
+            return Timing((probe, *more), "cuda-events")
+
+        def loop() -> None:
+            for i in range(repeat):
+                launch(i)
+
+        method, note, body = "cuda-graph", "", loop
+        graph = torch.cuda.CUDAGraph()
+        try:
+            self._capture(graph, loop)
+            body = graph.replay
+        except Exception as exc:  # not capturable: time eagerly and say so
+            torch.cuda.synchronize()
+            method, note = "cuda-eager", f"graph capture failed: {type(exc).__name__}: {exc}"
+            log.info("%s %s: %s", candidate.backend, candidate.tactic.canonical_json(), note)
+        samples = tuple(self._timed(body) / repeat for _ in range(self.replays))
+        del graph
+        return Timing(samples, method, note)
+
+
+@dataclass
+class WallClockTimer:
+    """``time.perf_counter`` around `repeat` launches (CPU backends)."""
+
+    replays: int = REPLAYS
+    target_replay_us: float = 2000.0
+    max_repeat: int = MAX_REPEAT
+    prune: float = PRUNE_FACTOR
+
+    def __call__(self, candidate: Candidate, launch: Launch, best_us: float) -> Timing:
+        t0 = time.perf_counter()
+        launch(1)
+        probe = (time.perf_counter() - t0) * 1e6
+        if math.isfinite(best_us) and probe > self.prune * best_us:
+            return Timing((probe,), "pruned", f"probe {probe:.1f} us > {self.prune}x best")
+        repeat = _repeat_for(probe, self.target_replay_us, self.max_repeat)
+        samples = []
+        for _ in range(self.replays):
+            t0 = time.perf_counter()
+            for i in range(repeat):
+                launch(i)
+            samples.append((time.perf_counter() - t0) * 1e6 / repeat)
+        return Timing(tuple(samples), "wall-clock")
+
+
+def default_timer(device: DeviceInfo) -> Timer:
+    return CudaTimer() if device.kind == "cuda" else WallClockTimer()
+
+
+def _sync(device: DeviceInfo) -> None:
+    if device.kind == "cuda":
+        torch.cuda.synchronize(torch.device(device.torch_device))
+
+
+# ---- the tuner ------------------------------------------------------------------------
+
+
+class Tuner:
+    """Measures candidates of one `Dispatcher` and picks winners (module docstring).
+
+    ``timer``: defaults to `CudaTimer` on CUDA devices and `WallClockTimer` elsewhere.
+    ``band``: a fixed noise band instead of the measured one.
+    """
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        *,
+        timer: Timer | None = None,
+        band: float | None = None,
+        noise_floor: float = NOISE_FLOOR,
+        seed: int = 0,
+    ) -> None:
+        if dispatcher.device.is_simulated:
+            raise RuntimeError(
+                f"{dispatcher.device.name} is simulated: tuning measures kernels, so it needs "
+                "the real device (use Dispatcher() on it)"
+            )
+        self.dispatcher = dispatcher
+        self.device = dispatcher.device
+        self.timer = timer if timer is not None else default_timer(self.device)
+        self.band = band
+        self.noise_floor = noise_floor
+        self.seed = seed
+
+    def measure(
+        self,
+        problem: Problem,
+        candidates: Sequence[Candidate],
+        bar: Any = None,
+        inputs: Inputs | None = None,
+        deadline: float | None = None,
+    ) -> list[Measurement]:
+        """Measure each candidate on `problem` (in the given order); failures are inf.
+
+        ``deadline`` (a `time.monotonic` value): candidates not started by then are not
+        measured (method ``skipped``, time infinity, reported in ``error``).
+        """
+        if self.device.kind == "cuda":  # events, graphs and streams of the right GPU
+            with torch.cuda.device(torch.device(self.device.torch_device)):
+                return self._measure(problem, candidates, bar, inputs, deadline)
+        return self._measure(problem, candidates, bar, inputs, deadline)
+
+    def _measure(
+        self,
+        problem: Problem,
+        candidates: Sequence[Candidate],
+        bar: Any,
+        inputs: Inputs | None,
+        deadline: float | None,
+    ) -> list[Measurement]:
+        if inputs is None:
+            inputs = make_inputs(problem, self.device, self.seed)
+        results: list[Measurement] = []
+        best = math.inf
+        for cand in candidates:
+            if deadline is not None and time.monotonic() > deadline:
+                m = Measurement(cand, math.inf, "skipped", error="not measured: deadline passed")
+            else:
+                m = self._measure_one(problem, cand, inputs, best)
+            if m.ok and m.method != "pruned":
+                best = min(best, m.us)
+            results.append(m)
+            if bar is not None:
+                bar.update(1)
+                if math.isfinite(best):
+                    bar.set_postfix_str(f"best {best:.1f} us")
+        return results
+
+    def _measure_one(
+        self, problem: Problem, cand: Candidate, inputs: Inputs, best: float
+    ) -> Measurement:
+        from .dispatcher import launch as run_kernel
+
+        name = f"{cand.backend} {cand.tactic.canonical_json()}"
+        try:
+            kernel = self.dispatcher.kernel_for(cand, problem)
+        except Exception as exc:  # a tactic that fails to build is timed as inf, reported
+            return self._failed(cand, "build", exc, name)
+        copies, out = inputs.copies, inputs.out
+        n = len(copies)
+
+        def launch(i: int) -> None:
+            run_kernel(cand, kernel, copies[i % n], out)
+
+        try:
+            launch(0)
+            _sync(self.device)
+            timing = self.timer(cand, launch, best)
+            _sync(self.device)
+        except Exception as exc:  # a tactic that fails to run is timed as inf, reported
+            return self._failed(cand, "run", exc, name)
+        us = timing.us
+        if not (us > 0 and math.isfinite(us)):
+            return Measurement(cand, math.inf, timing.method, timing.samples_us,
+                               error=f"run: timer returned {us!r}", note=timing.note)  # fmt: skip
+        return Measurement(cand, us, timing.method, timing.samples_us, note=timing.note)
+
+    @staticmethod
+    def _failed(cand: Candidate, stage: str, exc: Exception, name: str) -> Measurement:
+        error = f"{stage}: {type(exc).__name__}: {exc}"
+        log.warning("tuning: %s failed (timed as infinity): %s", name, error)
+        return Measurement(cand, math.inf, "failed", error=error)
+
+    def tune(
+        self, problem: Problem, bar: Any = None, shortlist: Sequence[Candidate] | None = None
+    ) -> TuneResult:
+        """Measure the shortlist of `problem`'s bucket (or the one given) and pick a winner."""
+        t0 = time.perf_counter()
+        bucket = problem.model_copy(update={"m": m_bucket(problem.m)})
+        if shortlist is None:
+            shortlist = self.dispatcher.ranker.shortlist(bucket).candidates
+        heuristic = self.dispatcher.ranker.pick(bucket.m, bucket.n, bucket.k, bucket.out_dtype)
+        todo = list(shortlist)
+        if not any(_same(c, heuristic) for c in todo):  # always measure the heuristic pick
+            todo.append(heuristic)
+        measurements = self.measure(bucket, todo, bar)
+        band = self.band if self.band is not None else noise_band(measurements, self.noise_floor)
+        winner, runner = pick_winner(measurements, band)
+        heur = next(m for m in measurements if _same(m.candidate, heuristic))
+        result = TuneResult(
+            problem=bucket,
+            source="measured",
+            winner=None if winner is None else _tuned_candidate(winner),
+            winner_us=math.inf if winner is None else winner.us,
+            heuristic=heuristic,
+            heuristic_us=heur.us,
+            runner_up=None if runner is None else runner.candidate,
+            runner_up_us=math.nan if runner is None else runner.us,
+            noise_band=band,
+            measurements=measurements,
+            wall_s=time.perf_counter() - t0,
+            requested=(problem.m, problem.n, problem.k),
+        )
+        if winner is None:
+            log.warning("tuning %s: every tactic failed; the heuristic pick stays", bucket)
+        return result
+
+
+def _same(a: Candidate, b: Candidate) -> bool:
+    return a.backend == b.backend and a.tactic == b.tactic
+
+
+def _tuned_candidate(m: Measurement) -> Candidate:
+    c = m.candidate
+    return Candidate(c.backend, c.family, c.tactic, c.est_us, f"tuned ({m.us:.4g} us measured)")
+
+
+# ---- cache entries --------------------------------------------------------------------
+
+
+class StaleEntry(ValueError):
+    """A cached winner that this process cannot use (the message says why)."""
+
+
+def to_entry(result: TuneResult, dispatcher: Dispatcher, library_version: str) -> dict[str, Any]:
+    """The cache entry (see `fp4_dispatch.cache`) of a measured result with a winner."""
+    assert result.winner is not None
+    w = result.winner
+    backend = dispatcher.registry.backends[w.backend]
+    p = result.problem
+
+    def ref(c: Candidate | None, us: float) -> dict[str, Any] | None:
+        if c is None:
+            return None
+        return {"backend": c.backend, "tactic": c.tactic.model_dump(mode="json"),
+                "us": us if math.isfinite(us) else None}  # fmt: skip
+
+    heur = ref(result.heuristic, result.heuristic_us)
+    return {
+        "device": dispatcher.device_fingerprint,
+        "n": p.n,
+        "k": p.k,
+        "m_bucket": p.m,
+        "out_dtype": p.out_dtype,
+        "backend": w.backend,
+        "backend_version": backend.version,
+        "family": w.family,
+        "library_version": library_version,
+        "tactic": w.tactic.model_dump(mode="json"),
+        "us": result.winner_us,
+        "est_us": w.est_us,
+        "runner_up": ref(result.runner_up, result.runner_up_us),
+        "heuristic": heur,
+        "noise_band": result.noise_band,
+        "measured": len(result.measurements),
+        "failed": len(result.failures),
+        "method": next((m.method for m in result.measurements if _same(m.candidate, w)), "unknown"),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def candidate_from_entry(entry: dict[str, Any], dispatcher: Dispatcher) -> Candidate:
+    """Re-validate a cached winner against this dispatcher; raise `StaleEntry` if unusable.
+
+    Checks: the backend is loaded and available on this device, its version is the one
+    that was measured, the tactic parses with the backend's ``tactic_type`` (and names
+    this backend), and ``backend.validate`` accepts it for the bucket's problem.
+    """
+    name = entry["backend"]
+    backend = dispatcher.registry.backends.get(name)
+    if backend is None:
+        raise StaleEntry(f"backend {name!r} is not installed (or its plugin failed to load)")
+    if backend not in dispatcher.available:
+        raise StaleEntry(f"backend {name!r} is not available on {dispatcher.device.name}")
+    if entry["backend_version"] != backend.version:
+        raise StaleEntry(
+            f"measured with {name} version {entry['backend_version']!r}, "
+            f"installed is {backend.version!r}"
+        )
+    try:
+        tactic = backend.tactic_type.model_validate_json(json.dumps(entry["tactic"]))
+    except Exception as exc:  # pydantic ValidationError, or a plugin's own error: stale
+        raise StaleEntry(f"tactic no longer parses for {name}: {exc}") from exc
+    if tactic.backend != name:
+        raise StaleEntry(f"tactic names backend {tactic.backend!r}, entry says {name!r}")
+    problem = Problem(m=entry["m_bucket"], n=entry["n"], k=entry["k"], out_dtype=entry["out_dtype"])
+    try:
+        why = backend.validate(tactic, problem, dispatcher.device)
+    except Exception as exc:  # a raising check counts as "not valid here"
+        why = f"validate() raised {type(exc).__name__}: {exc}"
+    if why is not None:
+        raise StaleEntry(f"tactic is no longer valid for {problem}: {why}")
+    est = entry.get("est_us")
+    if not isinstance(est, (int, float)) or isinstance(est, bool) or not math.isfinite(est):
+        from .ranking import estimate_us
+
+        est = estimate_us(problem, dispatcher.device, tactic)
+    return Candidate(
+        name, backend.family, tactic, float(est), f"tuned ({entry['us']:.4g} us measured)"
+    )
+
+
+def result_from_entry(
+    entry: dict[str, Any], winner: Candidate, dispatcher: Dispatcher
+) -> TuneResult:
+    """A `TuneResult` (source "cache") for a bucket that a valid cache entry covers."""
+    problem = Problem(m=entry["m_bucket"], n=entry["n"], k=entry["k"], out_dtype=entry["out_dtype"])
+    heuristic = dispatcher.ranker.pick(problem.m, problem.n, problem.k, problem.out_dtype)
+    heur_us = math.nan
+    h = entry.get("heuristic")
+    same_pick = (
+        isinstance(h, dict)
+        and h.get("backend") == heuristic.backend
+        and h.get("tactic") == heuristic.tactic.model_dump(mode="json")
+    )
+    if same_pick and isinstance(h.get("us"), (int, float)):
+        heur_us = float(h["us"])
+    ru = entry.get("runner_up")
+    ru_us = (
+        float(ru["us"])
+        if isinstance(ru, dict) and isinstance(ru.get("us"), (int, float))
+        else math.nan
+    )
+    band = entry.get("noise_band")
+    return TuneResult(
+        problem=problem,
+        source="cache",
+        winner=winner,
+        winner_us=float(entry["us"]),
+        heuristic=heuristic,
+        heuristic_us=heur_us,
+        runner_up=None,
+        runner_up_us=ru_us,
+        noise_band=float(band) if isinstance(band, (int, float)) else NOISE_FLOOR,
+    )

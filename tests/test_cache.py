@@ -1,0 +1,218 @@
+"""The tuning cache file: merge under a lock, atomic writes, bad files set aside, CLI."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from fp4_dispatch import cache as cache_mod
+from fp4_dispatch.cache import FORMAT, FORMAT_VERSION, TuningCache
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    """Never touch the user's cache: every test gets its own FP4_DISPATCH_CACHE."""
+    monkeypatch.setenv("FP4_DISPATCH_CACHE", str(tmp_path / "env-cache" / "tuning.json"))
+
+
+def entry(i: int, device: str = "dev|9.0|132", **extra) -> dict:
+    return {
+        "device": device,
+        "n": 4096,
+        "k": 4096,
+        "m_bucket": 1 << (i % 15),
+        "out_dtype": "bfloat16",
+        "backend": "fake-a",
+        "backend_version": "1",
+        "family": "fa",
+        "tactic": {"backend": "fake-a", "tile_m": 128, "tile_n": 64 + i},
+        "us": 10.0 + i,
+        **extra,
+    }
+
+
+def test_put_merges_and_round_trips(tmp_path):
+    c = TuningCache(tmp_path / "sub" / "tuning.json")
+    assert c.entries() == []
+    assert c.put([entry(0), entry(1)], {"devices": {"dev|9.0|132": {"sm_count": 132}}}) == 2
+    assert c.put([entry(2, device="other|10.0|148")], {"devices": {"other|10.0|148": {}}}) == 3
+    replaced = entry(1, us=5.0)
+    assert c.put([replaced]) == 3  # same key: replaced, not added
+    data = c.load()
+    assert set(data.metadata["devices"]) == {"dev|9.0|132", "other|10.0|148"}
+    assert data.entries[cache_mod.entry_key(replaced)]["us"] == 5.0
+    assert [e["device"] for e in c.entries("other|10.0|148")] == ["other|10.0|148"]
+    raw = json.loads(c.path.read_text())
+    assert raw["format"] == FORMAT and raw["format_version"] == FORMAT_VERSION
+    assert len(raw["entries"]) == 3
+    assert not list(c.path.parent.glob("*.tmp"))  # the temp file was renamed away
+
+
+def test_malformed_entry_is_refused_before_writing(tmp_path):
+    c = TuningCache(tmp_path / "tuning.json")
+    c.put([entry(0)])
+    before = c.path.read_bytes()
+    bad = entry(1)
+    del bad["tactic"]
+    with pytest.raises(ValueError, match="missing field 'tactic'"):
+        c.put([entry(2), bad])
+    assert c.path.read_bytes() == before
+
+
+WRITER = textwrap.dedent(
+    """
+    import importlib.util, sys, time
+    # Load cache.py on its own (no torch): the test measures the lock, not interpreter start.
+    spec = importlib.util.spec_from_file_location("fp4_cache_alone", sys.argv[1])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    cache = mod.TuningCache(sys.argv[2])
+    worker, start = int(sys.argv[3]), float(sys.argv[4])
+    while time.time() < start:
+        time.sleep(0.005)
+    for i in range(50):
+        e = {"device": f"dev{worker}|9.0|132", "n": 1000 + i, "k": 512, "m_bucket": 16,
+             "out_dtype": "bfloat16", "backend": "fake-a", "backend_version": "1",
+             "tactic": {"backend": "fake-a", "tile_m": 64, "tile_n": 64}, "us": float(i),
+             "writer": worker}
+        cache.put([e], {"devices": {f"dev{worker}|9.0|132": {"sm_count": 132}}})
+    """
+)
+
+
+def test_eight_processes_lose_nothing(tmp_path):
+    path = tmp_path / "shared" / "tuning.json"
+    start = time.time() + 1.0
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, cache_mod.__file__, str(path), str(w), str(start)],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for w in range(8)
+    ]
+    errors = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
+    assert all(rc == 0 for rc, _ in errors), errors
+    data = TuningCache(path).load()
+    assert len(data.entries) == 400
+    got = {(e["writer"], e["n"]) for e in data.entries.values()}
+    assert got == {(w, 1000 + i) for w in range(8) for i in range(50)}
+    assert len(data.metadata["devices"]) == 8
+    assert not list(path.parent.glob("*.tmp")) and not list(path.parent.glob("*.corrupt-*"))
+
+
+def _good_file(path) -> str:
+    TuningCache(path).put([entry(0), entry(1)])
+    return path.read_text()
+
+
+BAD_FILES = {
+    "garbage": lambda good: "\x00\x01not json at all",
+    "truncated": lambda good: good[: len(good) // 2],
+    "empty": lambda good: "",
+    "wrong-version": lambda good: json.dumps({**json.loads(good), "format_version": 99}),
+    "foreign": lambda good: json.dumps({"format": "someone-else", "entries": []}),
+    "not-an-object": lambda good: "[1, 2, 3]",
+    "entries-not-list": lambda good: json.dumps({**json.loads(good), "entries": {}}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_FILES))
+def test_bad_file_is_set_aside_and_rebuilt(tmp_path, caplog, kind):
+    path = tmp_path / "tuning.json"
+    bad = BAD_FILES[kind](_good_file(path))
+    path.write_text(bad)
+    c = TuningCache(path)
+    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.cache"):
+        assert c.entries() == []
+    assert "moved it aside" in caplog.text
+    aside = list(tmp_path.glob("tuning.json.corrupt-*"))
+    assert len(aside) == 1 and aside[0].read_text() == bad
+    assert not path.exists()
+    assert c.put([entry(3)]) == 1  # rebuilt from scratch
+    assert json.loads(path.read_text())["entries"][0]["m_bucket"] == 8
+
+
+def test_bad_file_found_by_a_writer_is_set_aside(tmp_path):
+    path = tmp_path / "tuning.json"
+    path.write_text('{"format": "fp4-dispatch-tuning", "format_ver')
+    TuningCache(path).put([entry(0)])
+    assert len(list(tmp_path.glob("tuning.json.corrupt-*"))) == 1
+    assert len(TuningCache(path).entries()) == 1
+
+
+def test_malformed_entries_are_dropped_others_kept(tmp_path, caplog):
+    path = tmp_path / "tuning.json"
+    good = json.loads(_good_file(path))
+    good["entries"].append({"device": "x", "n": "not an int"})
+    good["entries"].append("not an object")
+    path.write_text(json.dumps(good))
+    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.cache"):
+        assert len(TuningCache(path).entries()) == 2
+    assert caplog.text.count("dropped") == 2
+    assert not list(tmp_path.glob("*.corrupt-*"))
+
+
+def test_clear(tmp_path):
+    c = TuningCache(tmp_path / "tuning.json")
+    c.put([entry(0), entry(1), entry(2)])
+    assert c.clear() == 3
+    assert not c.path.exists()
+    assert c.clear() == 0
+
+
+def test_default_path_env_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP4_DISPATCH_CACHE", str(tmp_path / "x.json"))
+    assert cache_mod.default_path() == tmp_path / "x.json"
+    assert TuningCache().path == tmp_path / "x.json"
+    monkeypatch.delenv("FP4_DISPATCH_CACHE")
+    import platformdirs
+
+    want = os.path.join(platformdirs.user_cache_dir("fp4-dispatch"), "tuning.json")
+    assert str(cache_mod.default_path()) == want
+
+
+def test_device_fingerprint():
+    assert cache_mod.device_fingerprint("NVIDIA H200", (9, 0), 132) == "NVIDIA H200|9.0|132"
+    assert cache_mod.device_fingerprint("cpu", None, 1) == "cpu|-|1"
+
+
+# ---- CLI --------------------------------------------------------------------------------
+
+
+def test_cli_cache_show_path_clear(capsys, monkeypatch, tmp_path):
+    from fp4_dispatch.cli import main
+
+    path = tmp_path / "cli" / "tuning.json"
+    monkeypatch.setenv("FP4_DISPATCH_CACHE", str(path))
+    assert main(["cache", "path"]) == 0
+    assert capsys.readouterr().out.strip() == str(path)
+
+    assert main(["cache", "show"]) == 0
+    assert "no entries" in capsys.readouterr().out
+
+    TuningCache(path).put(
+        [entry(0), entry(4)], {"devices": {"dev|9.0|132": {"name": "Fake GPU", "sm_count": 132}}}
+    )
+    assert main(["cache", "show", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert set(shown) == {"path", "metadata", "entries"}
+    assert shown["path"] == str(path)
+    assert [e["m_bucket"] for e in shown["entries"]] == [1, 16]
+    assert shown["metadata"]["devices"]["dev|9.0|132"]["name"] == "Fake GPU"
+
+    assert main(["cache", "show"]) == 0
+    text = capsys.readouterr().out
+    assert "Fake GPU" in text and "M<=16" in text and "fake-a 1" in text
+
+    assert main(["cache", "clear"]) == 0
+    assert "2 entries" in capsys.readouterr().out
+    assert not path.exists()

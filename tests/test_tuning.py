@@ -1,0 +1,604 @@
+"""Tuning: measurement, deterministic winners, failures, re-validated cache, autotuning.
+
+Runs on CPU. Synthetic backends (their kernels are the torch reference, so `gemm` stays
+correct) and fake timers with seeded jitter make the measurements deterministic.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import random
+import time
+from typing import Literal
+
+import pytest
+import torch
+
+import fp4_dispatch.registry as registry_mod
+from fp4_dispatch import Backend, Dispatcher, Problem, Support, Tactic, reference_gemm
+from fp4_dispatch.cache import TuningCache
+from fp4_dispatch.tuning import (
+    NOISE_CAP,
+    NOISE_FLOOR,
+    Measurement,
+    Timing,
+    Tuner,
+    WallClockTimer,
+    make_inputs,
+    n_copies,
+    noise_band,
+    pick_winner,
+)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    """Never touch the user's cache."""
+    monkeypatch.setenv("FP4_DISPATCH_CACHE", str(tmp_path / "tuning.json"))
+
+
+# ---- synthetic backends -----------------------------------------------------------------
+
+
+class FakeATactic(Tactic):
+    backend: Literal["fake-a"] = "fake-a"
+    tile_m: Literal[64, 128] = 128
+    tile_n: Literal[32, 64, 128, 256] = 128
+
+
+class FakeBTactic(Tactic):
+    backend: Literal["fake-b"] = "fake-b"
+    tile_m: Literal[64, 128] = 128
+    tile_n: Literal[32, 64, 128, 256] = 128
+
+
+def _reference_kernel(operands, out):
+    from fp4_dispatch.backends.reference import gemm
+
+    gemm(operands, out, compute_dtype="float32", k_chunk=0)
+
+
+class FakeBackend(Backend):
+    """Tiles (64|128) x (32..256) with tile_n <= N; ``fail`` maps (tm, tn) -> stage."""
+
+    family = "fa"
+    version = "1"
+    tactic_type = FakeATactic
+    diversity_axes = ("tile_n",)
+
+    def __init__(self, fail: dict[tuple[int, int], str] | None = None) -> None:
+        self.fail = fail or {}
+
+    def supports(self, device) -> Support:
+        return Support(True, "synthetic")
+
+    def tactics(self, problem: Problem, device):
+        for tm in (64, 128):
+            for tn in (32, 64, 128, 256):
+                if tn <= problem.n:
+                    yield self.tactic_type(tile_m=tm, tile_n=tn)
+
+    def estimate_us(self, problem, device, tactic) -> float:
+        # deterministic, distinct: bigger tiles "look" faster to the model
+        return 100.0 - tactic.tile_n / 10 - tactic.tile_m / 100 + (self.name == "fake-b")
+
+    def build(self, tactic, problem, device):
+        stage = self.fail.get((tactic.tile_m, tactic.tile_n))
+        if stage == "build":
+            raise RuntimeError(f"cannot compile {tactic.tile_m}x{tactic.tile_n}")
+        if stage == "run":
+
+            def broken(operands, out):
+                raise RuntimeError("illegal instruction (synthetic)")
+
+            return broken
+        return _reference_kernel
+
+
+class FakeA(FakeBackend):
+    name = "fake-a"
+
+
+class FakeB(FakeBackend):
+    name = "fake-b"
+    family = "fb"
+    tactic_type = FakeBTactic
+
+
+def make_registry(*backends: Backend) -> registry_mod.Registry:
+    reg = registry_mod.Registry()
+    report = registry_mod.PluginReport("fake", "tests", "tests", "0", builtin=False)
+    for b in backends:
+        reg.backends[b.name] = b
+        reg.plugin_of[b.name] = report
+        report.backends.append(b.name)
+    reg.plugins.append(report)
+    return reg
+
+
+@pytest.fixture
+def make_dispatcher(monkeypatch, tmp_path):
+    """``make_dispatcher(*backends, cache=path)``: a CPU Dispatcher over synthetic backends."""
+
+    def make(*backends: Backend, cache=None, budget: int = 32) -> Dispatcher:
+        backends = backends or (FakeA(), FakeB())
+        monkeypatch.setattr(registry_mod, "load", lambda strict=None: make_registry(*backends))
+        return Dispatcher(device="cpu", budget=budget, cache=cache or tmp_path / "tuning.json")
+
+    return make
+
+
+class FakeTimer:
+    """True times by (backend, tile_m, tile_n), with seeded multiplicative jitter."""
+
+    def __init__(self, times: dict[tuple[str, int, int], float], jitter: float = 0.0, seed=0):
+        self.times = times
+        self.jitter = jitter
+        self.rng = random.Random(seed)
+        self.calls: list[tuple[str, int, int]] = []
+
+    def __call__(self, cand, launch, best_us) -> Timing:
+        key = (cand.backend, cand.tactic.tile_m, cand.tactic.tile_n)
+        self.calls.append(key)
+        true = self.times.get(key, 1000.0)
+        samples = tuple(true * (1 + self.rng.uniform(-self.jitter, self.jitter)) for _ in range(3))
+        return Timing(samples, "fake")
+
+
+M, N, K = 100, 256, 128  # bucket M=128: 8 tactics per backend, 16 in all
+
+
+# ---- the winner -------------------------------------------------------------------------
+
+
+def test_clear_winner_is_found(make_dispatcher):
+    d = make_dispatcher()
+    timer = FakeTimer({("fake-b", 64, 32): 50.0}, jitter=0.005)
+    (r,) = d.tune([(M, N, K)], timer=timer, progress=False)
+    assert r.source == "measured" and r.problem.m == 128
+    assert (r.winner.backend, r.winner.tactic.tile_m, r.winner.tactic.tile_n) == ("fake-b", 64, 32)
+    assert len(r.measurements) == 16 and len(timer.calls) == 16  # both families measured
+    assert r.winner_us == pytest.approx(50.0, rel=0.01)
+    assert r.runner_up_us == pytest.approx(1000.0, rel=0.01)
+    # the heuristic pick (best estimate: fake-a 128x256) took 1000 us: regret ~ +1900%
+    assert (r.heuristic.backend, r.heuristic.tactic.tile_n) == ("fake-a", 256)
+    assert r.regret == pytest.approx(19.0, rel=0.02)
+    assert d.select(M, N, K) == r.winner
+    assert d.select(M, N, K).reason.startswith("tuned")
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_near_ties_resolve_by_content_not_noise(make_dispatcher, seed):
+    """Two tactics 0.5% apart, jitter +-0.8%: every 'process' (seed) picks the same one.
+
+    fake-b 64x32 is truly the fastest by 0.5%, but both are inside the noise band, so the
+    tie order (est_us, backend, tactic JSON) decides: fake-a 128x128 has the lower estimate.
+    """
+    d = make_dispatcher()
+    times = {("fake-a", 128, 128): 60.3, ("fake-b", 64, 32): 60.0}
+    (r,) = d.tune([(M, N, K)], timer=FakeTimer(times, jitter=0.008, seed=seed), progress=False)
+    assert NOISE_FLOOR <= r.noise_band <= NOISE_CAP
+    assert (r.winner.backend, r.winner.tactic.tile_m, r.winner.tactic.tile_n) == (
+        "fake-a",
+        128,
+        128,
+    )
+
+
+def test_pick_winner_rules():
+    from fp4_dispatch.ranking import Candidate
+
+    def meas(est, name, tn, us, method="fake"):
+        c = Candidate(name, "f", FakeATactic(tile_n=tn) if name == "fake-a" else FakeBTactic(
+            tile_n=tn), est, "score")  # fmt: skip
+        return Measurement(c, us, method, (us, us))
+
+    a = meas(10.0, "fake-a", 128, 103.0)  # best estimate, 3% slower than the best
+    b = meas(12.0, "fake-b", 64, 100.0)
+    c = meas(11.0, "fake-b", 32, math.inf, "failed")
+    assert pick_winner([a, b, c], band=0.02)[0] is b  # 3% is outside a 2% band
+    winner, runner = pick_winner([b, c, a], band=0.05)
+    assert winner is a and runner is b  # inside 5%: the tie order wins, order-independent
+    assert pick_winner([c], band=0.02) == (None, None)
+
+
+def test_noise_band_is_measured_and_clamped():
+    from fp4_dispatch.ranking import Candidate
+
+    c = Candidate("fake-a", "f", FakeATactic(), 1.0, "score")
+    quiet = [Measurement(c, 100.0, "fake", (99.9, 100.0, 100.1))] * 3
+    assert noise_band(quiet) == NOISE_FLOOR
+    mid = [Measurement(c, 100.0, "fake", (97.0, 100.0, 103.0))] * 3
+    assert noise_band(mid) == pytest.approx(0.06)
+    loud = [Measurement(c, 100.0, "fake", (50.0, 100.0, 150.0))] * 3
+    assert noise_band(loud) == NOISE_CAP
+    assert noise_band([Measurement(c, 100.0, "pruned", (100.0,))]) == NOISE_FLOOR
+
+
+# ---- failures -----------------------------------------------------------------------------
+
+
+def test_failures_are_reported_and_do_not_stop_tuning(make_dispatcher, caplog):
+    fail = {(128, 256): "build", (128, 128): "run"}
+    d = make_dispatcher(FakeA(fail), FakeB())
+    timer = FakeTimer({("fake-a", 64, 64): 40.0, ("fake-b", 64, 64): 45.0})
+    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.tuning"):
+        (r,) = d.tune([(M, N, K)], timer=timer, progress=False)
+    errors = {(m.candidate.tactic.tile_m, m.candidate.tactic.tile_n): m.error for m in r.failures}
+    assert errors == {
+        (128, 256): "build: RuntimeError: cannot compile 128x256",
+        (128, 128): "run: RuntimeError: illegal instruction (synthetic)",
+    }
+    assert all(math.isinf(m.us) for m in r.failures)
+    assert len(r.measurements) == 16  # everything after the failures was still measured
+    assert (r.winner.backend, r.winner.tactic.tile_n) == ("fake-a", 64)
+    assert "cannot compile" in caplog.text and "illegal instruction" in caplog.text
+    # the heuristic pick (fake-a 128x256) failed to build: its time is infinite
+    assert math.isinf(r.heuristic_us)
+
+
+def test_everything_failing_keeps_the_heuristic(make_dispatcher, tmp_path):
+    every = {(tm, tn): "build" for tm in (64, 128) for tn in (32, 64, 128, 256)}
+    d = make_dispatcher(FakeA(every), cache=tmp_path / "c.json")
+    (r,) = d.tune([(M, N, K)], timer=FakeTimer({}), progress=False)
+    assert r.winner is None and len(r.failures) == 8
+    assert d.select(M, N, K).reason == "heuristic top-1"
+    assert TuningCache(tmp_path / "c.json").entries() == []  # nothing cached
+
+
+def test_timer_returning_nonsense_counts_as_failure(make_dispatcher):
+    d = make_dispatcher(FakeA())
+    (r,) = d.tune(
+        [(M, N, K)], timer=lambda c, launch, best: Timing((float("nan"),), "fake"), progress=False
+    )
+    assert r.winner is None and all("timer returned" in m.error for m in r.failures)
+
+
+# ---- the cache, re-validated --------------------------------------------------------------
+
+
+def test_winner_persists_across_dispatchers(make_dispatcher, tmp_path):
+    path = tmp_path / "shared.json"
+    timer = FakeTimer({("fake-b", 128, 64): 30.0})
+    (r,) = make_dispatcher(cache=path).tune([(M, N, K)], timer=timer, progress=False)
+    assert len(TuningCache(path).entries()) == 1
+
+    d2 = make_dispatcher(cache=path)
+    pick = d2.select(M, N, K)
+    assert (pick.backend, pick.tactic) == (r.winner.backend, r.winner.tactic)
+    assert pick.reason.startswith("tuned")
+    again = FakeTimer({})
+    (r2,) = d2.tune([(M + 1, N, K)], timer=again, progress=False)  # same bucket: cached
+    assert r2.source == "cache" and again.calls == []
+    assert r2.heuristic_us == pytest.approx(r.heuristic_us)
+    (r3,) = d2.tune([(M, N, K)], timer=again, force=True, progress=False)
+    assert r3.source == "measured" and len(again.calls) == 16
+
+
+def _tune_and_edit(make_dispatcher, tmp_path, edit) -> Dispatcher:
+    """Tune one bucket into a cache file, edit its entry, return a fresh dispatcher."""
+    path = tmp_path / "edit.json"
+    make_dispatcher(cache=path).tune(
+        [(M, N, K)], timer=FakeTimer({("fake-b", 128, 256): 30.0}), progress=False
+    )
+    raw = json.loads(path.read_text())
+    edit(raw["entries"][0])
+    path.write_text(json.dumps(raw))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (lambda e: e.update(backend="gone", tactic={**e["tactic"], "backend": "gone"}),
+         "not installed"),
+        (lambda e: e.update(backend_version="0.9"), "version '0.9'"),
+        (lambda e: e["tactic"].update(prefetch=2), "no longer parses"),
+        (lambda e: e["tactic"].update(tile_n=48), "no longer parses"),
+        (lambda e: e["tactic"].update(backend="fake-a"), "no longer parses"),
+        (lambda e: e.update(n=200), "no longer valid"),  # tile_n=256 > N=200
+    ],
+    ids=["backend-gone", "version", "unknown-field", "bad-value", "wrong-backend", "shape"],
+)  # fmt: skip
+def test_stale_entries_are_ignored_with_a_warning(make_dispatcher, tmp_path, caplog, edit, why):
+    path = _tune_and_edit(make_dispatcher, tmp_path, edit)
+    d = make_dispatcher(cache=path)
+    entry = TuningCache(path).entries()[0]
+    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.dispatcher"):
+        pick = d.select(M, entry["n"], K)
+    assert pick.reason == "heuristic top-1"
+    assert "ignoring stale entry" in caplog.text and why in caplog.text
+
+
+def test_backend_unavailable_on_this_device_is_stale(make_dispatcher, tmp_path, caplog):
+    path = _tune_and_edit(make_dispatcher, tmp_path, lambda e: None)
+
+    class Unavailable(FakeB):
+        def supports(self, device):
+            return Support(False, "not here")
+
+    d = make_dispatcher(FakeA(), Unavailable(), cache=path)
+    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.dispatcher"):
+        assert d.select(M, N, K).backend == "fake-a"
+    assert "not available" in caplog.text
+
+
+def test_tuned_pick_checked_at_the_exact_m(make_dispatcher, tmp_path):
+    """A winner valid for the bucket but not for a smaller exact M falls back."""
+
+    class SwapRule(FakeA):
+        def validate(self, tactic, problem, device):
+            return "needs M >= 100" if problem.m < 100 else None
+
+    d = make_dispatcher(SwapRule(), cache=tmp_path / "x.json")
+    d.tune([(128, N, K)], timer=FakeTimer({("fake-a", 64, 32): 5.0}), progress=False)
+    assert d.select(120, N, K).reason.startswith("tuned")
+    assert d.select(70, N, K).reason == "heuristic top-1"
+
+
+def test_corrupt_cache_does_not_break_the_dispatcher(make_dispatcher, tmp_path, caplog):
+    path = tmp_path / "bad.json"
+    path.write_text("{ truncated")
+    d = make_dispatcher(cache=path)
+    with caplog.at_level(logging.WARNING):
+        assert d.select(M, N, K).reason == "heuristic top-1"
+    assert "moved it aside" in caplog.text
+
+
+def test_untuned_bucket_logged_once(make_dispatcher, caplog):
+    d = make_dispatcher()
+    with caplog.at_level(logging.INFO, logger="fp4_dispatch.dispatcher"):
+        for m in (65, 100, 128, 100):
+            d.select(m, N, K)
+    assert caplog.text.count("is not tuned") == 1
+
+
+# ---- gemm and autotuning ------------------------------------------------------------------
+
+
+def test_autotuning_tunes_each_new_bucket_once(make_dispatcher, operands, monkeypatch):
+    d = make_dispatcher()
+    timer = FakeTimer({("fake-b", 64, 128): 20.0})
+    monkeypatch.setattr(d, "tune", functools.partial(d.tune, timer=timer, progress=False))
+    qa, qb = operands(M, N, K)
+    d.gemm(qa, qb)
+    assert timer.calls == []  # outside autotuning(): never tunes on the hot path
+    with d.autotuning():
+        out = d.gemm(qa, qb)
+        assert len(timer.calls) == 16
+        qa2, _ = operands(90, N, K)
+        d.gemm(qa2, qb)  # same bucket: no second tuning
+        assert len(timer.calls) == 16
+    assert d.select(M, N, K).tactic == FakeBTactic(tile_m=64, tile_n=128)
+    ref = reference_gemm(qa, qb)
+    assert float((out.double() - ref).norm() / ref.norm()) < 5e-3
+    assert len(TuningCache().entries()) == 1  # saved to $FP4_DISPATCH_CACHE
+
+
+def test_autotuning_never_tunes_during_graph_capture(
+    make_dispatcher, operands, monkeypatch, caplog
+):
+    d = make_dispatcher()
+    timer = FakeTimer({})
+    monkeypatch.setattr(d, "tune", functools.partial(d.tune, timer=timer, progress=False))
+    monkeypatch.setattr(d, "_capturing", lambda: True)
+    qa, qb = operands(M, N, K)
+    with d.autotuning(), caplog.at_level(logging.WARNING, logger="fp4_dispatch.dispatcher"):
+        d.gemm(qa, qb)
+        d.gemm(qa, qb)
+    assert timer.calls == []
+    assert caplog.text.count("inside CUDA-graph capture") == 1
+    monkeypatch.setattr(d, "_capturing", lambda: False)
+    with d.autotuning():
+        d.gemm(qa, qb)  # outside capture: tuned now
+    assert len(timer.calls) == 16
+
+
+def test_tune_rejects_bad_shapes(make_dispatcher):
+    d = make_dispatcher()
+    with pytest.raises(ValueError, match="positive int"):
+        d.tune([(0, 64, 64)])
+    with pytest.raises(ValueError, match=r"\(M, N, K\)"):
+        d.tune([(1, 2)])
+    with pytest.raises(ValueError, match="out_dtype"):
+        d.tune([(1, 64, 64)], out_dtype="float32")
+
+
+def test_simulated_device_cannot_tune():
+    with pytest.raises(RuntimeError, match="simulated"):
+        Dispatcher(device="sm90", cache=False).tune([(1, 64, 64)])
+
+
+# ---- real measurement on the CPU ----------------------------------------------------------
+
+
+def test_wall_clock_tuning_with_the_reference_backend(monkeypatch, tmp_path):
+    monkeypatch.setenv("FP4_DISPATCH_PLUGINS", "")  # built-ins only
+    d = Dispatcher(device="cpu", cache=tmp_path / "w.json")
+    (r,) = d.tune([(16, 64, 128)], progress=False)
+    assert r.winner is not None and r.winner.backend == "torch-reference"
+    ok = [m for m in r.measurements if m.ok]
+    assert ok and all(m.method in ("wall-clock", "pruned") for m in ok)
+    assert all(m.us > 0 for m in ok)
+    assert d.select(16, 64, 128).reason.startswith("tuned")
+
+
+def test_inputs_rotate_and_are_nonzero():
+    from fp4_dispatch.device import CPU
+
+    p = Problem(m=200, n=96, k=64)
+    inp = make_inputs(p, CPU.model_copy(update={"l2_bytes": 100_000}))
+    assert len(inp.copies) == n_copies(inp.bytes_per_copy, 100_000) > 2
+    first, second = inp.copies[0], inp.copies[1]
+    assert first.a_data.shape == (200, 32) and first.b_data.shape == (96, 32)
+    assert first.a_scale.shape == (256, 4)
+    assert torch.equal(first.a_data, second.a_data)
+    assert first.a_data.data_ptr() != second.a_data.data_ptr()
+    assert first.a_data.count_nonzero() > first.a_data.numel() // 2
+    assert inp.out.shape == (200, 96) and inp.out.dtype == torch.bfloat16
+
+
+def test_tall_operands_repeat_whole_scale_blocks():
+    """Rows beyond the quantized base repeat it; the scale swizzle must still decode."""
+    from fp4_dispatch.device import CPU
+    from fp4_dispatch.nvfp4 import unswizzle_scales
+
+    inp = make_inputs(Problem(m=1300, n=16, k=64), CPU)
+    a = inp.copies[0]
+    lin = unswizzle_scales(a.a_scale, 1300, 64).float()
+    assert torch.equal(lin[1024:1300], lin[:276]) and torch.equal(a.a_data[1024:], a.a_data[:276])
+
+
+def test_wall_clock_timer_prunes_slow_tactics():
+    from fp4_dispatch.ranking import Candidate
+
+    calls = []
+    timer = WallClockTimer(replays=2, target_replay_us=10.0)
+    c = Candidate("fake-a", "f", FakeATactic(), 1.0, "score")
+    t = timer(c, calls.append, best_us=1e-3)  # anything is > 1.5x a nanosecond
+    assert t.method == "pruned" and len(calls) == 1
+    t = timer(c, calls.append, best_us=math.inf)
+    assert t.method == "wall-clock" and len(t.samples_us) == 2 and len(calls) > 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_timer_on_the_reference_backend(tmp_path):  # pragma: no cover - GPU only
+    d = Dispatcher(cache=tmp_path / "g.json")
+    tuner = Tuner(d)
+    (r,) = d.tune([(128, 1024, 1024)], progress=False)
+    assert r.winner is not None
+    assert {m.method for m in r.measurements if m.ok} <= {"cuda-graph", "cuda-eager", "pruned"}
+    assert tuner.timer.__class__.__name__ == "CudaTimer"
+
+
+class _FakeEvent:
+    """Stands in for torch.cuda.Event on a CPU: wall-clock stamps."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t = 0.0
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return (end.t - self.t) * 1e3
+
+
+@pytest.mark.parametrize("capture_fails", [False, True])
+def test_cuda_timer_control_flow(monkeypatch, capture_fails):
+    """Probe, prune, graph (or eager fallback), long-kernel path: with a fake CUDA API."""
+    import contextlib
+
+    from fp4_dispatch.ranking import Candidate
+    from fp4_dispatch.tuning import CudaTimer
+
+    replays: list[int] = []
+
+    ends: list[int] = []
+
+    class FakeGraph:
+        def capture_begin(self, capture_error_mode: str = "global") -> None:
+            assert capture_error_mode == "thread_local"
+
+        def capture_end(self) -> None:
+            ends.append(1)
+            if capture_fails:
+                raise RuntimeError("operation not permitted when stream is capturing")
+
+        def replay(self) -> None:
+            replays.append(1)
+
+    class FakeStream:
+        device = "cuda:0"
+
+        def __init__(self, device=None) -> None:
+            pass
+
+        def wait_stream(self, other) -> None:
+            return None
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    c = Candidate("fake-a", "f", FakeATactic(), 1.0, "score")
+    copies: list[int] = []
+
+    def launch(i: int) -> None:
+        copies.append(i)
+        time.sleep(2e-4)
+
+    timer = CudaTimer(replays=3, target_replay_us=2000.0)
+    assert timer(c, launch, best_us=1.0).method == "pruned"  # 200 us probe > 1.5 us
+    assert copies == [1]
+
+    copies.clear()
+    t = timer(c, launch, best_us=math.inf)
+    if capture_fails:  # probe, the failed capture, then the loop eagerly once per replay
+        repeat = (len(copies) - 1) // 4
+        assert t.method == "cuda-eager" and "capturing" in t.note
+        assert copies == [1, *list(range(repeat)) * 4] and ends == [1]
+    else:  # probe, then one captured loop replayed 3 times
+        repeat = len(copies) - 1
+        assert t.method == "cuda-graph" and len(replays) == 3
+        assert copies == [1, *range(repeat)]  # captured launches rotate the copies
+    assert 2 <= repeat <= 10  # ~2000 us target / ~200+ us per launch
+    assert len(t.samples_us) == 3
+
+    copies.clear()
+    long = CudaTimer(replays=3, target_replay_us=50.0)  # 200 us > target: repeat 1
+    t = long(c, launch, best_us=math.inf)
+    assert t.method == "cuda-events" and copies == [1, 2, 3] and len(t.samples_us) == 3
+
+
+# ---- CLI ----------------------------------------------------------------------------------
+
+
+def test_cli_tune_table_and_json(capsys, monkeypatch, tmp_path):
+    from fp4_dispatch.cli import main
+
+    monkeypatch.setenv("FP4_DISPATCH_PLUGINS", "")  # built-ins only: the reference on CPU
+    monkeypatch.setenv("FP4_DISPATCH_CACHE", str(tmp_path / "cli.json"))
+    args = ["tune", "--shapes", "16,64,256", "9,64,256", "--device", "cpu", "--no-progress"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "M<=16" in text and "torch-reference" in text and "regret" in text
+    assert text.count("M<=16") == 1  # both shapes are in one bucket: tuned once
+    assert len(TuningCache(tmp_path / "cli.json").entries()) == 1
+
+    assert main([*args, "--json"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)["results"]
+    assert r["source"] == "cache"  # second run: the cached winner is reused
+    assert main([*args, "--json", "--force", "--budget", "2"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)["results"]
+    assert r["source"] == "measured" and r["winner"]["backend"] == "torch-reference"
+    assert r["winner_us"] > 0 and r["measured"] >= 1
+
+
+def test_cli_tune_rejects_bad_shapes_and_simulated_devices(capsys, monkeypatch):
+    from fp4_dispatch.cli import main
+
+    with pytest.raises(SystemExit, match="M,N,K"):
+        main(["tune", "--shapes", "16,64", "--device", "cpu"])
+    assert main(["tune", "--shapes", "16,64,128", "--device", "sm100"]) == 2
+    assert "simulated" in capsys.readouterr().out
+
+
+def test_measure_stops_at_the_deadline(make_dispatcher):
+    d = make_dispatcher(FakeA())
+    p = Problem(m=128, n=N, k=K)
+    cands = d.candidates(128, N, K).candidates
+    timer = FakeTimer({})
+    got = Tuner(d, timer=timer).measure(p, cands, deadline=time.monotonic() - 1)
+    assert [m.method for m in got] == ["skipped"] * len(cands) and timer.calls == []
+    assert all(math.isinf(m.us) and "deadline" in m.error for m in got)
