@@ -1,0 +1,130 @@
+"""``fp4-dispatch explain M N K``: the capped shortlist, its scores, why each was kept.
+
+Shows the cut per family, so a family that loses every slot can never go unnoticed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..ranking import DEFAULT_BUDGET, Candidate, Shortlist
+from . import common
+
+#: fields every tactic has; the rest are shown compactly as family-specific knobs
+_COMMON = ("backend", "tile_m", "tile_n", "cluster_m", "cluster_n", "swap_ab")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "explain",
+        help="the ranked, capped shortlist for one shape: scores, reasons, cut per family",
+    )
+    p.add_argument("m", type=int, metavar="M", help="rows of A and of the output")
+    p.add_argument("n", type=int, metavar="N", help="rows of B (columns of the output)")
+    p.add_argument("k", type=int, metavar="K", help="reduction length")
+    common.add_device_args(p)
+    p.add_argument(
+        "--budget",
+        type=int,
+        default=DEFAULT_BUDGET,
+        help=f"tactics kept for measurement (default {DEFAULT_BUDGET})",
+    )
+    p.add_argument(
+        "--out-dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16"),
+        help="output dtype (default bfloat16)",
+    )
+    common.add_json_arg(p)
+    p.set_defaults(func=run)
+
+
+def _extra(c: Candidate) -> str:
+    """Family-specific fields as ``name=value`` (bools on/off; ``x_m``/``x_n`` as ``x=MxN``)."""
+    fields = {k: v for k, v in c.tactic.model_dump(mode="json").items() if k not in _COMMON}
+    parts = []
+    for key, value in fields.items():
+        if key.endswith("_n") and f"{key[:-2]}_m" in fields:
+            continue  # shown with its _m partner
+        if key.endswith("_m") and f"{key[:-2]}_n" in fields:
+            parts.append(f"{key[:-2]}={value}x{fields[key[:-2] + '_n']}")
+            continue
+        if isinstance(value, bool):
+            value = "on" if value else "off"
+        parts.append(f"{key}={value}")
+    return " ".join(parts) or "-"
+
+
+def _us(value: float) -> str:
+    return f"{value:,.2f}" if value < 1e6 else f"{value:.3e}"
+
+
+def render(sl: Shortlist, sm_count: int | None = None) -> str:
+    """The shortlist as text for a terminal: header, ranked table, cut, skipped, warnings."""
+    p = sl.problem
+    sms = f", {sm_count} SMs" if sm_count else ""
+    floor = f", floor {sl.floor} per family" if sl.cut else ""
+    lines = [
+        f"explain M={p.m} N={p.n} K={p.k} ({p.out_dtype}) on {sl.device}{sms}",
+        f"kept {len(sl.candidates)} of {sl.total} valid tactics (budget {sl.budget}{floor})",
+        "",
+    ]
+    if sl.candidates:
+        best = sl.candidates[0].est_us
+        rows = []
+        for i, c in enumerate(sl.candidates, 1):
+            t = c.tactic
+            rel = f"+{(c.est_us / best - 1) * 100:.1f}%" if best > 0 and i > 1 else ""
+            rows.append(
+                (
+                    i,
+                    c.backend,
+                    c.family,
+                    f"{t.tile_m}x{t.tile_n}",
+                    f"{t.cluster_m}x{t.cluster_n}",
+                    "swap" if t.swap_ab else "-",
+                    _extra(c),
+                    _us(c.est_us),
+                    rel,
+                    c.reason,
+                )
+            )
+        headers = ("#", "backend", "family", "tile", "cluster", "swap", "knobs", "est µs",
+                   "vs #1", "kept because")  # fmt: skip
+        lines.append(common.format_table(rows, headers))
+    else:
+        lines.append("no candidates: no available backend offers a valid tactic for this shape")
+    if sl.cut:
+        kept: dict[str, int] = {}
+        for c in sl.candidates:
+            kept[c.family] = kept.get(c.family, 0) + 1
+        rows = [(fam, kept.get(fam, 0), cut, kept.get(fam, 0) + cut) for fam, cut in sl.cut.items()]
+        lines += ["", "per family:", common.format_table(rows, ("family", "kept", "cut", "valid"))]
+        starved = [fam for fam, _, _, _ in rows if kept.get(fam, 0) == 0]
+        if starved:
+            lines.append(
+                f"note: budget {sl.budget} is below the number of families; "
+                f"no slot for: {', '.join(starved)}"
+            )
+    if sl.skipped:
+        lines += ["", "skipped backends:"]
+        lines += [f"  {name}: {why}" for name, why in sorted(sl.skipped.items())]
+    if sl.warnings:
+        lines += ["", "warnings:"]
+        lines += [f"  {w}" for w in sl.warnings]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("m", "n", "k", "budget"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"fp4-dispatch explain: {name} must be >= 1")
+    dispatcher = common.make_dispatcher(args, budget=args.budget)
+    sl = dispatcher.candidates(args.m, args.n, args.k, out_dtype=args.out_dtype)
+    if args.json:
+        common.emit_json(sl.to_json())
+    else:
+        device = getattr(dispatcher, "device", None)
+        gpu = device is not None and device.compute_capability is not None
+        print(render(sl, device.sm_count if gpu else None))
+    return 0
