@@ -1,0 +1,510 @@
+"""Hopper benchmark: the triton-sm90 NVFP4 GEMM against cuBLAS on one H200, one run.
+
+For each shape it times, side by side, with CUDA-graph replay over rotating input
+copies larger than L2 (cold cache) and random non-zero data:
+
+- ``best``: every tactic the plugin enumerates (both orientations), the fastest;
+- ``untuned``: the dispatcher's heuristic pick (``Dispatcher().select``), whatever backend;
+- ``est``: this backend's own ``estimate_us`` top-1 (how good the model is);
+- ``bf16``: cuBLAS ``A @ B.T`` on the dequantized operands in bf16;
+- ``fp8``: cuBLASLt ``torch._scaled_mm`` with per-tensor scales (e4m3 operands);
+- ``naive``: the torch reference (unpack, scale, bf16 matmul), eager;
+- floors: NVFP4 bytes at the measured copy bandwidth, FLOPs at the measured bf16 rate.
+
+Run (on the H200, through the device tool)::
+
+    python benchmarks/bench_hopper.py --out $OUT
+
+``--smoke`` runs the same code on CPU under TRITON_INTERPRET=1 with tiny shapes (script
+check only; its times mean nothing). Everything is written to ``--out`` as JSON and a
+markdown table; the table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+
+from fp4_dispatch.backend import GemmOperands
+from fp4_dispatch.device import DeviceInfo, detect, simulated
+from fp4_dispatch.nvfp4 import e2m1_to_float, swizzled_scale_shape, unpack_e2m1, unswizzle_scales
+from fp4_dispatch.plugins.sm90 import TritonSm90Backend, TritonSm90Tactic, _kernel_for
+from fp4_dispatch.tactics import Problem
+
+BENCH_MS = (1, 16, 128, 1024, 4096, 16384)
+BENCH_NK = ((8192, 8192), (28672, 8192), (8192, 28672))
+SMOKE_SHAPES = ((1, 96, 256), (16, 64, 128), (40, 48, 192))
+
+
+# ---- operands -------------------------------------------------------------------------
+
+
+def random_nvfp4(rows: int, k: int, device: torch.device, gen: torch.Generator):
+    """Random packed e2m1 bytes (all 16 codes) and swizzled e4m3 scales, NaN in padding.
+
+    Scales are log-uniform over [2**-9, 2**6] (e4m3 subnormals included), so a kernel
+    that flushed fp16 subnormals or misread the swizzle would be caught. Padding rows and
+    columns of the scale tensor hold e4m3 NaN (0x7F): a kernel must never use them.
+    """
+    data = torch.randint(0, 256, (rows, k // 2), dtype=torch.uint8, device=device, generator=gen)
+    rp, kp = swizzled_scale_shape(rows, k)
+    expo = torch.rand((rp, kp), device=device, generator=gen) * 15.0 - 9.0
+    lin = torch.exp2(expo).to(torch.float8_e4m3fn).view(torch.uint8)
+    lin[rows:, :] = 0x7F
+    lin[:, k // 16 :] = 0x7F
+    # swizzle the full padded [rp, kp] array (a permutation, padding included)
+    tiled = lin.view(rp // 128, 4, 32, kp // 4, 4).permute(0, 3, 2, 1, 4)
+    scale = tiled.contiguous().view(rp, kp).view(torch.float8_e4m3fn)
+    return data, scale
+
+
+def dequant(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``e2m1 * block scale`` as `dtype` (exact in fp16/bf16/fp32/fp64), on data's device."""
+    rows, k = data.shape[0], data.shape[1] * 2
+    vals = e2m1_to_float(unpack_e2m1(data)).to(dtype).view(rows, k // 16, 16)
+    sc = unswizzle_scales(scale, rows, k).to(dtype)
+    return (vals * sc.unsqueeze(-1)).view(rows, k)
+
+
+def make_operands(m: int, n: int, k: int, device: torch.device, gen: torch.Generator):
+    a_data, a_scale = random_nvfp4(m, k, device, gen)
+    b_data, b_scale = random_nvfp4(n, k, device, gen)
+    # alpha keeps outputs in a comfortable range for fp16/bf16 (|out| ~ 1)
+    alpha = torch.tensor([1.0 / (60.0 * math.sqrt(k))], dtype=torch.float32, device=device)
+    return GemmOperands(a_data, a_scale, b_data, b_scale, alpha)
+
+
+def launch(kernel, swap: bool, ops: GemmOperands, out: torch.Tensor) -> None:
+    """What the dispatcher does for a tactic: swap operands and write out.T when swap_ab."""
+    if swap:
+        kernel(ops.swapped(), out.t())
+    else:
+        kernel(ops, out)
+
+
+def tactic_kernel(t: TritonSm90Tactic):
+    return _kernel_for(t.kernel_config())
+
+
+# ---- timing ---------------------------------------------------------------------------
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_graph(calls, device: torch.device, flops: float) -> float:
+    """Median microseconds per call: CUDA graph of `reps` calls over rotating copies.
+
+    `calls[i]()` runs on input copy i. Falls back to wall-clock on CPU (smoke runs).
+    """
+    for c in calls:
+        c()
+    sync(device)
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for c in calls:
+            c()
+        return (time.perf_counter() - t0) / len(calls) * 1e6
+    reps = 40 if flops < 5e10 else (10 if flops < 1e12 else 3)
+    reps = max(reps, len(calls))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for r in range(reps):
+            calls[r % len(calls)]()
+    g.replay()
+    sync(device)
+    times = []
+    for _ in range(5 if flops < 1e12 else 3):
+        e0 = torch.cuda.Event(enable_timing=True)
+        e1 = torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3 / reps)
+    del g
+    return statistics.median(times)
+
+
+def time_eager(call, device: torch.device, iters: int = 5) -> float:
+    call()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            e0 = torch.cuda.Event(enable_timing=True)
+            e1 = torch.cuda.Event(enable_timing=True)
+            e0.record()
+            call()
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def n_copies(bytes_per_copy: float, l2_bytes: int) -> int:
+    """Input copies so that one rotation overflows L2 three times (cold cache)."""
+    return max(2, min(8, math.ceil(3 * l2_bytes / max(bytes_per_copy, 1))))
+
+
+# ---- precompile (parallel) --------------------------------------------------------------
+
+
+def _compile_worker(args) -> list[tuple[str, str]]:
+    """Compile (by running once on a proxy problem) each tactic; return failures.
+
+    The proxy has the specialization of the benchmark calls: K % 16 == 0, EVEN_K,
+    output strides (N, 1) or (1, N) with N % 16 == 0.
+    """
+    tactic_jsons, device_name = args
+    device = torch.device(device_name)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(1)
+    m, n, k = 64, 256, 1024
+    ops = make_operands(m, n, k, device, gen)
+    ref = (
+        dequant(ops.a_data, ops.a_scale, torch.float64)
+        @ dequant(ops.b_data, ops.b_scale, torch.float64).T
+    ) * float(ops.alpha)
+    failures = []
+    for tj in tactic_jsons:
+        t = TritonSm90Tactic.model_validate_json(tj)
+        try:
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
+            launch(tactic_kernel(t), t.swap_ab, ops, out)
+            sync(device)
+            err = float((out.double() - ref).norm() / ref.norm())
+            if not err < 1e-2:
+                failures.append((tj, f"proxy rel err {err:.3g}"))
+        except Exception as exc:  # recorded and reported by the caller, never fatal here
+            failures.append((tj, f"{type(exc).__name__}: {str(exc)[:300]}"))
+    return failures
+
+
+def precompile(
+    tactics: list[TritonSm90Tactic], device: torch.device, workers: int
+) -> dict[str, str]:
+    """Compile every distinct (config, orientation) in `workers` processes; failures by JSON."""
+    seen: dict[tuple, str] = {}
+    for t in tactics:
+        seen.setdefault((t.kernel_config(), t.swap_ab), t.canonical_json())
+    jobs = sorted(seen.values())
+    if device.type != "cuda" or workers <= 1:
+        return dict(_compile_worker((jobs, str(device))))
+    chunks = [jobs[i::workers] for i in range(workers)]
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(workers) as pool:
+        results = pool.map(_compile_worker, [(c, str(device)) for c in chunks if c])
+    return {tj: why for part in results for tj, why in part}
+
+
+# ---- baselines ------------------------------------------------------------------------
+
+
+def measure_floors(device: torch.device) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written) and bf16 matmul rate at 8192^3, measured now."""
+    if device.type != "cuda":
+        return {"copy_gbps": 4250.0, "bf16_tflops": 691.0, "measured": False}
+    n = 1 << 30
+    bufs = [torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255) for _ in range(2)]
+    us = time_eager(lambda: bufs[1].copy_(bufs[0]), device, iters=10)
+    copy_gbps = 2 * n / us / 1e3
+    bufs.clear()
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    us = time_eager(lambda: a @ b, device, iters=10)
+    return {"copy_gbps": copy_gbps, "bf16_tflops": 2 * 8192**3 / us / 1e6, "measured": True}
+
+
+@dataclass
+class ShapeResult:
+    m: int
+    n: int
+    k: int
+    tactics: dict[str, float]
+    failures: dict[str, str]
+    best: str | None
+    best_us: float
+    untuned: str
+    untuned_us: float
+    est_pick: str
+    est_pick_us: float
+    bf16_us: float
+    fp8_us: float
+    naive_us: float
+    mem_floor_us: float
+    compute_floor_us: float
+
+
+def bench_shape(
+    m: int,
+    n: int,
+    k: int,
+    backend: TritonSm90Backend,
+    info: DeviceInfo,
+    device: torch.device,
+    floors: dict[str, float],
+    dispatcher,
+    max_tactics: int | None,
+    skip_baselines: bool,
+) -> ShapeResult:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(1000 * m + n + k)
+    problem = Problem(m=m, n=n, k=k)
+    nv_bytes = (m + n) * k * (0.5 + 1 / 16)
+    copies = n_copies(nv_bytes, info.l2_bytes)
+    ops_list = [make_operands(m, n, k, device, gen) for _ in range(copies)]
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
+    flops = 2.0 * m * n * k
+
+    tactics = list(backend.tactics(problem, info))
+    tactics.sort(key=lambda t: (backend.estimate_us(problem, info, t), t.canonical_json()))
+    est_pick = tactics[0]
+    if max_tactics is not None:
+        tactics = tactics[:max_tactics]
+    times: dict[str, float] = {}
+    failures: dict[str, str] = {}
+    for t in tactics:
+        tj = t.canonical_json()
+        kern = tactic_kernel(t)
+        try:
+            times[tj] = time_graph(
+                [lambda o=o, kern=kern, t=t: launch(kern, t.swap_ab, o, out) for o in ops_list],
+                device,
+                flops,
+            )
+        except Exception as exc:  # a failing tactic times as infinity and is reported
+            failures[tj] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            times[tj] = math.inf
+    best = min(times, key=lambda j: (times[j], j)) if times else None
+    best_us = times[best] if best else math.inf
+    est_json = est_pick.canonical_json()
+    if est_json not in times:
+        kern = tactic_kernel(est_pick)
+        times[est_json] = time_graph(
+            [lambda o=o: launch(kern, est_pick.swap_ab, o, out) for o in ops_list], device, flops
+        )
+
+    untuned, untuned_us = "n/a", math.nan
+    if dispatcher is not None:
+        from fp4_dispatch.dispatcher import launch as d_launch
+
+        cand = dispatcher.select(m, n, k)
+        kern = dispatcher.kernel_for(cand, problem)
+        untuned = json.dumps(
+            {"backend": cand.backend, **cand.tactic.model_dump(mode="json")}, sort_keys=True
+        )
+        cj = cand.tactic.canonical_json()
+        if cand.backend == backend.name and cj in times:
+            untuned_us = times[cj]
+        else:
+            calls = [lambda o=o: d_launch(cand, kern, o, out) for o in ops_list]
+            try:
+                untuned_us = time_graph(calls, device, flops)
+            except Exception as exc:  # e.g. a torch backend that is not graph-capturable
+                print(f"untuned {cand.backend}: graph capture failed ({exc}); eager", flush=True)
+                untuned_us = time_eager(calls[0], device, 3)
+
+    bf16_us = fp8_us = naive_us = math.nan
+    if not skip_baselines:
+        c16 = n_copies((m + n) * k * 2.0, info.l2_bytes)
+        src = [ops_list[i % len(ops_list)] for i in range(c16)]
+        a16 = [dequant(o.a_data, o.a_scale, torch.bfloat16) for o in src]
+        b16 = [dequant(o.b_data, o.b_scale, torch.bfloat16) for o in src]
+        bf16_us = time_graph(
+            [lambda a=a, b=b: torch.mm(a, b.t(), out=out) for a, b in zip(a16, b16, strict=True)],
+            device,
+            flops,
+        )
+        if device.type == "cuda":
+            c8 = n_copies((m + n) * k * 1.0, info.l2_bytes)
+            a8 = [(a16[i % len(a16)] * 0.125).to(torch.float8_e4m3fn) for i in range(c8)]
+            b8 = [(b16[i % len(b16)] * 0.125).to(torch.float8_e4m3fn) for i in range(c8)]
+            one = torch.ones((), dtype=torch.float32, device=device)
+            try:
+                fp8_us = time_graph(
+                    [
+                        lambda a=a, b=b: torch._scaled_mm(
+                            a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16
+                        )
+                        for a, b in zip(a8, b8, strict=True)
+                    ],
+                    device,
+                    flops,
+                )
+            except Exception as exc:  # reported in the table as n/a with the reason logged
+                print(f"fp8 _scaled_mm failed at {m}x{n}x{k}: {exc}", file=sys.stderr)
+            del a8, b8
+        del a16, b16
+        from fp4_dispatch.backends import reference
+
+        naive_us = time_eager(
+            lambda: reference.gemm(ops_list[0], out, compute_dtype="bfloat16", k_chunk=0), device, 3
+        )
+
+    return ShapeResult(
+        m, n, k, times, failures, best, best_us, untuned, untuned_us, est_json,
+        times[est_json], bf16_us, fp8_us, naive_us,
+        problem.min_bytes / (floors["copy_gbps"] * 1e3),
+        flops / (floors["bf16_tflops"] * 1e6),
+    )  # fmt: skip
+
+
+def short(tj: str | None) -> str:
+    if not tj:
+        return "-"
+    d = json.loads(tj)
+    if d.get("backend", "triton-sm90") != "triton-sm90":
+        return d["backend"]
+    s = f"{d['tile_m']}x{d['tile_n']}x{d['tile_k']} w{d['num_warps']} s{d['num_stages']}"
+    if d["group_m"] > 1:
+        s += f" g{d['group_m']}"
+    if d["split_k"] > 1:
+        s += f" sk{d['split_k']}"
+    if d["swap_ab"]:
+        s += " swap"
+    return s
+
+
+def table(results: list[ShapeResult]) -> str:
+    def f(x: float) -> str:
+        return (
+            "n/a" if not math.isfinite(x) else (f"{x / 1e3:.4f}" if x < 1e5 else f"{x / 1e3:.1f}")
+        )
+
+    def r(x: float, y: float) -> str:
+        return "n/a" if not (math.isfinite(x) and math.isfinite(y) and y > 0) else f"{x / y:.2f}"
+
+    head = (
+        "| M | N | K | best ms | best tactic | untuned ms | est-pick ms | bf16 ms | fp8 ms"
+        " | naive ms | mem floor ms | compute floor ms | bf16/best | fp8/best | best/floor |\n"
+        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    )
+    rows = []
+    for x in results:
+        floor = max(x.mem_floor_us, x.compute_floor_us)
+        rows.append(
+            f"| {x.m} | {x.n} | {x.k} | {f(x.best_us)} | {short(x.best)} | {f(x.untuned_us)} | "
+            f"{f(x.est_pick_us)} | {f(x.bf16_us)} | {f(x.fp8_us)} | {f(x.naive_us)} | "
+            f"{f(x.mem_floor_us)} | {f(x.compute_floor_us)} | {r(x.bf16_us, x.best_us)} | "
+            f"{r(x.fp8_us, x.best_us)} | {r(x.best_us, floor)} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def host_overhead(backend, info, device, tj: str, m: int, n: int, k: int) -> dict[str, float]:
+    """Eager per-call wall time of one kernel (host launch path) vs its graph time."""
+    t = TritonSm90Tactic.model_validate_json(tj)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(7)
+    ops = make_operands(m, n, k, device, gen)
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
+    kern = tactic_kernel(t)
+    for _ in range(10):
+        launch(kern, t.swap_ab, ops, out)
+    sync(device)
+    iters = 200 if device.type == "cuda" else 3
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        launch(kern, t.swap_ab, ops, out)
+    sync(device)
+    return {"eager_us_per_call": (time.perf_counter() - t0) / iters * 1e6}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--smoke", action="store_true", help="CPU + TRITON_INTERPRET, tiny shapes")
+    ap.add_argument("--ms", default=",".join(map(str, BENCH_MS)))
+    ap.add_argument("--nk", default=";".join(f"{n},{k}" for n, k in BENCH_NK))
+    ap.add_argument("--max-tactics", type=int, default=None)
+    ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--no-dispatcher", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    if args.smoke:
+        device, info = torch.device("cpu"), simulated("sm90")
+        shapes = list(SMOKE_SHAPES)
+        args.max_tactics = args.max_tactics or 2
+    else:
+        device, info = torch.device("cuda"), detect()
+        nks = [tuple(map(int, s.split(","))) for s in args.nk.split(";")]
+        shapes = [(m, n, k) for n, k in nks for m in map(int, args.ms.split(","))]
+    backend = TritonSm90Backend()
+    print(f"device: {info.name} cc={info.compute_capability} sms={info.sm_count} "
+          f"torch {torch.__version__} support: {backend.supports(info)}", flush=True)  # fmt: skip
+
+    dispatcher = None
+    if not args.no_dispatcher and not args.smoke:
+        try:
+            from fp4_dispatch import Dispatcher
+
+            dispatcher = Dispatcher(device="cuda")
+        except Exception as exc:  # the table then says n/a for "untuned"
+            print(f"dispatcher unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+    all_tactics = []
+    for m, n, k in shapes:
+        ts = list(backend.tactics(Problem(m=m, n=n, k=k), info))
+        ts.sort(
+            key=lambda t: (backend.estimate_us(Problem(m=m, n=n, k=k), info, t), t.canonical_json())
+        )
+        all_tactics += ts[: args.max_tactics] if args.max_tactics else ts
+    t0 = time.time()
+    compile_failures = precompile(all_tactics, device, args.workers)
+    print(f"precompiled {len({(t.kernel_config(), t.swap_ab) for t in all_tactics})} variants in "
+          f"{time.time() - t0:.0f}s; {len(compile_failures)} failed", flush=True)  # fmt: skip
+    for tj, why in sorted(compile_failures.items())[:20]:
+        print(f"  FAIL {short(tj)}: {why}", flush=True)
+
+    floors = measure_floors(device)
+    print(f"floors: {floors}", flush=True)
+    results = []
+    for m, n, k in shapes:
+        t1 = time.time()
+        res = bench_shape(
+            m, n, k, backend, info, device, floors, dispatcher, args.max_tactics, False
+        )
+        results.append(res)
+        print(f"{m}x{n}x{k}: best {res.best_us:.1f}us ({short(res.best)}) untuned "
+              f"{res.untuned_us:.1f}us bf16 {res.bf16_us:.1f}us fp8 {res.fp8_us:.1f}us "
+              f"[{len(res.tactics)} tactics, {time.time() - t1:.0f}s]", flush=True)  # fmt: skip
+        with open(os.path.join(args.out, "bench_hopper.json"), "w") as fh:
+            json.dump(
+                {"device": info.model_dump(mode="json"), "floors": floors,
+                 "compile_failures": compile_failures,
+                 "results": [r.__dict__ for r in results]}, fh, indent=1, default=str,
+            )  # fmt: skip
+    decode = next((r for r in results if r.best), None)
+    if decode is not None:
+        ho = host_overhead(backend, info, device, decode.best, decode.m, decode.n, decode.k)
+        print(f"host path {decode.m}x{decode.n}x{decode.k}: {ho} (graph {decode.best_us:.1f} us)")
+    md = table(results)
+    with open(os.path.join(args.out, "bench_table.md"), "w") as fh:
+        fh.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

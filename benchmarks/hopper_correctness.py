@@ -1,0 +1,143 @@
+"""On-device correctness grid for the triton-sm90 backend: every enumerated tactic.
+
+For each shape of the grid (M in 1, 3, 16, 100, 128, 1000, 4096 x several (N, K),
+including an N that is no multiple of 16 and a K that is no multiple of any K tile),
+every tactic the plugin enumerates (both orientations) runs on fresh random non-zero
+NVFP4 inputs (all 16 e2m1 codes, block scales log-uniform over 2**-9..2**6 including
+e4m3 subnormals, NaN in the scale padding) into an output poisoned with NaN, and is
+compared with the float64 product of the dequantized operands:
+``||out - ref|| / ||ref||`` must be below 4e-3 for bf16 output and 1e-3 for fp16
+(the outputs' rounding; the products are exact and accumulate in fp32), and every
+element must be finite. Out dtype alternates bf16/fp16 between tactics.
+
+Work is spread over worker processes by kernel variant (each variant compiles once).
+
+    python benchmarks/hopper_correctness.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_hopper import dequant, launch, make_operands, tactic_kernel
+
+from fp4_dispatch.device import detect, simulated
+from fp4_dispatch.plugins.sm90 import TritonSm90Backend, TritonSm90Tactic
+from fp4_dispatch.tactics import Problem
+
+GRID_MS = (1, 3, 16, 100, 128, 1000, 4096)
+GRID_NK = ((8192, 8192), (1000, 4160), (2048, 1056))
+SMOKE_SHAPES = ((1, 40, 96), (3, 72, 160), (17, 24, 64))
+TOL = {torch.bfloat16: 4e-3, torch.float16: 1e-3}
+if "--smoke" in sys.argv:  # the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest)
+    TOL[torch.bfloat16] = 8e-3
+
+
+def check_one(t: TritonSm90Tactic, m: int, n: int, k: int, device, gen, dtype) -> tuple[float, str]:
+    ops = make_operands(m, n, k, device, gen)
+    a64 = dequant(ops.a_data, ops.a_scale, torch.float64)
+    b64 = dequant(ops.b_data, ops.b_scale, torch.float64)
+    ref = (a64 @ b64.T) * float(ops.alpha)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+    launch(tactic_kernel(t), t.swap_ab, ops, out)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    o64 = out.double()
+    if not bool(torch.isfinite(o64).all()):
+        bad = int((~torch.isfinite(o64)).sum())
+        return float("nan"), f"{bad} non-finite elements (unwritten or NaN)"
+    err = float((o64 - ref).norm() / ref.norm())
+    return err, "" if err < TOL[dtype] else f"rel err {err:.3g} >= {TOL[dtype]}"
+
+
+def worker(args) -> list[dict]:
+    jobs, device_name, seed = args
+    device = torch.device(device_name)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    rows = []
+    for i, (tj, m, n, k) in enumerate(jobs):
+        t = TritonSm90Tactic.model_validate_json(tj)
+        dtype = torch.bfloat16 if i % 2 == 0 else torch.float16
+        try:
+            err, why = check_one(t, m, n, k, device, gen, dtype)
+        except Exception as exc:  # a crash is a failure of this tactic, recorded
+            err, why = float("nan"), f"{type(exc).__name__}: {str(exc)[:300]}"
+        rows.append(
+            {"tactic": tj, "m": m, "n": n, "k": k, "dtype": str(dtype), "err": err, "fail": why}
+        )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--smoke", action="store_true", help="CPU + TRITON_INTERPRET, tiny shapes")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.smoke:
+        device, info, shapes = "cpu", simulated("sm90"), list(SMOKE_SHAPES)
+    else:
+        device, info = "cuda", detect()
+        shapes = [(m, n, k) for n, k in GRID_NK for m in GRID_MS]
+    backend = TritonSm90Backend()
+    by_variant: dict[tuple, list] = {}
+    per_shape = {}
+    for m, n, k in shapes:
+        ts = list(backend.tactics(Problem(m=m, n=n, k=k), info))
+        per_shape[f"{m}x{n}x{k}"] = len(ts)
+        for t in ts:
+            by_variant.setdefault((t.kernel_config(), t.swap_ab), []).append(
+                (t.canonical_json(), m, n, k)
+            )
+    variants = sorted(by_variant.values(), key=lambda jobs: -len(jobs))
+    workers = 1 if args.smoke else args.workers
+    buckets: list[list] = [[] for _ in range(workers)]
+    for i, jobs in enumerate(variants):  # each variant's jobs stay in one worker
+        buckets[i % workers] += jobs
+    total = sum(len(b) for b in buckets)
+    print(f"{total} runs: {len(variants)} kernel variants over {len(shapes)} shapes; "
+          f"tactics per shape {per_shape}", flush=True)  # fmt: skip
+    t0 = time.time()
+    tasks = [(b, device, 17 + i) for i, b in enumerate(buckets) if b]
+    if workers == 1:
+        rows = [r for task in tasks for r in worker(task)]
+    else:
+        with mp.get_context("spawn").Pool(workers) as pool:
+            rows = [r for part in pool.map(worker, tasks) for r in part]
+    fails = [r for r in rows if r["fail"]]
+    errs = [r["err"] for r in rows if not r["fail"]]
+    with open(os.path.join(args.out, "hopper_correctness.json"), "w") as fh:
+        json.dump({"device": info.name, "per_shape": per_shape, "rows": rows}, fh)
+    print(
+        f"{len(rows)} runs in {time.time() - t0:.0f}s: {len(rows) - len(fails)} PASS, "
+        f"{len(fails)} FAIL; max rel err of passes {max(errs, default=float('nan')):.3g}"
+    )
+    for r in fails[:30]:
+        print(f"  FAIL {r['m']}x{r['n']}x{r['k']} {r['dtype']} {r['tactic']}: {r['fail']}")
+    by_shape: dict[str, list[int]] = {}
+    for r in rows:
+        c = by_shape.setdefault(f"{r['m']}x{r['n']}x{r['k']}", [0, 0])
+        c[0 if not r["fail"] else 1] += 1
+    print("| shape | tactics | pass | fail |\n|---|---:|---:|---:|")
+    for s, (ok, bad) in by_shape.items():
+        print(f"| {s} | {ok + bad} | {ok} | {bad} |")
+    sys.exit(1 if fails else 0)
+
+
+if __name__ == "__main__":
+    main()
