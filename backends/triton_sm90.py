@@ -283,6 +283,7 @@ class Nvfp4GemmKernel:
         self.cfg = cfg
         self._lock = threading.Lock()
         self._ws: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._retired: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._meta = {
             "BLOCK_M": cfg.block_m,
             "BLOCK_N": cfg.block_n,
@@ -305,6 +306,10 @@ class Nvfp4GemmKernel:
                     tiles * self.cfg.split_k * tile_elems, dtype=torch.float32, device=device
                 )
                 cnt = torch.zeros(tiles, dtype=torch.int32, device=device)
+                if device in self._ws:
+                    # A CUDA graph captured earlier may still point at the smaller buffers:
+                    # keep them alive for the life of this kernel instead of freeing them.
+                    self._retired.append(self._ws[device])
                 cur = (ws, cnt)
                 self._ws[device] = cur
         return cur

@@ -18,6 +18,10 @@ def __getattr__(name: str):
         from . import dispatcher
 
         return getattr(dispatcher, name)
+    if name == "Nvfp4Linear":
+        from .nn import Nvfp4Linear
+
+        return Nvfp4Linear
     raise AttributeError(f"module 'fp4_dispatch' has no attribute {name!r}")
 
 
@@ -34,6 +38,7 @@ __all__ = [
     "GemmOperands",
     "Kernel",
     "LoadError",
+    "Nvfp4Linear",
     "Nvfp4Tensor",
     "PluginLoadError",
     "Problem",

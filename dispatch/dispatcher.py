@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from . import checks, registry
+from . import checks, registry, torch_ops
 from . import tuning as _tuning
 from .backend import Backend, GemmOperands, Kernel
 from .cache import TuningCache, device_fingerprint
@@ -393,6 +393,14 @@ class Dispatcher:
             self._kernels[key] = kernel
         return kernel
 
+    def cached_plan(self, m: int, n: int, k: int, dtype: str) -> tuple[Candidate, Kernel] | None:
+        """The plan `run` would launch for this exact shape if it has already run, else None.
+
+        Never ranks or builds: this is what a CUDA-graph capture may use. Tuning replaces
+        a bucket's plans with new objects, so a changed plan is detectable by identity.
+        """
+        return self._plans.get((m, n, k, dtype))
+
     def _plan(self, m: int, n: int, k: int, dtype: str) -> tuple[Candidate, Kernel]:
         key = (m, n, k, dtype)
         plan = self._plans.get(key)
@@ -437,20 +445,13 @@ class Dispatcher:
         out_dtype: torch.dtype = torch.bfloat16,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``out[M, N] = dequant(qa) @ dequant(qb).T`` (B held as [N, K], like a Linear weight)."""
-        qa, qb = checks.nvfp4_operand("qa", qa), checks.nvfp4_operand("qb", qb)
-        dtype = checks.out_dtype_name(out_dtype)
-        k = checks.k_dims(qa.k, qb.k)
-        device = self._torch_device("qa", qa.data)
-        checks.same_device(device, qb=qb.data)
-        out = checks.out_tensor(out, qa.rows, qb.rows, out_dtype, device)
-        qa, qb = qa.with_layout("swizzled"), qb.with_layout("swizzled")
-        alpha = (qa.global_scale * qb.global_scale).reshape(1)
-        if out is None:
-            out = torch.empty(qa.rows, qb.rows, dtype=out_dtype, device=device)
-        operands = GemmOperands(qa.data, qa.scale, qb.data, qb.scale, alpha)
-        assert operands.k == k
-        return self.run(operands, out, dtype)
+        """``out[M, N] = dequant(qa) @ dequant(qb).T`` (B held as [N, K], like a Linear weight).
+
+        Through `fp4_dispatch.torch_ops`: under torch.compile the GEMM is the custom op
+        ``fp4_dispatch::gemm`` (no graph break, plan made at run time); eagerly the same
+        code runs directly; inside a CUDA-graph capture only an already-run plan launches.
+        """
+        return torch_ops.gemm(self, qa, qb, out_dtype, out)
 
     def mm_fp4(
         self,
@@ -467,7 +468,7 @@ class Dispatcher:
         product of the global scales)."""
         a = checks.fp4_data("a", a)
         b = checks.fp4_data("b", b)
-        dtype = checks.out_dtype_name(out_dtype)
+        checks.out_dtype_name(out_dtype)
         if not a.is_contiguous():
             raise ValueError(f"a: expected a contiguous [M, K/2] tensor, got strides {a.stride()}")
         if not b.t().is_contiguous():
@@ -483,9 +484,7 @@ class Dispatcher:
         b_scale = checks.swizzled_scale("b_descale", b_descale, n, k)
         alpha = checks.alpha_tensor(alpha, device)
         out = checks.out_tensor(out, m, n, out_dtype, device)
-        if out is None:
-            out = torch.empty(m, n, dtype=out_dtype, device=device)
-        return self.run(GemmOperands(a, a_scale, b.t(), b_scale, alpha), out, dtype)
+        return torch_ops.run(self, a, a_scale, b.t(), b_scale, alpha, out_dtype, out)
 
 
 def _shape(shape: object) -> tuple[int, int, int]:

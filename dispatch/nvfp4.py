@@ -113,16 +113,20 @@ def as_uint8_data(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------
 
 
-def _e2m1_table(device: torch.device) -> torch.Tensor:
-    mags = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
-    return torch.cat([mags, -mags])
-
-
 def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
-    """Decode e2m1 codes (uint8, 0-15, one per element) to float32."""
+    """Decode e2m1 codes (uint8, 0-15, one per element) to float32.
+
+    Arithmetic rather than a table lookup: a table would be a host-to-device copy on
+    every call, which a CUDA-graph capture cannot contain.
+    """
     if codes.dtype != torch.uint8:
         raise TypeError(f"codes: expected dtype torch.uint8, got {codes.dtype}")
-    return _e2m1_table(codes.device)[(codes & 0xF).long()]
+    c = (codes & 0xF).to(torch.int32)
+    exp = (c >> 1) & 3
+    half_mant = (c & 1).to(torch.float32) * 0.5
+    normal = torch.exp2((exp - 1).to(torch.float32)) * (1.0 + half_mant)
+    mag = torch.where(exp == 0, half_mant, normal)
+    return mag * (1 - 2 * ((c >> 3) & 1)).to(torch.float32)
 
 
 def round_to_e2m1(y: torch.Tensor) -> torch.Tensor:

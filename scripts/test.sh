@@ -10,7 +10,7 @@ py=${PYTHON:-python3}
 start=$SECONDS
 
 echo "== fresh venv in $work/venv"
-rm -rf "$work/venv" "$work/dist" "$work/tests"
+rm -rf "$work/venv" "$work/dist" "$work/tests" "$work/example-plugin-tests"
 "$py" -m venv "$work/venv"
 vpy="$work/venv/bin/python"
 "$vpy" -m pip install -q --upgrade pip
@@ -31,4 +31,8 @@ cp -r "$root/tests" "$work/tests"
 cd "$work"
 export FP4_DISPATCH_SOURCE_ROOT="$root" FP4_DISPATCH_CACHE="$work/tuning-cache.json"
 "$vpy" -m pytest tests -q -p no:cacheprovider "$@"
+
+echo "== the example plugin's own conformance tests (fp4_dispatch.testing)"
+cp -r "$root/examples/example-plugin/tests" "$work/example-plugin-tests"
+"$vpy" -m pytest "$work/example-plugin-tests" -q -p no:cacheprovider
 echo "== done in $((SECONDS - start)) s"

@@ -83,3 +83,6 @@ def pytest_configure(config):
     """Markers live here: the tests run from a copy outside the source tree (no pyproject)."""
     config.addinivalue_line("markers", "slow: longer tests (still run in CI)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    # Third-party deprecation chatter (CuTe-DSL's own internals, torch.jit) buries real output.
+    for module in ("cutlass", "nvidia_cutlass_dsl", "torch.jit"):
+        config.addinivalue_line("filterwarnings", f"ignore::DeprecationWarning:{module}.*")

@@ -13,6 +13,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
 from fp4_dispatch import nvfp4
 from fp4_dispatch.nvfp4 import (
     E2M1_VALUES,
@@ -28,8 +31,6 @@ from fp4_dispatch.nvfp4 import (
     unpack_e2m1,
     unswizzle_scales,
 )
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SMALL_SETTINGS = settings(max_examples=50, deadline=None)

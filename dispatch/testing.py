@@ -1,0 +1,791 @@
+"""Conformance kit for backend plugins: is my plugin right?
+
+What a third-party backend author runs (and what CI runs on the built-in plugins):
+
+- **load**: the entry point exists in the ``fp4_dispatch`` group, imports, its hook runs
+  and registers at least one backend, with no load error;
+- **backend**: the backend object is a `Backend` with name/family/version, a frozen
+  ``extra="forbid"`` tactic model whose ``backend`` field is ``Literal[name]``, diversity
+  axes that are fields of that model, and a ``supports()`` that answers;
+- **tactics**: ``tactics(problem, device)`` answers for every sample problem with
+  instances of the tactic model that survive re-validation, the same set every call,
+  at least one for some problem, and ``estimate_us`` (if any) gives None or a finite
+  number >= 0;
+- **json**: every tactic round-trips JSON exactly (``model_dump_json`` ->
+  ``model_validate_json``, and the ``mode="json"`` dict the tuning cache stores);
+- **validity**: ``validate(tactic, problem, device)`` accepts every tactic ``tactics()``
+  offered for that problem;
+- **dispatcher**: a real `Dispatcher` lists the backend as available, merges its
+  tactics without dropping any, and runs its top candidate correctly;
+- **build** / **numerics**: sampled tactics build for the problem as the dispatcher
+  hands it over (M bucketed, swapped when ``swap_ab``), and - on a device that runs
+  kernels - produce ``alpha * A @ B.T`` within ``tolerance`` (relative Frobenius error
+  against the float64 reference), writing every element of ``out`` (pre-filled with
+  NaN) and honouring ``out``'s strides (a swapped tactic writes ``out.T``).
+
+Use it as a function::
+
+    from fp4_dispatch.testing import check_plugin
+    check_plugin("myplugin", device="cuda").raise_for_failures()
+
+or in pytest, by subclassing (one test per check category and device)::
+
+    from fp4_dispatch.testing import PluginConformance
+
+    class TestMyPlugin(PluginConformance):
+        entry_point = "myplugin"
+        devices = ("cpu", "cuda", "sm100")   # cuda is skipped without a GPU
+
+or as a pytest plugin (``pytest -p fp4_dispatch.testing`` or ``pytest_plugins =
+["fp4_dispatch.testing"]``), which adds ``--fp4-device`` (overrides ``devices``) and the
+``fp4_conformance`` fixture (``fp4_conformance("myplugin")`` runs `check_plugin` and
+fails the test with the report). Nothing is registered through a ``pytest11`` entry
+point, so installing fp4-dispatch changes no other project's pytest runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import random
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Literal
+
+import torch
+
+from . import registry
+from .backend import Backend, GemmOperands, Support
+from .device import DeviceInfo, resolve
+from .nvfp4 import quantize_nvfp4, reference_gemm
+from .progress import progress
+from .tactics import Problem, Tactic
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CATEGORIES",
+    "DEFAULT_PROBLEMS",
+    "Check",
+    "ConformanceError",
+    "ConformanceReport",
+    "PluginConformance",
+    "check_backend",
+    "check_plugin",
+]
+
+Status = Literal["PASS", "FAIL", "SKIP"]
+CATEGORIES = ("load", "backend", "tactics", "json", "validity", "dispatcher", "build", "numerics")
+
+#: decode M=1, a ragged M with float16 output, M across two 128-row scale tiles with
+#: ragged N and K not a multiple of 64, and a square-ish prefill shape
+DEFAULT_PROBLEMS: tuple[Problem, ...] = (
+    Problem(m=1, n=256, k=256),
+    Problem(m=37, n=96, k=128, out_dtype="float16"),
+    Problem(m=130, n=200, k=320),
+    Problem(m=256, n=128, k=512),
+)
+DEFAULT_TOLERANCE = 1e-2  # relative Frobenius error; 16-bit output rounding is ~4e-3
+_SHOW = 3  # offending items quoted per check
+
+
+@dataclass(frozen=True)
+class Check:
+    """One conformance check's outcome."""
+
+    category: str
+    name: str
+    status: Status
+    message: str = ""
+    backend: str = ""
+
+    def __str__(self) -> str:
+        who = f"[{self.backend}] " if self.backend else ""
+        return f"{self.status:4} {self.category}/{self.name} {who}{self.message}".rstrip()
+
+
+class ConformanceError(AssertionError):
+    """Raised by `ConformanceReport.raise_for_failures`; carries the report."""
+
+    def __init__(self, report: ConformanceReport) -> None:
+        super().__init__(report.summary(failures_only=True))
+        self.report = report
+
+
+@dataclass
+class ConformanceReport:
+    """Every check run for one plugin (or backend) on one device."""
+
+    plugin: str
+    device: str
+    checks: list[Check] = field(default_factory=list)
+
+    def add(
+        self, category: str, name: str, status: Status, message: str = "", backend: str = ""
+    ) -> Check:
+        check = Check(category, name, status, message, backend)
+        self.checks.append(check)
+        (log.warning if status == "FAIL" else log.debug)("conformance %s: %s", self.plugin, check)
+        return check
+
+    @property
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if c.status == "FAIL"]
+
+    @property
+    def passed(self) -> list[Check]:
+        return [c for c in self.checks if c.status == "PASS"]
+
+    @property
+    def skipped(self) -> list[Check]:
+        return [c for c in self.checks if c.status == "SKIP"]
+
+    @property
+    def ok(self) -> bool:
+        """No failure, and at least one check passed."""
+        return not self.failures and bool(self.passed)
+
+    def of(self, category: str) -> list[Check]:
+        if category not in CATEGORIES:
+            raise ValueError(f"category: expected one of {CATEGORIES}, got {category!r}")
+        return [c for c in self.checks if c.category == category]
+
+    def summary(self, failures_only: bool = False) -> str:
+        shown = self.failures if failures_only else self.checks
+        head = (
+            f"fp4-dispatch conformance of {self.plugin!r} on {self.device}: "
+            f"{len(self.passed)} passed, {len(self.failures)} failed, "
+            f"{len(self.skipped)} skipped"
+        )
+        return "\n".join([head, *(f"  {c}" for c in shown)])
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def raise_for_failures(self) -> ConformanceReport:
+        """Raise `ConformanceError` if any check failed or none passed; else return self."""
+        if not self.ok:
+            raise ConformanceError(self)
+        return self
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "plugin": self.plugin,
+            "device": self.device,
+            "ok": self.ok,
+            "checks": [c.__dict__ for c in self.checks],
+        }
+
+
+def _err(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _quote(items: Sequence[str]) -> str:
+    more = f" (+{len(items) - _SHOW} more)" if len(items) > _SHOW else ""
+    return "; ".join(items[:_SHOW]) + more
+
+
+def _json_of(t: Any) -> str:
+    try:
+        return t.canonical_json()
+    except Exception as exc:  # quoting a broken tactic must not hide the real failure
+        return f"<{type(t).__name__}: canonical_json raised {_err(exc)}>"
+
+
+# ---- the backend object ---------------------------------------------------------------------
+
+
+def _check_definition(report: ConformanceReport, b: Backend) -> bool:
+    """Attributes, tactic model and diversity axes. False when nothing else can be checked."""
+    name = getattr(b, "name", type(b).__name__)
+    try:
+        registry.check_backend(b)
+    except TypeError as exc:
+        report.add("backend", "contract", "FAIL", str(exc), str(name))
+        return False
+    report.add("backend", "contract", "PASS", f"{b.family} {b.version}", b.name)
+    ttype = b.tactic_type
+    cfg = ttype.model_config
+    problems = []
+    if cfg.get("frozen") is not True:
+        problems.append("model_config must set frozen=True (tactics are hashed and cached)")
+    if cfg.get("extra") != "forbid":
+        problems.append('model_config must set extra="forbid" (typos must be errors)')
+    fld = ttype.model_fields.get("backend")
+    args = typing.get_args(fld.annotation) if fld is not None else ()
+    if fld is None or typing.get_origin(fld.annotation) is not Literal or args != (b.name,):
+        got = None if fld is None else fld.annotation
+        problems.append(f"field 'backend' must be Literal[{b.name!r}] (got {got})")
+    missing = [a for a in b.diversity_axes if a not in ttype.model_fields]
+    if missing:
+        problems.append(f"diversity_axes {missing} are not fields of {ttype.__name__}")
+    status: Status = "FAIL" if problems else "PASS"
+    report.add("backend", "tactic-model", status, _quote(problems) or ttype.__name__, b.name)
+    return True
+
+
+def _supports(report: ConformanceReport, b: Backend, device: DeviceInfo) -> Support | None:
+    try:
+        support = b.supports(device)
+    except Exception as exc:  # recorded as a failure of the plugin
+        report.add("backend", "supports", "FAIL", f"supports() raised {_err(exc)}", b.name)
+        return None
+    if not isinstance(support, Support) or not isinstance(support.reason, str):
+        report.add(
+            "backend",
+            "supports",
+            "FAIL",
+            f"supports() must return Support(ok, reason), got {support!r}",
+            b.name,
+        )
+        return None
+    word = "supported" if support.ok else "not supported"
+    report.add("backend", "supports", "PASS", f"{word}: {support.reason}", b.name)
+    return support
+
+
+def _tactics_for(
+    report: ConformanceReport, b: Backend, problem: Problem, device: DeviceInfo
+) -> list[Tactic] | None:
+    """tactics() checked for type, name, re-validation, hashing and determinism."""
+    label = f"M={problem.m} N={problem.n} K={problem.k} {problem.out_dtype}"
+    try:
+        got = list(b.tactics(problem, device))
+        again = list(b.tactics(problem, device))
+    except Exception as exc:  # recorded as a failure of the plugin
+        report.add("tactics", label, "FAIL", f"tactics() raised {_err(exc)}", b.name)
+        return None
+    bad: list[str] = []
+    good: list[Tactic] = []
+    for t in got:
+        why = _tactic_problem(b, t)
+        if why:
+            bad.append(f"{_json_of(t)}: {why}")
+        else:
+            good.append(t)
+    if bad:
+        report.add("tactics", label, "FAIL", f"{len(bad)} invalid: {_quote(bad)}", b.name)
+        return good
+    if set(got) != set(again):
+        report.add(
+            "tactics",
+            label,
+            "FAIL",
+            "two calls gave different tactic sets (ranking must be reproducible)",
+            b.name,
+        )
+        return good
+    report.add("tactics", label, "PASS", f"{len(good)} tactics", b.name)
+    return good
+
+
+def _tactic_problem(b: Backend, t: Any) -> str:
+    """Why `t` is not a proper tactic of `b` ('' when it is)."""
+    if not isinstance(t, b.tactic_type):
+        return f"is a {type(t).__name__}, expected {b.tactic_type.__name__}"
+    if t.backend != b.name:
+        return f"backend is {t.backend!r}, expected {b.name!r}"
+    try:
+        again = b.tactic_type.model_validate(t.model_dump())
+    except Exception as exc:  # a model_construct'ed value that does not validate
+        return f"fails re-validation: {_err(exc).splitlines()[0]}"
+    if again != t:
+        return "re-validation changes its value"
+    try:
+        hash(t)
+    except TypeError as exc:
+        return f"unhashable: {exc}"
+    return ""
+
+
+def _check_estimates(
+    report: ConformanceReport, b: Backend, pairs: list[tuple[Problem, Tactic]], device: DeviceInfo
+) -> None:
+    if type(b).estimate_us is Backend.estimate_us or not pairs:
+        return
+    bad = []
+    for problem, t in pairs:
+        try:
+            v = b.estimate_us(problem, device, t)
+        except Exception as exc:  # the ranker tolerates it with a warning; authors should not
+            bad.append(f"{_json_of(t)}: raised {_err(exc)}")
+            continue
+        if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            bad.append(f"{_json_of(t)}: returned {v!r}")
+    status: Status = "FAIL" if bad else "PASS"
+    msg = _quote(bad) or f"{len(pairs)} estimates, each None or finite >= 0"
+    report.add("tactics", "estimate_us", status, msg, b.name)
+
+
+def _check_json(report: ConformanceReport, b: Backend, tactics: list[Tactic]) -> None:
+    bad = []
+    ttype = b.tactic_type
+    for t in tactics:
+        try:
+            via_json = ttype.model_validate_json(t.model_dump_json())
+            via_dict = ttype.model_validate(json.loads(json.dumps(t.model_dump(mode="json"))))
+            canon = t.canonical_json()
+            same_canon = ttype.model_validate(json.loads(canon)).canonical_json() == canon
+        except Exception as exc:  # recorded as a failure of the plugin
+            bad.append(f"{_json_of(t)}: {_err(exc).splitlines()[0]}")
+            continue
+        if via_json != t or via_dict != t:
+            got = via_json if via_json != t else via_dict
+            bad.append(f"{_json_of(t)} came back as {_json_of(got)}")
+        elif not same_canon:
+            bad.append(f"{_json_of(t)}: canonical JSON not stable")
+    if bad:
+        msg = f"{len(bad)} of {len(tactics)} do not round-trip: {_quote(bad)}"
+        report.add("json", "round-trip", "FAIL", msg, b.name)
+    else:
+        report.add("json", "round-trip", "PASS", f"{len(tactics)} tactics round-trip", b.name)
+
+
+def _check_validity(
+    report: ConformanceReport, b: Backend, pairs: list[tuple[Problem, Tactic]], device: DeviceInfo
+) -> None:
+    bad = []
+    for problem, t in pairs:
+        try:
+            why = b.validate(t, problem, device)
+        except Exception as exc:  # recorded as a failure of the plugin
+            why = f"validate() raised {_err(exc)}"
+        if why is not None:
+            bad.append(f"{_json_of(t)} for M={problem.m} N={problem.n} K={problem.k}: {why}")
+    status: Status = "FAIL" if bad else "PASS"
+    msg = (
+        f"{len(bad)} offered tactics rejected by validate(): {_quote(bad)}"
+        if bad
+        else f"validate() accepts all {len(pairs)} offered (problem, tactic) pairs"
+    )
+    report.add("validity", "validate", status, msg, b.name)
+
+
+def _sample(tactics: list[Tactic], samples: int, rng: random.Random) -> list[Tactic]:
+    """`samples` tactics, deterministic, covering both orientations when offered."""
+    ordered = sorted(tactics, key=lambda t: t.canonical_json())
+    picked: list[Tactic] = []
+    for swap in (False, True):
+        first = next((t for t in ordered if t.swap_ab is swap), None)
+        if first is not None and len(picked) < samples:
+            picked.append(first)
+    rest = [t for t in ordered if t not in picked]
+    picked += rng.sample(rest, min(len(rest), max(0, samples - len(picked))))
+    return picked
+
+
+def _operands(problem: Problem, device: torch.device, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(problem.m, problem.k, generator=gen) * 3.0
+    b = torch.randn(problem.n, problem.k, generator=gen) * 0.02
+    qa, qb = quantize_nvfp4(a.to(device)), quantize_nvfp4(b.to(device))
+    alpha = (qa.global_scale * qb.global_scale).reshape(1)
+    ops = GemmOperands(qa.data, qa.scale, qb.data, qb.scale, alpha)
+    return ops, reference_gemm(qa, qb)
+
+
+def _kernel_problem(problem: Problem, tactic: Tactic) -> Problem:
+    """The problem `build` receives from the dispatcher: M bucketed, then swapped."""
+    from .ranking import m_bucket
+
+    bucketed = problem.model_copy(update={"m": m_bucket(problem.m)})
+    return bucketed.swapped() if tactic.swap_ab else bucketed
+
+
+def _run_one(
+    b: Backend, problem: Problem, t: Tactic, device: DeviceInfo, seed: int, tolerance: float
+) -> tuple[Status, str, str]:
+    """(status, message, category) for building and, if possible, running one tactic."""
+    from .dispatcher import launch
+    from .ranking import Candidate
+
+    try:
+        kernel = b.build(t, _kernel_problem(problem, t), device)
+    except Exception as exc:  # recorded as a failure of the plugin
+        return "FAIL", f"build() raised {_err(exc)}", "build"
+    if not callable(kernel):
+        return "FAIL", f"build() returned a non-callable {type(kernel).__name__}", "build"
+    if device.is_simulated:
+        return "PASS", "built (simulated device: not run)", "build"
+    tdev = torch.device(device.torch_device)
+    ops, ref = _operands(problem, tdev, seed)
+    dtype = getattr(torch, problem.out_dtype)
+    out = torch.full((problem.m, problem.n), float("nan"), dtype=dtype, device=tdev)
+    try:
+        launch(Candidate(b.name, b.family, t, 0.0, "conformance"), kernel, ops, out)
+        if tdev.type == "cuda":
+            torch.cuda.synchronize(tdev)
+    except Exception as exc:  # recorded as a failure of the plugin
+        return "FAIL", f"kernel raised {_err(exc)}", "numerics"
+    got = out.double().cpu()
+    unwritten = int(got.isnan().sum())
+    if unwritten:
+        return "FAIL", f"{unwritten} of {got.numel()} output elements not written (NaN)", "numerics"
+    err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+    if not err < tolerance:
+        return "FAIL", f"relative error {err:.3g} >= {tolerance}", "numerics"
+    return "PASS", f"relative error {err:.2e}", "numerics"
+
+
+def _check_runs(
+    report: ConformanceReport,
+    b: Backend,
+    per_problem: list[tuple[Problem, list[Tactic]]],
+    device: DeviceInfo,
+    samples: int,
+    seed: int,
+    tolerance: float,
+    show_progress: bool | None,
+) -> None:
+    rng = random.Random(seed)
+    jobs = [(p, t) for p, ts in per_problem for t in _sample(ts, samples, rng)]
+    results: dict[str, list[tuple[Status, str]]] = {"build": [], "numerics": []}
+    for i, (p, t) in enumerate(
+        progress(jobs, desc=f"conformance {b.name}", unit="tactic", enable=show_progress)
+    ):
+        status, msg, category = _run_one(b, p, t, device, seed + i, tolerance)
+        where = f"M={p.m} N={p.n} K={p.k} {p.out_dtype} {_json_of(t)}"
+        results[category].append((status, f"{where}: {msg}"))
+        if category == "numerics":
+            results["build"].append(("PASS", where))
+    if device.is_simulated:
+        report.add(
+            "numerics",
+            "reference",
+            "SKIP",
+            f"{device.name} is simulated: kernels are built, not run",
+            b.name,
+        )
+    for category, rows in results.items():
+        if not rows:
+            continue
+        bad = [m for s, m in rows if s == "FAIL"]
+        if bad:
+            report.add(
+                category, "sampled", "FAIL", f"{len(bad)} of {len(rows)}: {_quote(bad)}", b.name
+            )
+        else:
+            what = "built" if category == "build" else "match the reference"
+            report.add(category, "sampled", "PASS", f"{len(rows)} sampled tactics {what}", b.name)
+
+
+def check_backend(
+    backend: Backend,
+    device: str | DeviceInfo = "cpu",
+    problems: Sequence[Problem] | None = None,
+    samples: int = 4,
+    *,
+    seed: int = 0,
+    tolerance: float = DEFAULT_TOLERANCE,
+    show_progress: bool | None = None,
+    report: ConformanceReport | None = None,
+) -> ConformanceReport:
+    """Check one backend object (no entry point needed), e.g. while writing it.
+
+    ``samples`` tactics per problem are built and (on a device that runs kernels)
+    compared with the reference; every offered tactic is checked for type, JSON and
+    validity.
+    """
+    dev = device if isinstance(device, DeviceInfo) else resolve(device)
+    problems = DEFAULT_PROBLEMS if problems is None else tuple(problems)
+    name = getattr(backend, "name", type(backend).__name__)
+    report = report or ConformanceReport(str(name), dev.name)
+    if not _check_definition(report, backend):
+        return report
+    support = _supports(report, backend, dev)
+    if support is None:
+        return report
+    if not support.ok:
+        for cat in ("tactics", "json", "validity", "build", "numerics"):
+            report.add(
+                cat, "all", "SKIP", f"not supported on {dev.name}: {support.reason}", backend.name
+            )
+        return report
+    per_problem = []
+    for problem in problems:
+        got = _tactics_for(report, backend, problem, dev)
+        if got is not None:
+            per_problem.append((problem, got))
+    pairs = [(p, t) for p, ts in per_problem for t in ts]
+    if not pairs and per_problem:
+        report.add(
+            "tactics",
+            "any",
+            "FAIL",
+            "no valid tactic for any sample problem: the dispatcher would never pick "
+            "this backend (pass problems= it supports)",
+            backend.name,
+        )
+    _check_estimates(report, backend, pairs, dev)
+    distinct = list(dict.fromkeys(t for _, t in pairs))
+    if distinct:
+        _check_json(report, backend, distinct)
+        _check_validity(report, backend, pairs, dev)
+        _check_runs(report, backend, per_problem, dev, samples, seed, tolerance, show_progress)
+    return report
+
+
+# ---- the plugin, through its entry point ------------------------------------------------------
+
+
+def _check_load(report: ConformanceReport, entry_point: str) -> registry.Registry | None:
+    eps = [ep for ep in metadata.entry_points(group=registry.GROUP) if ep.name == entry_point]
+    if not eps:
+        names = sorted({ep.name for ep in metadata.entry_points(group=registry.GROUP)})
+        report.add(
+            "load",
+            "entry-point",
+            "FAIL",
+            f"no entry point {entry_point!r} in group {registry.GROUP!r} (installed: "
+            f"{', '.join(names) or 'none'}); add [project.entry-points.fp4_dispatch] "
+            f'{entry_point} = "your_package.module" and install the package',
+        )
+        return None
+    dists = ", ".join(f"{ep.value} ({ep.dist.name if ep.dist else '?'})" for ep in eps)
+    report.add("load", "entry-point", "PASS", dists)
+    reg = registry.load(strict=False)
+    mine = [p for p in reg.plugins if p.name == entry_point]
+    ok = True
+    for p in mine:
+        if p.status == "disabled":
+            report.add("load", "enabled", "FAIL", f"{p.target}: disabled ({p.reason})")
+            ok = False
+        for e in p.errors:
+            tail = e.traceback.strip().splitlines()[-3:]
+            report.add("load", e.stage, "FAIL", f"{e.error_type}: {e.message} [{' | '.join(tail)}]")
+            ok = False
+    backends = [n for p in mine for n in p.backends]
+    if not backends:
+        if ok:
+            report.add("load", "register", "FAIL", "the hook registered no backend")
+        return None
+    if ok:
+        report.add("load", "register", "PASS", f"registered {', '.join(backends)}")
+    return reg
+
+
+def _check_dispatcher(
+    report: ConformanceReport,
+    names: list[str],
+    dev: DeviceInfo,
+    problems: Sequence[Problem],
+    tolerance: float,
+) -> None:
+    """The real path: a Dispatcher lists, merges and runs the plugin's backends."""
+    from .dispatcher import Dispatcher
+
+    d = Dispatcher(device=dev, strict=False)
+    rows = {r.name: r for r in d.backends()}
+    for name in names:
+        row = rows.get(name)
+        if row is None or row.status == "failed":
+            why = "missing" if row is None else row.reason
+            report.add("dispatcher", "status", "FAIL", f"dispatcher lists it as {why}", name)
+            continue
+        report.add("dispatcher", "status", "PASS", f"{row.status}: {row.reason}", name)
+        if row.status != "available":
+            continue
+        kept, ran = 0, None
+        for problem in problems:
+            sl = d.candidates(problem.m, problem.n, problem.k, problem.out_dtype)
+            if name in sl.skipped:
+                report.add(
+                    "dispatcher",
+                    "merge",
+                    "FAIL",
+                    f"M={problem.m} N={problem.n} K={problem.k}: {sl.skipped[name]}",
+                    name,
+                )
+            mine = [c for c in sl.candidates if c.backend == name]
+            kept += len(mine)
+            if mine and ran is None and not dev.is_simulated:
+                ran = (problem, mine[0])
+        report.add(
+            "dispatcher",
+            "shortlist",
+            "PASS" if kept else "FAIL",
+            f"{kept} shortlisted candidates over {len(problems)} problems",
+            name,
+        )
+        if ran is not None:
+            problem, cand = ran
+            tdev = torch.device(dev.torch_device)
+            ops, ref = _operands(problem, tdev, 12345)
+            out = torch.full(
+                (problem.m, problem.n),
+                float("nan"),
+                dtype=getattr(torch, problem.out_dtype),
+                device=tdev,
+            )
+            try:
+                d.run_candidate(cand, ops, out)
+                got = out.double().cpu()
+                err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+            except Exception as exc:  # recorded as a failure of the plugin
+                report.add("dispatcher", "run", "FAIL", f"run_candidate raised {_err(exc)}", name)
+                continue
+            ok = err < tolerance  # NaN never passes
+            report.add(
+                "dispatcher",
+                "run",
+                "PASS" if ok else "FAIL",
+                f"top candidate {_json_of(cand.tactic)} at M={problem.m}: relative error {err:.2e}",
+                name,
+            )
+
+
+def check_plugin(
+    entry_point: str,
+    device: str | DeviceInfo = "cpu",
+    problems: Sequence[Problem] | None = None,
+    samples: int = 4,
+    *,
+    seed: int = 0,
+    tolerance: float = DEFAULT_TOLERANCE,
+    show_progress: bool | None = None,
+) -> ConformanceReport:
+    """Run every conformance check on the plugin installed as `entry_point`.
+
+    ``device``: "cpu", "cuda[:N]", or a simulated family ("sm100", ...) where kernels
+    are built but not run. Returns the report; call ``.raise_for_failures()`` to turn
+    failures into an exception. Plugin errors never escape: they are failed checks.
+    """
+    dev = device if isinstance(device, DeviceInfo) else resolve(device)
+    problems = DEFAULT_PROBLEMS if problems is None else tuple(problems)
+    report = ConformanceReport(entry_point, dev.name)
+    reg = _check_load(report, entry_point)
+    if reg is None:
+        return report
+    names = [n for p in reg.plugins if p.name == entry_point for n in p.backends]
+    for name in names:
+        check_backend(
+            reg.backends[name],
+            dev,
+            problems,
+            samples,
+            seed=seed,
+            tolerance=tolerance,
+            show_progress=show_progress,
+            report=report,
+        )
+    _check_dispatcher(report, names, dev, problems, tolerance)
+    return report
+
+
+# ---- pytest ---------------------------------------------------------------------------------
+
+_REPORTS: dict[tuple, ConformanceReport] = {}
+
+
+class PluginConformance:
+    """Subclass as ``class TestX(PluginConformance): entry_point = "x"`` in a test module.
+
+    One test per check category and device. ``devices``: where to check ("cuda" is
+    skipped without a GPU; simulated families build but do not run kernels); the
+    ``--fp4-device`` option (with ``-p fp4_dispatch.testing``) overrides it.
+    """
+
+    entry_point: str = ""
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    problems: Sequence[Problem] | None = None
+    samples: int = 4
+    tolerance: float = DEFAULT_TOLERANCE
+
+    def pytest_generate_tests(self, metafunc: Any) -> None:
+        if "fp4_device" in metafunc.fixturenames:
+            forced = _device_option(metafunc.config)
+            devices = (forced,) if forced else tuple(self.devices)
+            metafunc.parametrize("fp4_device", devices)
+
+    def _report(self, device: str) -> ConformanceReport:
+        import pytest
+
+        if not self.entry_point:
+            pytest.fail(f"{type(self).__name__}.entry_point is not set")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        problems = None if self.problems is None else tuple(self.problems)
+        key = (self.entry_point, device, problems, self.samples, self.tolerance)
+        if key not in _REPORTS:
+            _REPORTS[key] = check_plugin(
+                self.entry_point, device, problems, self.samples, tolerance=self.tolerance
+            )
+        return _REPORTS[key]
+
+    def _expect(self, category: str, device: str) -> None:
+        import pytest
+
+        report = self._report(device)
+        checks = report.of(category)
+        failed = [c for c in checks if c.status == "FAIL"]
+        if failed:
+            pytest.fail("\n".join(str(c) for c in failed), pytrace=False)
+        if not any(c.status == "PASS" for c in checks):
+            why = "; ".join(c.message for c in checks) or "not reached (see earlier failures)"
+            if category in ("load", "backend") or not report.passed:
+                pytest.fail(f"{category}: no check passed ({why})", pytrace=False)
+            pytest.skip(f"{category}: {why}")
+
+    def test_loads_through_entry_point(self, fp4_device: str) -> None:
+        self._expect("load", fp4_device)
+
+    def test_backend_contract(self, fp4_device: str) -> None:
+        self._expect("backend", fp4_device)
+
+    def test_tactics_are_proper(self, fp4_device: str) -> None:
+        self._expect("tactics", fp4_device)
+
+    def test_tactics_round_trip_json(self, fp4_device: str) -> None:
+        self._expect("json", fp4_device)
+
+    def test_tactics_valid_for_problems(self, fp4_device: str) -> None:
+        self._expect("validity", fp4_device)
+
+    def test_dispatcher_merges_and_runs(self, fp4_device: str) -> None:
+        self._expect("dispatcher", fp4_device)
+
+    def test_sampled_tactics_build(self, fp4_device: str) -> None:
+        self._expect("build", fp4_device)
+
+    def test_sampled_tactics_match_reference(self, fp4_device: str) -> None:
+        self._expect("numerics", fp4_device)
+
+
+def _device_option(config: Any) -> str | None:
+    """``--fp4-device``; None when not given or this module is not loaded as a plugin."""
+    return config.getoption("fp4_device", default=None)
+
+
+def pytest_addoption(parser: Any) -> None:
+    """With ``-p fp4_dispatch.testing``: ``--fp4-device`` for PluginConformance classes."""
+    group = parser.getgroup("fp4-dispatch", "fp4-dispatch plugin conformance")
+    group.addoption(
+        "--fp4-device",
+        default=None,
+        help="device for PluginConformance tests (cpu, cuda, sm100, ...)",
+    )
+
+
+if importlib.util.find_spec("pytest") is not None:
+    import pytest
+
+    @pytest.fixture
+    def fp4_conformance(request: Any) -> Callable[..., ConformanceReport]:
+        """``fp4_conformance("myplugin", device=None, **kw)``: check_plugin, failing the test.
+
+        ``device`` defaults to ``--fp4-device`` or "cpu".
+        """
+
+        def run(entry_point: str, device: str | None = None, **kwargs: Any) -> ConformanceReport:
+            dev = device or _device_option(request.config) or "cpu"
+            report = check_plugin(entry_point, dev, **kwargs)
+            if not report.ok:
+                pytest.fail(report.summary(failures_only=True), pytrace=False)
+            return report
+
+        return run

@@ -1,0 +1,497 @@
+"""PyTorch integration: custom ops that torch.compile traces and CUDA graphs capture.
+
+Why: a serving stack compiles its model (``torch.compile(fullgraph=True)``) and replays
+decode steps from CUDA graphs. The dispatcher's Python (ranking, pydantic models, plan
+memo, kernel builds) must therefore sit behind an opaque op with a shape-only "fake"
+implementation, and must do nothing inside a capture that a capture cannot record.
+
+Ops, namespace ``fp4_dispatch`` (``torch.ops.fp4_dispatch.*``):
+
+- ``quantize(x, global_scale=None) -> (data, scale, global_scale)``: NVFP4 quantization
+  of a 2-D activation, bit-identical to `quantize_nvfp4` (swizzled scales) but with no
+  host synchronisation (no NaN check, no ``float(tensor)``), so it is capturable.
+- ``gemm(a_data, a_scale, b_data, b_scale, alpha, out_dtype, dispatcher=-1) -> out``:
+  ``out = alpha * dequant(a) @ dequant(b).T`` through a `Dispatcher`.
+- ``gemm_out(..., out, dispatcher=-1)``: the same, writing a caller's ``out``.
+
+``dispatcher`` is an int: `dispatcher_id` of a registered `Dispatcher`, or -1 for the
+per-device default (`default_dispatcher`). An int keeps the op schema plain and lets a
+compiled graph hold the choice as a constant.
+
+CUDA graphs. Outside a capture the op calls ``Dispatcher.run`` (which may rank, build,
+compile and - under the tuning helper's ``autotuning()`` - tune) and then records the
+plan that ran for that exact (M, N, K, out dtype) as *warm*. Inside a capture
+(``torch.cuda.is_current_stream_capturing()``) it never ranks, builds, compiles or
+tunes: it launches the memoized plan for the exact shape if that plan is the one that
+ran eagerly, and otherwise raises `CaptureNotWarmError` (nothing is launched; the
+capture fails loudly instead of recording a JIT compile, an allocation or a host sync).
+So an *untuned* bucket hit during capture runs the heuristic top-1 that the warm-up
+ran - never a tuning pass - and a shape that was never run eagerly is an error that
+names the shape and the fix: run the model once at that shape before capturing (what
+``torch.compile(mode="reduce-overhead")`` and the usual side-stream warm-up do), or
+call `warmup`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import checks
+from .backend import GemmOperands
+from .nvfp4 import (
+    BLOCK_SIZE,
+    E2M1_MAX,
+    E4M3_MAX,
+    Nvfp4Tensor,
+    pack_e2m1,
+    quantize_nvfp4,
+    round_to_e2m1,
+    swizzle_scales,
+)
+from .progress import progress
+
+if TYPE_CHECKING:
+    from .dispatcher import Dispatcher
+    from .ranking import Candidate
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CaptureNotWarmError",
+    "default_dispatcher",
+    "dispatcher_id",
+    "gemm",
+    "gemm_operands",
+    "get_dispatcher",
+    "is_warm",
+    "quantize",
+    "run",
+    "stream_capturing",
+    "warmup",
+]
+
+#: the ``dispatcher`` argument meaning "the default dispatcher of the operands' device"
+DEFAULT = -1
+
+PlanKey = tuple[int, int, int, str]
+
+
+class CaptureNotWarmError(RuntimeError):
+    """A GEMM shape reached a CUDA graph capture before it had ever run eagerly."""
+
+
+# ---- which dispatcher ------------------------------------------------------------------
+
+_lock = threading.Lock()
+_next_id = itertools.count(1)
+_by_id: weakref.WeakValueDictionary[int, Dispatcher] = weakref.WeakValueDictionary()
+_id_of: weakref.WeakKeyDictionary[Dispatcher, int] = weakref.WeakKeyDictionary()
+_defaults: dict[str, Dispatcher] = {}
+#: dispatcher -> exact problem key -> the (Candidate, Kernel) plan that ran eagerly
+_warm: weakref.WeakKeyDictionary[Dispatcher, dict[PlanKey, tuple]] = weakref.WeakKeyDictionary()
+#: dispatcher -> keys whose capture was already logged (once each)
+_announced: weakref.WeakKeyDictionary[Dispatcher, set[PlanKey]] = weakref.WeakKeyDictionary()
+
+
+@torch.compiler.assume_constant_result
+def dispatcher_id(dispatcher: Dispatcher) -> int:
+    """The op-level id of `dispatcher` (registered on first use, held weakly).
+
+    Under torch.compile this runs at trace time and the id becomes a constant of the
+    graph (dynamo guards on the dispatcher object, so another one recompiles).
+    """
+    with _lock:
+        did = _id_of.get(dispatcher)
+        if did is None:
+            did = next(_next_id)
+            _id_of[dispatcher] = did
+            _by_id[did] = dispatcher
+        return did
+
+
+def _device_key(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
+def default_dispatcher(device: torch.device | str = "cpu") -> Dispatcher:
+    """The shared `Dispatcher` for a torch device (created on first use, then reused)."""
+    from .dispatcher import Dispatcher
+
+    key = _device_key(device)
+    with _lock:
+        d = _defaults.get(key)
+    if d is None:
+        d = Dispatcher(device=key)
+        with _lock:
+            d = _defaults.setdefault(key, d)
+    return d
+
+
+def get_dispatcher(did: int, device: torch.device) -> Dispatcher:
+    """Resolve the op's ``dispatcher`` argument (see module docstring)."""
+    if did == DEFAULT:
+        return default_dispatcher(device)
+    d = _by_id.get(did)
+    if d is None:
+        raise RuntimeError(
+            f"fp4_dispatch op: dispatcher #{did} no longer exists (it was garbage-collected "
+            "while a graph or module still referred to it); keep a reference to it"
+        )
+    return d
+
+
+def _check_device(d: Dispatcher, t: torch.Tensor, name: str = "a_data") -> torch.device:
+    """The dispatcher's torch device; raises unless `t` lives there and it is real."""
+    if d.device.is_simulated:
+        raise RuntimeError(
+            f"{d.device.name} is simulated: it ranks and compiles but runs nothing; "
+            "use a Dispatcher on the real device to run a GEMM"
+        )
+    want = torch.device(d.device.torch_device)
+    if t.device != want:
+        raise ValueError(
+            f"{name}: expected a tensor on the dispatcher's device {want}, got {t.device}"
+        )
+    return want
+
+
+# ---- capture state -----------------------------------------------------------------------
+
+
+def stream_capturing() -> bool:
+    """True while the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def is_warm(d: Dispatcher, m: int, n: int, k: int, out_dtype: torch.dtype) -> bool:
+    """Whether a GEMM of this exact shape may run inside a CUDA graph capture."""
+    key = (m, n, k, checks.out_dtype_name(out_dtype))
+    plan = d.cached_plan(*key)
+    return plan is not None and _warm.get(d, {}).get(key) is plan
+
+
+def _not_warm(d: Dispatcher, key: PlanKey, why: str) -> CaptureNotWarmError:
+    m, n, k, dtype = key
+    return CaptureNotWarmError(
+        f"fp4_dispatch: GEMM M={m} N={n} K={k} out={dtype} on {d.device.name} reached a "
+        f"CUDA graph capture {why}. Inside a capture nothing is ranked, built, compiled, "
+        "allocated or tuned, so the kernel must have run at this exact shape beforehand. "
+        "Run the model once at this shape before capturing (torch.compile "
+        "mode='reduce-overhead' does), or call fp4_dispatch.torch_ops.warmup(dispatcher, "
+        f"[({m}, {n}, {k})]). Nothing was launched; this capture is invalid."
+    )
+
+
+def _launch_captured(d: Dispatcher, key: PlanKey, ops: GemmOperands, out: torch.Tensor) -> None:
+    from .dispatcher import launch
+
+    plan = d.cached_plan(*key)
+    warm = _warm.get(d, {}).get(key)
+    if plan is None or warm is None:
+        raise _not_warm(d, key, "without ever having run eagerly")
+    if warm is not plan:
+        raise _not_warm(d, key, "after its plan changed since it last ran (re-tuned?)")
+    candidate, kernel = plan
+    seen = _announced.setdefault(d, set())
+    if key not in seen:
+        seen.add(key)
+        log.info(
+            "capturing %s for M=%d N=%d K=%d (%s)", candidate.backend, *key[:3], candidate.reason
+        )
+    launch(candidate, kernel, ops, out)
+
+
+# ---- the ops -----------------------------------------------------------------------------
+
+
+def _execute(d: Dispatcher, ops: GemmOperands, out: torch.Tensor, dtype: str) -> None:
+    """Run checked operands: eagerly through ``Dispatcher.run``, or replay-safely in a capture."""
+    m, n, k = ops.m, ops.n, ops.k
+    if m == 0 or n == 0:
+        return  # an empty product (e.g. an empty batch): nothing to compute
+    key = (m, n, k, dtype)
+    if stream_capturing():
+        _launch_captured(d, key, ops, out)
+        return
+    d.run(ops, out, dtype)
+    plan = d.cached_plan(*key)
+    if plan is not None:
+        _warm.setdefault(d, {})[key] = plan
+
+
+def _resolve(dispatcher: Dispatcher | None, device: torch.device) -> Dispatcher:
+    """`dispatcher`, or the default one of `device` (never first created inside a capture)."""
+    if dispatcher is not None:
+        return dispatcher
+    if stream_capturing() and _device_key(device) not in _defaults:
+        raise CaptureNotWarmError(
+            f"fp4_dispatch: the default dispatcher of {device} was first needed inside a "
+            "CUDA graph capture; run the model once before capturing"
+        )
+    return default_dispatcher(device)
+
+
+def _op_impl(
+    did: int,
+    a_data: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    alpha: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """The ops' body: check the plain-tensor operands (the op is public), then execute."""
+    a_data = checks.fp4_data("a_data", a_data)
+    b_data = checks.fp4_data("b_data", b_data)
+    m, n = a_data.shape[0], b_data.shape[0]
+    k = checks.k_dims(a_data.shape[1] * 2, b_data.shape[1] * 2, ("a_data", "b_data"))
+    dtype = checks.out_dtype_name(out.dtype)
+    if tuple(out.shape) != (m, n):
+        raise ValueError(f"out: expected shape {(m, n)}, got {tuple(out.shape)}")
+    if not (a_data.is_contiguous() and b_data.is_contiguous()):
+        raise ValueError("a_data and b_data: expected contiguous [rows, K/2] tensors")
+    d = _resolve(None, a_data.device) if did == DEFAULT else get_dispatcher(did, a_data.device)
+    device = _check_device(d, a_data)
+    checks.same_device(device, a_scale=a_scale, b_data=b_data, b_scale=b_scale, out=out)
+    ops = GemmOperands(
+        a_data,
+        checks.swizzled_scale("a_scale", a_scale, m, k),
+        b_data,
+        checks.swizzled_scale("b_scale", b_scale, n, k),
+        checks.alpha_tensor(alpha, device),
+    )
+    _execute(d, ops, out, dtype)
+
+
+@torch.library.custom_op("fp4_dispatch::gemm", mutates_args=())
+def _gemm_op(
+    a_data: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    alpha: torch.Tensor,
+    out_dtype: torch.dtype,
+    dispatcher: int = DEFAULT,
+) -> torch.Tensor:
+    out = torch.empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype, device=a_data.device)
+    _op_impl(dispatcher, a_data, a_scale, b_data, b_scale, alpha, out)
+    return out
+
+
+@_gemm_op.register_fake
+def _gemm_fake(a_data, a_scale, b_data, b_scale, alpha, out_dtype, dispatcher=DEFAULT):
+    return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("fp4_dispatch::gemm_out", mutates_args=("out",))
+def _gemm_out_op(
+    a_data: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    alpha: torch.Tensor,
+    out: torch.Tensor,
+    dispatcher: int = DEFAULT,
+) -> None:
+    _op_impl(dispatcher, a_data, a_scale, b_data, b_scale, alpha, out)
+
+
+@_gemm_out_op.register_fake
+def _gemm_out_fake(a_data, a_scale, b_data, b_scale, alpha, out, dispatcher=DEFAULT):
+    return None
+
+
+def _quantize_eager(
+    x: torch.Tensor, global_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_nvfp4`'s arithmetic, step for step, minus its host-synchronising checks."""
+    r, k = x.shape
+    xf = x.to(torch.float32)
+    if global_scale is None:
+        amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
+        g = amax / (E2M1_MAX * E4M3_MAX)
+        g = torch.where(g == 0, torch.ones_like(g), g)  # all zeros, or underflow
+    else:
+        # a copy: an op's output may not alias its input
+        g = global_scale.detach().reshape(()).to(device=x.device, dtype=torch.float32).clone()
+    kb = k // BLOCK_SIZE
+    blocks = xf.reshape(r, kb, BLOCK_SIZE)
+    block_amax = blocks.abs().amax(dim=-1) if xf.numel() else xf.new_zeros((r, kb))
+    scale = (block_amax / E2M1_MAX / g).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    denom = scale.to(torch.float32) * g
+    nonzero = denom > 0
+    y = torch.where(
+        nonzero.unsqueeze(-1),
+        blocks / torch.where(nonzero, denom, torch.ones_like(denom)).unsqueeze(-1),
+        torch.zeros_like(blocks),
+    )
+    data = pack_e2m1(round_to_e2m1(y).reshape(r, k))
+    return data, swizzle_scales(scale), g
+
+
+def _check_quantize_input(x: torch.Tensor) -> None:
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"x: expected dtype float32, float16 or bfloat16, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-D tensor [R, K], got shape {tuple(x.shape)}")
+    if x.shape[1] % 32:
+        raise ValueError(f"x: K must be a multiple of 32 for the GEMM, got K={x.shape[1]}")
+
+
+@torch.library.custom_op("fp4_dispatch::quantize", mutates_args=())
+def _quantize_op(
+    x: torch.Tensor, global_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_quantize_input(x)
+    return _quantize_eager(x, global_scale)
+
+
+@_quantize_op.register_fake
+def _quantize_fake(x, global_scale=None):
+    _check_quantize_input(x)
+    r, k = x.shape
+    rows = (r + 127) // 128 * 128
+    cols = (k // BLOCK_SIZE + 3) // 4 * 4
+    return (
+        x.new_empty((r, k // 2), dtype=torch.uint8),
+        x.new_empty((rows, cols), dtype=torch.float8_e4m3fn),
+        x.new_empty((), dtype=torch.float32),
+    )
+
+
+# ---- the public functions ----------------------------------------------------------------
+
+
+def quantize(
+    x: torch.Tensor, global_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D activation ``[M, K]`` (``K % 32 == 0``) without host syncs.
+
+    Returns ``(data uint8 [M, K/2], scale e4m3 swizzled, global_scale float32 [])`` -
+    the fields of the `Nvfp4Tensor` `quantize_nvfp4` would give, bit for bit.
+    ``global_scale`` (a float32 tensor, decode multiplier) fixes the per-tensor scale,
+    e.g. a calibrated static one; None computes ``amax / (6 * 448)`` on the device.
+    NaN/inf inputs are not checked here (that would synchronise): they give meaningless
+    codes. Under torch.compile this is the ``fp4_dispatch::quantize`` op; eagerly the
+    same code runs without the op's dispatch overhead.
+    """
+    if torch.compiler.is_compiling():
+        return torch.ops.fp4_dispatch.quantize(x, global_scale)
+    _check_quantize_input(x)
+    return _quantize_eager(x, global_scale)
+
+
+def run(
+    dispatcher: Dispatcher | None,
+    a_data: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    alpha: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``alpha * dequant(a) @ dequant(b).T`` on already checked operands.
+
+    Operands as in `GemmOperands` (swizzled scales, ``alpha`` one float32 element);
+    ``dispatcher`` None means the default dispatcher of the operands' device. Under
+    torch.compile this becomes the ``fp4_dispatch::gemm`` (or ``gemm_out``) op, so the
+    graph holds one opaque call and no dispatcher Python; eagerly it runs the same
+    code directly (a custom op's dispatch costs tens of microseconds of host time, more
+    than a decode GEMM). Both paths obey the CUDA-graph rules of this module.
+    """
+    if torch.compiler.is_compiling():
+        did = DEFAULT if dispatcher is None else dispatcher_id(dispatcher)
+        if out is None:
+            return torch.ops.fp4_dispatch.gemm(
+                a_data, a_scale, b_data, b_scale, alpha, out_dtype, did
+            )
+        torch.ops.fp4_dispatch.gemm_out(a_data, a_scale, b_data, b_scale, alpha, out, did)
+        return out
+    d = _resolve(dispatcher, a_data.device)
+    _check_device(d, a_data)
+    dtype = checks.out_dtype_name(out_dtype)
+    if out is None:
+        out = torch.empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype, device=a_data.device)
+    _execute(d, GemmOperands(a_data, a_scale, b_data, b_scale, alpha), out, dtype)
+    return out
+
+
+def gemm_operands(
+    dispatcher: Dispatcher, qa: Nvfp4Tensor, qb: Nvfp4Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """Check `Dispatcher.gemm`'s arguments; return the op's (a, sa, b, sb, alpha)."""
+    qa, qb = checks.nvfp4_operand("qa", qa), checks.nvfp4_operand("qb", qb)
+    checks.out_dtype_name(out_dtype)
+    checks.k_dims(qa.k, qb.k)
+    device = _check_device(dispatcher, qa.data, "qa")
+    checks.same_device(device, qb=qb.data)
+    qa, qb = qa.with_layout("swizzled"), qb.with_layout("swizzled")
+    alpha = (qa.global_scale * qb.global_scale).reshape(1)
+    return qa.data, qa.scale, qb.data, qb.scale, alpha
+
+
+def gemm(
+    dispatcher: Dispatcher,
+    qa: Nvfp4Tensor,
+    qb: Nvfp4Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`Dispatcher.gemm`, compile- and capture-ready: ``dequant(qa) @ dequant(qb).T``.
+
+    Argument checks run in Python (dynamo traces them); the GEMM runs through `run`.
+    """
+    a, sa, b, sb, alpha = gemm_operands(dispatcher, qa, qb, out_dtype)
+    checked = checks.out_tensor(out, qa.rows, qb.rows, out_dtype, a.device)
+    return run(dispatcher, a, sa, b, sb, alpha, out_dtype, checked)
+
+
+def warmup(
+    dispatcher: Dispatcher,
+    shapes: Iterable[tuple[int, int, int]],
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    show_progress: bool | None = None,
+) -> dict[PlanKey, Candidate]:
+    """Run one GEMM per exact (M, N, K) eagerly so those shapes may be graph-captured.
+
+    This plans (and, inside ``Dispatcher.autotuning()``, tunes), builds, JIT-compiles and
+    allocates workspaces outside any capture. Returns the candidate each shape will run.
+    Must not be called while capturing.
+    """
+    if stream_capturing():
+        raise RuntimeError("warmup() must run before the CUDA graph capture, not inside it")
+    device = torch.device(dispatcher.device.torch_device)
+    dtype = checks.out_dtype_name(out_dtype)
+    shapes = [tuple(int(v) for v in s) for s in shapes]
+    gen = torch.Generator().manual_seed(0)
+    done: dict[PlanKey, Candidate] = {}
+    for m, n, k in progress(
+        shapes, desc="fp4_dispatch warm-up", unit="shape", enable=show_progress
+    ):
+        qa = quantize_nvfp4(torch.randn(m, k, generator=gen).to(device))
+        qb = quantize_nvfp4(torch.randn(n, k, generator=gen).to(device))
+        gemm(dispatcher, qa, qb, out_dtype)
+        plan = dispatcher.cached_plan(m, n, k, dtype)
+        if plan is not None:
+            done[(m, n, k, dtype)] = plan[0]
+            log.debug(
+                "warm: M=%d N=%d K=%d -> %s %s",
+                m,
+                n,
+                k,
+                plan[0].backend,
+                plan[0].tactic.canonical_json(),
+            )
+    return done

@@ -1,0 +1,296 @@
+"""The torch integration: custom ops, torch.compile without graph breaks, CUDA-graph rules.
+
+CUDA-graph capture is simulated on the CPU by making ``torch.cuda.is_initialized`` and
+``torch.cuda.is_current_stream_capturing`` answer True; the real capture runs in
+``benchmarks/cuda_graph_check.py`` on a GPU. One torch.compile here (aot_eager backend,
+a few seconds); the inductor compile lives in test_nn.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import pytest
+import torch
+
+from fp4_dispatch import Dispatcher, Nvfp4Tensor, quantize_nvfp4, reference_gemm, torch_ops
+from fp4_dispatch.progress import ENV as PROGRESS_ENV
+from fp4_dispatch.progress import enabled, progress
+from fp4_dispatch.torch_ops import CaptureNotWarmError
+
+OPCHECK_UTILS = ("test_faketensor", "test_aot_dispatch_dynamic")  # test_schema: no fp8 allclose
+
+
+@pytest.fixture(scope="module")
+def dispatcher():
+    return Dispatcher(device="cpu")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def alpha_of(qa, qb) -> torch.Tensor:
+    return (qa.global_scale * qb.global_scale).reshape(1)
+
+
+# ---- quantize ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 64), (37, 128), (130, 96)])
+def test_quantize_is_bit_identical_to_quantize_nvfp4(dtype, shape):
+    g = torch.Generator().manual_seed(shape[0])
+    x = (torch.randn(*shape, generator=g) * 5).to(dtype)
+    x[0, :16] = 0  # an all-zero block: scale 0, codes 0
+    q = quantize_nvfp4(x)
+    for data, scale, gs in (torch_ops.quantize(x), torch.ops.fp4_dispatch.quantize(x)):
+        assert torch.equal(data, q.data)
+        assert torch.equal(scale.view(torch.uint8), q.scale.view(torch.uint8))
+        assert torch.equal(gs, q.global_scale) and gs.shape == ()
+
+
+def test_quantize_static_scale_and_all_zero_input():
+    x = torch.randn(8, 64)
+    s = torch.tensor(0.003)
+    data, scale, gs = torch_ops.quantize(x, s)
+    q = quantize_nvfp4(x, global_scale=s)
+    assert torch.equal(data, q.data) and torch.equal(
+        scale.view(torch.uint8), q.scale.view(torch.uint8)
+    )
+    assert float(gs) == pytest.approx(0.003) and gs.data_ptr() != s.data_ptr()
+    data, scale, gs = torch_ops.quantize(torch.zeros(4, 32))
+    assert float(gs) == 1.0 and not data.any() and not scale.view(torch.uint8).any()
+
+
+def test_quantize_rejects_bad_input():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        torch_ops.quantize(torch.randn(4, 48))
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        torch_ops.quantize(torch.zeros(4, 64, dtype=torch.int32))
+    with pytest.raises(ValueError, match="2-D"):
+        torch_ops.quantize(torch.zeros(64))
+
+
+def test_ops_pass_opcheck(dispatcher, operands):
+    """Schema, fake (meta) implementations and aot dispatch with dynamic shapes."""
+    qa, qb = operands(8, 64, 128)
+    did = torch_ops.dispatcher_id(dispatcher)
+    a = (qa.data, qa.scale, qb.data, qb.scale, alpha_of(qa, qb))
+    out = torch.empty(8, 64, dtype=torch.float16)
+    cases = [
+        (torch.ops.fp4_dispatch.gemm.default, (*a, torch.bfloat16, did)),
+        (torch.ops.fp4_dispatch.gemm.default, (*a, torch.float16, torch_ops.DEFAULT)),
+        (torch.ops.fp4_dispatch.gemm_out.default, (*a, out, did)),
+        (torch.ops.fp4_dispatch.quantize.default, (torch.randn(8, 128), None)),
+        (
+            torch.ops.fp4_dispatch.quantize.default,
+            (torch.randn(8, 64).bfloat16(), torch.tensor(0.1)),
+        ),
+    ]
+    for op, args in cases:
+        result = torch.library.opcheck(op, args, test_utils=OPCHECK_UTILS)
+        assert set(result.values()) == {"SUCCESS"}, (op, result)
+
+
+# ---- the gemm ops --------------------------------------------------------------------------
+
+
+def test_gemm_op_matches_reference_and_dispatcher(dispatcher, operands):
+    qa, qb = operands(37, 96, 128)
+    ref = reference_gemm(qa, qb)
+    did = torch_ops.dispatcher_id(dispatcher)
+    y = torch.ops.fp4_dispatch.gemm(
+        qa.data, qa.scale, qb.data, qb.scale, alpha_of(qa, qb), torch.float16, did
+    )
+    assert y.dtype == torch.float16 and rel_err(y, ref) < 5e-3
+    assert torch.equal(torch_ops.gemm(dispatcher, qa, qb), dispatcher.gemm(qa, qb))
+    out = torch.full((37, 96), float("nan"), dtype=torch.bfloat16)
+    assert torch_ops.gemm(dispatcher, qa.with_layout("linear"), qb, out=out) is out
+    assert rel_err(out, ref) < 5e-3
+    y = torch_ops.run(None, qa.data, qa.scale, qb.data, qb.scale, alpha_of(qa, qb))
+    assert rel_err(y, ref) < 5e-3  # the default dispatcher of the CPU
+
+
+def test_dispatcher_ids_are_stable_distinct_and_weak(operands):
+    d1, d2 = Dispatcher(device="cpu"), Dispatcher(device="cpu")
+    i1 = torch_ops.dispatcher_id(d1)
+    assert i1 == torch_ops.dispatcher_id(d1) != torch_ops.dispatcher_id(d2)
+    assert torch_ops.get_dispatcher(i1, torch.device("cpu")) is d1
+    assert torch_ops.default_dispatcher("cpu") is torch_ops.default_dispatcher(torch.device("cpu"))
+    del d1
+    gc.collect()
+    qa, qb = operands(4, 32, 64)
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        torch.ops.fp4_dispatch.gemm(
+            qa.data, qa.scale, qb.data, qb.scale, alpha_of(qa, qb), torch.bfloat16, i1
+        )
+
+
+def test_gemm_op_checks_its_operands(dispatcher, operands):
+    qa, qb = operands(8, 32, 64)
+    did = torch_ops.dispatcher_id(dispatcher)
+    op = torch.ops.fp4_dispatch.gemm
+    with pytest.raises(ValueError, match="K must match"):
+        _, qc = operands(8, 32, 128)
+        op(qa.data, qa.scale, qc.data, qc.scale, alpha_of(qa, qb), torch.bfloat16, did)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        op(qa.data, qa.scale.float(), qb.data, qb.scale, alpha_of(qa, qb), torch.bfloat16, did)
+    with pytest.raises(TypeError, match="out_dtype"):
+        op(qa.data, qa.scale, qb.data, qb.scale, alpha_of(qa, qb), torch.float32, did)
+    sim = Dispatcher(device="sm100")
+    with pytest.raises(RuntimeError, match="simulated"):
+        torch_ops.gemm(sim, qa, qb)
+    empty = torch_ops.run(dispatcher, qa.data[:0], qa.scale, qb.data, qb.scale, alpha_of(qa, qb))
+    assert empty.shape == (0, 32)
+
+
+# ---- torch.compile -------------------------------------------------------------------------
+
+
+def _op_targets(gm: torch.fx.GraphModule) -> set[str]:
+    return {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def test_torch_ops_gemm_traces_in_one_graph(operands):
+    """dynamo traces the checks and Nvfp4Tensor access; the GEMM stays one opaque op."""
+    d = Dispatcher(device="cpu")
+    qa, qb = operands(8, 64, 128)
+    explained = torch._dynamo.explain(lambda a, b: torch_ops.gemm(d, a, b))(qa, qb)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    assert "fp4_dispatch.gemm" in _op_targets(explained.graphs[0])
+    assert set(d._plans) == {(8, 64, 128, "bfloat16")}  # explain ran it: the op planned it
+
+
+@pytest.mark.slow
+def test_module_calling_dispatcher_gemm_compiles_fullgraph(operands):
+    """The issue's requirement: ``Dispatcher.gemm`` inside a compiled module, no graph break.
+
+    Fresh dispatcher (nothing memoized), dynamic M, backend aot_eager (dynamo + fake
+    tensors + functionalization; the inductor compile is in test_nn.py).
+    """
+    d = Dispatcher(device="cpu")
+    _, qb = operands(1, 64, 128)
+
+    class Head(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            data, scale, gs = torch_ops.quantize(x)  # quantize_nvfp4 syncs (NaN check)
+            qa = Nvfp4Tensor(data, scale, gs, "swizzled", (x.shape[0], x.shape[1]))
+            return d.gemm(qa, qb).float().relu()
+
+    compiled = torch.compile(Head(), fullgraph=True, dynamic=True, backend="aot_eager")
+    for m in (3, 17):
+        x = torch.randn(m, 128)
+        got = compiled(x)
+        assert got.shape == (m, 64)
+        assert rel_err(got, reference_gemm(quantize_nvfp4(x), qb).relu()) < 5e-3
+    assert set(d._plans) == {(3, 64, 128, "bfloat16"), (17, 64, 128, "bfloat16")}
+
+
+# ---- CUDA-graph capture rules (simulated) ---------------------------------------------------
+
+
+@pytest.fixture
+def capturing(monkeypatch):
+    """``capturing(True)`` makes the ops believe a CUDA graph capture is in progress."""
+
+    def set_capturing(on: bool) -> None:
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: on)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: on)
+
+    yield set_capturing
+    set_capturing(False)
+
+
+def _forbid_planning(monkeypatch, d: Dispatcher) -> None:
+    def forbidden(*args, **kwargs):
+        raise AssertionError("ranked, built or ran through Dispatcher.run inside a capture")
+
+    for name in ("select", "kernel_for", "run", "run_candidate"):
+        monkeypatch.setattr(d, name, forbidden)
+
+
+def test_capture_of_a_shape_never_run_raises_and_launches_nothing(operands, capturing, monkeypatch):
+    d = Dispatcher(device="cpu")
+    qa, qb = operands(5, 48, 64)
+    out = torch.full((5, 48), float("nan"), dtype=torch.bfloat16)
+    _forbid_planning(monkeypatch, d)
+    capturing(True)
+    with pytest.raises(CaptureNotWarmError, match=r"M=5 N=48 K=64 .*without ever having run") as e:
+        torch_ops.gemm(d, qa, qb, out=out)
+    assert "warmup" in str(e.value)
+    assert out.isnan().all()
+    assert not d._plans and not torch_ops.is_warm(d, 5, 48, 64, torch.bfloat16)
+
+
+def test_capture_replays_the_warm_plan_only_for_the_exact_shape(operands, capturing, monkeypatch):
+    d = Dispatcher(device="cpu")
+    qa, qb = operands(8, 48, 64)
+    eager = torch_ops.gemm(d, qa, qb)
+    assert torch_ops.is_warm(d, 8, 48, 64, torch.bfloat16)
+    planned = d._plans[(8, 48, 64, "bfloat16")]
+    assert planned[0] == d.select(8, 48, 64)  # untuned bucket: the heuristic top-1
+    _forbid_planning(monkeypatch, d)
+    capturing(True)
+    out = torch.full((8, 48), float("nan"), dtype=torch.bfloat16)
+    torch_ops.gemm(d, qa, qb, out=out)
+    assert torch.equal(out, eager)
+    qa5, _ = operands(5, 48, 64)
+    with pytest.raises(CaptureNotWarmError, match="M=5 N=48 K=64"):  # same bucket, other M
+        torch_ops.gemm(d, qa5, qb)
+    with pytest.raises(CaptureNotWarmError, match="float16"):  # other output dtype
+        torch_ops.gemm(d, qa, qb, out_dtype=torch.float16)
+
+
+def test_capture_after_the_plan_changed_raises(operands, capturing):
+    d = Dispatcher(device="cpu")
+    qa, qb = operands(8, 48, 64)
+    torch_ops.gemm(d, qa, qb)
+    key = (8, 48, 64, "bfloat16")
+    cand, kernel = d._plans[key]
+    d._plans[key] = (cand, kernel)  # e.g. re-tuned: a new plan object, never run
+    capturing(True)
+    with pytest.raises(CaptureNotWarmError, match="plan changed"):
+        torch_ops.gemm(d, qa, qb)
+
+
+def test_capture_never_creates_the_default_dispatcher(operands, capturing, monkeypatch):
+    monkeypatch.setattr(torch_ops, "_defaults", {})
+    qa, qb = operands(4, 32, 64)
+    capturing(True)
+    with pytest.raises(CaptureNotWarmError, match="default dispatcher"):
+        torch_ops.run(None, qa.data, qa.scale, qb.data, qb.scale, alpha_of(qa, qb))
+    assert torch_ops._defaults == {}
+
+
+def test_warmup_makes_shapes_capturable(capturing, monkeypatch, capsys):
+    monkeypatch.setenv(PROGRESS_ENV, "0")
+    d = Dispatcher(device="cpu")
+    shapes = [(1, 64, 128), (3, 64, 128), (16, 32, 64)]
+    picked = torch_ops.warmup(d, shapes)
+    assert set(picked) == {(*s, "bfloat16") for s in shapes}
+    assert all(c.backend in {b.name for b in d.available} for c in picked.values())
+    assert all(torch_ops.is_warm(d, *s, torch.bfloat16) for s in shapes)
+    assert not torch_ops.is_warm(d, 2, 64, 128, torch.bfloat16)
+    assert capsys.readouterr() == ("", "")  # library code prints nothing
+    capturing(True)
+    with pytest.raises(RuntimeError, match="before the CUDA graph capture"):
+        torch_ops.warmup(d, shapes)
+
+
+# ---- progress bars -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "explicit", "expect"),
+    [("0", None, False), ("off", None, False), ("1", None, True), ("", None, None),
+     ("0", True, True), ("1", False, False), ("bogus", None, None)],
+)  # fmt: skip
+def test_progress_switch(monkeypatch, env, explicit, expect):
+    monkeypatch.setenv(PROGRESS_ENV, env)
+    assert enabled(explicit) is expect
+    bar = progress(range(3), enable=explicit)
+    off = not sys.stderr.isatty() if expect is None else not expect  # tqdm's rule for None
+    assert bar.disable is off
+    assert list(bar) == [0, 1, 2]
