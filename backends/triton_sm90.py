@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -273,17 +272,13 @@ def _nvfp4_gemm_kernel(
 class Nvfp4GemmKernel:
     """A built kernel: ``kernel(operands, out)``; ``out = alpha * A @ B.T``.
 
-    Holds the split-K workspace (fp32 partial tiles + self-resetting int32 counters),
-    allocated on first use for the largest grid seen and reused after, so calls under
-    CUDA-graph capture allocate nothing (run one call before capturing, as with any
-    Triton kernel, so that compilation and allocation happen outside the capture).
+    Split-K tactics take a per-call workspace (fp32 partial tiles + int32 tile counters)
+    from torch's caching allocator, which is CUDA-graph capture safe. Run one call before
+    capturing, as with any Triton kernel, so that compilation happens outside the capture.
     """
 
     def __init__(self, cfg: KernelConfig) -> None:
         self.cfg = cfg
-        self._lock = threading.Lock()
-        self._ws: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._retired: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._meta = {
             "BLOCK_M": cfg.block_m,
             "BLOCK_N": cfg.block_n,
@@ -295,24 +290,16 @@ class Nvfp4GemmKernel:
         }
 
     def _workspace(self, device: torch.device, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cur = self._ws.get(device)
-        if cur is not None and cur[1].numel() >= tiles:
-            return cur
-        with self._lock:
-            cur = self._ws.get(device)
-            if cur is None or cur[1].numel() < tiles:
-                tile_elems = self.cfg.block_m * self.cfg.block_n
-                ws = torch.empty(
-                    tiles * self.cfg.split_k * tile_elems, dtype=torch.float32, device=device
-                )
-                cnt = torch.zeros(tiles, dtype=torch.int32, device=device)
-                if device in self._ws:
-                    # A CUDA graph captured earlier may still point at the smaller buffers:
-                    # keep them alive for the life of this kernel instead of freeing them.
-                    self._retired.append(self._ws[device])
-                cur = (ws, cnt)
-                self._ws[device] = cur
-        return cur
+        """Per-call split-K partials and zeroed tile counters, from torch's caching allocator.
+
+        Per call rather than kept on the kernel: a kept buffer first allocated inside a
+        CUDA-graph pool (torch.compile's cudagraph trees warm up there) outlives the graph
+        and is rejected; temporaries are what both capture paths expect. Cost: one small
+        memset of ``tiles`` int32 counters per call.
+        """
+        tile_elems = self.cfg.block_m * self.cfg.block_n
+        ws = torch.empty(tiles * self.cfg.split_k * tile_elems, dtype=torch.float32, device=device)
+        return ws, torch.zeros(tiles, dtype=torch.int32, device=device)
 
     def __call__(self, operands: GemmOperands, out: torch.Tensor) -> None:
         a, b = operands.a_data, operands.b_data

@@ -1,11 +1,15 @@
-"""Hopper benchmark: the triton-sm90 NVFP4 GEMM against cuBLAS on one H200, one run.
+"""Hopper benchmark: the sm90 NVFP4 GEMMs against cuBLAS on one H200, one run.
 
-For each shape it times, side by side, with CUDA-graph replay over rotating input
-copies larger than L2 (cold cache) and random non-zero data:
+The sm90 family has two backends: ``triton-sm90`` (direct: reads NVFP4 in the GEMM
+kernel) and ``triton-sm90-unpack`` (unpack each operand once to bf16, then cuBLAS; only
+offered for M >= 256). For each shape it times, side by side, with CUDA-graph replay over
+rotating input copies larger than L2 (cold cache) and random non-zero data:
 
-- ``best``: every tactic the plugin enumerates (both orientations), the fastest;
+- ``best``: every tactic both backends enumerate (both orientations), the fastest;
+- ``direct``: the fastest ``triton-sm90`` tactic; ``unpack+cuBLAS``: the fastest
+  ``triton-sm90-unpack`` tactic (n/a below M = 256);
 - ``untuned``: the dispatcher's heuristic pick (``Dispatcher().select``), whatever backend;
-- ``est``: this backend's own ``estimate_us`` top-1 (how good the model is);
+- ``est``: the two backends' own ``estimate_us`` top-1 (how good the models are);
 - ``bf16``: cuBLAS ``A @ B.T`` on the dequantized operands in bf16;
 - ``fp8``: cuBLASLt ``torch._scaled_mm`` with per-tensor scales (e4m3 operands);
 - ``naive``: the torch reference (unpack, scale, bf16 matmul), eager;
@@ -40,12 +44,19 @@ import torch
 from fp4_dispatch.backend import GemmOperands
 from fp4_dispatch.device import DeviceInfo, detect, simulated
 from fp4_dispatch.nvfp4 import e2m1_to_float, swizzled_scale_shape, unpack_e2m1, unswizzle_scales
-from fp4_dispatch.plugins.sm90 import TritonSm90Backend, TritonSm90Tactic, _kernel_for
+from fp4_dispatch.plugins.sm90 import (
+    Sm90UnpackTactic,
+    TritonSm90Backend,
+    TritonSm90Tactic,
+    TritonSm90UnpackBackend,
+    _kernel_for,
+    _unpack_kernel_for,
+)
 from fp4_dispatch.tactics import Problem
 
 BENCH_MS = (1, 16, 128, 1024, 4096, 16384)
 BENCH_NK = ((8192, 8192), (28672, 8192), (8192, 28672))
-SMOKE_SHAPES = ((1, 96, 256), (16, 64, 128), (40, 48, 192))
+SMOKE_SHAPES = ((1, 96, 256), (16, 64, 128), (40, 48, 192), (260, 40, 96))
 
 
 # ---- operands -------------------------------------------------------------------------
@@ -94,8 +105,24 @@ def launch(kernel, swap: bool, ops: GemmOperands, out: torch.Tensor) -> None:
         kernel(ops, out)
 
 
-def tactic_kernel(t: TritonSm90Tactic):
+def tactic_kernel(t: TritonSm90Tactic | Sm90UnpackTactic):
+    if isinstance(t, Sm90UnpackTactic):
+        return _unpack_kernel_for(t.block_r, t.block_k)
     return _kernel_for(t.kernel_config())
+
+
+def parse_tactic(tj: str) -> TritonSm90Tactic | Sm90UnpackTactic:
+    """A tactic of either sm90 backend from its canonical JSON (by its backend field)."""
+    if json.loads(tj).get("backend") == TritonSm90UnpackBackend.name:
+        return Sm90UnpackTactic.model_validate_json(tj)
+    return TritonSm90Tactic.model_validate_json(tj)
+
+
+def variant_key(t: TritonSm90Tactic | Sm90UnpackTactic) -> tuple:
+    """Tactics with the same key share one compiled kernel (and orientation)."""
+    if isinstance(t, Sm90UnpackTactic):
+        return ("unpack", t.block_r, t.block_k)
+    return (t.kernel_config(), t.swap_ab)
 
 
 # ---- timing ---------------------------------------------------------------------------
@@ -186,7 +213,7 @@ def _compile_worker(args) -> list[tuple[str, str]]:
     ) * float(ops.alpha)
     failures = []
     for tj in tactic_jsons:
-        t = TritonSm90Tactic.model_validate_json(tj)
+        t = parse_tactic(tj)
         try:
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
             launch(tactic_kernel(t), t.swap_ab, ops, out)
@@ -200,12 +227,12 @@ def _compile_worker(args) -> list[tuple[str, str]]:
 
 
 def precompile(
-    tactics: list[TritonSm90Tactic], device: torch.device, workers: int
+    tactics: list[TritonSm90Tactic | Sm90UnpackTactic], device: torch.device, workers: int
 ) -> dict[str, str]:
     """Compile every distinct (config, orientation) in `workers` processes; failures by JSON."""
     seen: dict[tuple, str] = {}
     for t in tactics:
-        seen.setdefault((t.kernel_config(), t.swap_ab), t.canonical_json())
+        seen.setdefault(variant_key(t), t.canonical_json())
     jobs = sorted(seen.values())
     if device.type != "cuda" or workers <= 1:
         return dict(_compile_worker((jobs, str(device))))
@@ -243,6 +270,10 @@ class ShapeResult:
     failures: dict[str, str]
     best: str | None
     best_us: float
+    direct_best: str | None
+    direct_us: float
+    unpack_best: str | None
+    unpack_us: float
     untuned: str
     untuned_us: float
     est_pick: str
@@ -258,7 +289,7 @@ def bench_shape(
     m: int,
     n: int,
     k: int,
-    backend: TritonSm90Backend,
+    backends: list[TritonSm90Backend | TritonSm90UnpackBackend],
     info: DeviceInfo,
     device: torch.device,
     floors: dict[str, float],
@@ -275,11 +306,17 @@ def bench_shape(
     out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
     flops = 2.0 * m * n * k
 
-    tactics = list(backend.tactics(problem, info))
-    tactics.sort(key=lambda t: (backend.estimate_us(problem, info, t), t.canonical_json()))
-    est_pick = tactics[0]
-    if max_tactics is not None:
-        tactics = tactics[:max_tactics]
+    tactics = []
+    ranked = []  # (estimate, json, tactic) over both backends: one microsecond scale
+    for backend in backends:
+        own = sorted(
+            ((backend.estimate_us(problem, info, t), t.canonical_json(), t)
+             for t in backend.tactics(problem, info)),
+            key=lambda e: e[:2],
+        )  # fmt: skip
+        ranked += own
+        tactics += [e[2] for e in own[:max_tactics]]  # [:None] keeps all
+    est_pick = min(ranked, key=lambda e: e[:2])[2]
     times: dict[str, float] = {}
     failures: dict[str, str] = {}
     for t in tactics:
@@ -296,6 +333,11 @@ def bench_shape(
             times[tj] = math.inf
     best = min(times, key=lambda j: (times[j], j)) if times else None
     best_us = times[best] if best else math.inf
+    per_backend = {}
+    for name in (TritonSm90Backend.name, TritonSm90UnpackBackend.name):
+        own = [j for j in times if json.loads(j)["backend"] == name]
+        top = min(own, key=lambda j: (times[j], j)) if own else None
+        per_backend[name] = (top, times[top] if top else math.nan)
     est_json = est_pick.canonical_json()
     if est_json not in times:
         kern = tactic_kernel(est_pick)
@@ -313,7 +355,7 @@ def bench_shape(
             {"backend": cand.backend, **cand.tactic.model_dump(mode="json")}, sort_keys=True
         )
         cj = cand.tactic.canonical_json()
-        if cand.backend == backend.name and cj in times:
+        if cand.backend in {b.name for b in backends} and cj in times:
             untuned_us = times[cj]
         else:
             calls = [lambda o=o: d_launch(cand, kern, o, out) for o in ops_list]
@@ -361,7 +403,9 @@ def bench_shape(
         )
 
     return ShapeResult(
-        m, n, k, times, failures, best, best_us, untuned, untuned_us, est_json,
+        m, n, k, times, failures, best, best_us,
+        *per_backend[TritonSm90Backend.name], *per_backend[TritonSm90UnpackBackend.name],
+        untuned, untuned_us, est_json,
         times[est_json], bf16_us, fp8_us, naive_us,
         problem.min_bytes / (floors["copy_gbps"] * 1e3),
         flops / (floors["bf16_tflops"] * 1e6),
@@ -372,6 +416,8 @@ def short(tj: str | None) -> str:
     if not tj:
         return "-"
     d = json.loads(tj)
+    if d.get("backend") == TritonSm90UnpackBackend.name:
+        return f"unpack r{d['block_r']} k{d['block_k']}"
     if d.get("backend", "triton-sm90") != "triton-sm90":
         return d["backend"]
     s = f"{d['tile_m']}x{d['tile_n']}x{d['tile_k']} w{d['num_warps']} s{d['num_stages']}"
@@ -394,15 +440,17 @@ def table(results: list[ShapeResult]) -> str:
         return "n/a" if not (math.isfinite(x) and math.isfinite(y) and y > 0) else f"{x / y:.2f}"
 
     head = (
-        "| M | N | K | best ms | best tactic | untuned ms | est-pick ms | bf16 ms | fp8 ms"
-        " | naive ms | mem floor ms | compute floor ms | bf16/best | fp8/best | best/floor |\n"
-        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| M | N | K | best ms | best tactic | direct ms | unpack+cuBLAS ms | untuned ms"
+        " | est-pick ms | bf16 ms | fp8 ms | naive ms | mem floor ms | compute floor ms"
+        " | bf16/best | fp8/best | best/floor |\n"
+        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     rows = []
     for x in results:
         floor = max(x.mem_floor_us, x.compute_floor_us)
         rows.append(
-            f"| {x.m} | {x.n} | {x.k} | {f(x.best_us)} | {short(x.best)} | {f(x.untuned_us)} | "
+            f"| {x.m} | {x.n} | {x.k} | {f(x.best_us)} | {short(x.best)} | {f(x.direct_us)} | "
+            f"{f(x.unpack_us)} | {f(x.untuned_us)} | "
             f"{f(x.est_pick_us)} | {f(x.bf16_us)} | {f(x.fp8_us)} | {f(x.naive_us)} | "
             f"{f(x.mem_floor_us)} | {f(x.compute_floor_us)} | {r(x.bf16_us, x.best_us)} | "
             f"{r(x.fp8_us, x.best_us)} | {r(x.best_us, floor)} |"
@@ -412,7 +460,7 @@ def table(results: list[ShapeResult]) -> str:
 
 def host_overhead(backend, info, device, tj: str, m: int, n: int, k: int) -> dict[str, float]:
     """Eager per-call wall time of one kernel (host launch path) vs its graph time."""
-    t = TritonSm90Tactic.model_validate_json(tj)
+    t = parse_tactic(tj)
     gen = torch.Generator(device=device)
     gen.manual_seed(7)
     ops = make_operands(m, n, k, device, gen)
@@ -452,6 +500,7 @@ def main() -> None:
         nks = [tuple(map(int, s.split(","))) for s in args.nk.split(";")]
         shapes = [(m, n, k) for n, k in nks for m in map(int, args.ms.split(","))]
     backend = TritonSm90Backend()
+    backends = [backend, TritonSm90UnpackBackend()]
     print(f"device: {info.name} cc={info.compute_capability} sms={info.sm_count} "
           f"torch {torch.__version__} support: {backend.supports(info)}", flush=True)  # fmt: skip
 
@@ -466,14 +515,16 @@ def main() -> None:
 
     all_tactics = []
     for m, n, k in shapes:
-        ts = list(backend.tactics(Problem(m=m, n=n, k=k), info))
-        ts.sort(
-            key=lambda t: (backend.estimate_us(Problem(m=m, n=n, k=k), info, t), t.canonical_json())
-        )
-        all_tactics += ts[: args.max_tactics] if args.max_tactics else ts
+        for b in backends:
+            ts = list(b.tactics(Problem(m=m, n=n, k=k), info))
+            ts.sort(
+                key=lambda t, b=b: (b.estimate_us(Problem(m=m, n=n, k=k), info, t),
+                                    t.canonical_json())
+            )  # fmt: skip
+            all_tactics += ts[: args.max_tactics] if args.max_tactics else ts
     t0 = time.time()
     compile_failures = precompile(all_tactics, device, args.workers)
-    print(f"precompiled {len({(t.kernel_config(), t.swap_ab) for t in all_tactics})} variants in "
+    print(f"precompiled {len({variant_key(t) for t in all_tactics})} variants in "
           f"{time.time() - t0:.0f}s; {len(compile_failures)} failed", flush=True)  # fmt: skip
     for tj, why in sorted(compile_failures.items())[:20]:
         print(f"  FAIL {short(tj)}: {why}", flush=True)
@@ -484,10 +535,11 @@ def main() -> None:
     for m, n, k in shapes:
         t1 = time.time()
         res = bench_shape(
-            m, n, k, backend, info, device, floors, dispatcher, args.max_tactics, False
+            m, n, k, backends, info, device, floors, dispatcher, args.max_tactics, False
         )
         results.append(res)
-        print(f"{m}x{n}x{k}: best {res.best_us:.1f}us ({short(res.best)}) untuned "
+        print(f"{m}x{n}x{k}: best {res.best_us:.1f}us ({short(res.best)}) direct "
+              f"{res.direct_us:.1f}us unpack {res.unpack_us:.1f}us untuned "
               f"{res.untuned_us:.1f}us bf16 {res.bf16_us:.1f}us fp8 {res.fp8_us:.1f}us "
               f"[{len(res.tactics)} tactics, {time.time() - t1:.0f}s]", flush=True)  # fmt: skip
         with open(os.path.join(args.out, "bench_hopper.json"), "w") as fh:

@@ -1,4 +1,9 @@
-"""On-device correctness grid for the triton-sm90 backend: every enumerated tactic.
+"""On-device correctness grid for the sm90 backends: every enumerated tactic.
+
+Both sm90 backends: ``triton-sm90`` (every tactic of the grid below) and
+``triton-sm90-unpack`` (unpack to bf16 + cuBLAS; every tactic for M in 256, 1000 and 4096
+with the same (N, K)). The unpack path rounds a bf16 output twice (bf16 product, then
+alpha) - still inside the bf16 tolerance - and keeps the product in fp32 for fp16 output.
 
 For each shape of the grid (M in 1, 3, 16, 100, 128, 1000, 4096 x several (N, K),
 including an N that is no multiple of 16 and a K that is no multiple of any K tile),
@@ -30,21 +35,31 @@ if "--smoke" in sys.argv:
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_hopper import dequant, launch, make_operands, tactic_kernel
+from bench_hopper import dequant, launch, make_operands, parse_tactic, tactic_kernel, variant_key
 
 from fp4_dispatch.device import detect, simulated
-from fp4_dispatch.plugins.sm90 import TritonSm90Backend, TritonSm90Tactic
+from fp4_dispatch.plugins.sm90 import (
+    Sm90UnpackTactic,
+    TritonSm90Backend,
+    TritonSm90Tactic,
+    TritonSm90UnpackBackend,
+)
 from fp4_dispatch.tactics import Problem
 
 GRID_MS = (1, 3, 16, 100, 128, 1000, 4096)
 GRID_NK = ((8192, 8192), (1000, 4160), (2048, 1056))
+#: M values of the grid for the unpack + cuBLAS backend (it offers nothing below 256)
+UNPACK_GRID_MS = (256, 1000, 4096)
 SMOKE_SHAPES = ((1, 40, 96), (3, 72, 160), (17, 24, 64))
+UNPACK_SMOKE_SHAPES = ((260, 40, 96), (300, 17, 160))
 TOL = {torch.bfloat16: 4e-3, torch.float16: 1e-3}
 if "--smoke" in sys.argv:  # the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest)
     TOL[torch.bfloat16] = 8e-3
 
 
-def check_one(t: TritonSm90Tactic, m: int, n: int, k: int, device, gen, dtype) -> tuple[float, str]:
+def check_one(
+    t: TritonSm90Tactic | Sm90UnpackTactic, m: int, n: int, k: int, device, gen, dtype
+) -> tuple[float, str]:
     ops = make_operands(m, n, k, device, gen)
     a64 = dequant(ops.a_data, ops.a_scale, torch.float64)
     b64 = dequant(ops.b_data, ops.b_scale, torch.float64)
@@ -68,14 +83,23 @@ def worker(args) -> list[dict]:
     gen.manual_seed(seed)
     rows = []
     for i, (tj, m, n, k) in enumerate(jobs):
-        t = TritonSm90Tactic.model_validate_json(tj)
+        t = parse_tactic(tj)
         dtype = torch.bfloat16 if i % 2 == 0 else torch.float16
         try:
             err, why = check_one(t, m, n, k, device, gen, dtype)
         except Exception as exc:  # a crash is a failure of this tactic, recorded
             err, why = float("nan"), f"{type(exc).__name__}: {str(exc)[:300]}"
         rows.append(
-            {"tactic": tj, "m": m, "n": n, "k": k, "dtype": str(dtype), "err": err, "fail": why}
+            {
+                "backend": t.backend,
+                "tactic": tj,
+                "m": m,
+                "n": n,
+                "k": k,
+                "dtype": str(dtype),
+                "err": err,
+                "fail": why,
+            }
         )
     return rows
 
@@ -87,30 +111,41 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--smoke", action="store_true", help="CPU + TRITON_INTERPRET, tiny shapes")
+    ap.add_argument(
+        "--backends",
+        default="triton-sm90,triton-sm90-unpack",
+        help="comma list of the sm90 backends to check",
+    )
     args = ap.parse_args()
+    wanted = set(args.backends.split(","))
     os.makedirs(args.out, exist_ok=True)
     if args.smoke:
         device, info, shapes = "cpu", simulated("sm90"), list(SMOKE_SHAPES)
+        unpack_shapes = list(UNPACK_SMOKE_SHAPES)
     else:
         device, info = "cuda", detect()
         shapes = [(m, n, k) for n, k in GRID_NK for m in GRID_MS]
-    backend = TritonSm90Backend()
+        unpack_shapes = [(m, n, k) for n, k in GRID_NK for m in UNPACK_GRID_MS]
     by_variant: dict[tuple, list] = {}
     per_shape = {}
-    for m, n, k in shapes:
-        ts = list(backend.tactics(Problem(m=m, n=n, k=k), info))
-        per_shape[f"{m}x{n}x{k}"] = len(ts)
-        for t in ts:
-            by_variant.setdefault((t.kernel_config(), t.swap_ab), []).append(
-                (t.canonical_json(), m, n, k)
-            )
+    for backend, grid in (
+        (TritonSm90Backend(), shapes),
+        (TritonSm90UnpackBackend(), unpack_shapes),
+    ):
+        if backend.name not in wanted:
+            continue
+        for m, n, k in grid:
+            ts = list(backend.tactics(Problem(m=m, n=n, k=k), info))
+            per_shape[f"{backend.name} {m}x{n}x{k}"] = len(ts)
+            for t in ts:
+                by_variant.setdefault(variant_key(t), []).append((t.canonical_json(), m, n, k))
     variants = sorted(by_variant.values(), key=lambda jobs: -len(jobs))
     workers = 1 if args.smoke else args.workers
     buckets: list[list] = [[] for _ in range(workers)]
     for i, jobs in enumerate(variants):  # each variant's jobs stay in one worker
         buckets[i % workers] += jobs
     total = sum(len(b) for b in buckets)
-    print(f"{total} runs: {len(variants)} kernel variants over {len(shapes)} shapes; "
+    print(f"{total} runs: {len(variants)} kernel variants over {len(per_shape)} shapes; "
           f"tactics per shape {per_shape}", flush=True)  # fmt: skip
     t0 = time.time()
     tasks = [(b, device, 17 + i) for i, b in enumerate(buckets) if b]
@@ -131,7 +166,7 @@ def main() -> None:
         print(f"  FAIL {r['m']}x{r['n']}x{r['k']} {r['dtype']} {r['tactic']}: {r['fail']}")
     by_shape: dict[str, list[int]] = {}
     for r in rows:
-        c = by_shape.setdefault(f"{r['m']}x{r['n']}x{r['k']}", [0, 0])
+        c = by_shape.setdefault(f"{r['backend']} {r['m']}x{r['n']}x{r['k']}", [0, 0])
         c[0 if not r["fail"] else 1] += 1
     print("| shape | tactics | pass | fail |\n|---|---:|---:|---:|")
     for s, (ok, bad) in by_shape.items():

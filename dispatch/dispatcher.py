@@ -100,6 +100,9 @@ class Dispatcher:
             b for name, b in self.registry.backends.items() if self._status[name][0] == "available"
         ]
         self.ranker = Ranker(self.available, self.device, budget)
+        #: this dispatcher's id for the ``fp4_dispatch::gemm`` op: a plain int, so that
+        #: torch.compile can read it from a module attribute without tracing the registry
+        self.op_id = torch_ops.dispatcher_id(self)
         self._kernels: dict[tuple, Kernel] = {}
         self._plans: dict[tuple[int, int, int, str], tuple[Candidate, Kernel]] = {}
         if cache is False:

@@ -411,7 +411,7 @@ def run(
     than a decode GEMM). Both paths obey the CUDA-graph rules of this module.
     """
     if torch.compiler.is_compiling():
-        did = DEFAULT if dispatcher is None else dispatcher_id(dispatcher)
+        did = DEFAULT if dispatcher is None else dispatcher.op_id
         if out is None:
             return torch.ops.fp4_dispatch.gemm(
                 a_data, a_scale, b_data, b_scale, alpha, out_dtype, did

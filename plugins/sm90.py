@@ -6,6 +6,13 @@ bytes and the swizzled e4m3 scales directly, dequantizes in registers and multip
 on the fp16 tensor cores. Triton is imported lazily: this module imports without it,
 and `supports` says how to install it.
 
+A second backend, ``triton-sm90-unpack`` (`fp4_dispatch.backends.triton_sm90_unpack`),
+serves large M: it expands each operand once to bf16 (a memory-bound Triton pass) and
+hands the product to cuBLAS; the direct kernel re-expands tiles in every CTA and is
+~2x slower than bf16 cuBLAS from M = 1024 on. Both are ranked by their own
+``estimate_us`` on one microsecond scale, so the heuristic picks the direct kernel for
+decode shapes and the unpack path for prefill.
+
 Compute capability: 9.x (measured on an H200, cc 9.0). 8.x is not claimed: the kernel
 converts e4m3 scales with Triton's ``float8e4nv`` type, which Triton rejects below
 sm_89, and no 8.x part was measured.
@@ -28,6 +35,7 @@ from ..tactics import Problem, Tactic
 
 if TYPE_CHECKING:
     from ..backends.triton_sm90 import KernelConfig
+    from ..backends.triton_sm90_unpack import UnpackGemmKernel
 
 INSTALL_HINT = "pip install fp4-dispatch[triton]"
 #: shared memory one CTA may use on Hopper (227 KiB)
@@ -150,18 +158,22 @@ def why_invalid(t: TritonSm90Tactic, problem: Problem, device: DeviceInfo) -> st
     return None
 
 
-# Calibration of `estimate_us`: fitted to the 18-shape H200 sweep of v2 (benchmarks/
-# RESULTS.md, "Hopper"), where its top-1 runs at 1.11x the measured best (geomean; 1.18x
-# before the fit). The kernel is bound by the dequantization ALU work.
-_DEQUANT_ELEMS_PER_SM_US = 1.6e4
+# Calibration of `estimate_us` (v3): fitted to two H200 selection sweeps of 2026-11-30
+# (benchmarks/RESULTS.md, "Selection quality"; every valid tactic of 36 shapes timed) and
+# checked on a third set of shapes it was not fitted on. Each CTA step (one K tile)
+# costs at least a load-latency-bound `_STEP_US`, or its dequantization ALU work at
+# `_DEQUANT_ELEMS_PER_SM_US`, or its MMA time, whichever is largest.
+_DEQUANT_ELEMS_PER_SM_US = 4.0e4
+_STEP_US = 1.2
+_CTAS_PER_SM = 2  # resident CTAs that hide each other's step latency
 #: relative cost of an A-side element (register operand of the dot: 2-byte shared loads and
 #: byte repacking) against a B-side one (natural layout, staged to shared memory)
-_A_SIDE_COST = 1.25
+_A_SIDE_COST = 1.5
 _MMA_EFF = {16: 0.30, 32: 0.40, 64: 0.60, 128: 0.75}  # by tile_m: mma.sync vs wgmma
 _BW_FRACTION = 0.85
-_OVERLAP = 0.0  # fraction of the smaller of dequant / MMA time that does not overlap
 _LAUNCH_US = 4.0
-_SPLIT_REDUCE_US = 1.0
+_IN_FLIGHT_BYTES = 16.0e6  # bytes in flight that saturate HBM (bandwidth x latency)
+_SPLIT_REDUCE_US = 2.0  # per doubling of split_k: the last CTA sums every partial
 
 
 class TritonSm90Backend(Backend):
@@ -174,27 +186,7 @@ class TritonSm90Backend(Backend):
     diversity_axes = ("swap_ab", "split_k")
 
     def supports(self, device: DeviceInfo) -> Support:
-        if device.kind == "cpu":
-            return Support(
-                False,
-                "needs a CUDA GPU with compute capability 9.x (Triton); on CPU use the "
-                "TRITON_INTERPRET=1 tests",
-            )
-        cc = device.cc
-        if cc is None or not 90 <= cc < 100:
-            shown = "unknown" if cc is None else f"{cc // 10}.{cc % 10}"
-            return Support(
-                False, f"compute capability {shown}: this backend targets 9.x (Hopper) only"
-            )
-        ok, reason = _triton_status()
-        if not ok:
-            return Support(False, reason)
-        where = (
-            "simulated: ranks; kernels compile on first call on a real"
-            if (device.is_simulated)
-            else "runs on this"
-        )
-        return Support(True, f"Triton {reason}; {where} sm90 device")
+        return _sm90_support(device)
 
     def tactics(self, problem: Problem, device: DeviceInfo) -> Iterator[TritonSm90Tactic]:
         for swap, tm, tn, tk, warps, stages, group, split in itertools.product(
@@ -218,38 +210,35 @@ class TritonSm90Backend(Backend):
         return why_invalid(checked, problem, device)
 
     def estimate_us(self, problem: Problem, device: DeviceInfo, tactic: Tactic) -> float | None:
-        """Microseconds: max(dequantize, tensor core, memory) + overlap loss + launch + split.
+        """Microseconds, per SM: max(step latency, dequantize, MMA, memory) + launch + split.
 
-        - dequantize: every CTA expands (tile_m + tile_n) * K/split elements; SMs do
-          ``_DEQUANT_ELEMS_PER_SM_US`` each, only ``min(CTAs, SMs)`` are busy, and a last
-          partial wave costs a whole one (the measured bottleneck on the H200);
-        - tensor core: padded tile FLOPs at the bf16 rate times an efficiency by tile_m
-          (mma.sync for 16/32, wgmma for 64/128), same busy-SM and wave scaling;
-        - memory: NVFP4 bytes + output + split-K partials (fp32 write and read) at
-          ``_BW_FRACTION`` of the device bandwidth.
-        Plus the shared model's swap rule (x1.05 for the non-preferred orientation
-        through M = 8192), so the two models agree on orientation.
+        Each CTA walks ``ceil(K / split / tile_k)`` steps; an SM holds ``ceil(CTAs / SMs)``
+        CTAs. Per SM: latency-bound steps (``_STEP_US`` each, ``_CTAS_PER_SM`` CTAs hide
+        each other), dequantization of ``(tile_m * _A_SIDE_COST + tile_n) * tile_k``
+        elements per step (the measured bottleneck), and tile MMAs at the bf16 rate times
+        an efficiency by tile_m; memory is NVFP4 bytes + output + split-K partials.
+        Plus ``_SPLIT_REDUCE_US`` per doubling of split_k and the shared model's swap rule
+        (x1.05 for the non-preferred orientation through M = 8192).
         """
         from ..ranking import SWAP_NEUTRAL_ABOVE_M, SWAP_PENALTY, preferred_swap
 
         assert isinstance(tactic, TritonSm90Tactic)
         p = problem.swapped() if tactic.swap_ab else problem
-        m, n, k = p.m, p.n, p.k
-        sms = device.sm_count
-        tm, tn, split = tactic.tile_m, tactic.tile_n, tactic.split_k
-        ctas = -(-m // tm) * -(-n // tn) * split
-        busy = min(ctas, sms)
-        imbalance = math.ceil(ctas / sms) / (ctas / sms) if ctas > sms else 1.0
-        k_split = k / split
-        elems = ctas * (tm * _A_SIDE_COST + tn) * k_split
-        dequant = elems / (busy * _DEQUANT_ELEMS_PER_SM_US) * imbalance
-        flops = 2.0 * ctas * tm * tn * k_split
-        mma = flops / (device.bf16_tflops * 1e6 * _MMA_EFF[tm] * busy / sms) * imbalance
+        tm, tn, tk, split = tactic.tile_m, tactic.tile_n, tactic.tile_k, tactic.split_k
+        ctas = -(-p.m // tm) * -(-p.n // tn) * split
+        steps = math.ceil(p.k / split / tk)
+        per_sm = math.ceil(ctas / device.sm_count)
+        latency = math.ceil(per_sm / _CTAS_PER_SM) * steps * _STEP_US
+        dequant = per_sm * steps * (tm * _A_SIDE_COST + tn) * tk / _DEQUANT_ELEMS_PER_SM_US
+        mma_rate = device.bf16_tflops * 1e6 / device.sm_count * _MMA_EFF[tm]
+        mma = per_sm * steps * 2.0 * tm * tn * tk / mma_rate
         partial = 8.0 * ctas * tm * tn if split > 1 else 0.0
-        memory = (problem.min_bytes + partial) / (device.mem_bw_gbps * 1e3 * _BW_FRACTION)
-        t = max(dequant, mma, memory) + _OVERLAP * min(dequant, mma) + _LAUNCH_US
-        if split > 1:
-            t += _SPLIT_REDUCE_US
+        # bytes in flight (Little's law): resident CTAs x their pipelined fp4 tiles
+        resident = min(ctas, device.sm_count * _CTAS_PER_SM)
+        in_flight = resident * tactic.num_stages * (tm + tn) * tk / 2
+        bw = device.mem_bw_gbps * 1e3 * _BW_FRACTION * min(1.0, in_flight / _IN_FLIGHT_BYTES)
+        memory = (problem.min_bytes + partial) / bw
+        t = max(latency, dequant, mma, memory) + _LAUNCH_US + _SPLIT_REDUCE_US * math.log2(split)
         if problem.m <= SWAP_NEUTRAL_ABOVE_M and tactic.swap_ab != preferred_swap(problem):
             t *= SWAP_PENALTY
         return t
@@ -257,6 +246,154 @@ class TritonSm90Backend(Backend):
     def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
         assert isinstance(tactic, TritonSm90Tactic)
         return _kernel_for(tactic.kernel_config())
+
+
+# ---- triton-sm90-unpack: unpack once, cuBLAS bf16 ---------------------------------------
+
+UNPACK_BLOCK_R = (32, 64, 128)
+UNPACK_BLOCK_K = (64, 128, 256)
+#: below this M the direct kernel wins (the unpack pass alone costs ~as much as it)
+UNPACK_MIN_M = 256
+#: largest unpack tile (elements): 16 warps x 32 outputs per thread
+UNPACK_MAX_TILE = 128 * 128
+
+
+class Sm90UnpackTactic(Tactic):
+    """One variant of the unpack + cuBLAS path.
+
+    ``block_r x block_k`` is the tile of the memory-bound unpack pass (rows x K elements
+    per CTA). ``tile_m``/``tile_n`` are nominal (cuBLAS picks its own tiles; 128x128 is
+    what the shared fields report). ``swap_ab`` is always False: cuBLAS handles operand
+    orientation itself, and a column-major ``out`` is served by computing ``B @ A.T``
+    inside the kernel, so a swapped tactic would only duplicate every candidate.
+    """
+
+    backend: Literal["triton-sm90-unpack"] = "triton-sm90-unpack"
+    tile_m: Literal[128] = 128
+    tile_n: Literal[128] = 128
+    cluster_m: Literal[1] = 1
+    cluster_n: Literal[1] = 1
+    swap_ab: Literal[False] = False
+    block_r: Literal[32, 64, 128] = 64
+    block_k: Literal[64, 128, 256] = 128
+
+
+def why_invalid_unpack(t: Sm90UnpackTactic, problem: Problem) -> str | None:
+    """Why `t` is not offered for `problem`, else None (M >= 256; tile <= 128x128 elements;
+    block_k no larger than K padded to a power of two, with 64 always allowed)."""
+    if problem.k % 32:
+        return f"K={problem.k} must be a multiple of 32"
+    if problem.m < UNPACK_MIN_M:
+        return f"M={problem.m} < {UNPACK_MIN_M}: the direct kernel wins there"
+    if t.block_r * t.block_k > UNPACK_MAX_TILE:
+        return f"unpack tile {t.block_r}x{t.block_k} exceeds {UNPACK_MAX_TILE} elements"
+    if t.block_k > max(64, _pow2_at_least(problem.k)):
+        return f"block_k={t.block_k} exceeds K={problem.k}"
+    return None
+
+
+# Calibration of the unpack estimate. cuBLAS bf16 measured 717-807 TFLOP/s on the H200
+# (benchmarks/RESULTS.md, "Hopper", bf16 column) whose DeviceInfo rate is 691, so the GEMM
+# runs at ~1.05x the table rate (conservative end); the memory passes at 85% of
+# mem_bw_gbps (the copy measured 4.18 TB/s of 4.25).
+_UNPACK_GEMM_EFF = 1.05
+_UNPACK_BW_FRACTION = 0.85
+#: fixed cost per unpack CTA (launch, index math), microseconds of one SM
+_UNPACK_CTA_US = 0.03
+#: four launches: two unpacks, the GEMM, the alpha pass
+_UNPACK_LAUNCH_US = 10.0
+
+
+class TritonSm90UnpackBackend(Backend):
+    """Large-M Hopper backend: unpack NVFP4 to bf16 once per operand, then cuBLAS."""
+
+    name = "triton-sm90-unpack"
+    family = "sm90"
+    version = "1"
+    tactic_type = Sm90UnpackTactic
+    diversity_axes = ("block_k",)
+
+    def supports(self, device: DeviceInfo) -> Support:
+        return _sm90_support(device)
+
+    def tactics(self, problem: Problem, device: DeviceInfo) -> Iterator[Sm90UnpackTactic]:
+        for br, bk in itertools.product(UNPACK_BLOCK_R, UNPACK_BLOCK_K):
+            t = _unpack_tactic(br, bk)
+            if why_invalid_unpack(t, problem) is None:
+                yield t
+
+    def validate(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> str | None:
+        checked = Sm90UnpackTactic.model_validate(tactic.model_dump())
+        return why_invalid_unpack(checked, problem)
+
+    def estimate_us(self, problem: Problem, device: DeviceInfo, tactic: Tactic) -> float | None:
+        """Microseconds: unpack pass + bf16 GEMM + alpha pass + launches.
+
+        - unpack: ``(M + N) * K * (1/2 + 1/16 + 2)`` bytes (fp4 + scales in, bf16 out) at
+          ``_UNPACK_BW_FRACTION`` of the bandwidth, times the padded-tile fraction, plus a
+          fixed cost per CTA spread over the SMs;
+        - GEMM: max(FLOPs at ``bf16_tflops * _UNPACK_GEMM_EFF``, bf16 operands in +
+          product out at the same bandwidth); product 2 bytes (bf16 out) or 4 (fp16 out,
+          kept in fp32);
+        - alpha pass: product in, 2-byte ``out`` written.
+        Same microsecond scale as the direct backend's model, so the two compete fairly.
+        """
+        assert isinstance(tactic, Sm90UnpackTactic)
+        m, n, k = problem.m, problem.n, problem.k
+        br, bk = tactic.block_r, tactic.block_k
+        bw = device.mem_bw_gbps * 1e3 * _UNPACK_BW_FRACTION  # bytes per microsecond
+        row_tiles = -(-m // br) + -(-n // br)
+        k_tiles = -(-k // bk)
+        padded = (row_tiles * br * k_tiles * bk) / ((m + n) * k)
+        unpack = (m + n) * k * (0.5 + 1.0 / 16 + 2.0) / bw * padded
+        unpack += row_tiles * k_tiles * _UNPACK_CTA_US / device.sm_count
+        prod_bytes = 2.0 if problem.out_dtype == "bfloat16" else 4.0
+        gemm = max(
+            problem.flops / (device.bf16_tflops * 1e6 * _UNPACK_GEMM_EFF),
+            ((m + n) * k * 2.0 + m * n * prod_bytes) / bw,
+        )
+        alpha = m * n * (prod_bytes + 2.0) / bw
+        return unpack + gemm + alpha + _UNPACK_LAUNCH_US
+
+    def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
+        assert isinstance(tactic, Sm90UnpackTactic)
+        return _unpack_kernel_for(tactic.block_r, tactic.block_k)
+
+
+@functools.cache
+def _unpack_tactic(block_r: int, block_k: int) -> Sm90UnpackTactic:
+    """Cached tactic objects (the ranking memoizes validation by identity)."""
+    return Sm90UnpackTactic(block_r=block_r, block_k=block_k)
+
+
+@functools.cache
+def _unpack_kernel_for(block_r: int, block_k: int) -> UnpackGemmKernel:
+    from ..backends import triton_sm90_unpack
+
+    return triton_sm90_unpack.build(block_r, block_k)
+
+
+def _sm90_support(device: DeviceInfo) -> Support:
+    """Shared rule of both Hopper backends: cc 9.x (real or simulated) and Triton."""
+    if device.kind == "cpu":
+        return Support(
+            False,
+            "needs a CUDA GPU with compute capability 9.x (Triton); on CPU use the "
+            "TRITON_INTERPRET=1 tests",
+        )
+    cc = device.cc
+    if cc is None or not 90 <= cc < 100:
+        shown = "unknown" if cc is None else f"{cc // 10}.{cc % 10}"
+        return Support(False, f"compute capability {shown}: this backend targets 9.x (Hopper) only")
+    ok, reason = _triton_status()
+    if not ok:
+        return Support(False, reason)
+    where = (
+        "simulated: ranks; kernels compile on first call on a real"
+        if (device.is_simulated)
+        else "runs on this"
+    )
+    return Support(True, f"Triton {reason}; {where} sm90 device")
 
 
 @functools.cache
@@ -282,3 +419,4 @@ def _kernel_for(cfg: KernelConfig) -> Kernel:
 @hookimpl
 def fp4_dispatch_register_backends(register) -> None:
     register(TritonSm90Backend())
+    register(TritonSm90UnpackBackend())
