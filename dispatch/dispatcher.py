@@ -30,12 +30,11 @@ from .device import DeviceInfo, resolve
 from .nvfp4 import Nvfp4Tensor
 from .ranking import Candidate, Ranker, Shortlist, m_bucket
 from .tactics import Problem
+from .winners import BucketKey, TunedWinners
 
 log = logging.getLogger(__name__)
 
 Status = Literal["available", "unsupported", "failed", "disabled"]
-#: (N, K, M bucket, out dtype): the unit a tuned winner covers
-BucketKey = tuple[int, int, int, str]
 
 
 @dataclass(frozen=True)
@@ -105,22 +104,16 @@ class Dispatcher:
         self.op_id = torch_ops.dispatcher_id(self)
         self._kernels: dict[tuple, Kernel] = {}
         self._plans: dict[tuple[int, int, int, str], tuple[Candidate, Kernel]] = {}
-        if cache is False:
-            self.cache: TuningCache | None = None
-        elif cache is None or cache is True:
-            self.cache = TuningCache()
-        elif isinstance(cache, TuningCache):
-            self.cache = cache
-        else:
-            self.cache = TuningCache(cache)
-        #: bucket -> valid tuned winner (None: looked up, nothing usable)
-        self._tuned: dict[BucketKey, Candidate | None] = {}
-        self._cache_entries: dict[BucketKey, dict] | None = None
+        self.winners = TunedWinners(self, _tuning_cache(cache))
         self._untuned_logged: set[BucketKey] = set()
         self._autotune_depth = 0
         self._autotuned: set[BucketKey] = set()
         self._capture_warned: set[BucketKey] = set()
-        self._tune_results: dict[BucketKey, _tuning.TuneResult] = {}
+
+    @property
+    def cache(self) -> TuningCache | None:
+        """The tuning cache this dispatcher reads and writes (None: memory only)."""
+        return self.winners.cache
 
     # ---- backends -------------------------------------------------------------------
 
@@ -177,7 +170,7 @@ class Dispatcher:
     def select(self, m: int, n: int, k: int, out_dtype: str = "bfloat16") -> Candidate:
         """The candidate a call of this shape would run: the bucket's tuned winner if there
         is a valid one, else the heuristic pick (logged once per bucket)."""
-        tuned = self._tuned_pick(m, n, k, out_dtype)
+        tuned = self.winners.pick(m, n, k, out_dtype)
         if tuned is not None:
             return tuned
         pick = self.ranker.pick(m, n, k, out_dtype)
@@ -197,54 +190,6 @@ class Dispatcher:
         """Identity of this device in the tuning cache (name, capability, SM count)."""
         d = self.device
         return device_fingerprint(d.name, d.compute_capability, d.sm_count)
-
-    def _load_cache_entries(self) -> dict[BucketKey, dict]:
-        if self._cache_entries is None:
-            entries: dict[BucketKey, dict] = {}
-            if self.cache is not None and not self.device.is_simulated:
-                try:
-                    rows = self.cache.entries(device=self.device_fingerprint)
-                except OSError as exc:  # unreadable cache: run untuned, say so
-                    log.warning("tuning cache %s unreadable (%s); running untuned",
-                                self.cache.path, exc)  # fmt: skip
-                    rows = []
-                for e in rows:
-                    entries[(e["n"], e["k"], e["m_bucket"], e["out_dtype"])] = e
-            self._cache_entries = entries
-        return self._cache_entries
-
-    def _tuned_bucket(self, bkey: BucketKey) -> Candidate | None:
-        """The bucket's valid tuned winner: tuned here, or a cached entry re-validated."""
-        if bkey in self._tuned:
-            return self._tuned[bkey]
-        cand = None
-        entry = self._load_cache_entries().get(bkey)
-        if entry is not None:
-            try:
-                cand = _tuning.candidate_from_entry(entry, self)
-            except _tuning.StaleEntry as exc:
-                log.warning("tuning cache %s: ignoring stale entry for N=%d K=%d M<=%d %s: %s",
-                            self.cache.path if self.cache else "-", *bkey, exc)  # fmt: skip
-        self._tuned[bkey] = cand
-        return cand
-
-    def _tuned_pick(self, m: int, n: int, k: int, dtype: str) -> Candidate | None:
-        bucket = m_bucket(m)
-        cand = self._tuned_bucket((n, k, bucket, dtype))
-        if cand is None or m == bucket:
-            return cand
-        backend = self.registry.backends[cand.backend]
-        try:
-            why = backend.validate(
-                cand.tactic, Problem(m=m, n=n, k=k, out_dtype=dtype), self.device
-            )
-        except Exception as exc:  # a raising check counts as "not valid here"
-            why = f"validate() raised {type(exc).__name__}: {exc}"
-        if why is not None:
-            log.info("tuned pick of bucket M<=%d is invalid at M=%d (%s); heuristic used",
-                     bucket, m, why)  # fmt: skip
-            return None
-        return cand
 
     def tune(
         self,
@@ -283,10 +228,10 @@ class Dispatcher:
             if bkey in order:
                 continue
             order.append(bkey)
-            cached = None if force else self._tuned_bucket(bkey)
-            entry = self._load_cache_entries().get(bkey)
-            if cached is not None and bkey in self._tune_results:
-                results[bkey] = self._tune_results[bkey]
+            cached = None if force else self.winners.bucket(bkey)
+            entry = self.winners.entries().get(bkey)
+            if cached is not None and bkey in self.winners.results:
+                results[bkey] = self.winners.results[bkey]
             elif cached is not None and entry is not None:
                 results[bkey] = _tuning.result_from_entry(entry, cached, self)
                 results[bkey].requested = (m, n, k)
@@ -307,43 +252,17 @@ class Dispatcher:
         return [results[b] for b in order]
 
     def _adopt(self, result: _tuning.TuneResult, save: bool) -> None:
-        """Use a measured winner from now on; merge it into the cache file."""
+        """Use a measured winner from now on (new plans for its bucket); maybe save it."""
         p = result.problem
         bkey = (p.n, p.k, p.m, p.out_dtype)
         self._autotuned.add(bkey)
         if result.winner is None:
             return
-        self._tuned[bkey] = result.winner
-        self._tune_results[bkey] = result
+        self.winners.adopt(result, save)
         self._plans = {
             key: plan for key, plan in self._plans.items()
             if (key[1], key[2], m_bucket(key[0]), key[3]) != bkey
         }  # fmt: skip
-        if not (save and self.cache is not None):
-            return
-        from . import __version__
-
-        entry = _tuning.to_entry(result, self, __version__)
-        self._load_cache_entries()[bkey] = entry
-        metadata = {
-            "library": "fp4-dispatch",
-            "library_version": __version__,
-            "torch": torch.__version__,
-            "devices": {
-                self.device_fingerprint: {
-                    "name": self.device.name,
-                    "compute_capability": self.device.compute_capability,
-                    "sm_count": self.device.sm_count,
-                    "kind": self.device.kind,
-                }
-            },
-            "backends": {b.name: b.version for b in self.available},
-        }
-        try:
-            self.cache.put([entry], metadata)
-        except (OSError, TimeoutError) as exc:  # the winner is still used in this process
-            log.warning("tuning cache %s: could not save (%s); winner kept in memory only",
-                        self.cache.path, exc)  # fmt: skip
 
     @contextlib.contextmanager
     def autotuning(self) -> Iterator[Dispatcher]:
@@ -368,7 +287,7 @@ class Dispatcher:
         bkey = (n, k, m_bucket(m), dtype)
         if bkey in self._autotuned:
             return
-        if self._tuned_bucket(bkey) is not None:
+        if self.winners.bucket(bkey) is not None:
             self._autotuned.add(bkey)
             return
         if self._capturing():
@@ -413,7 +332,8 @@ class Dispatcher:
             self._plans[key] = plan
         return plan
 
-    def _torch_device(self, name: str, t: torch.Tensor) -> torch.device:
+    def check_device(self, name: str, t: torch.Tensor) -> torch.device:
+        """The torch device this dispatcher runs on; raises unless `t` is there and it is real."""
         if self.device.is_simulated:
             raise RuntimeError(
                 f"{self.device.name} is simulated: it ranks and compiles but runs nothing; "
@@ -481,13 +401,22 @@ class Dispatcher:
             )
         m, n = a.shape[0], b.shape[1]
         k = checks.k_dims(a.shape[1] * 2, b.shape[0] * 2, ("a", "b"))
-        device = self._torch_device("a", a)
+        device = self.check_device("a", a)
         checks.same_device(device, b=b, a_descale=a_descale, b_descale=b_descale)
         a_scale = checks.swizzled_scale("a_descale", a_descale, m, k)
         b_scale = checks.swizzled_scale("b_descale", b_descale, n, k)
         alpha = checks.alpha_tensor(alpha, device)
         out = checks.out_tensor(out, m, n, out_dtype, device)
         return torch_ops.run(self, a, a_scale, b.t(), b_scale, alpha, out_dtype, out)
+
+
+def _tuning_cache(cache: str | os.PathLike[str] | TuningCache | bool | None) -> TuningCache | None:
+    """The `Dispatcher` ``cache`` argument as a cache (None = FP4_DISPATCH_CACHE / default)."""
+    if cache is False:
+        return None
+    if cache is None or cache is True:
+        return TuningCache()
+    return cache if isinstance(cache, TuningCache) else TuningCache(cache)
 
 
 def _shape(shape: object) -> tuple[int, int, int]:

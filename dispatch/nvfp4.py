@@ -349,6 +349,28 @@ def _scalar_f32(value: float | torch.Tensor, name: str, device: torch.device) ->
     return t
 
 
+def quantize_blocks(xf: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The arithmetic of `quantize_nvfp4`, with no checks and no host synchronisation.
+
+    ``xf``: float32 ``[R, K]``, K % 16 == 0; ``g``: the float32 0-dim global (decode)
+    scale. Returns packed data ``uint8 [R, K/2]`` and linear e4m3 scales ``[R, K/16]``.
+    Shared with the ``fp4_dispatch::quantize`` op, which must not synchronise.
+    """
+    r, k = xf.shape
+    kb = k // BLOCK_SIZE
+    blocks = xf.reshape(r, kb, BLOCK_SIZE)
+    block_amax = blocks.abs().amax(dim=-1) if xf.numel() else xf.new_zeros((r, kb))
+    scale = (block_amax / E2M1_MAX / g).clamp(max=E4M3_MAX).to(_SCALE_DTYPE)
+    denom = scale.to(torch.float32) * g
+    nonzero = denom > 0
+    y = torch.where(
+        nonzero.unsqueeze(-1),
+        blocks / torch.where(nonzero, denom, torch.ones_like(denom)).unsqueeze(-1),
+        torch.zeros_like(blocks),
+    )
+    return pack_e2m1(round_to_e2m1(y).reshape(r, k)), scale
+
+
 def quantize_nvfp4(
     x: torch.Tensor,
     global_scale: float | torch.Tensor | None = None,
@@ -396,21 +418,7 @@ def quantize_nvfp4(
         if float(g) == 0.0:  # all zeros, or so small the division underflowed
             g = torch.ones((), dtype=torch.float32, device=device)
 
-    kb = k // BLOCK_SIZE
-    blocks = xf.reshape(r, kb, BLOCK_SIZE)
-    block_amax = blocks.abs().amax(dim=-1) if xf.numel() else torch.zeros((r, kb), device=device)
-    scale_f = (block_amax / E2M1_MAX / g).clamp(max=E4M3_MAX)
-    scale = scale_f.to(_SCALE_DTYPE)
-
-    denom = scale.to(torch.float32) * g
-    nonzero = denom > 0
-    y = torch.where(
-        nonzero.unsqueeze(-1),
-        blocks / torch.where(nonzero, denom, torch.ones_like(denom)).unsqueeze(-1),
-        torch.zeros_like(blocks),
-    )
-    codes = round_to_e2m1(y).reshape(r, k)
-    data = pack_e2m1(codes)
+    data, scale = quantize_blocks(xf, g)
     if layout == "swizzled":
         scale = swizzle_scales(scale)
     return Nvfp4Tensor(data=data, scale=scale, global_scale=g, layout=layout, shape=(r, k))

@@ -50,9 +50,8 @@ from .nvfp4 import (
     E2M1_MAX,
     E4M3_MAX,
     Nvfp4Tensor,
-    pack_e2m1,
+    quantize_blocks,
     quantize_nvfp4,
-    round_to_e2m1,
     swizzle_scales,
 )
 from .progress import progress
@@ -148,21 +147,6 @@ def get_dispatcher(did: int, device: torch.device) -> Dispatcher:
             "while a graph or module still referred to it); keep a reference to it"
         )
     return d
-
-
-def _check_device(d: Dispatcher, t: torch.Tensor, name: str = "a_data") -> torch.device:
-    """The dispatcher's torch device; raises unless `t` lives there and it is real."""
-    if d.device.is_simulated:
-        raise RuntimeError(
-            f"{d.device.name} is simulated: it ranks and compiles but runs nothing; "
-            "use a Dispatcher on the real device to run a GEMM"
-        )
-    want = torch.device(d.device.torch_device)
-    if t.device != want:
-        raise ValueError(
-            f"{name}: expected a tensor on the dispatcher's device {want}, got {t.device}"
-        )
-    return want
 
 
 # ---- capture state -----------------------------------------------------------------------
@@ -261,7 +245,7 @@ def _op_impl(
     if not (a_data.is_contiguous() and b_data.is_contiguous()):
         raise ValueError("a_data and b_data: expected contiguous [rows, K/2] tensors")
     d = _resolve(None, a_data.device) if did == DEFAULT else get_dispatcher(did, a_data.device)
-    device = _check_device(d, a_data)
+    device = d.check_device("a_data", a_data)
     checks.same_device(device, a_scale=a_scale, b_data=b_data, b_scale=b_scale, out=out)
     ops = GemmOperands(
         a_data,
@@ -315,7 +299,6 @@ def _quantize_eager(
     x: torch.Tensor, global_scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`quantize_nvfp4`'s arithmetic, step for step, minus its host-synchronising checks."""
-    r, k = x.shape
     xf = x.to(torch.float32)
     if global_scale is None:
         amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
@@ -324,18 +307,7 @@ def _quantize_eager(
     else:
         # a copy: an op's output may not alias its input
         g = global_scale.detach().reshape(()).to(device=x.device, dtype=torch.float32).clone()
-    kb = k // BLOCK_SIZE
-    blocks = xf.reshape(r, kb, BLOCK_SIZE)
-    block_amax = blocks.abs().amax(dim=-1) if xf.numel() else xf.new_zeros((r, kb))
-    scale = (block_amax / E2M1_MAX / g).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-    denom = scale.to(torch.float32) * g
-    nonzero = denom > 0
-    y = torch.where(
-        nonzero.unsqueeze(-1),
-        blocks / torch.where(nonzero, denom, torch.ones_like(denom)).unsqueeze(-1),
-        torch.zeros_like(blocks),
-    )
-    data = pack_e2m1(round_to_e2m1(y).reshape(r, k))
+    data, scale = quantize_blocks(xf, g)
     return data, swizzle_scales(scale), g
 
 
@@ -419,7 +391,7 @@ def run(
         torch.ops.fp4_dispatch.gemm_out(a_data, a_scale, b_data, b_scale, alpha, out, did)
         return out
     d = _resolve(dispatcher, a_data.device)
-    _check_device(d, a_data)
+    d.check_device("a_data", a_data)
     dtype = checks.out_dtype_name(out_dtype)
     if out is None:
         out = torch.empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype, device=a_data.device)
@@ -434,7 +406,7 @@ def gemm_operands(
     qa, qb = checks.nvfp4_operand("qa", qa), checks.nvfp4_operand("qb", qb)
     checks.out_dtype_name(out_dtype)
     checks.k_dims(qa.k, qb.k)
-    device = _check_device(dispatcher, qa.data, "qa")
+    device = dispatcher.check_device("qa", qa.data)
     checks.same_device(device, qb=qb.data)
     qa, qb = qa.with_layout("swizzled"), qb.with_layout("swizzled")
     alpha = (qa.global_scale * qb.global_scale).reshape(1)
