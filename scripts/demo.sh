@@ -13,7 +13,9 @@ fi
 py="$venv/bin/python"
 "$py" -m pip install -q --upgrade pip
 "$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q "$torch_spec"
-"$py" -m pip install -q "$root${FP4_EXTRAS:+[$FP4_EXTRAS]}"
+# The cute extra (NVIDIA CuTe-DSL) lets the Blackwell/Rubin families rank and compile here.
+extras=${FP4_EXTRAS-cute}
+"$py" -m pip install -q "$root${extras:+[$extras]}"
 fp4="$venv/bin/fp4-dispatch"
 
 echo "\$ fp4-dispatch list-backends"

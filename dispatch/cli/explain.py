@@ -127,4 +127,13 @@ def run(args: argparse.Namespace) -> int:
         device = getattr(dispatcher, "device", None)
         gpu = device is not None and device.compute_capability is not None
         print(render(sl, device.sm_count if gpu else None))
+        if not sl.candidates:
+            print(_not_available(dispatcher))
     return 0
+
+
+def _not_available(dispatcher) -> str:
+    """Why each backend offers nothing here (the usual cause of an empty shortlist)."""
+    rows = [f"  {s.name} [{s.status}] {s.reason}" for s in dispatcher.backends()
+            if s.status != "available"]  # fmt: skip
+    return "\n".join(["backends not available on this device:", *rows]) if rows else ""

@@ -1,0 +1,95 @@
+"""Tactic specs are frozen, strict and round-trip JSON exactly; device detection never raises."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from fp4_dispatch import device as device_mod
+from fp4_dispatch.registry import load
+from fp4_dispatch.tactics import Problem, Tactic
+
+SIM_FOR_FAMILY = {"sm90": "sm90", "sm100": "sm100", "sm103": "sm103", "sm107": "sm107"}
+PROBLEMS = [Problem(m=1, n=4096, k=4096), Problem(m=4096, n=8192, k=8192, out_dtype="float16")]
+
+
+def builtin_tactics():
+    """(backend name, tactic) for every built-in backend on a device it supports."""
+    reg = load(strict=False)
+    found = []
+    for name, backend in reg.backends.items():
+        if not reg.plugin_of[name].builtin:
+            continue
+        dev = device_mod.simulated(SIM_FOR_FAMILY.get(backend.family, "sm90"))
+        if backend.family == "portable":
+            dev = device_mod.CPU
+        if not backend.supports(dev).ok:
+            continue  # e.g. an extra that is not installed: covered by the plugin's tests
+        for problem in PROBLEMS:
+            found += [(name, t) for t in list(backend.tactics(problem, dev))[:40]]
+    return found
+
+
+TACTICS = builtin_tactics()
+
+
+def test_some_builtin_tactics_were_found():
+    assert {name for name, _ in TACTICS} >= {"torch-reference", "triton-sm90"}
+
+
+@pytest.mark.parametrize(("name", "tactic"), TACTICS[::7], ids=lambda v: str(v)[:60])
+def test_json_round_trip_is_exact(name, tactic):
+    assert tactic.backend == name
+    again = type(tactic).model_validate_json(tactic.model_dump_json())
+    assert again == tactic and hash(again) == hash(tactic)
+    assert again.canonical_json() == tactic.canonical_json()
+
+
+def test_tactics_are_frozen_and_strict():
+    _, tactic = TACTICS[0]
+    with pytest.raises(pydantic.ValidationError):
+        tactic.tile_m = 999  # type: ignore[misc]
+    with pytest.raises(pydantic.ValidationError, match="extra"):
+        type(tactic).model_validate({**tactic.model_dump(), "surprise": 1})
+    with pytest.raises(pydantic.ValidationError):
+        Tactic(backend="x", tile_m=0, tile_n=128)
+
+
+def test_problem_validation_and_swap():
+    p = Problem(m=3, n=5, k=32)
+    assert p.swapped() == Problem(m=5, n=3, k=32)
+    with pytest.raises(pydantic.ValidationError):
+        Problem(m=0, n=1, k=32)
+    with pytest.raises(pydantic.ValidationError):
+        Problem(m=1, n=1, k=32, out_dtype="float32")
+
+
+def test_detection_never_raises(monkeypatch):
+    def broken(index: int):
+        raise OSError("libcuda.so: cannot open shared object file")
+
+    monkeypatch.setattr(device_mod, "_read_cuda_device", broken)
+    device_mod.detect.cache_clear()
+    try:
+        dev = device_mod.detect()
+    finally:
+        device_mod.detect.cache_clear()
+    assert dev.kind == "cpu" and "libcuda.so" in dev.note
+
+
+SIMULATED = [("sm90", 132, 90), ("sm100", 148, 100), ("sm103", 160, 103), ("sm107", 212, 107)]
+
+
+@pytest.mark.parametrize(("name", "sms", "cc"), SIMULATED)
+def test_simulated_devices(name, sms, cc):
+    dev = device_mod.simulated(name)
+    assert (dev.sm_count, dev.cc, dev.kind) == (sms, cc, "simulated")
+    assert dev.arch == f"sm_{cc}a"
+    smaller = device_mod.simulated(name, sm_count=sms // 2)
+    assert smaller.sm_count == sms // 2
+    assert smaller.bf16_tflops == pytest.approx(dev.bf16_tflops / 2, rel=0.02)
+
+
+def test_resolve_rejects_unknown_names():
+    with pytest.raises(ValueError, match="device: expected one of"):
+        device_mod.resolve("h100")
