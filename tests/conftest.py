@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -36,6 +39,24 @@ def plugin_dist(tmp_path, monkeypatch):
     yield make
     for module in made:
         sys.modules.pop(module, None)
+
+
+def run_interpreted(script: str, cases: object) -> dict:
+    """Run `script` (given ``json.dumps(cases)`` as argv[1]) under TRITON_INTERPRET=1.
+
+    In a subprocess: interpreter mode must be set before triton is imported, and other
+    tests import the kernel modules in-process. Returns the JSON on its last stdout line.
+    """
+    pytest.importorskip("triton")
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 GOOD_PLUGIN = """

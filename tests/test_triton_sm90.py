@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import run_interpreted
 
 from fp4_dispatch.backend import GemmOperands
 from fp4_dispatch.device import CPU, simulated
@@ -108,17 +107,7 @@ print(json.dumps({"results": results, "counters": counters}))
 @pytest.fixture(scope="module")
 def interpreted():
     """Run every CASES entry (both dtypes, plain and transposed out) in the interpreter."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", _INTERPRETER_SCRIPT, json.dumps(CASES)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(_INTERPRETER_SCRIPT, CASES)
 
 
 # (m, n, k, config kwargs): tails in M, N and K, split-K, raster groups

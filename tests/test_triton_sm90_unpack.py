@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import run_interpreted
 
 from fp4_dispatch.device import CPU, simulated
 from fp4_dispatch.plugins import sm90
@@ -156,17 +154,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def interpreted():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", _INTERPRETER_SCRIPT, json.dumps(CASES)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(_INTERPRETER_SCRIPT, CASES)
 
 
 def test_unpack_is_bit_exact_dequantize(interpreted):

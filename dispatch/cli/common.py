@@ -20,6 +20,15 @@ def add_device_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sm-count", type=int, default=None, help="override the SM count")
 
 
+def add_budget_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--budget``: how many tactics the shortlist keeps (the library default)."""
+    from ..ranking import DEFAULT_BUDGET
+
+    parser.add_argument(
+        "--budget", type=int, default=DEFAULT_BUDGET, help=f"{what} (default {DEFAULT_BUDGET})"
+    )
+
+
 def add_json_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 

@@ -19,7 +19,14 @@ from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
-from .common import add_device_args, add_json_arg, emit_json, format_table, make_dispatcher
+from .common import (
+    add_budget_arg,
+    add_device_args,
+    add_json_arg,
+    emit_json,
+    format_table,
+    make_dispatcher,
+)
 
 FAMILY_PREFIX = "sm10"
 
@@ -33,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("n", type=int, help="rows of B (columns of out)")
     p.add_argument("k", type=int, help="reduction size (a multiple of 32)")
     add_device_args(p)
-    p.add_argument("--budget", type=int, default=32, help="shortlist size (default 32)")
+    add_budget_arg(p, "shortlist size")
     p.add_argument(
         "--jobs", type=int, default=min(4, os.cpu_count() or 1), help="parallel compile processes"
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..ranking import DEFAULT_BUDGET, Candidate, Shortlist
+from ..ranking import Candidate, Shortlist
 from . import common
 
 #: fields every tactic has; the rest are shown compactly as family-specific knobs
@@ -23,12 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("n", type=int, metavar="N", help="rows of B (columns of the output)")
     p.add_argument("k", type=int, metavar="K", help="reduction length")
     common.add_device_args(p)
-    p.add_argument(
-        "--budget",
-        type=int,
-        default=DEFAULT_BUDGET,
-        help=f"tactics kept for measurement (default {DEFAULT_BUDGET})",
-    )
+    common.add_budget_arg(p, "tactics kept for measurement")
     p.add_argument(
         "--out-dtype",
         default="bfloat16",

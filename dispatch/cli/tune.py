@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..ranking import DEFAULT_BUDGET, Candidate
+from ..ranking import Candidate
 from ..tuning import TuneResult
 from . import common
 
@@ -25,12 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="problem shapes; shapes of one M bucket (next power of two) are tuned once",
     )
     common.add_device_args(p)
-    p.add_argument(
-        "--budget",
-        type=int,
-        default=DEFAULT_BUDGET,
-        help=f"tactics measured per shape (default {DEFAULT_BUDGET})",
-    )
+    common.add_budget_arg(p, "tactics measured per shape")
     p.add_argument("--out-dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--force", action="store_true", help="re-measure buckets already cached")
     p.add_argument("--no-save", action="store_true", help="do not write the tuning cache")
