@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from .buckets import m_bucket
 from .tactics import Problem, Tactic
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ class Support:
         return self.ok
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class GemmOperands:
     """Operands as every kernel receives them, already in the orientation to compute.
 
@@ -72,6 +73,26 @@ class GemmOperands:
 
 Kernel = Callable[[GemmOperands, "torch.Tensor"], None]
 """A built kernel: ``kernel(operands, out)`` writes ``out`` (shape [M, N]) in place."""
+
+
+def launch(kernel: Kernel, operands: GemmOperands, out: torch.Tensor, swap_ab: bool) -> None:
+    """Run `kernel` under the swap convention: for ``swap_ab`` it gets (b, a) and ``out.T``.
+
+    Every caller that runs a kernel (plans, the tuner, the conformance kit, benchmarks)
+    goes through here, so the convention is written once.
+    """
+    if swap_ab:
+        kernel(operands.swapped(), out.t())
+    else:
+        kernel(operands, out)
+
+
+def kernel_problem(problem: Problem, tactic: Tactic) -> Problem:
+    """The problem `Backend.build` receives: M rounded up to its `bucket`, then M and N
+    exchanged when the tactic swaps (the kernel's own orientation). One build serves every
+    M of the bucket (`fp4_dispatch.buckets`); kernels take the real M from their operands."""
+    bucketed = problem.model_copy(update={"m": m_bucket(problem.m)})
+    return bucketed.swapped() if tactic.swap_ab else bucketed
 
 
 class Backend(abc.ABC):

@@ -24,11 +24,14 @@ import torch
 
 from . import checks, registry, torch_ops
 from . import tuning as _tuning
-from .backend import Backend, GemmOperands, Kernel
+from .backend import Backend, GemmOperands, Kernel, kernel_problem
+from .backend import launch as _launch
+from .buckets import m_bucket
 from .cache import TuningCache, device_fingerprint
 from .device import DeviceInfo, resolve
 from .nvfp4 import Nvfp4Tensor
-from .ranking import Candidate, Ranker, Shortlist, m_bucket
+from .plans import Plan, PlanKey
+from .ranking import Candidate, Ranker, Shortlist
 from .tactics import Problem
 from .winners import BucketKey, TunedWinners
 
@@ -59,11 +62,8 @@ class BackendStatus:
 def launch(
     candidate: Candidate, kernel: Kernel, operands: GemmOperands, out: torch.Tensor
 ) -> torch.Tensor:
-    """Call `kernel`, realising ``swap_ab`` by exchanging operands and writing ``out.T``."""
-    if candidate.tactic.swap_ab:
-        kernel(operands.swapped(), out.t())
-    else:
-        kernel(operands, out)
+    """`fp4_dispatch.backend.launch` for a candidate (the swap convention); returns out."""
+    _launch(kernel, operands, out, candidate.tactic.swap_ab)
     return out
 
 
@@ -103,7 +103,13 @@ class Dispatcher:
         #: torch.compile can read it from a module attribute without tracing the registry
         self.op_id = torch_ops.dispatcher_id(self)
         self._kernels: dict[tuple, Kernel] = {}
-        self._plans: dict[tuple[int, int, int, str], tuple[Candidate, Kernel]] = {}
+        self._plans: dict[PlanKey, Plan] = {}
+        #: shapes that ran eagerly at least once (to say "plan changed" in a capture)
+        self._ran: set[PlanKey] = set()
+        self._announced: set[PlanKey] = set()
+        self._torch_device = (
+            None if self.device.is_simulated else torch.device(self.device.torch_device)
+        )
         self.winners = TunedWinners(self, _tuning_cache(cache))
         self._untuned_logged: set[BucketKey] = set()
         self._autotune_depth = 0
@@ -303,9 +309,7 @@ class Dispatcher:
 
     def kernel_for(self, candidate: Candidate, problem: Problem) -> Kernel:
         """Build (once) the kernel of `candidate` for problems of this bucket."""
-        bucketed = problem.model_copy(update={"m": m_bucket(problem.m)})
-        if candidate.tactic.swap_ab:
-            bucketed = bucketed.swapped()
+        bucketed = kernel_problem(problem, candidate.tactic)
         key = (candidate.backend, candidate.tactic, bucketed)
         kernel = self._kernels.get(key)
         if kernel is None:
@@ -315,43 +319,86 @@ class Dispatcher:
             self._kernels[key] = kernel
         return kernel
 
-    def cached_plan(self, m: int, n: int, k: int, dtype: str) -> tuple[Candidate, Kernel] | None:
-        """The plan `run` would launch for this exact shape if it has already run, else None.
+    def cached_plan(self, m: int, n: int, k: int, dtype: str) -> Plan | None:
+        """The plan of this exact shape if one was made, else None (never ranks or builds).
 
-        Never ranks or builds: this is what a CUDA-graph capture may use. Tuning replaces
-        a bucket's plans with new objects, so a changed plan is detectable by identity.
+        Tuning replaces a bucket's plans with new objects, so a changed plan is not warm.
         """
         return self._plans.get((m, n, k, dtype))
 
-    def _plan(self, m: int, n: int, k: int, dtype: str) -> tuple[Candidate, Kernel]:
-        key = (m, n, k, dtype)
-        plan = self._plans.get(key)
-        if plan is None:
-            candidate = self.select(m, n, k, dtype)
-            plan = candidate, self.kernel_for(candidate, Problem(m=m, n=n, k=k, out_dtype=dtype))
-            self._plans[key] = plan
+    def _new_plan(self, key: PlanKey) -> Plan:
+        m, n, k, dtype = key
+        candidate = self.select(m, n, k, dtype)
+        kernel = self.kernel_for(candidate, Problem(m=m, n=n, k=k, out_dtype=dtype))
+        plan = self._plans[key] = Plan(key, candidate, kernel)
         return plan
 
     def check_device(self, name: str, t: torch.Tensor) -> torch.device:
         """The torch device this dispatcher runs on; raises unless `t` is there and it is real."""
-        if self.device.is_simulated:
+        want = self._torch_device
+        if want is None:
             raise RuntimeError(
                 f"{self.device.name} is simulated: it ranks and compiles but runs nothing; "
                 "use Dispatcher() on the real device to run a GEMM"
             )
-        want = torch.device(self.device.torch_device)
         if t.device != want:
             raise ValueError(
                 f"{name}: expected a tensor on the dispatcher's device {want}, got {t.device}"
             )
         return want
 
+    def run_checked(
+        self,
+        a: torch.Tensor,
+        sa: torch.Tensor,
+        b: torch.Tensor,
+        sb: torch.Tensor,
+        alpha: torch.Tensor,
+        out: torch.Tensor,
+        dtype: str,
+    ) -> None:
+        """The hot path: run checked operands (`GemmOperands` order) through their plan.
+
+        Outside a CUDA-graph capture this may make the plan (select, build, and under
+        `autotuning` tune). Inside one only a warm plan of the exact shape launches; else
+        `fp4_dispatch.torch_ops.CaptureNotWarmError` before anything launches.
+        """
+        m, n = a.shape[0], b.shape[0]
+        if m == 0 or n == 0:
+            return  # an empty product (e.g. an empty batch): nothing to compute
+        key = (m, n, a.shape[1] * 2, dtype)
+        plan = self._plans.get(key)
+        if torch_ops.stream_capturing():
+            self._launch_captured(key, plan, (a, sa, b, sb, alpha, out))
+            return
+        if self._autotune_depth:
+            self._autotune(*key)
+            plan = self._plans.get(key)
+        if plan is None:
+            plan = self._new_plan(key)
+        plan(a, sa, b, sb, alpha, out)
+        plan.warm = True
+        self._ran.add(key)
+
+    def _launch_captured(self, key: PlanKey, plan: Plan | None, args: tuple) -> None:
+        if plan is None or not plan.warm:
+            why = (
+                "after its plan changed since it last ran (re-tuned?)"
+                if key in self._ran
+                else "without ever having run eagerly"
+            )
+            raise torch_ops.not_warm(self.device.name, key, why)
+        if key not in self._announced:
+            self._announced.add(key)
+            log.info("capturing %s for M=%d N=%d K=%d (%s)", plan.candidate.backend,
+                     *key[:3], plan.candidate.reason)  # fmt: skip
+        plan(*args)
+
     def run(self, operands: GemmOperands, out: torch.Tensor, dtype: str) -> torch.Tensor:
         """Run checked operands through the plan for their shape (no further checks)."""
-        if self._autotune_depth:
-            self._autotune(operands.m, operands.n, operands.k, dtype)
-        candidate, kernel = self._plan(operands.m, operands.n, operands.k, dtype)
-        return launch(candidate, kernel, operands, out)
+        o = operands
+        self.run_checked(o.a_data, o.a_scale, o.b_data, o.b_scale, o.alpha, out, dtype)
+        return out
 
     def run_candidate(
         self, candidate: Candidate, operands: GemmOperands, out: torch.Tensor
@@ -370,11 +417,21 @@ class Dispatcher:
     ) -> torch.Tensor:
         """``out[M, N] = dequant(qa) @ dequant(qb).T`` (B held as [N, K], like a Linear weight).
 
-        Through `fp4_dispatch.torch_ops`: under torch.compile the GEMM is the custom op
-        ``fp4_dispatch::gemm`` (no graph break, plan made at run time); eagerly the same
-        code runs directly; inside a CUDA-graph capture only an already-run plan launches.
+        Arguments are checked here, once; under torch.compile the GEMM is the custom op
+        ``fp4_dispatch::gemm`` (no graph break, plan made at run time); eagerly the plan
+        runs directly; inside a CUDA-graph capture only an already-run plan launches.
         """
-        return torch_ops.gemm(self, qa, qb, out_dtype, out)
+        qa, qb = checks.nvfp4_operand("qa", qa), checks.nvfp4_operand("qb", qb)
+        checks.out_dtype_name(out_dtype)
+        checks.k_dims(qa.k, qb.k)
+        device = self.check_device("qa", qa.data)
+        if qb.data.device != device:
+            checks.same_device(device, qb=qb.data)
+        qa, qb = qa.with_layout("swizzled"), qb.with_layout("swizzled")
+        alpha = (qa.global_scale * qb.global_scale).reshape(1)
+        if out is not None:
+            out = checks.out_tensor(out, qa.rows, qb.rows, out_dtype, device)
+        return torch_ops.run(self, qa.data, qa.scale, qb.data, qb.scale, alpha, out_dtype, out)
 
     def mm_fp4(
         self,
@@ -408,6 +465,9 @@ class Dispatcher:
         alpha = checks.alpha_tensor(alpha, device)
         out = checks.out_tensor(out, m, n, out_dtype, device)
         return torch_ops.run(self, a, a_scale, b.t(), b_scale, alpha, out_dtype, out)
+
+
+torch_ops.set_default_factory(lambda device: Dispatcher(device=device))
 
 
 def _tuning_cache(cache: str | os.PathLike[str] | TuningCache | bool | None) -> TuningCache | None:

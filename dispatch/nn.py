@@ -13,26 +13,42 @@ to the output dtype. Relative to ``nn.Linear`` on the dequantized weight, the on
 extra error is the activation's NVFP4 quantization (about 8% RMS per element for
 Gaussian data, averaging down over K in the product).
 
-Output dtype: the input's dtype when it is bfloat16 or float16; bfloat16 otherwise
-(float32 inputs give bfloat16 outputs: the kernels write 16-bit outputs only).
+Output dtype: the input's dtype when it is bfloat16 or float16; for other inputs the
+bias's dtype when that is 16-bit, else bfloat16 (the kernels write 16-bit outputs only).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from . import torch_ops
+from .dispatcher import Dispatcher
 from .nvfp4 import BLOCK_SIZE, Nvfp4Tensor, dequantize, quantize_nvfp4, swizzled_scale_shape
-
-if TYPE_CHECKING:
-    from .dispatcher import Dispatcher
 
 __all__ = ["Nvfp4Linear"]
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
+#: buffers whose dtype IS the format: a module-wide dtype cast must never touch them
+_QUANTIZED_BUFFERS = ("weight_data", "weight_scale", "weight_global_scale", "input_global_scale")
+
+
+class _NoGradient(torch.autograd.Function):
+    """Identity forward; a backward that says why there is no gradient (inference only)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor) -> torch.Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(
+            "Nvfp4Linear is inference-only: no gradient flows through its quantized GEMM "
+            "(the input is rounded to NVFP4). Run it under torch.no_grad() or "
+            "torch.inference_mode(), or keep the layer as nn.Linear for training."
+        )
 
 
 class Nvfp4Linear(nn.Module):
@@ -47,7 +63,11 @@ class Nvfp4Linear(nn.Module):
       activation's scale is ``amax / (6 * 448)`` per call, computed on the device).
     - ``bias``: a parameter in ``dtype`` (default bfloat16), or None.
 
-    Inference only: no gradients flow through the quantized GEMM.
+    Inference only: asking for a gradient through it raises (at ``backward``).
+
+    Dtype casts (``.to(torch.bfloat16)``, ``.half()``, ``model.to(dtype)``) change only
+    the bias: the quantized buffers keep their format dtypes, as in torchao's and
+    bitsandbytes' quantized modules. ``.to(device)`` moves everything.
     """
 
     def __init__(
@@ -160,6 +180,16 @@ class Nvfp4Linear(nn.Module):
             self.input_global_scale = torch.ones((), device=self.weight_data.device)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
+        """Let a dtype cast reach the bias only; device moves still move the buffers."""
+        kept = {n: self._buffers[n] for n in _QUANTIZED_BUFFERS if self._buffers.get(n) is not None}
+        super()._apply(fn, recurse)
+        for name, old in kept.items():
+            new = self._buffers[name]
+            if new.dtype != old.dtype:  # cast by fn: undo the cast, keep the device move
+                self._buffers[name] = old.to(device=new.device)
+        return self
+
     # ---- views ------------------------------------------------------------------------
 
     def quantized_weight(self) -> Nvfp4Tensor:
@@ -190,7 +220,9 @@ class Nvfp4Linear(nn.Module):
             raise ValueError(
                 f"x: expected last dimension {self.in_features}, got shape {tuple(x.shape)}"
             )
-        out_dtype = x.dtype if x.dtype in _OUT_DTYPES else torch.bfloat16
+        out_dtype = self._out_dtype(x)
+        if self.dispatcher is not None and not torch.compiler.is_compiling():
+            self.dispatcher.check_device("x", x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         a, sa, ga = torch_ops.quantize(x2, self.input_global_scale)
@@ -199,5 +231,18 @@ class Nvfp4Linear(nn.Module):
             self.dispatcher, a, sa, self.weight_data, self.weight_scale, alpha, out_dtype
         )
         if self.bias is not None:
-            y = y + self.bias.to(out_dtype)
+            y = y.add_(self.bias) if self.bias.dtype == out_dtype else y + self.bias.to(out_dtype)
+        if torch.is_grad_enabled() and (x.requires_grad or self._bias_wants_grad()):
+            y = _NoGradient.apply(y)
         return y.reshape(*lead, self.out_features)
+
+    def _out_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The input's dtype when 16-bit; else the bias's when 16-bit; else bfloat16."""
+        if x.dtype in _OUT_DTYPES:
+            return x.dtype
+        if self.bias is not None and self.bias.dtype in _OUT_DTYPES:
+            return self.bias.dtype
+        return torch.bfloat16
+
+    def _bias_wants_grad(self) -> bool:
+        return self.bias is not None and self.bias.requires_grad

@@ -64,6 +64,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .backend import Backend
+from .buckets import m_bucket
 from .device import DeviceInfo
 from .tactics import Problem, Tactic
 
@@ -87,13 +88,6 @@ SWAP_PENALTY = 1.05
 SWAP_NEUTRAL_ABOVE_M = 8192
 #: memo tables are cleared when they grow past this many entries
 _MEMO_LIMIT = 1 << 17
-
-
-def m_bucket(m: int) -> int:
-    """Next power of two >= m, uncapped (the old capped table sent M=100000 to 4096)."""
-    if type(m) is not int or m < 1:
-        raise ValueError(f"m: expected a positive int, got {m!r}")
-    return 1 << (m - 1).bit_length()
 
 
 def preferred_swap(problem: Problem) -> bool:

@@ -1,9 +1,15 @@
 """PyTorch integration: custom ops that torch.compile traces and CUDA graphs capture.
 
 Why: a serving stack compiles its model (``torch.compile(fullgraph=True)``) and replays
-decode steps from CUDA graphs. The dispatcher's Python (ranking, pydantic models, plan
-memo, kernel builds) must therefore sit behind an opaque op with a shape-only "fake"
+decode steps from CUDA graphs. The dispatcher's Python (ranking, pydantic models, plans,
+kernel builds) must therefore sit behind an opaque op with a shape-only "fake"
 implementation, and must do nothing inside a capture that a capture cannot record.
+
+Layering: this module sits BELOW the engine. It knows a dispatcher only as an object
+with ``run_checked``/``check_device``/``cached_plan`` (the `Runner` protocol), looked up
+by an int id; `fp4_dispatch.dispatcher` registers itself as the factory of the per-device
+default dispatchers on import. So the engine can emit these ops under torch.compile
+without an import cycle.
 
 Ops, namespace ``fp4_dispatch`` (``torch.ops.fp4_dispatch.*``):
 
@@ -11,25 +17,23 @@ Ops, namespace ``fp4_dispatch`` (``torch.ops.fp4_dispatch.*``):
   of a 2-D activation, bit-identical to `quantize_nvfp4` (swizzled scales) but with no
   host synchronisation (no NaN check, no ``float(tensor)``), so it is capturable.
 - ``gemm(a_data, a_scale, b_data, b_scale, alpha, out_dtype, dispatcher=-1) -> out``:
-  ``out = alpha * dequant(a) @ dequant(b).T`` through a `Dispatcher`.
+  ``out = alpha * dequant(a) @ dequant(b).T`` through a dispatcher.
 - ``gemm_out(..., out, dispatcher=-1)``: the same, writing a caller's ``out``.
 
-``dispatcher`` is an int: `dispatcher_id` of a registered `Dispatcher`, or -1 for the
+``dispatcher`` is an int: `dispatcher_id` of a registered dispatcher, or -1 for the
 per-device default (`default_dispatcher`). An int keeps the op schema plain and lets a
 compiled graph hold the choice as a constant.
 
-CUDA graphs. Outside a capture the op calls ``Dispatcher.run`` (which may rank, build,
-compile and - under the tuning helper's ``autotuning()`` - tune) and then records the
-plan that ran for that exact (M, N, K, out dtype) as *warm*. Inside a capture
-(``torch.cuda.is_current_stream_capturing()``) it never ranks, builds, compiles or
-tunes: it launches the memoized plan for the exact shape if that plan is the one that
-ran eagerly, and otherwise raises `CaptureNotWarmError` (nothing is launched; the
-capture fails loudly instead of recording a JIT compile, an allocation or a host sync).
-So an *untuned* bucket hit during capture runs the heuristic top-1 that the warm-up
-ran - never a tuning pass - and a shape that was never run eagerly is an error that
-names the shape and the fix: run the model once at that shape before capturing (what
-``torch.compile(mode="reduce-overhead")`` and the usual side-stream warm-up do), or
-call `warmup`.
+CUDA graphs. Outside a capture a GEMM runs its plan (`fp4_dispatch.plans`; the
+dispatcher may rank, build, compile and - under ``autotuning()`` - tune to make it) and
+the plan becomes *warm*. Inside a capture (`stream_capturing`) nothing is ranked, built,
+compiled, allocated or tuned: the warm plan of the exact (M, N, K, out dtype) launches,
+and otherwise `CaptureNotWarmError` is raised before anything launches. So an *untuned*
+bucket hit during capture runs the heuristic top-1 that the warm-up ran - never a tuning
+pass - and a shape that was never run eagerly is an error that names the shape and the
+fix: run the model once at that shape before capturing (what
+``torch.compile(mode="reduce-overhead")`` and the usual side-stream warm-up do), or call
+`warmup`.
 """
 
 from __future__ import annotations
@@ -38,13 +42,12 @@ import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from . import checks
-from .backend import GemmOperands
 from .nvfp4 import (
     BLOCK_SIZE,
     E2M1_MAX,
@@ -54,24 +57,28 @@ from .nvfp4 import (
     quantize_nvfp4,
     swizzle_scales,
 )
+from .plans import PlanKey
 from .progress import progress
 
 if TYPE_CHECKING:
-    from .dispatcher import Dispatcher
+    from .device import DeviceInfo
+    from .plans import Plan
     from .ranking import Candidate
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "CaptureNotWarmError",
+    "Runner",
     "default_dispatcher",
     "dispatcher_id",
     "gemm",
-    "gemm_operands",
     "get_dispatcher",
     "is_warm",
+    "not_warm",
     "quantize",
     "run",
+    "set_default_factory",
     "stream_capturing",
     "warmup",
 ]
@@ -79,28 +86,57 @@ __all__ = [
 #: the ``dispatcher`` argument meaning "the default dispatcher of the operands' device"
 DEFAULT = -1
 
-PlanKey = tuple[int, int, int, str]
-
 
 class CaptureNotWarmError(RuntimeError):
-    """A GEMM shape reached a CUDA graph capture before it had ever run eagerly."""
+    """A GEMM shape reached a CUDA graph capture before its plan had ever run eagerly."""
+
+
+class Runner(Protocol):
+    """What the ops need of a dispatcher (`fp4_dispatch.Dispatcher` is one)."""
+
+    device: DeviceInfo
+    op_id: int
+
+    def run_checked(
+        self,
+        a: torch.Tensor,
+        sa: torch.Tensor,
+        b: torch.Tensor,
+        sb: torch.Tensor,
+        alpha: torch.Tensor,
+        out: torch.Tensor,
+        dtype: str,
+    ) -> None: ...
+
+    def check_device(self, name: str, t: torch.Tensor) -> torch.device: ...
+
+    def cached_plan(self, m: int, n: int, k: int, dtype: str) -> Plan | None: ...
+
+    def gemm(self, qa: Nvfp4Tensor, qb: Nvfp4Tensor, out_dtype: torch.dtype,
+             out: torch.Tensor | None = None) -> torch.Tensor: ...  # fmt: skip
 
 
 # ---- which dispatcher ------------------------------------------------------------------
 
 _lock = threading.Lock()
 _next_id = itertools.count(1)
-_by_id: weakref.WeakValueDictionary[int, Dispatcher] = weakref.WeakValueDictionary()
-_id_of: weakref.WeakKeyDictionary[Dispatcher, int] = weakref.WeakKeyDictionary()
-_defaults: dict[str, Dispatcher] = {}
-#: dispatcher -> exact problem key -> the (Candidate, Kernel) plan that ran eagerly
-_warm: weakref.WeakKeyDictionary[Dispatcher, dict[PlanKey, tuple]] = weakref.WeakKeyDictionary()
-#: dispatcher -> keys whose capture was already logged (once each)
-_announced: weakref.WeakKeyDictionary[Dispatcher, set[PlanKey]] = weakref.WeakKeyDictionary()
+_by_id: weakref.WeakValueDictionary[int, Runner] = weakref.WeakValueDictionary()
+_id_of: weakref.WeakKeyDictionary[Runner, int] = weakref.WeakKeyDictionary()
+_defaults: dict[str, Runner] = {}
+_factory: list[Callable[[str], Runner]] = []
+
+
+def set_default_factory(factory: Callable[[str], Runner]) -> None:
+    """Name what makes the default dispatcher of a device (``factory("cuda:0")``).
+
+    `fp4_dispatch.dispatcher` registers `Dispatcher` here when it is imported: this
+    module sits below the engine and never imports it.
+    """
+    _factory[:] = [factory]
 
 
 @torch.compiler.assume_constant_result
-def dispatcher_id(dispatcher: Dispatcher) -> int:
+def dispatcher_id(dispatcher: Runner) -> int:
     """The op-level id of `dispatcher` (registered on first use, held weakly).
 
     Under torch.compile this runs at trace time and the id becomes a constant of the
@@ -122,24 +158,26 @@ def _device_key(device: torch.device | str) -> str:
     return str(device)
 
 
-def default_dispatcher(device: torch.device | str = "cpu") -> Dispatcher:
-    """The shared `Dispatcher` for a torch device (created on first use, then reused)."""
-    from .dispatcher import Dispatcher
-
+def default_dispatcher(device: torch.device | str = "cpu") -> Runner:
+    """The shared dispatcher of a torch device (created on first use, then reused)."""
     key = _device_key(device)
     with _lock:
         d = _defaults.get(key)
     if d is None:
-        d = Dispatcher(device=key)
+        if not _factory:
+            raise RuntimeError(
+                "fp4_dispatch: no dispatcher factory registered; import fp4_dispatch.dispatcher"
+            )
+        d = _factory[0](key)
         with _lock:
             d = _defaults.setdefault(key, d)
     return d
 
 
-def get_dispatcher(did: int, device: torch.device) -> Dispatcher:
+def get_dispatcher(did: int, device: torch.device) -> Runner:
     """Resolve the op's ``dispatcher`` argument (see module docstring)."""
     if did == DEFAULT:
-        return default_dispatcher(device)
+        return _resolve(None, device)
     d = _by_id.get(did)
     if d is None:
         raise RuntimeError(
@@ -147,6 +185,18 @@ def get_dispatcher(did: int, device: torch.device) -> Dispatcher:
             "while a graph or module still referred to it); keep a reference to it"
         )
     return d
+
+
+def _resolve(dispatcher: Runner | None, device: torch.device) -> Runner:
+    """`dispatcher`, or the default one of `device` (never first created inside a capture)."""
+    if dispatcher is not None:
+        return dispatcher
+    if stream_capturing() and _device_key(device) not in _defaults:
+        raise CaptureNotWarmError(
+            f"fp4_dispatch: the default dispatcher of {device} was first needed inside a "
+            "CUDA graph capture; run the model once before capturing"
+        )
+    return default_dispatcher(device)
 
 
 # ---- capture state -----------------------------------------------------------------------
@@ -157,17 +207,17 @@ def stream_capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-def is_warm(d: Dispatcher, m: int, n: int, k: int, out_dtype: torch.dtype) -> bool:
+def is_warm(d: Runner, m: int, n: int, k: int, out_dtype: torch.dtype) -> bool:
     """Whether a GEMM of this exact shape may run inside a CUDA graph capture."""
-    key = (m, n, k, checks.out_dtype_name(out_dtype))
-    plan = d.cached_plan(*key)
-    return plan is not None and _warm.get(d, {}).get(key) is plan
+    plan = d.cached_plan(m, n, k, checks.out_dtype_name(out_dtype))
+    return plan is not None and plan.warm
 
 
-def _not_warm(d: Dispatcher, key: PlanKey, why: str) -> CaptureNotWarmError:
+def not_warm(device_name: str, key: PlanKey, why: str) -> CaptureNotWarmError:
+    """The error for a shape whose plan may not launch inside a capture (names the fix)."""
     m, n, k, dtype = key
     return CaptureNotWarmError(
-        f"fp4_dispatch: GEMM M={m} N={n} K={k} out={dtype} on {d.device.name} reached a "
+        f"fp4_dispatch: GEMM M={m} N={n} K={k} out={dtype} on {device_name} reached a "
         f"CUDA graph capture {why}. Inside a capture nothing is ranked, built, compiled, "
         "allocated or tuned, so the kernel must have run at this exact shape beforehand. "
         "Run the model once at this shape before capturing (torch.compile "
@@ -176,53 +226,7 @@ def _not_warm(d: Dispatcher, key: PlanKey, why: str) -> CaptureNotWarmError:
     )
 
 
-def _launch_captured(d: Dispatcher, key: PlanKey, ops: GemmOperands, out: torch.Tensor) -> None:
-    from .dispatcher import launch
-
-    plan = d.cached_plan(*key)
-    warm = _warm.get(d, {}).get(key)
-    if plan is None or warm is None:
-        raise _not_warm(d, key, "without ever having run eagerly")
-    if warm is not plan:
-        raise _not_warm(d, key, "after its plan changed since it last ran (re-tuned?)")
-    candidate, kernel = plan
-    seen = _announced.setdefault(d, set())
-    if key not in seen:
-        seen.add(key)
-        log.info(
-            "capturing %s for M=%d N=%d K=%d (%s)", candidate.backend, *key[:3], candidate.reason
-        )
-    launch(candidate, kernel, ops, out)
-
-
 # ---- the ops -----------------------------------------------------------------------------
-
-
-def _execute(d: Dispatcher, ops: GemmOperands, out: torch.Tensor, dtype: str) -> None:
-    """Run checked operands: eagerly through ``Dispatcher.run``, or replay-safely in a capture."""
-    m, n, k = ops.m, ops.n, ops.k
-    if m == 0 or n == 0:
-        return  # an empty product (e.g. an empty batch): nothing to compute
-    key = (m, n, k, dtype)
-    if stream_capturing():
-        _launch_captured(d, key, ops, out)
-        return
-    d.run(ops, out, dtype)
-    plan = d.cached_plan(*key)
-    if plan is not None:
-        _warm.setdefault(d, {})[key] = plan
-
-
-def _resolve(dispatcher: Dispatcher | None, device: torch.device) -> Dispatcher:
-    """`dispatcher`, or the default one of `device` (never first created inside a capture)."""
-    if dispatcher is not None:
-        return dispatcher
-    if stream_capturing() and _device_key(device) not in _defaults:
-        raise CaptureNotWarmError(
-            f"fp4_dispatch: the default dispatcher of {device} was first needed inside a "
-            "CUDA graph capture; run the model once before capturing"
-        )
-    return default_dispatcher(device)
 
 
 def _op_impl(
@@ -244,17 +248,18 @@ def _op_impl(
         raise ValueError(f"out: expected shape {(m, n)}, got {tuple(out.shape)}")
     if not (a_data.is_contiguous() and b_data.is_contiguous()):
         raise ValueError("a_data and b_data: expected contiguous [rows, K/2] tensors")
-    d = _resolve(None, a_data.device) if did == DEFAULT else get_dispatcher(did, a_data.device)
+    d = get_dispatcher(did, a_data.device)
     device = d.check_device("a_data", a_data)
     checks.same_device(device, a_scale=a_scale, b_data=b_data, b_scale=b_scale, out=out)
-    ops = GemmOperands(
+    d.run_checked(
         a_data,
         checks.swizzled_scale("a_scale", a_scale, m, k),
         b_data,
         checks.swizzled_scale("b_scale", b_scale, n, k),
         checks.alpha_tensor(alpha, device),
+        out,
+        dtype,
     )
-    _execute(d, ops, out, dtype)
 
 
 @torch.library.custom_op("fp4_dispatch::gemm", mutates_args=())
@@ -364,7 +369,7 @@ def quantize(
 
 
 def run(
-    dispatcher: Dispatcher | None,
+    dispatcher: Runner | None,
     a_data: torch.Tensor,
     a_scale: torch.Tensor,
     b_data: torch.Tensor,
@@ -378,9 +383,9 @@ def run(
     Operands as in `GemmOperands` (swizzled scales, ``alpha`` one float32 element);
     ``dispatcher`` None means the default dispatcher of the operands' device. Under
     torch.compile this becomes the ``fp4_dispatch::gemm`` (or ``gemm_out``) op, so the
-    graph holds one opaque call and no dispatcher Python; eagerly it runs the same
-    code directly (a custom op's dispatch costs tens of microseconds of host time, more
-    than a decode GEMM). Both paths obey the CUDA-graph rules of this module.
+    graph holds one opaque call and no dispatcher Python; eagerly it runs the plan
+    directly (a custom op's dispatch costs tens of microseconds of host time, more than
+    a decode GEMM). Both paths obey the CUDA-graph rules of this module.
     """
     if torch.compiler.is_compiling():
         did = DEFAULT if dispatcher is None else dispatcher.op_id
@@ -391,46 +396,26 @@ def run(
         torch.ops.fp4_dispatch.gemm_out(a_data, a_scale, b_data, b_scale, alpha, out, did)
         return out
     d = _resolve(dispatcher, a_data.device)
-    d.check_device("a_data", a_data)
     dtype = checks.out_dtype_name(out_dtype)
     if out is None:
         out = torch.empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype, device=a_data.device)
-    _execute(d, GemmOperands(a_data, a_scale, b_data, b_scale, alpha), out, dtype)
+    d.run_checked(a_data, a_scale, b_data, b_scale, alpha, out, dtype)
     return out
 
 
-def gemm_operands(
-    dispatcher: Dispatcher, qa: Nvfp4Tensor, qb: Nvfp4Tensor, out_dtype: torch.dtype
-) -> tuple[torch.Tensor, ...]:
-    """Check `Dispatcher.gemm`'s arguments; return the op's (a, sa, b, sb, alpha)."""
-    qa, qb = checks.nvfp4_operand("qa", qa), checks.nvfp4_operand("qb", qb)
-    checks.out_dtype_name(out_dtype)
-    checks.k_dims(qa.k, qb.k)
-    device = dispatcher.check_device("qa", qa.data)
-    checks.same_device(device, qb=qb.data)
-    qa, qb = qa.with_layout("swizzled"), qb.with_layout("swizzled")
-    alpha = (qa.global_scale * qb.global_scale).reshape(1)
-    return qa.data, qa.scale, qb.data, qb.scale, alpha
-
-
 def gemm(
-    dispatcher: Dispatcher,
+    dispatcher: Runner,
     qa: Nvfp4Tensor,
     qb: Nvfp4Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`Dispatcher.gemm`, compile- and capture-ready: ``dequant(qa) @ dequant(qb).T``.
-
-    Argument checks run in Python (dynamo traces them); the GEMM runs through `run`.
-    """
-    a, sa, b, sb, alpha = gemm_operands(dispatcher, qa, qb, out_dtype)
-    checked = checks.out_tensor(out, qa.rows, qb.rows, out_dtype, a.device)
-    return run(dispatcher, a, sa, b, sb, alpha, out_dtype, checked)
+    """`Dispatcher.gemm` (kept for callers of this module): ``dequant(qa) @ dequant(qb).T``."""
+    return dispatcher.gemm(qa, qb, out_dtype, out)
 
 
 def warmup(
-    dispatcher: Dispatcher,
+    dispatcher: Runner,
     shapes: Iterable[tuple[int, int, int]],
     out_dtype: torch.dtype = torch.bfloat16,
     *,
@@ -454,16 +439,10 @@ def warmup(
     ):
         qa = quantize_nvfp4(torch.randn(m, k, generator=gen).to(device))
         qb = quantize_nvfp4(torch.randn(n, k, generator=gen).to(device))
-        gemm(dispatcher, qa, qb, out_dtype)
+        dispatcher.gemm(qa, qb, out_dtype)
         plan = dispatcher.cached_plan(m, n, k, dtype)
         if plan is not None:
-            done[(m, n, k, dtype)] = plan[0]
-            log.debug(
-                "warm: M=%d N=%d K=%d -> %s %s",
-                m,
-                n,
-                k,
-                plan[0].backend,
-                plan[0].tactic.canonical_json(),
-            )
+            done[(m, n, k, dtype)] = plan.candidate
+            log.debug("warm: M=%d N=%d K=%d -> %s %s", m, n, k, plan.candidate.backend,
+                      plan.candidate.tactic.canonical_json())  # fmt: skip
     return done

@@ -151,3 +151,41 @@ def test_compiled_model_fullgraph_inductor_matches_eager():
     # model computes the very same thing
     assert torch.equal(compiled(x), eager)
     assert torch_ops.is_warm(d, 4, 64, 128, torch.bfloat16)  # layer 0 ran on `d`
+
+
+@pytest.mark.parametrize(
+    ("cast", "bias_dtype"),
+    [
+        (lambda m: m.to(torch.bfloat16), torch.bfloat16),
+        (lambda m: m.half(), torch.float16),
+        (lambda m: m.float(), torch.float32),
+        (lambda m: nn.Sequential(m).to(torch.float16)[0], torch.float16),
+        (lambda m: m.to("cpu", torch.float16), torch.float16),
+    ],
+)
+def test_dtype_casts_touch_only_the_bias(layer, cast, bias_dtype):
+    mod = Nvfp4Linear.from_linear(layer)
+    before = {n: b.clone() for n, b in mod.named_buffers()}
+    x = torch.randn(3, 256, dtype=torch.float16)
+    y_before = mod(x)
+    cast_mod = cast(mod)
+    for name, buf in cast_mod.named_buffers():
+        assert buf.dtype == before[name].dtype, name  # the format is not a dtype to cast
+        assert torch.equal(
+            buf.reshape(-1).view(torch.uint8), before[name].reshape(-1).view(torch.uint8)
+        )
+    assert cast_mod.bias.dtype == bias_dtype
+    y = cast_mod(x)  # used to fail: "expected dtype torch.float8_e4m3fn, got ..."
+    assert y.dtype == torch.float16
+    assert rel(y, y_before) < 2e-3  # only the bias's rounding may differ
+
+
+def test_backward_raises_a_clear_error(layer):
+    mod = Nvfp4Linear.from_linear(layer)
+    x = torch.randn(4, 256, requires_grad=True)
+    y = mod(x)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        y.sum().backward()
+    assert x.grad is None
+    with torch.no_grad():
+        assert not mod(x).requires_grad  # the usual inference call is untouched

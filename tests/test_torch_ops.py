@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fp4_dispatch import Dispatcher, Nvfp4Tensor, quantize_nvfp4, reference_gemm, torch_ops
+from fp4_dispatch.plans import Plan
 from fp4_dispatch.progress import ENV as PROGRESS_ENV
 from fp4_dispatch.progress import enabled, progress
 from fp4_dispatch.torch_ops import CaptureNotWarmError
@@ -230,7 +231,7 @@ def test_capture_replays_the_warm_plan_only_for_the_exact_shape(operands, captur
     eager = torch_ops.gemm(d, qa, qb)
     assert torch_ops.is_warm(d, 8, 48, 64, torch.bfloat16)
     planned = d._plans[(8, 48, 64, "bfloat16")]
-    assert planned[0] == d.select(8, 48, 64)  # untuned bucket: the heuristic top-1
+    assert planned.candidate == d.select(8, 48, 64)  # untuned bucket: the heuristic top-1
     _forbid_planning(monkeypatch, d)
     capturing(True)
     out = torch.full((8, 48), float("nan"), dtype=torch.bfloat16)
@@ -249,7 +250,7 @@ def test_capture_after_the_plan_changed_raises(operands, capturing):
     torch_ops.gemm(d, qa, qb)
     key = (8, 48, 64, "bfloat16")
     cand, kernel = d._plans[key]
-    d._plans[key] = (cand, kernel)  # e.g. re-tuned: a new plan object, never run
+    d._plans[key] = Plan(key, cand, kernel)  # e.g. re-tuned: a new plan object, never run
     capturing(True)
     with pytest.raises(CaptureNotWarmError, match="plan changed"):
         torch_ops.gemm(d, qa, qb)

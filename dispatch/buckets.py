@@ -1,0 +1,23 @@
+"""The bucket policy: which problems share a tuned winner and a built kernel.
+
+M is bucketed to the next power of two, uncapped: a capped table (the old FlashInfer
+one stopped at 4096) sends a prefill of M = 100000 to the M = 4096 decision. N, K and
+the output dtype are exact.
+"""
+
+from __future__ import annotations
+
+#: (N, K, M bucket, out dtype): the unit a tuned winner covers
+BucketKey = tuple[int, int, int, str]
+
+
+def m_bucket(m: int) -> int:
+    """Next power of two >= m, uncapped."""
+    if type(m) is not int or m < 1:
+        raise ValueError(f"m: expected a positive int, got {m!r}")
+    return 1 << (m - 1).bit_length()
+
+
+def bucket_key(m: int, n: int, k: int, out_dtype: str) -> BucketKey:
+    """The bucket an exact (M, N, K, out dtype) falls into."""
+    return (n, k, m_bucket(m), out_dtype)

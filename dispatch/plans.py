@@ -1,0 +1,68 @@
+"""Plans: what one exact GEMM shape runs, decided once and launched with no further work.
+
+Why: a decode step calls the same few shapes thousands of times, and every microsecond of
+Python per call is a microsecond the GPU waits (a bf16 ``nn.Linear`` costs ~22 µs of host
+time on the H200 host; a Triton launch alone ~10-15 µs). So the dispatcher resolves an
+exact (M, N, K, out dtype) once - tuned winner or heuristic pick, built kernel, swap
+orientation - into a `Plan`, and a call is then a dict lookup plus `Plan.__call__`.
+
+A plan is also the unit of the CUDA-graph rule: inside a capture only a plan that has
+already run eagerly (``warm``) may launch (see `fp4_dispatch.torch_ops`). Re-tuning makes
+new plan objects, so a captured shape whose pick changed is detectable: its new plan is
+not warm yet.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .backend import GemmOperands, Kernel
+
+if TYPE_CHECKING:
+    import torch
+
+    from .ranking import Candidate
+
+#: (M, N, K, out dtype): the exact shape a plan serves
+PlanKey = tuple[int, int, int, str]
+
+
+class Plan:
+    """The built kernel of one candidate for one exact shape, with the swap applied once.
+
+    ``plan(a, sa, b, sb, alpha, out)`` takes operands in the caller's orientation
+    (already checked by the public entry points) and writes ``out``. Iterating a plan
+    gives ``(candidate, kernel)``.
+    """
+
+    __slots__ = ("candidate", "kernel", "key", "swap", "warm")
+
+    def __init__(self, key: PlanKey, candidate: Candidate, kernel: Kernel) -> None:
+        self.key = key
+        self.candidate = candidate
+        self.kernel = kernel
+        self.swap = bool(candidate.tactic.swap_ab)
+        #: True once it ran outside a capture: only then may a CUDA graph record it
+        self.warm = False
+
+    def __call__(
+        self,
+        a: torch.Tensor,
+        sa: torch.Tensor,
+        b: torch.Tensor,
+        sb: torch.Tensor,
+        alpha: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        if self.swap:
+            self.kernel(GemmOperands(b, sb, a, sa, alpha), out.t())
+        else:
+            self.kernel(GemmOperands(a, sa, b, sb, alpha), out)
+
+    def __iter__(self):
+        return iter((self.candidate, self.kernel))
+
+    def __repr__(self) -> str:
+        m, n, k, dtype = self.key
+        state = "warm" if self.warm else "cold"
+        return f"Plan(M={m} N={n} K={k} {dtype}: {self.candidate.backend} {state})"
