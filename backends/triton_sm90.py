@@ -30,8 +30,8 @@ each split stores its fp32 partial tile into a workspace, then bumps a per-tile
 counter (acq_rel atomic after a CTA barrier); the split that arrives last sums the
 partials in fixed split order (deterministic), writes the output and resets the
 counter to zero. One launch, no host sync, no memset, CUDA-graph capturable. The
-workspace is owned by the kernel object, so one kernel object must not run on two
-streams concurrently.
+workspace is owned by the kernel object (`backends.workspace`), so one kernel object
+must not run on two streams concurrently.
 
 Shapes: any M >= 1 and N >= 1 (row indices wrap modulo M/N inside the tile so loads
 stay unmasked and in bounds; the store is masked); ``K % 32 == 0`` (whole bytes per
@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from ..backend import GemmOperands
+from .workspace import Scratch
 
 log = logging.getLogger(__name__)
 
@@ -272,9 +273,10 @@ def _nvfp4_gemm_kernel(
 class Nvfp4GemmKernel:
     """A built kernel: ``kernel(operands, out)``; ``out = alpha * A @ B.T``.
 
-    Split-K tactics take a per-call workspace (fp32 partial tiles + int32 tile counters)
-    from torch's caching allocator, which is CUDA-graph capture safe. Run one call before
-    capturing, as with any Triton kernel, so that compilation happens outside the capture.
+    Split-K tactics keep their workspace (fp32 partial tiles + self-resetting int32 tile
+    counters) for the kernel's life, made outside CUDA-graph pools (`backends.workspace`):
+    no allocation or memset per call. Run one call before capturing, as with any Triton
+    kernel, so that compilation and the workspace happen outside the capture.
     """
 
     def __init__(self, cfg: KernelConfig) -> None:
@@ -288,18 +290,15 @@ class Nvfp4GemmKernel:
             "num_warps": cfg.num_warps,
             "num_stages": cfg.num_stages,
         }
+        self._scratch = Scratch()
 
     def _workspace(self, device: torch.device, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-call split-K partials and zeroed tile counters, from torch's caching allocator.
+        """Split-K partials and tile counters, kept per tile count (`backends.workspace`).
 
-        Per call rather than kept on the kernel: a kept buffer first allocated inside a
-        CUDA-graph pool (torch.compile's cudagraph trees warm up there) outlives the graph
-        and is rejected; temporaries are what both capture paths expect. Cost: one small
-        memset of ``tiles`` int32 counters per call.
+        The kernel's last split resets each counter to zero, so no call needs a memset.
         """
         tile_elems = self.cfg.block_m * self.cfg.block_n
-        ws = torch.empty(tiles * self.cfg.split_k * tile_elems, dtype=torch.float32, device=device)
-        return ws, torch.zeros(tiles, dtype=torch.int32, device=device)
+        return self._scratch.get(device, tiles * self.cfg.split_k * tile_elems, tiles)
 
     def __call__(self, operands: GemmOperands, out: torch.Tensor) -> None:
         a, b = operands.a_data, operands.b_data

@@ -1,0 +1,74 @@
+"""Device scratch buffers a kernel keeps for its whole life, made outside CUDA-graph pools.
+
+Why: a split-K kernel needs fp32 partial tiles and per-tile counters. Allocating them per
+call costs an allocation and a memset launch on the hot path; keeping them on the kernel
+broke torch.compile's CUDA-graph trees once, because the first (warm-up) call runs with
+every allocation *of the current thread* routed into the graph's private memory pool,
+and a buffer from that pool that outlives the graph is rejected. So the buffers are made
+on a short-lived helper thread (outside any pool routing), zeroed once, synchronised once,
+and then reused by every call. The kernels that use them reset their counters themselves,
+so no call needs a memset.
+
+Buffers are never freed or replaced while the owner lives: a CUDA graph that recorded a
+launch keeps pointing at them. A kernel object that owns scratch must therefore not run on
+two streams at once (like cuBLAS workspaces).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class Scratch:
+    """``scratch.get(device, floats, counters)`` -> (fp32 buffer, zeroed int32 counters).
+
+    One pair per distinct (device, floats, counters), made on first use outside any
+    CUDA-graph memory pool (module docstring) and kept for the owner's lifetime.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def get(
+        self, device: torch.device, floats: int, counters: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (str(device), floats, counters)
+        pair = self._buffers.get(key)
+        if pair is None:
+            with self._lock:
+                pair = self._buffers.get(key)
+                if pair is None:
+                    pair = self._buffers[key] = _make_outside_pools(device, floats, counters)
+        return pair
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+
+def _make(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ws = torch.empty(floats, dtype=torch.float32, device=device)
+    cnt = torch.zeros(counters, dtype=torch.int32, device=device)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # once per buffer, off the hot path
+    return ws, cnt
+
+
+def _make_outside_pools(
+    device: torch.device, floats: int, counters: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "split-K scratch requested inside a CUDA graph capture: run this GEMM shape "
+            "once eagerly before capturing"
+        )
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4-scratch") as pool:
+        pair = pool.submit(_make, device, floats, counters).result()
+    log.debug("scratch on %s: %d floats, %d counters", device, floats, counters)
+    return pair
