@@ -83,7 +83,9 @@ def one_shape(d: Dispatcher, m: int, n: int, k: int, device, smoke: bool, tune: 
 
     # quantize
     row["quant_wall_us"] = eager_wall_us(lambda: quantize_nvfp4(x))
-    row["quant_gpu_us"] = _timed("quantize graph", lambda: gpu_us(lambda: quantize_nvfp4(x), device, smoke))
+    row["quant_gpu_us"] = _timed(
+        "quantize graph", lambda: gpu_us(lambda: quantize_nvfp4(x), device, smoke)
+    )
 
     # GEMM call: dispatcher vs cuBLASLt FP8 vs cuBLAS bf16
     qa, qb = quantize_nvfp4(x), quantize_nvfp4(w)

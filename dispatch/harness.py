@@ -117,5 +117,5 @@ def gpu_time_us(
         if g_flush is not None:
             t -= _replay_us(g_flush)
         samples.append(max(t, 0.0) / calls)
-    del g_fn, g_flush, flush
+    del g_fn, g_flush
     return statistics.median(samples)

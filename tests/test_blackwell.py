@@ -20,7 +20,7 @@ import torch
 from pydantic import ValidationError
 
 from fp4_dispatch.backend import GemmOperands
-from fp4_dispatch.backends import cute_blackwell as cb
+from fp4_dispatch.backends import cute as cb
 from fp4_dispatch.device import simulated
 from fp4_dispatch.plugins.sm100 import Sm100Backend, Sm100Tactic
 from fp4_dispatch.plugins.sm103 import Sm103Backend, Sm103Tactic

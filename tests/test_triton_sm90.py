@@ -53,7 +53,7 @@ _INTERPRETER_SCRIPT = r"""
 import json, sys
 import torch
 from fp4_dispatch.backend import GemmOperands
-from fp4_dispatch.backends import triton_sm90 as mod
+from fp4_dispatch.backends.sm90 import gemm_direct as mod
 from fp4_dispatch.nvfp4 import quantize_nvfp4, reference_gemm
 
 assert not mod._USE_ASM, "TRITON_INTERPRET was not honoured"
@@ -135,7 +135,7 @@ def test_interpreter_split_k_counters_reset(interpreted):
 
 def test_kernel_config_rejects_bad_blocks():
     pytest.importorskip("triton")
-    from fp4_dispatch.backends.triton_sm90 import KernelConfig
+    from fp4_dispatch.backends.sm90.gemm_direct import KernelConfig
 
     with pytest.raises(ValueError, match="power of two"):
         KernelConfig(block_m=24, block_n=16, block_k=64)
@@ -145,7 +145,7 @@ def test_kernel_config_rejects_bad_blocks():
 
 def test_check_operands_names_the_problem():
     pytest.importorskip("triton")
-    from fp4_dispatch.backends.triton_sm90 import check_operands
+    from fp4_dispatch.backends.sm90.gemm_direct import check_operands
 
     ops, _ = _operands(4, 8, 64, seed=3)
     with pytest.raises(ValueError, match="out: expected shape"):

@@ -33,7 +33,7 @@ _INTERPRETER_SCRIPT = r"""
 import json, sys
 import torch
 from fp4_dispatch.backend import GemmOperands
-from fp4_dispatch.backends import triton_sm90_unpack as mod
+from fp4_dispatch.backends.sm90 import gemm_unpack as mod
 from fp4_dispatch.device import simulated
 from fp4_dispatch.nvfp4 import (
     Nvfp4Tensor, dequantize, e2m1_to_float, quantize_nvfp4, reference_gemm, unpack_e2m1,
@@ -191,7 +191,7 @@ def test_plugin_kernels_run(interpreted):
 
 def test_unpack_rejects_bad_inputs():
     pytest.importorskip("triton")
-    from fp4_dispatch.backends.triton_sm90_unpack import build, unpack_nvfp4
+    from fp4_dispatch.backends.sm90.gemm_unpack import build, unpack_nvfp4
     from fp4_dispatch.nvfp4 import quantize_nvfp4
 
     q = quantize_nvfp4(torch.randn(8, 64))

@@ -49,8 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import GemmOperands
-from .workspace import Scratch
+from fp4_dispatch.backend import GemmOperands
+from fp4_dispatch.backends.workspace import Scratch
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from ..hookspecs import hookimpl
-from ._blackwell import CuteBackend, PersistentTactic
+from fp4_dispatch.hookspecs import hookimpl
+from fp4_dispatch.plugins._cute import CuteBackend, PersistentTactic
 
 
 class Sm103Tactic(PersistentTactic):

@@ -12,11 +12,11 @@ from typing import Literal
 
 import torch
 
-from .. import __version__
-from ..backend import Backend, Kernel, Support
-from ..device import DeviceInfo
-from ..hookspecs import hookimpl
-from ..tactics import Problem, Tactic
+from fp4_dispatch import __version__
+from fp4_dispatch.backend import Backend, Kernel, Support
+from fp4_dispatch.device import DeviceInfo
+from fp4_dispatch.hookspecs import hookimpl
+from fp4_dispatch.tactics import Problem, Tactic
 
 
 class ReferenceTactic(Tactic):
@@ -69,7 +69,7 @@ class ReferenceBackend(Backend):
         )
 
     def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
-        from ..backends import reference
+        from fp4_dispatch.backends import reference
 
         assert isinstance(tactic, ReferenceTactic)
         return functools.partial(

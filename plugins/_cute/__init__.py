@@ -8,8 +8,9 @@ dispatcher lists the backend as *failed* with the exact exception. Never absent.
 Which devices a family serves is read from the library: a backend is available on a
 device iff ``get_operators(..., target_sm=<its arch>)`` returns operators of its kind
 (the SM100 design lists ``100f``/``110f`` and so also serves 103 and 107; the SM107
-design serves 107). Exception, to keep each kernel in exactly one family: on cc 103 the
-SM100 design is offered by family ``sm103`` (see plugins/sm103.py), not by ``sm100``.
+design serves 107). A family may step aside on some capabilities (``excluded``, with the
+reason shown): the SM100 design's sm_103a build is its own family, so each kernel is in
+exactly one family.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from typing import ClassVar, Literal
 
 from pydantic import model_validator
 
-from ..backend import Backend, Kernel, Support
-from ..device import DeviceInfo
-from ..tactics import Problem, Tactic
+from fp4_dispatch.backend import Backend, Kernel, Support
+from fp4_dispatch.device import DeviceInfo
+from fp4_dispatch.tactics import Problem, Tactic
 
 COMPILE_ONLY = (
     "CuTe-DSL Blackwell/Rubin kernels are compiled here for their target; "
@@ -75,20 +76,19 @@ class CuteBackend(Backend):
     kind: ClassVar[Literal["sm100", "sm107"]]
     version = f"1+cutlass-operators-{_ops_version()}"
     compile_only_note = COMPILE_ONLY
-    #: compute capabilities another family offers this kind on (never listed twice)
-    delegated: ClassVar[dict[int, str]] = {}
+    #: compute capabilities this family steps aside on, with the reason shown to users
+    excluded: ClassVar[dict[int, str]] = {}
     #: if set, only these compute capabilities (else: every arch the library serves)
     only: ClassVar[frozenset[int] | None] = None
 
     def supports(self, device: DeviceInfo) -> Support:
-        from ..backends import cute_blackwell as cb
+        from fp4_dispatch.backends import cute as cb
 
         cc = device.cc
         if cc is None or cc < 100:
             return Support(False, f"needs a Blackwell/Rubin device (sm_100a+), got {device.name}")
-        if cc in self.delegated:
-            return Support(False, f"on sm_{cc}a these kernels are offered by family "
-                                  f"{self.delegated[cc]} (one family per kernel)")  # fmt: skip
+        if cc in self.excluded:
+            return Support(False, f"not served on sm_{cc}a: {self.excluded[cc]}")
         if self.only is not None and cc not in self.only:
             return Support(False, f"serves compute capability {sorted(self.only)}, not {cc}")
         ok, reason = cb.availability()  # raises CuteUnavailable on a broken install
@@ -102,8 +102,8 @@ class CuteBackend(Backend):
         where = "compile-only (simulated)" if device.is_simulated else "compiled for"
         return Support(True, f"{count} {self.kind} operators, {where} sm_{target}; {reason}")
 
-    def _design_of(self, tactic: Tactic):  # -> cute_blackwell.Design
-        from ..backends import cute_blackwell as cb
+    def _design_of(self, tactic: Tactic):  # -> fp4_dispatch.backends.cute.Design
+        from fp4_dispatch.backends import cute as cb
 
         return cb.Design(**tactic.design_fields())
 
@@ -111,7 +111,7 @@ class CuteBackend(Backend):
         raise NotImplementedError
 
     def tactics(self, problem: Problem, device: DeviceInfo) -> Iterator[Tactic]:
-        from ..backends import cute_blackwell as cb
+        from fp4_dispatch.backends import cute as cb
 
         dtype = cb.kernel_out_dtype(problem.out_dtype)
         swapped = problem.swapped()
@@ -123,7 +123,7 @@ class CuteBackend(Backend):
 
     def validate(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> str | None:
         """The kernel's own can_implement on the (swapped) problem; cheap, no enumeration."""
-        from ..backends import cute_blackwell as cb
+        from fp4_dispatch.backends import cute as cb
 
         checked = self.tactic_type.model_validate(tactic.model_dump())
         design = self._design_of(checked)
@@ -140,7 +140,7 @@ class CuteBackend(Backend):
 
     def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
         """Compile for the device's arch and SM count (cached in memory and on disk)."""
-        from ..backends import cute_blackwell as cb
+        from fp4_dispatch.backends import cute as cb
 
         checked = self.tactic_type.model_validate(tactic.model_dump())
         major = "m" if checked.swap_ab else "n"

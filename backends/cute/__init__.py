@@ -64,8 +64,8 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     import torch
 
-    from ..backend import GemmOperands
-    from ..device import DeviceInfo
+    from fp4_dispatch.backend import GemmOperands
+    from fp4_dispatch.device import DeviceInfo
 
 log = logging.getLogger(__name__)
 

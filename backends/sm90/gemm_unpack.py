@@ -1,6 +1,6 @@
 """Hopper (sm90) NVFP4 GEMM for large M: unpack each operand once, then cuBLAS bf16.
 
-Why: the direct kernel (`triton_sm90`) re-expands every A and B tile in every CTA (32x
+Why: the direct kernel (`gemm_direct`) re-expands every A and B tile in every CTA (32x
 redundant at 4096 x 8192 x 8192) and runs at ~half of cuBLAS bf16 for M >= 1024
 (benchmarks/RESULTS.md, "Hopper"). Here each operand is expanded exactly once by a
 memory-bound Triton pass (`unpack_nvfp4_kernel`) into a bf16 workspace, cuBLAS multiplies
@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import GemmOperands
+from fp4_dispatch.backend import GemmOperands
 
 log = logging.getLogger(__name__)
 

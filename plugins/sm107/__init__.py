@@ -16,9 +16,9 @@ from typing import Literal
 
 from pydantic import model_validator
 
-from ..hookspecs import hookimpl
-from ..tactics import Tactic
-from ._blackwell import CuteBackend
+from fp4_dispatch.hookspecs import hookimpl
+from fp4_dispatch.plugins._cute import CuteBackend
+from fp4_dispatch.tactics import Tactic
 
 #: fallback clusters the operator library generates
 FALLBACKS = ((1, 1), (1, 2), (2, 1))

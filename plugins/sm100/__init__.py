@@ -2,8 +2,8 @@
 
 Kernel: ``PersistentDenseBlockScaledGemmOperator`` from ``nvidia-cutlass-operators``,
 compiled ahead of time for the device's own arch (sm_100a on B200; sm_107a on the SM107
-part, where it competes with family ``sm107``). On sm_103a the same design is offered
-by family ``sm103`` so that no kernel is listed (and measured) twice.
+part, where it competes with family ``sm107``). It does not serve sm_103a: the sm_103a
+build of this design is a family of its own, so no kernel is listed (and measured) twice.
 Compiled here, not run on hardware.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from ..hookspecs import hookimpl
-from ._blackwell import CuteBackend, PersistentTactic
+from fp4_dispatch.hookspecs import hookimpl
+from fp4_dispatch.plugins._cute import CuteBackend, PersistentTactic
 
 
 class Sm100Tactic(PersistentTactic):
@@ -27,7 +27,9 @@ class Sm100Backend(CuteBackend):
     tactic_type = Sm100Tactic
     kind = "sm100"
     diversity_axes = ("swap_ab", "tile_m", "cluster_m")
-    delegated: ClassVar[dict[int, str]] = {103: "sm103"}
+    excluded: ClassVar[dict[int, str]] = {
+        103: "the sm_103a build of this design is a family of its own (one family per kernel)"
+    }
 
     def _tactic_of(self, design, swap: bool) -> Sm100Tactic:
         return Sm100Tactic(tile_m=design.tile_m, tile_n=design.tile_n, cluster_m=design.cluster_m,

@@ -1,12 +1,12 @@
 """Built-in plugin: the Hopper (sm90) NVFP4 GEMM in Triton (backend ``triton-sm90``).
 
 No FP4 GEMM library serves Hopper with both operands in NVFP4, so this family is our
-own Triton kernel (`fp4_dispatch.backends.triton_sm90`): it reads the packed e2m1
+own Triton kernel (`fp4_dispatch.backends.sm90.gemm_direct`): it reads the packed e2m1
 bytes and the swizzled e4m3 scales directly, dequantizes in registers and multiplies
 on the fp16 tensor cores. Triton is imported lazily: this module imports without it,
 and `supports` says how to install it.
 
-A second backend, ``triton-sm90-unpack`` (`fp4_dispatch.backends.triton_sm90_unpack`),
+A second backend, ``triton-sm90-unpack`` (`fp4_dispatch.backends.sm90.gemm_unpack`),
 serves large M: it expands each operand once to bf16 (a memory-bound Triton pass) and
 hands the product to cuBLAS; the direct kernel re-expands tiles in every CTA and is
 ~2x slower than bf16 cuBLAS from M = 1024 on. Both are ranked by their own
@@ -28,14 +28,14 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Literal
 
-from ..backend import Backend, Kernel, Support
-from ..device import DeviceInfo
-from ..hookspecs import hookimpl
-from ..tactics import Problem, Tactic
+from fp4_dispatch.backend import Backend, Kernel, Support
+from fp4_dispatch.device import DeviceInfo
+from fp4_dispatch.hookspecs import hookimpl
+from fp4_dispatch.tactics import Problem, Tactic
 
 if TYPE_CHECKING:
-    from ..backends.triton_sm90 import KernelConfig
-    from ..backends.triton_sm90_unpack import UnpackGemmKernel
+    from fp4_dispatch.backends.sm90.gemm_direct import KernelConfig
+    from fp4_dispatch.backends.sm90.gemm_unpack import UnpackGemmKernel
 
 INSTALL_HINT = "pip install fp4-dispatch[triton]"
 #: shared memory one CTA may use on Hopper (227 KiB)
@@ -73,7 +73,7 @@ class TritonSm90Tactic(Tactic):
     split_k: Literal[1, 2, 4, 8, 16] = 1
 
     def kernel_config(self) -> KernelConfig:
-        from ..backends.triton_sm90 import KernelConfig
+        from fp4_dispatch.backends.sm90.gemm_direct import KernelConfig
 
         return KernelConfig(
             block_m=self.tile_m,
@@ -91,7 +91,7 @@ def _pow2_at_least(x: int) -> int:
 
 
 def smem_bytes(tile_m: int, tile_n: int, tile_k: int, stages: int) -> int:
-    """Upper estimate of one CTA's shared memory (mirrors `triton_sm90.smem_estimate`).
+    """Upper estimate of one CTA's shared memory (mirrors `gemm_direct.smem_estimate`).
 
     Pipelined raw tiles (packed bytes + scales of A and B per stage), the dequantized fp16
     operand tiles staged for the tensor cores, or the epilogue shuffle if larger.
@@ -220,7 +220,7 @@ class TritonSm90Backend(Backend):
         Plus ``_SPLIT_REDUCE_US`` per doubling of split_k and the shared model's swap rule
         (x1.05 for the non-preferred orientation through M = 8192).
         """
-        from ..ranking import SWAP_NEUTRAL_ABOVE_M, SWAP_PENALTY, preferred_swap
+        from fp4_dispatch.ranking import SWAP_NEUTRAL_ABOVE_M, SWAP_PENALTY, preferred_swap
 
         assert isinstance(tactic, TritonSm90Tactic)
         p = problem.swapped() if tactic.swap_ab else problem
@@ -368,9 +368,9 @@ def _unpack_tactic(block_r: int, block_k: int) -> Sm90UnpackTactic:
 
 @functools.cache
 def _unpack_kernel_for(block_r: int, block_k: int) -> UnpackGemmKernel:
-    from ..backends import triton_sm90_unpack
+    from fp4_dispatch.backends.sm90 import gemm_unpack
 
-    return triton_sm90_unpack.build(block_r, block_k)
+    return gemm_unpack.build(block_r, block_k)
 
 
 def _sm90_support(device: DeviceInfo) -> Support:
@@ -411,9 +411,9 @@ def _triton_status() -> tuple[bool, str]:
 @functools.cache
 def _kernel_for(cfg: KernelConfig) -> Kernel:
     """One kernel object per config: buckets share compiled code and the workspace."""
-    from ..backends import triton_sm90
+    from fp4_dispatch.backends.sm90 import gemm_direct
 
-    return triton_sm90.build(cfg)
+    return gemm_direct.build(cfg)
 
 
 @hookimpl

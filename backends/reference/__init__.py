@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import GemmOperands
-from ..nvfp4 import e2m1_to_float, unpack_e2m1, unswizzle_scales
+from fp4_dispatch.backend import GemmOperands
+from fp4_dispatch.nvfp4 import e2m1_to_float, unpack_e2m1, unswizzle_scales
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
