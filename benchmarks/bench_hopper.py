@@ -42,7 +42,7 @@ if "--smoke" in sys.argv:
 import torch
 
 from fp4_dispatch.backend import GemmOperands
-from fp4_dispatch.device import DeviceInfo, detect, simulated
+from fp4_dispatch.device import DeviceInfo, detect
 from fp4_dispatch.nvfp4 import e2m1_to_float, swizzled_scale_shape, unpack_e2m1, unswizzle_scales
 from fp4_dispatch.plugins.sm90 import (
     Sm90UnpackTactic,
@@ -52,6 +52,7 @@ from fp4_dispatch.plugins.sm90 import (
     _kernel_for,
     _unpack_kernel_for,
 )
+from fp4_dispatch.profiles import simulated
 from fp4_dispatch.tactics import Problem
 
 BENCH_MS = (1, 16, 128, 1024, 4096, 16384)

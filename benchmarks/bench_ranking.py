@@ -30,7 +30,8 @@ from typing import Literal
 
 from fp4_dispatch import ranking
 from fp4_dispatch.backend import Backend, Support
-from fp4_dispatch.device import DeviceInfo, simulated
+from fp4_dispatch.device import DeviceInfo
+from fp4_dispatch.profiles import simulated
 from fp4_dispatch.ranking import Ranker, shortlist
 from fp4_dispatch.tactics import Problem, Tactic
 

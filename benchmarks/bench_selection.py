@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     caches = Path(tempfile.mkdtemp(prefix="fp4-bench-caches-"))
     os.environ["FP4_DISPATCH_CACHE"] = str(caches / "unused.json")
 
-    from fp4_dispatch.device import resolve
+    from fp4_dispatch.profiles import resolve
 
     info = resolve(args.device)
     args.device = info.torch_device if info.kind == "cuda" else "cpu"

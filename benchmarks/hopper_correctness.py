@@ -37,13 +37,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_hopper import dequant, launch, make_operands, parse_tactic, tactic_kernel, variant_key
 
-from fp4_dispatch.device import detect, simulated
+from fp4_dispatch.device import detect
 from fp4_dispatch.plugins.sm90 import (
     Sm90UnpackTactic,
     TritonSm90Backend,
     TritonSm90Tactic,
     TritonSm90UnpackBackend,
 )
+from fp4_dispatch.profiles import simulated
 from fp4_dispatch.tactics import Problem
 
 GRID_MS = (1, 3, 16, 100, 128, 1000, 4096)

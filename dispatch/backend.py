@@ -18,7 +18,7 @@ from .tactics import Problem, Tactic
 if TYPE_CHECKING:
     import torch
 
-    from .device import DeviceInfo
+    from .device import DeviceInfo, DeviceProfile
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,9 @@ class Backend(abc.ABC):
     diversity_axes: ClassVar[tuple[str, ...]] = ()
     #: True when kernels of this backend have been compiled but never run on hardware.
     compile_only_note: ClassVar[str] = ""
+    #: parts this family targets: ``--device <alias>`` simulates them, and a real GPU of
+    #: a profile's compute capability takes its peak rates (`fp4_dispatch.profiles`)
+    device_profiles: ClassVar[tuple[DeviceProfile, ...]] = ()
 
     @abc.abstractmethod
     def supports(self, device: DeviceInfo) -> Support:

@@ -1,14 +1,16 @@
-"""Devices: real GPUs read through cuda-python, CPU, and simulated Blackwell/Hopper parts.
+"""Devices: what dispatch knows about the part it ranks for (value types, no hardware table).
 
-Detection never raises: no driver, no GPU or a broken binding yields the CPU device
-with the reason in `DeviceInfo.note`. Simulated devices let anyone inspect dispatch
-for hardware they do not have (`--device sm107`).
+A real GPU is read through cuda-python (`detect`); detection never raises: no driver,
+no GPU or a broken binding yields the CPU device with the reason in `DeviceInfo.note`.
+Peak rates and simulated parts (``--device sm107``) come from the families, as
+`DeviceProfile`s (see `fp4_dispatch.profiles`): adding a family adds its parts.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt
@@ -68,89 +70,32 @@ class DeviceInfo(BaseModel):
         )
 
 
-# Sources: H200 figures measured on the workplace H200 (../shared/reference/facts.md,
-# 2026-11-30: copy 4.25 TB/s, bf16 691 TFLOP/s, fp8 1263 TFLOP/s; 132 SMs; L2 from
-# torch.cuda.get_device_properties). B200: NVIDIA DGX B200 datasheet (per GPU dense:
-# FP4 9 PF, FP8 4.5 PF, BF16 2.25 PF, HBM3e 8 TB/s); 148 SMs (third-party sources, as
-# DESIGN.md). B300: NVIDIA Blackwell Ultra announcement (dense FP4 15 PF), 160 SMs
-# (third-party); other B300 rates assumed equal to B200. SM107 part: 212 SMs from the
-# FlashInfer measurements (facts.md); its rates are NOT published — assumed equal to
-# B300 per SM, scaled by SM count, and marked as such in `note`.
-SIMULATED: dict[str, DeviceInfo] = {
-    "sm90": DeviceInfo(
-        name="simulated H200 (sm90)",
-        kind="simulated",
-        compute_capability=(9, 0),
-        sm_count=132,
-        l2_bytes=50 * 2**20,
-        mem_bw_gbps=4250.0,
-        bf16_tflops=691.0,
-        fp8_tflops=1263.0,
-        note="rates measured on an H200 of this workplace",
-    ),
-    "sm100": DeviceInfo(
-        name="simulated B200 (sm100)",
-        kind="simulated",
-        compute_capability=(10, 0),
-        sm_count=148,
-        l2_bytes=126 * 2**20,
-        mem_bw_gbps=8000.0,
-        bf16_tflops=2250.0,
-        fp8_tflops=4500.0,
-        fp4_tflops=9000.0,
-        note="datasheet rates (DGX B200); not run on hardware",
-    ),
-    "sm103": DeviceInfo(
-        name="simulated B300 (sm103)",
-        kind="simulated",
-        compute_capability=(10, 3),
-        sm_count=160,
-        l2_bytes=126 * 2**20,
-        mem_bw_gbps=8000.0,
-        bf16_tflops=2250.0,
-        fp8_tflops=4500.0,
-        fp4_tflops=15000.0,
-        note="FP4 rate from NVIDIA's Blackwell Ultra figures, others assumed = B200",
-    ),
-    "sm107": DeviceInfo(
-        name="simulated SM107 part (sm107)",
-        kind="simulated",
-        compute_capability=(10, 7),
-        sm_count=212,
-        l2_bytes=126 * 2**20,
-        mem_bw_gbps=8000.0,
-        bf16_tflops=2250.0 * 212 / 160,
-        fp8_tflops=4500.0 * 212 / 160,
-        fp4_tflops=15000.0 * 212 / 160,
-        note="SM count from FlashInfer measurements; rates assumed (B300 per SM)",
-    ),
-}
+@dataclass(frozen=True)
+class DeviceProfile:
+    """A part a family knows: ``--device <alias>`` simulates it, and a real GPU of its
+    compute capability takes its peak rates (scaled per SM). Families contribute these as
+    `fp4_dispatch.Backend.device_profiles`; the core holds no hardware table.
+
+    ``device`` is a simulated `DeviceInfo` (kind "simulated"); cite the source of every
+    figure in its ``note``.
+    """
+
+    alias: str
+    device: DeviceInfo
+
+    def __post_init__(self) -> None:
+        if not self.alias or self.alias != self.alias.lower() or not self.alias.isidentifier():
+            raise ValueError(
+                f"alias: expected a lower-case identifier like 'sm100', got {self.alias!r}"
+            )
+        if self.device.kind != "simulated" or self.device.compute_capability is None:
+            raise ValueError(
+                f"device: expected a simulated DeviceInfo with a compute capability, got "
+                f"kind={self.device.kind!r} compute_capability={self.device.compute_capability}"
+            )
+
 
 CPU = DeviceInfo(name="cpu", kind="cpu", note="no CUDA device")
-
-
-def simulated(name: str, sm_count: int | None = None) -> DeviceInfo:
-    """A simulated device by family name (``sm90``, ``sm100``, ``sm103``, ``sm107``)."""
-    key = name.lower().replace("_", "")
-    if key not in SIMULATED:
-        raise ValueError(
-            f"device: expected one of {sorted(SIMULATED)}, 'cpu', 'cuda' or 'cuda:N', got {name!r}"
-        )
-    dev = SIMULATED[key]
-    return dev if sm_count is None else dev.with_sm_count(sm_count)
-
-
-def _rates_for(cc: int, sm_count: int) -> dict[str, float | None]:
-    """Peak rates of a real part: the nearest simulated family, scaled per SM."""
-    family = {90: "sm90", 100: "sm100", 103: "sm103", 107: "sm107"}.get(cc)
-    if family is None:
-        family = "sm90" if cc < 100 else "sm100"
-    ref = SIMULATED[family].with_sm_count(sm_count)
-    return {
-        "bf16_tflops": ref.bf16_tflops,
-        "fp8_tflops": ref.fp8_tflops,
-        "fp4_tflops": ref.fp4_tflops if cc >= 100 else None,
-    }
 
 
 def _check(result: tuple) -> object:
@@ -191,7 +136,7 @@ def _read_cuda_device(index: int) -> DeviceInfo:
         l2_bytes=max(l2, 1),
         mem_bw_gbps=bw,
         torch_device=f"cuda:{index}",
-        **_rates_for(major * 10 + minor, sms),
+        note="peak rates not known yet (filled from the family profile of its capability)",
     )
 
 
@@ -203,24 +148,3 @@ def detect(index: int = 0) -> DeviceInfo:
     except Exception as exc:  # any failure means "no usable CUDA device": report, never raise
         log.debug("CUDA device detection failed: %r", exc)
         return CPU.model_copy(update={"note": f"no CUDA device: {type(exc).__name__}: {exc}"})
-
-
-def resolve(device: str | DeviceInfo | None = None, sm_count: int | None = None) -> DeviceInfo:
-    """Turn a user's device argument into a `DeviceInfo`.
-
-    None or ``"auto"`` detects; ``"cpu"``; ``"cuda"``/``"cuda:N"``; a simulated name.
-    """
-    if isinstance(device, DeviceInfo):
-        dev = device
-    elif device is None or device == "auto":
-        dev = detect()
-    elif device == "cpu":
-        dev = CPU
-    elif device.startswith("cuda"):
-        index = int(device.partition(":")[2] or 0)
-        dev = detect(index)
-        if dev.kind != "cuda":
-            raise RuntimeError(f"device {device!r} requested, but {dev.note}")
-    else:
-        return simulated(device, sm_count)
-    return dev if sm_count is None else dev.with_sm_count(sm_count)

@@ -28,9 +28,10 @@ from .backend import Backend, GemmOperands, Kernel, kernel_problem
 from .backend import launch as _launch
 from .buckets import m_bucket
 from .cache import TuningCache, device_fingerprint
-from .device import DeviceInfo, resolve
+from .device import DeviceInfo
 from .nvfp4 import Nvfp4Tensor
 from .plans import Plan, PlanKey
+from .profiles import resolve
 from .ranking import Candidate, Ranker, Shortlist
 from .tactics import Problem
 from .winners import BucketKey, TunedWinners
@@ -90,10 +91,10 @@ class Dispatcher:
     ) -> None:
         if not isinstance(budget, int) or budget < 1:
             raise ValueError(f"budget: expected a positive int, got {budget!r}")
-        self.device = resolve(device, sm_count)
         self.strict = registry.strict_default() if strict is None else strict
         self.budget = budget
         self.registry = registry.load(strict=self.strict)
+        self.device = resolve(device, sm_count, self.registry.backends.values())
         self._status = {name: self._check_support(b) for name, b in self.registry.backends.items()}
         self.available: list[Backend] = [
             b for name, b in self.registry.backends.items() if self._status[name][0] == "available"

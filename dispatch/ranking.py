@@ -8,9 +8,8 @@ and each family with a valid candidate is guaranteed a floor of slots.
 Cost model (`estimate_us`), per tactic, on any `DeviceInfo` (real or simulated)::
 
     Mk, Nk   = (N, M) if swap_ab else (M, N)             # the kernel's orientation
-    c        = CTAs per tile: on cc >= 100, 2 when the MMA rows (inst_m if the tactic
-               has that field, else tile_m) are >= 256 (a 2-CTA MMA), else 1; always 1
-               on Hopper / CPU (see ctas_per_tile)
+    c        = CTAs per tile, as the tactic declares it (`Tactic.ctas_per_tile`: 2 for
+               a Blackwell 2-CTA MMA, else 1; the family knows its hardware)
     tiles    = ceil(Mk / tile_m) * ceil(Nk / tile_n)     # M/N padding lives here
     CTAs     = roundup(ceil(Mk/tile_m) * c, cluster_m) * roundup(ceil(Nk/tile_n), cluster_n)
     slots    = floor(SMs / cluster) * cluster             # whole clusters only
@@ -95,19 +94,14 @@ def preferred_swap(problem: Problem) -> bool:
     return problem.m <= 32 and problem.n > problem.m and problem.n % 8 == 0
 
 
-def ctas_per_tile(tactic: Tactic, device: DeviceInfo) -> int:
-    """SMs one output tile occupies: 2 for a 2-CTA MMA on Blackwell-class parts, else 1.
+def ctas_per_tile(tactic: Tactic, device: DeviceInfo | None = None) -> int:
+    """SMs one output tile occupies: what the tactic says (`Tactic.ctas_per_tile`).
 
-    A tactic with an ``inst_m`` field (instruction M) says it directly (256 = 2-CTA; tile M
-    = 2 x inst M is B-operand reuse inside one CTA); otherwise tile M 256 means 2-CTA, the
-    SM100 convention. Hopper and CPU tiles are one CTA.
+    The family knows its own hardware (a 2-CTA MMA on Blackwell-class parts spans two
+    SMs); the core applies no per-architecture rule. `device` is accepted for callers
+    that pass it and is not used.
     """
-    cc = device.cc
-    if cc is None or cc < 100:
-        return 1
-    inst_m = tactic.__dict__.get("inst_m")  # a field, when present
-    rows = inst_m if type(inst_m) is int else tactic.tile_m
-    return 2 if rows >= 256 else 1
+    return tactic.ctas_per_tile
 
 
 @lru_cache(maxsize=1 << 16)
@@ -235,8 +229,7 @@ class Shortlist:
 _ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
 
 # What the merge needs of a re-validated tactic: its canonical JSON and the geometry the
-# shared model reads, (tile_m, tile_n, cluster_m, cluster_n, swap_ab, mma_rows), where
-# mma_rows is inst_m when the tactic has an int inst_m, else tile_m (see ctas_per_tile).
+# shared model reads, (tile_m, tile_n, cluster_m, cluster_n, swap_ab, ctas_per_tile).
 _Info = tuple[str, tuple[int, int, int, int, bool, int]]
 #: tactic value -> _Info; presence means "re-validated once already"
 _CHECKED: dict[Tactic, _Info] = {}
@@ -326,13 +319,18 @@ def _revalidate(tactic: Tactic, backend: Backend) -> _Info:
         raise ValueError(" ".join(line.strip() for line in first[:3])) from exc
     except Exception as exc:  # e.g. a model_construct'ed tactic that cannot even dump
         raise ValueError(f"cannot re-validate: {type(exc).__name__}: {exc}") from exc
-    inst_m = tactic.__dict__.get("inst_m")
-    rows = inst_m if type(inst_m) is int else tactic.tile_m
     geom = (tactic.tile_m, tactic.tile_n, tactic.cluster_m, tactic.cluster_n,
-            bool(tactic.swap_ab), rows)  # fmt: skip
+            bool(tactic.swap_ab), _ctas(tactic))  # fmt: skip
     info = (canon if canon is not None else _canonical(tactic), geom)
     _remember(tactic, info)
     return info
+
+
+def _ctas(tactic: Tactic) -> int:
+    cpt = tactic.ctas_per_tile
+    if type(cpt) is not int or cpt < 1:
+        raise ValueError(f"ctas_per_tile must be a positive int, got {cpt!r}")
+    return cpt
 
 
 def _remember(tactic: Tactic, info: _Info) -> None:
@@ -366,7 +364,6 @@ def _collect(
     warnings: list[str] = []
     m, n, k = problem.m, problem.n, problem.k
     sms, peak, bw = device.sm_count, _peak_tflops(device), device.mem_bw_gbps
-    big_cc = device.cc is not None and device.cc >= 100
     by_geom: dict[tuple, float] = {}
     by_id, by_value = _BY_ID, _CHECKED
     for backend in sorted(backends, key=lambda b: b.name):
@@ -408,8 +405,7 @@ def _collect(
             seen.add(canon)
             est = by_geom.get(geom)
             if est is None:
-                tm, tn, cm, cn, swap, rows = geom
-                cpt = 2 if big_cc and rows >= 256 else 1
+                tm, tn, cm, cn, swap, cpt = geom
                 est = by_geom[geom] = _shared_us(m, n, k, sms, peak, bw, tm, tn, cm, cn, swap, cpt)
             if refine:
                 est, refine = _refined(backend, problem, device, t, est, warnings)

@@ -29,6 +29,15 @@ class Tactic(BaseModel):
         description="compute out.T = B @ A.T: the dispatcher exchanges the operands",
     )
 
+    @property
+    def ctas_per_tile(self) -> int:
+        """SMs one output tile occupies (the shared cost model's wave count reads it).
+
+        1 for most kernels; a family whose MMA spans several SMs (Blackwell's 2-CTA
+        instructions) overrides it. Hardware facts belong to the family, not the core.
+        """
+        return 1
+
     def canonical_json(self) -> str:
         """Stable text form used for tie-breaking and cache keys (sorted keys)."""
         import json

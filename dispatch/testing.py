@@ -60,8 +60,9 @@ import torch
 
 from . import registry
 from .backend import Backend, GemmOperands, Support
-from .device import DeviceInfo, resolve
+from .device import DeviceInfo
 from .nvfp4 import quantize_nvfp4, reference_gemm
+from .profiles import profiles, resolve
 from .progress import progress
 from .tactics import Problem, Tactic
 
@@ -474,6 +475,16 @@ def _check_runs(
             report.add(category, "sampled", "PASS", f"{len(rows)} sampled tactics {what}", b.name)
 
 
+def _device(device: str, backend: object) -> DeviceInfo:
+    """`device` resolved with the installed families' profiles plus the backend's own
+    (a backend under development is not installed, and its part may be new)."""
+    if isinstance(backend, Backend) and backend.device_profiles:
+        own = {p.alias: p for p in backend.device_profiles}
+        if device in own and device not in profiles():
+            return own[device].device
+    return resolve(device)
+
+
 def check_backend(
     backend: Backend,
     device: str | DeviceInfo = "cpu",
@@ -491,7 +502,7 @@ def check_backend(
     compared with the reference; every offered tactic is checked for type, JSON and
     validity.
     """
-    dev = device if isinstance(device, DeviceInfo) else resolve(device)
+    dev = device if isinstance(device, DeviceInfo) else _device(device, backend)
     problems = DEFAULT_PROBLEMS if problems is None else tuple(problems)
     name = getattr(backend, "name", type(backend).__name__)
     report = report or ConformanceReport(str(name), dev.name)

@@ -21,10 +21,10 @@ from pydantic import ValidationError
 
 from fp4_dispatch.backend import GemmOperands
 from fp4_dispatch.backends import cute as cb
-from fp4_dispatch.device import simulated
 from fp4_dispatch.plugins.sm100 import Sm100Backend, Sm100Tactic
 from fp4_dispatch.plugins.sm103 import Sm103Backend, Sm103Tactic
 from fp4_dispatch.plugins.sm107 import Sm107Backend, Sm107Tactic
+from fp4_dispatch.profiles import simulated
 from fp4_dispatch.tactics import Problem
 
 HAVE_CUTE = importlib.util.find_spec("cutlass") is not None

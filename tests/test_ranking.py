@@ -23,7 +23,8 @@ from pydantic import Field, create_model, field_serializer
 from fp4_dispatch import ranking
 from fp4_dispatch.backend import Backend, Support
 from fp4_dispatch.cli import explain
-from fp4_dispatch.device import DeviceInfo, simulated
+from fp4_dispatch.device import DeviceInfo
+from fp4_dispatch.profiles import simulated
 from fp4_dispatch.ranking import (
     Candidate,
     Ranker,
@@ -41,12 +42,20 @@ SM100 = simulated("sm100")
 SM90 = simulated("sm90")
 
 
+class _TwoCtaAware(Tactic):
+    """Like the CuTe families: an instruction M of 256 is a 2-CTA MMA (two SMs a tile)."""
+
+    @property
+    def ctas_per_tile(self) -> int:
+        return 2 if self.inst_m == 256 else 1
+
+
 @cache
 def tactic_class(name: str) -> type[Tactic]:
     """A tactic model for backend `name`: a Literal discriminator plus family knobs."""
     return create_model(
         f"Tactic_{name.replace('-', '_')}",
-        __base__=Tactic,
+        __base__=_TwoCtaAware,
         backend=(Literal[name], name),  # type: ignore[valid-type]
         prefetch=(Literal[(0, 2, 4, *range(5, 45))], 0),  # type: ignore[misc]
         inst_m=(Literal[128, 256], 128),
@@ -229,10 +238,10 @@ def test_cost_model_features():
     dec = Problem(m=1, n=8192, k=8192)
     us = estimate_us(dec, SM107, b.make(128, 8, swap=True))
     assert dec.min_bytes / (SM107.mem_bw_gbps * 1e3) < us < 50
-    # 2-CTA tiles (tile_m 256 on sm100+) count twice against the SMs
-    plain = Tactic(backend="p", tile_m=256, tile_n=128)  # no inst_m: SM100 convention
-    assert ranking.ctas_per_tile(plain, SM107) == 2
-    assert ranking.ctas_per_tile(plain, SM90) == 1  # Hopper: one CTA per tile
+    # 2-CTA tiles count twice against the SMs - as the tactic declares: the core has no
+    # per-architecture rule (a plain tactic is one CTA a tile, whatever the device)
+    plain = Tactic(backend="p", tile_m=256, tile_n=128)
+    assert ranking.ctas_per_tile(plain, SM107) == 1 == ranking.ctas_per_tile(plain, SM90)
     assert ranking.ctas_per_tile(b.make(256, 128, inst_m=256), SM107) == 2
     assert ranking.ctas_per_tile(b.make(256, 128, inst_m=128), SM107) == 1  # B reuse
     # a 2-CTA 256-row tile uses the SMs of two 128-row tiles but feeds B once for both

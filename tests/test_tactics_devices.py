@@ -6,6 +6,7 @@ import pydantic
 import pytest
 
 from fp4_dispatch import device as device_mod
+from fp4_dispatch import profiles as profiles_mod
 from fp4_dispatch.registry import load
 from fp4_dispatch.tactics import Problem, Tactic
 
@@ -20,7 +21,7 @@ def builtin_tactics():
     for name, backend in reg.backends.items():
         if not reg.plugin_of[name].builtin:
             continue
-        dev = device_mod.simulated(SIM_FOR_FAMILY.get(backend.family, "sm90"))
+        dev = profiles_mod.simulated(SIM_FOR_FAMILY.get(backend.family, "sm90"))
         if backend.family == "portable":
             dev = device_mod.CPU
         if not backend.supports(dev).ok:
@@ -82,14 +83,50 @@ SIMULATED = [("sm90", 132, 90), ("sm100", 148, 100), ("sm103", 160, 103), ("sm10
 
 @pytest.mark.parametrize(("name", "sms", "cc"), SIMULATED)
 def test_simulated_devices(name, sms, cc):
-    dev = device_mod.simulated(name)
+    dev = profiles_mod.simulated(name)
     assert (dev.sm_count, dev.cc, dev.kind) == (sms, cc, "simulated")
     assert dev.arch == f"sm_{cc}a"
-    smaller = device_mod.simulated(name, sm_count=sms // 2)
+    smaller = profiles_mod.simulated(name, sm_count=sms // 2)
     assert smaller.sm_count == sms // 2
     assert smaller.bf16_tflops == pytest.approx(dev.bf16_tflops / 2, rel=0.02)
 
 
 def test_resolve_rejects_unknown_names():
     with pytest.raises(ValueError, match="device: expected one of"):
-        device_mod.resolve("h100")
+        profiles_mod.resolve("h100")
+
+
+def test_profiles_come_from_the_families_not_the_core():
+    """Every simulated part is a family's `device_profiles` entry (no core table)."""
+    from fp4_dispatch.dispatcher import Dispatcher
+
+    d = Dispatcher(device="cpu")
+    declared = {p.alias: b.family for b in d.registry.backends.values() for p in b.device_profiles}
+    assert declared == {"sm90": "sm90", "sm100": "sm100", "sm103": "sm103", "sm107": "sm107"}
+    assert not hasattr(device_mod, "SIMULATED") and not hasattr(device_mod, "simulated")
+
+
+@pytest.mark.parametrize(("cc", "expect"), [(90, 90), (100, 100), (103, 103), (107, 107),
+                                            (101, 100), (120, 107), (89, None)])  # fmt: skip
+def test_real_devices_take_the_rates_of_the_nearest_profile(cc, expect):
+    real = device_mod.DeviceInfo(
+        name="some gpu", kind="cuda", compute_capability=(cc // 10, cc % 10), sm_count=100
+    )
+    out = profiles_mod.rated(real)
+    if expect is None:  # nothing at or below 8.9: placeholder rates, said so
+        assert out.bf16_tflops == real.bf16_tflops and "placeholder" in out.note
+        return
+    ref = profiles_mod.simulated(f"sm{expect}")
+    assert out.bf16_tflops == pytest.approx(ref.bf16_tflops * 100 / ref.sm_count)
+    assert (out.fp4_tflops is None) == (cc < 100)
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 2.5, "8"])
+def test_sm_count_is_validated(bad):
+    with pytest.raises((ValueError, TypeError), match="sm_count"):
+        profiles_mod.simulated("sm100", sm_count=bad)
+
+
+def test_cuda_index_must_be_a_number():
+    with pytest.raises(ValueError, match="cuda:N"):
+        profiles_mod.resolve("cuda:x")

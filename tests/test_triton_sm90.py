@@ -16,10 +16,11 @@ import torch
 from conftest import run_interpreted
 
 from fp4_dispatch.backend import GemmOperands
-from fp4_dispatch.device import CPU, simulated
+from fp4_dispatch.device import CPU
 from fp4_dispatch.nvfp4 import quantize_nvfp4, reference_gemm
 from fp4_dispatch.plugins import sm90
 from fp4_dispatch.plugins.sm90 import TritonSm90Backend, TritonSm90Tactic, why_invalid
+from fp4_dispatch.profiles import simulated
 from fp4_dispatch.tactics import Problem
 
 HAS_CUDA = torch.cuda.is_available()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import run_interpreted
 
-from fp4_dispatch.device import CPU, simulated
+from fp4_dispatch.device import CPU
 from fp4_dispatch.plugins import sm90
 from fp4_dispatch.plugins.sm90 import (
     Sm90UnpackTactic,
@@ -23,6 +23,7 @@ from fp4_dispatch.plugins.sm90 import (
     TritonSm90UnpackBackend,
     why_invalid_unpack,
 )
+from fp4_dispatch.profiles import simulated
 from fp4_dispatch.tactics import Problem
 
 SM90 = simulated("sm90")
@@ -34,7 +35,7 @@ import json, sys
 import torch
 from fp4_dispatch.backend import GemmOperands
 from fp4_dispatch.backends.sm90 import gemm_unpack as mod
-from fp4_dispatch.device import simulated
+from fp4_dispatch.profiles import simulated
 from fp4_dispatch.nvfp4 import (
     Nvfp4Tensor, dequantize, e2m1_to_float, quantize_nvfp4, reference_gemm, unpack_e2m1,
     unswizzle_scales,

@@ -35,11 +35,9 @@ def add_json_arg(parser: argparse.ArgumentParser) -> None:
 
 def make_dispatcher(args: argparse.Namespace, **kwargs: Any):
     """A `Dispatcher` for the device the command line names."""
-    from ..device import resolve
     from ..dispatcher import Dispatcher
 
-    device = resolve(args.device, getattr(args, "sm_count", None))
-    return Dispatcher(device=device, **kwargs)
+    return Dispatcher(device=args.device, sm_count=getattr(args, "sm_count", None), **kwargs)
 
 
 def emit_json(obj: Any) -> None:

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import argparse
 
-from ..device import SIMULATED, detect
+from ..profiles import profiles, resolve
 from .common import add_json_arg, emit_json, format_table
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("devices", help="the detected device and the simulated ones")
+    p = sub.add_parser(
+        "devices", help="the detected device and the simulated ones the families declare"
+    )
     add_json_arg(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    found = detect()
-    devices = {"detected": found, **SIMULATED}
+    found = resolve("auto")
+    devices = {"detected": found, **{a: p.device for a, p in sorted(profiles().items())}}
     if args.json:
         emit_json({key: dev.model_dump(mode="json") for key, dev in devices.items()})
         return 0

@@ -56,6 +56,11 @@ class PersistentTactic(Tactic):
     def use_2cta(self) -> bool:
         return self.tile_m == 256
 
+    @property
+    def ctas_per_tile(self) -> int:
+        """A 2-CTA MMA (tile M 256) spans a CTA pair: two SMs per output tile."""
+        return 2 if self.use_2cta else 1
+
     @model_validator(mode="after")
     def _kernel_rules(self) -> PersistentTactic:
         # is_valid_mma_tiler_and_cluster_shape: a 2-CTA tile needs an even cluster M

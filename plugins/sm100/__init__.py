@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
+from fp4_dispatch.device import DeviceInfo, DeviceProfile
 from fp4_dispatch.hookspecs import hookimpl
 from fp4_dispatch.plugins._cute import CuteBackend, PersistentTactic
 
@@ -21,8 +22,28 @@ class Sm100Tactic(PersistentTactic):
     backend: Literal["cute-sm100"] = "cute-sm100"
 
 
+#: B200: NVIDIA DGX B200 datasheet, per GPU dense (FP4 9 PF, FP8 4.5 PF, BF16 2.25 PF,
+#: HBM3e 8 TB/s); 148 SMs from third-party sources.
+PROFILE = DeviceProfile(
+    "sm100",
+    DeviceInfo(
+        name="simulated B200 (sm100)",
+        kind="simulated",
+        compute_capability=(10, 0),
+        sm_count=148,
+        l2_bytes=126 * 2**20,
+        mem_bw_gbps=8000.0,
+        bf16_tflops=2250.0,
+        fp8_tflops=4500.0,
+        fp4_tflops=9000.0,
+        note="datasheet rates (DGX B200); not run on hardware",
+    ),
+)
+
+
 class Sm100Backend(CuteBackend):
     name = "cute-sm100"
+    device_profiles = (PROFILE,)
     family = "sm100"
     tactic_type = Sm100Tactic
     kind = "sm100"

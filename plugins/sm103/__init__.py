@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from fp4_dispatch.device import DeviceInfo, DeviceProfile
 from fp4_dispatch.hookspecs import hookimpl
 from fp4_dispatch.plugins._cute import CuteBackend, PersistentTactic
 
@@ -25,8 +26,28 @@ class Sm103Tactic(PersistentTactic):
     backend: Literal["cute-sm103"] = "cute-sm103"
 
 
+#: B300: dense FP4 15 PF from NVIDIA's Blackwell Ultra announcement; 160 SMs from
+#: third-party sources; the other rates assumed equal to the B200's.
+PROFILE = DeviceProfile(
+    "sm103",
+    DeviceInfo(
+        name="simulated B300 (sm103)",
+        kind="simulated",
+        compute_capability=(10, 3),
+        sm_count=160,
+        l2_bytes=126 * 2**20,
+        mem_bw_gbps=8000.0,
+        bf16_tflops=2250.0,
+        fp8_tflops=4500.0,
+        fp4_tflops=15000.0,
+        note="FP4 rate from NVIDIA's Blackwell Ultra figures, others assumed = B200",
+    ),
+)
+
+
 class Sm103Backend(CuteBackend):
     name = "cute-sm103"
+    device_profiles = (PROFILE,)
     family = "sm103"
     tactic_type = Sm103Tactic
     kind = "sm100"

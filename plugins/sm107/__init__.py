@@ -16,6 +16,7 @@ from typing import Literal
 
 from pydantic import model_validator
 
+from fp4_dispatch.device import DeviceInfo, DeviceProfile
 from fp4_dispatch.hookspecs import hookimpl
 from fp4_dispatch.plugins._cute import CuteBackend
 from fp4_dispatch.tactics import Tactic
@@ -49,6 +50,11 @@ class Sm107Tactic(Tactic):
     def use_2cta(self) -> bool:
         return self.inst_m == 256
 
+    @property
+    def ctas_per_tile(self) -> int:
+        """A 2-CTA instruction (inst M 256) spans a CTA pair: two SMs per output tile."""
+        return 2 if self.use_2cta else 1
+
     @model_validator(mode="after")
     def _kernel_rules(self) -> Sm107Tactic:
         want = self.inst_m * (2 if self.b_reuse else 1)
@@ -79,8 +85,28 @@ class Sm107Tactic(Tactic):
                     inst_m=self.inst_m, b_reuse=self.b_reuse)  # fmt: skip
 
 
+#: The SM107 (Rubin-class) part of the FlashInfer measurements: 212 SMs measured there.
+#: Its rates are NOT published: assumed equal to the B300's per SM, scaled to 212 SMs.
+PROFILE = DeviceProfile(
+    "sm107",
+    DeviceInfo(
+        name="simulated SM107 part (sm107)",
+        kind="simulated",
+        compute_capability=(10, 7),
+        sm_count=212,
+        l2_bytes=126 * 2**20,
+        mem_bw_gbps=8000.0,
+        bf16_tflops=2250.0 * 212 / 160,
+        fp8_tflops=4500.0 * 212 / 160,
+        fp4_tflops=15000.0 * 212 / 160,
+        note="SM count from FlashInfer measurements; rates assumed (B300 per SM)",
+    ),
+)
+
+
 class Sm107Backend(CuteBackend):
     name = "cute-sm107"
+    device_profiles = (PROFILE,)
     family = "sm107"
     tactic_type = Sm107Tactic
     kind = "sm107"
