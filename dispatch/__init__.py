@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from importlib import metadata
-
 from .backend import Backend, GemmOperands, Kernel, Support
 from .device import DeviceInfo
 from .hookspecs import hookimpl
 from .nvfp4 import Nvfp4Tensor, dequantize, quantize_nvfp4, reference_gemm
 from .registry import LoadError, PluginLoadError
 from .tactics import Problem, Tactic
+from .version import __version__
 
 
 def __getattr__(name: str):
@@ -24,11 +23,6 @@ def __getattr__(name: str):
         return Nvfp4Linear
     raise AttributeError(f"module 'fp4_dispatch' has no attribute {name!r}")
 
-
-try:
-    __version__ = metadata.version("fp4-dispatch")
-except metadata.PackageNotFoundError:  # imported from a tree that was never installed
-    __version__ = "0+unknown"
 
 __all__ = [
     "Backend",

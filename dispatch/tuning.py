@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from .backend import GemmOperands
+from .backend import launch as run_kernel
 from .device import DeviceInfo
 from .ranking import Candidate, m_bucket
 from .tactics import Problem
@@ -469,8 +470,6 @@ class Tuner:
     def _measure_one(
         self, problem: Problem, cand: Candidate, inputs: Inputs, best: float
     ) -> Measurement:
-        from .dispatcher import launch as run_kernel
-
         name = f"{cand.backend} {cand.tactic.canonical_json()}"
         try:
             kernel = self.dispatcher.kernel_for(cand, problem)
@@ -479,8 +478,10 @@ class Tuner:
         copies, out = inputs.copies, inputs.out
         n = len(copies)
 
+        swap = cand.tactic.swap_ab
+
         def launch(i: int) -> None:
-            run_kernel(cand, kernel, copies[i % n], out)
+            run_kernel(kernel, copies[i % n], out, swap)
 
         try:
             launch(0)

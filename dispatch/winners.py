@@ -12,6 +12,7 @@ from . import tuning
 from .cache import TuningCache
 from .ranking import Candidate, m_bucket
 from .tactics import Problem
+from .version import __version__
 
 if TYPE_CHECKING:
     from .dispatcher import Dispatcher
@@ -91,8 +92,6 @@ class TunedWinners:
             self._save(bkey, result)
 
     def _save(self, bkey: BucketKey, result: tuning.TuneResult) -> None:
-        from . import __version__
-
         d = self._d
         entry = tuning.to_entry(result, d, __version__)
         self.entries()[bkey] = entry

@@ -26,6 +26,9 @@ echo "== installing the wheel[$extras] and the example plugins"
 "$vpy" -m pip install -q "$wheel[$extras]"
 "$vpy" -m pip install -q --no-deps "$root/examples/example-plugin" "$root/examples/broken-plugin"
 
+echo "== import layers of the installed package (import-linter, contracts in pyproject.toml)"
+(cd "$work" && "$work/venv/bin/lint-imports" "$root/pyproject.toml")
+
 echo "== pytest (from $work, not the source tree)"
 cp -r "$root/tests" "$work/tests"
 cd "$work"
