@@ -71,8 +71,42 @@ class GemmOperands:
         return GemmOperands(self.b_data, self.b_scale, self.a_data, self.a_scale, self.alpha)
 
 
+@dataclass(frozen=True, slots=True)
+class DenseOperands:
+    """Operands of a W4A16 kernel: dense activations times an NVFP4 weight.
+
+    The kernel computes ``out = alpha * a @ dequant(b).T``.
+
+    - ``a``: bfloat16 or float16 ``[M, K]`` with unit stride along K (rows may be strided).
+    - ``b_data``, ``b_scale``: the weight as in `GemmOperands` (``[N, K/2]`` uint8, e4m3
+      128x4-swizzled scales).
+    - ``alpha``: float32 tensor with one element (the weight's global scale).
+
+    The dispatcher never swaps these (``swap_ab`` is always False for W4A16 tactics): a
+    kernel that wants the weight on the MMA's M side does it inside.
+    """
+
+    a: torch.Tensor
+    b_data: torch.Tensor
+    b_scale: torch.Tensor
+    alpha: torch.Tensor
+
+    @property
+    def m(self) -> int:
+        return self.a.shape[0]
+
+    @property
+    def n(self) -> int:
+        return self.b_data.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.a.shape[1]
+
+
 Kernel = Callable[[GemmOperands, "torch.Tensor"], None]
-"""A built kernel: ``kernel(operands, out)`` writes ``out`` (shape [M, N]) in place."""
+"""A built kernel: ``kernel(operands, out)`` writes ``out`` (shape [M, N]) in place.
+Operands are `GemmOperands` for W4A4 problems and `DenseOperands` for W4A16 ones."""
 
 
 def launch(kernel: Kernel, operands: GemmOperands, out: torch.Tensor, swap_ab: bool) -> None:
@@ -109,6 +143,8 @@ class Backend(abc.ABC):
     diversity_axes: ClassVar[tuple[str, ...]] = ()
     #: True when kernels of this backend have been compiled but never run on hardware.
     compile_only_note: ClassVar[str] = ""
+    #: the operations this backend serves (`fp4_dispatch.tactics.OPERATIONS`)
+    operations: ClassVar[tuple[str, ...]] = ("w4a4",)
     #: parts this family targets: ``--device <alias>`` simulates them, and a real GPU of
     #: a profile's compute capability takes its peak rates (`fp4_dispatch.profiles`)
     device_profiles: ClassVar[tuple[DeviceProfile, ...]] = ()

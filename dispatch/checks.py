@@ -30,6 +30,24 @@ def nvfp4_operand(name: str, q: object) -> Nvfp4Tensor:
     return q
 
 
+def dense_activation(name: str, t: object) -> torch.Tensor:
+    """A W4A16 activation: a 2-D bfloat16/float16 tensor with unit stride along K."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(
+            f"{name}: expected a torch.Tensor or an Nvfp4Tensor, got {type(t).__name__}"
+        )
+    if t.dtype not in OUT_DTYPES:
+        raise TypeError(
+            f"{name}: expected dtype torch.bfloat16 or torch.float16 for a weight-only "
+            f"(w4a16) GEMM, got {t.dtype} (cast it, or quantize it with quantize_nvfp4)"
+        )
+    if t.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D tensor [M, K], got shape {tuple(t.shape)}")
+    if t.stride(1) != 1 and t.shape[1] > 1:
+        raise ValueError(f"{name}: expected unit stride along K, got strides {t.stride()}")
+    return t
+
+
 def k_dims(k_a: int, k_b: int, names: tuple[str, str] = ("qa", "qb")) -> int:
     if k_a != k_b:
         raise ValueError(

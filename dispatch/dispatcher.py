@@ -30,7 +30,7 @@ from .buckets import m_bucket
 from .cache import TuningCache, device_fingerprint
 from .device import DeviceInfo
 from .nvfp4 import Nvfp4Tensor
-from .plans import Plan, PlanKey
+from .plans import Plan, PlanKey, plan_for
 from .profiles import resolve
 from .ranking import Candidate, Ranker, Shortlist
 from .tactics import Problem
@@ -170,22 +170,28 @@ class Dispatcher:
 
     # ---- ranking --------------------------------------------------------------------
 
-    def candidates(self, m: int, n: int, k: int, out_dtype: str = "bfloat16") -> Shortlist:
-        """The capped, explained shortlist for one problem."""
-        return self.ranker.shortlist(Problem(m=m, n=n, k=k, out_dtype=out_dtype))
+    def candidates(
+        self, m: int, n: int, k: int, out_dtype: str = "bfloat16", operation: str = "w4a4"
+    ) -> Shortlist:
+        """The capped, explained shortlist for one problem (``operation`` w4a4 or w4a16)."""
+        return self.ranker.shortlist(
+            Problem(m=m, n=n, k=k, out_dtype=out_dtype, operation=operation)
+        )
 
-    def select(self, m: int, n: int, k: int, out_dtype: str = "bfloat16") -> Candidate:
+    def select(
+        self, m: int, n: int, k: int, out_dtype: str = "bfloat16", operation: str = "w4a4"
+    ) -> Candidate:
         """The candidate a call of this shape would run: the bucket's tuned winner if there
         is a valid one, else the heuristic pick (logged once per bucket)."""
-        tuned = self.winners.pick(m, n, k, out_dtype)
+        tuned = self.winners.pick(m, n, k, out_dtype) if operation == "w4a4" else None
         if tuned is not None:
             return tuned
-        pick = self.ranker.pick(m, n, k, out_dtype)
-        bkey = (n, k, m_bucket(m), out_dtype)
+        pick = self.ranker.pick(m, n, k, out_dtype, operation)
+        bkey = (n, k, m_bucket(m), out_dtype, operation)
         if bkey not in self._untuned_logged:
             self._untuned_logged.add(bkey)
             log.info(
-                "bucket N=%d K=%d M<=%d %s is not tuned: heuristic pick %s %s",
+                "bucket N=%d K=%d M<=%d %s %s is not tuned: heuristic pick %s %s",
                 *bkey, pick.backend, pick.tactic.canonical_json(),
             )  # fmt: skip
         return pick
@@ -320,18 +326,20 @@ class Dispatcher:
             self._kernels[key] = kernel
         return kernel
 
-    def cached_plan(self, m: int, n: int, k: int, dtype: str) -> Plan | None:
-        """The plan of this exact shape if one was made, else None (never ranks or builds).
+    def cached_plan(
+        self, m: int, n: int, k: int, dtype: str, operation: str = "w4a4"
+    ) -> Plan | None:
+        """The plan of this exact problem if one was made, else None (never ranks or builds).
 
         Tuning replaces a bucket's plans with new objects, so a changed plan is not warm.
         """
-        return self._plans.get((m, n, k, dtype))
+        return self._plans.get((m, n, k, dtype, operation))
 
     def _new_plan(self, key: PlanKey) -> Plan:
-        m, n, k, dtype = key
-        candidate = self.select(m, n, k, dtype)
-        kernel = self.kernel_for(candidate, Problem(m=m, n=n, k=k, out_dtype=dtype))
-        plan = self._plans[key] = Plan(key, candidate, kernel)
+        m, n, k, dtype, op = key
+        candidate = self.select(m, n, k, dtype, op)
+        problem = Problem(m=m, n=n, k=k, out_dtype=dtype, operation=op)
+        plan = self._plans[key] = plan_for(key, candidate, self.kernel_for(candidate, problem))
         return plan
 
     def check_device(self, name: str, t: torch.Tensor) -> torch.device:
@@ -358,26 +366,41 @@ class Dispatcher:
         out: torch.Tensor,
         dtype: str,
     ) -> None:
-        """The hot path: run checked operands (`GemmOperands` order) through their plan.
+        """The W4A4 hot path: checked operands (`GemmOperands` order) through their plan."""
+        if a.shape[0] and b.shape[0]:  # an empty product (an empty batch): nothing to do
+            self._run((a.shape[0], b.shape[0], a.shape[1] * 2, dtype, "w4a4"),
+                      (a, sa, b, sb, alpha, out))  # fmt: skip
+
+    def run_dense(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        sb: torch.Tensor,
+        alpha: torch.Tensor,
+        out: torch.Tensor,
+        dtype: str,
+    ) -> None:
+        """The W4A16 hot path: dense ``a`` [M, K] times the NVFP4 ``b`` through their plan."""
+        if a.shape[0] and b.shape[0]:
+            self._run((a.shape[0], b.shape[0], a.shape[1], dtype, "w4a16"), (a, b, sb, alpha, out))
+
+    def _run(self, key: PlanKey, args: tuple) -> None:
+        """Run `args` through the plan of `key`.
 
         Outside a CUDA-graph capture this may make the plan (select, build, and under
-        `autotuning` tune). Inside one only a warm plan of the exact shape launches; else
-        `fp4_dispatch.torch_ops.CaptureNotWarmError` before anything launches.
+        `autotuning` tune). Inside one only a warm plan of the exact problem launches;
+        else `fp4_dispatch.torch_ops.CaptureNotWarmError` before anything launches.
         """
-        m, n = a.shape[0], b.shape[0]
-        if m == 0 or n == 0:
-            return  # an empty product (e.g. an empty batch): nothing to compute
-        key = (m, n, a.shape[1] * 2, dtype)
         plan = self._plans.get(key)
         if torch_ops.stream_capturing():
-            self._launch_captured(key, plan, (a, sa, b, sb, alpha, out))
+            self._launch_captured(key, plan, args)
             return
-        if self._autotune_depth:
-            self._autotune(*key)
+        if self._autotune_depth and key[4] == "w4a4":
+            self._autotune(*key[:4])
             plan = self._plans.get(key)
         if plan is None:
             plan = self._new_plan(key)
-        plan(a, sa, b, sb, alpha, out)
+        plan(*args)
         plan.warm = True
         self._ran.add(key)
 
@@ -411,18 +434,25 @@ class Dispatcher:
 
     def gemm(
         self,
-        qa: Nvfp4Tensor,
+        qa: Nvfp4Tensor | torch.Tensor,
         qb: Nvfp4Tensor,
-        out_dtype: torch.dtype = torch.bfloat16,
+        out_dtype: torch.dtype | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``out[M, N] = dequant(qa) @ dequant(qb).T`` (B held as [N, K], like a Linear weight).
+        """``out[M, N] = A @ dequant(qb).T`` (B held as [N, K], like a Linear weight).
 
-        Arguments are checked here, once; under torch.compile the GEMM is the custom op
-        ``fp4_dispatch::gemm`` (no graph break, plan made at run time); eagerly the plan
-        runs directly; inside a CUDA-graph capture only an already-run plan launches.
+        ``qa`` an `Nvfp4Tensor`: W4A4 (both operands NVFP4; ``out_dtype`` default bfloat16).
+        ``qa`` a dense bfloat16/float16 ``[M, K]`` tensor: W4A16, weight-only (activations
+        stay as they are; ``out_dtype`` default ``qa.dtype``). Arguments are checked here,
+        once; under torch.compile the GEMM is a custom op (no graph break, plan made at
+        run time); eagerly the plan runs directly; inside a CUDA-graph capture only an
+        already-run plan launches.
         """
-        qa, qb = checks.nvfp4_operand("qa", qa), checks.nvfp4_operand("qb", qb)
+        qb = checks.nvfp4_operand("qb", qb)
+        if isinstance(qa, torch.Tensor):
+            return self._gemm_dense(qa, qb, out_dtype, out)
+        qa = checks.nvfp4_operand("qa", qa)
+        out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
         checks.out_dtype_name(out_dtype)
         checks.k_dims(qa.k, qb.k)
         device = self.check_device("qa", qa.data)
@@ -433,6 +463,26 @@ class Dispatcher:
         if out is not None:
             out = checks.out_tensor(out, qa.rows, qb.rows, out_dtype, device)
         return torch_ops.run(self, qa.data, qa.scale, qb.data, qb.scale, alpha, out_dtype, out)
+
+    def _gemm_dense(
+        self,
+        a: torch.Tensor,
+        qb: Nvfp4Tensor,
+        out_dtype: torch.dtype | None,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        a = checks.dense_activation("qa", a)
+        out_dtype = a.dtype if out_dtype is None else out_dtype
+        checks.out_dtype_name(out_dtype)
+        checks.k_dims(a.shape[1], qb.k)
+        device = self.check_device("qa", a)
+        if qb.data.device != device:
+            checks.same_device(device, qb=qb.data)
+        qb = qb.with_layout("swizzled")
+        if out is not None:
+            out = checks.out_tensor(out, a.shape[0], qb.rows, out_dtype, device)
+        alpha = qb.global_scale.reshape(1)  # a view: no kernel launch
+        return torch_ops.run_w4a16(self, a, qb.data, qb.scale, alpha, out_dtype, out)
 
     def mm_fp4(
         self,

@@ -20,6 +20,7 @@ bias's dtype when that is 16-bit, else bfloat16 (the kernels write 16-bit output
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 from torch import nn
@@ -31,6 +32,8 @@ from .nvfp4 import BLOCK_SIZE, Nvfp4Tensor, dequantize, quantize_nvfp4, swizzled
 __all__ = ["Nvfp4Linear"]
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
+Activations = Literal["auto", "nvfp4", "bf16"]
+ACTIVATIONS: tuple[str, ...] = ("auto", "nvfp4", "bf16")
 #: buffers whose dtype IS the format: a module-wide dtype cast must never touch them
 _QUANTIZED_BUFFERS = ("weight_data", "weight_scale", "weight_global_scale", "input_global_scale")
 
@@ -57,6 +60,10 @@ class Nvfp4Linear(nn.Module):
     - ``in_features`` must be a multiple of 32 (the GEMM's K rule).
     - ``dispatcher``: the `Dispatcher` to run on; None uses the default dispatcher of
       the input's device (`fp4_dispatch.torch_ops.default_dispatcher`).
+    - ``activations``: ``"nvfp4"`` quantizes activations per call (W4A4, FP4 tensor
+      cores); ``"bf16"`` keeps them dense (W4A16, weight-only: no activation rounding,
+      activations cast to the output dtype); ``"auto"`` (default) is W4A16 on CUDA GPUs
+      without FP4 tensor cores (Hopper) and W4A4 elsewhere. ``repr`` shows the choice.
     - Buffers: ``weight_data`` uint8 ``[out, in/2]``, ``weight_scale`` e4m3 in the
       swizzled 128x4 layout, ``weight_global_scale`` float32 ``[]``, and optionally
       ``input_global_scale`` (a calibrated static activation scale; when absent the
@@ -77,10 +84,16 @@ class Nvfp4Linear(nn.Module):
         bias: bool = True,
         *,
         dispatcher: Dispatcher | None = None,
+        activations: Activations = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations: expected one of {ACTIVATIONS}, got {activations!r}")
+        self.activations = activations
+        #: device type -> True when activations stay dense there (resolved "auto")
+        self._dense_on: dict[str, bool] = {}
         if in_features <= 0 or in_features % (2 * BLOCK_SIZE):
             raise ValueError(
                 f"in_features: expected a positive multiple of {2 * BLOCK_SIZE}, got {in_features}"
@@ -124,6 +137,7 @@ class Nvfp4Linear(nn.Module):
         *,
         weight_global_scale: float | torch.Tensor | None = None,
         input_global_scale: float | torch.Tensor | None = None,
+        activations: Activations = "auto",
     ) -> Nvfp4Linear:
         """Quantize ``linear``'s weight (on its device) into a new `Nvfp4Linear`.
 
@@ -139,6 +153,7 @@ class Nvfp4Linear(nn.Module):
             linear.out_features,
             bias=linear.bias is not None,
             dispatcher=dispatcher,
+            activations=activations,
             device=w.device,
             dtype=bias_dtype,
         )
@@ -208,10 +223,28 @@ class Nvfp4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         scale = "dynamic" if self.input_global_scale is None else "static"
+        acts = self.activations
+        if acts == "auto" and self._dense_on:
+            acts += " (" + ", ".join(
+                f"{dev}: {'w4a16' if dense else 'w4a4'}" for dev, dense in self._dense_on.items()
+            ) + ")"  # fmt: skip
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, activation_scale={scale}"
+            f"bias={self.bias is not None}, activations={acts}, activation_scale={scale}"
         )
+
+    def operation(self, device: torch.device | str | None = None) -> str:
+        """``"w4a16"`` or ``"w4a4"``: what a forward on `device` runs (resolves "auto":
+        W4A16 on a CUDA GPU of compute capability < 10, which has no FP4 tensor cores)."""
+        if self.activations != "auto":
+            return "w4a16" if self.activations == "bf16" else "w4a4"
+        dev = torch.device(device if device is not None else self.weight_data.device)
+        key = str(dev)
+        dense = self._dense_on.get(key)
+        if dense is None:
+            dense = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] < 10
+            self._dense_on[key] = dense
+        return "w4a16" if dense else "w4a4"
 
     # ---- forward ----------------------------------------------------------------------
 
@@ -225,11 +258,16 @@ class Nvfp4Linear(nn.Module):
             self.dispatcher.check_device("x", x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        a, sa, ga = torch_ops.quantize(x2, self.input_global_scale)
-        alpha = (ga * self.weight_global_scale).reshape(1)
-        y = torch_ops.run(
-            self.dispatcher, a, sa, self.weight_data, self.weight_scale, alpha, out_dtype
-        )
+        if self.operation(x.device) == "w4a16":
+            alpha = self.weight_global_scale.reshape(1)
+            y = torch_ops.run_w4a16(self.dispatcher, x2.to(out_dtype), self.weight_data,
+                                    self.weight_scale, alpha, out_dtype)  # fmt: skip
+        else:
+            a, sa, ga = torch_ops.quantize(x2, self.input_global_scale)
+            alpha = (ga * self.weight_global_scale).reshape(1)
+            y = torch_ops.run(
+                self.dispatcher, a, sa, self.weight_data, self.weight_scale, alpha, out_dtype
+            )
         if self.bias is not None:
             y = y.add_(self.bias) if self.bias.dtype == out_dtype else y + self.bias.to(out_dtype)
         if torch.is_grad_enabled() and (x.requires_grad or self._bias_wants_grad()):

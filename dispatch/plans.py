@@ -16,23 +16,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .backend import GemmOperands, Kernel
+from .backend import DenseOperands, GemmOperands, Kernel
 
 if TYPE_CHECKING:
     import torch
 
     from .ranking import Candidate
 
-#: (M, N, K, out dtype): the exact shape a plan serves
-PlanKey = tuple[int, int, int, str]
+#: (M, N, K, out dtype, operation): the exact problem a plan serves
+PlanKey = tuple[int, int, int, str, str]
 
 
 class Plan:
     """The built kernel of one candidate for one exact shape, with the swap applied once.
 
-    ``plan(a, sa, b, sb, alpha, out)`` takes operands in the caller's orientation
-    (already checked by the public entry points) and writes ``out``. Iterating a plan
-    gives ``(candidate, kernel)``.
+    ``plan(a, sa, b, sb, alpha, out)`` takes W4A4 operands in the caller's orientation
+    (already checked by the public entry points) and writes ``out``; `DensePlan` is the
+    W4A16 variant. Iterating a plan gives ``(candidate, kernel)``.
     """
 
     __slots__ = ("candidate", "kernel", "key", "swap", "warm")
@@ -63,6 +63,27 @@ class Plan:
         return iter((self.candidate, self.kernel))
 
     def __repr__(self) -> str:
-        m, n, k, dtype = self.key
+        m, n, k, dtype, op = self.key
         state = "warm" if self.warm else "cold"
-        return f"Plan(M={m} N={n} K={k} {dtype}: {self.candidate.backend} {state})"
+        return f"Plan({op} M={m} N={n} K={k} {dtype}: {self.candidate.backend} {state})"
+
+
+class DensePlan(Plan):
+    """A W4A16 plan: ``plan(a, b, sb, alpha, out)`` with dense ``a`` (never swapped)."""
+
+    __slots__ = ()
+
+    def __call__(  # type: ignore[override]
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        sb: torch.Tensor,
+        alpha: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        self.kernel(DenseOperands(a, b, sb, alpha), out)
+
+
+def plan_for(key: PlanKey, candidate: Candidate, kernel: Kernel) -> Plan:
+    """The plan class of the key's operation."""
+    return (DensePlan if key[4] == "w4a16" else Plan)(key, candidate, kernel)

@@ -366,8 +366,11 @@ def _collect(
     sms, peak, bw = device.sm_count, _peak_tflops(device), device.mem_bw_gbps
     by_geom: dict[tuple, float] = {}
     by_id, by_value = _BY_ID, _CHECKED
+    dense = problem.operation == "w4a16"
     for backend in sorted(backends, key=lambda b: b.name):
         name, family, ttype = backend.name, backend.family, backend.tactic_type
+        if problem.operation not in backend.operations:
+            continue  # families compete only within one operation
         try:
             tactics = list(backend.tactics(problem, device))
         except Exception as exc:  # a plugin bug must not take the others down: report it
@@ -400,6 +403,10 @@ def _collect(
                     first_invalid = first_invalid or str(exc)
                     continue
             canon, geom = info
+            if dense and geom[4]:  # the dispatcher never exchanges dense and NVFP4 operands
+                invalid += 1
+                first_invalid = first_invalid or f"{canon}: swap_ab=True on a w4a16 problem"
+                continue
             if canon in seen:
                 continue
             seen.add(canon)
@@ -626,29 +633,31 @@ class Ranker:
         self._by_name = by_name
         self.device = device
         self.budget = budget
-        self._buckets: dict[tuple[int, int, int, str], Candidate] = {}
-        self._exact: dict[tuple[int, int, int, str], Candidate] = {}
+        self._buckets: dict[tuple[int, int, int, str, str], Candidate] = {}
+        self._exact: dict[tuple[int, int, int, str, str], Candidate] = {}
 
     def shortlist(self, problem: Problem) -> Shortlist:
         """The full capped ranking for this exact problem (not memoized)."""
         return shortlist(problem, self.device, self.backends, self.budget)
 
-    def pick(self, m: int, n: int, k: int, out_dtype: str = "bfloat16") -> Candidate:
+    def pick(
+        self, m: int, n: int, k: int, out_dtype: str = "bfloat16", operation: str = "w4a4"
+    ) -> Candidate:
         """The heuristic top-1 for this shape: memoized per bucket, checked per exact M."""
-        hit = self._exact.get((m, n, k, out_dtype))
+        hit = self._exact.get((m, n, k, out_dtype, operation))
         if hit is not None:
             return hit
-        return self._pick_slow(m, n, k, out_dtype)
+        return self._pick_slow(m, n, k, out_dtype, operation)
 
-    def _pick_slow(self, m: int, n: int, k: int, out_dtype: str) -> Candidate:
+    def _pick_slow(self, m: int, n: int, k: int, out_dtype: str, operation: str) -> Candidate:
         bucket = m_bucket(m)
-        bkey = (n, k, bucket, out_dtype)
+        bkey = (n, k, bucket, out_dtype, operation)
         top = self._buckets.get(bkey)
         if top is None:
-            top = self._best(Problem(m=bucket, n=n, k=k, out_dtype=out_dtype))
-            self._buckets[bkey] = top
+            rep = Problem(m=bucket, n=n, k=k, out_dtype=out_dtype, operation=operation)
+            top = self._buckets[bkey] = self._best(rep)
         if m != bucket:
-            problem = Problem(m=m, n=n, k=k, out_dtype=out_dtype)
+            problem = Problem(m=m, n=n, k=k, out_dtype=out_dtype, operation=operation)
             why = self._invalid_for(top, problem)
             if why is not None:
                 log.info("bucket %d pick %s invalid at M=%d (%s); ranking M itself",
@@ -656,7 +665,7 @@ class Ranker:
                 top = self._best(problem)
         if len(self._exact) >= _MEMO_LIMIT:
             self._exact.clear()
-        self._exact[(m, n, k, out_dtype)] = top
+        self._exact[(m, n, k, out_dtype, operation)] = top
         return top
 
     def _invalid_for(self, cand: Candidate, problem: Problem) -> str | None:
@@ -675,11 +684,13 @@ class Ranker:
         return Candidate(e[1], e[4], e[3], e[0], "heuristic top-1")
 
     def _none_qualifies(self, problem: Problem, skipped: dict[str, str]) -> str:
-        p = f"M={problem.m} N={problem.n} K={problem.k} out={problem.out_dtype}"
-        if not self.backends:
+        p = (f"{problem.operation} M={problem.m} N={problem.n} K={problem.k} "
+             f"out={problem.out_dtype}")  # fmt: skip
+        serving = [b for b in self.backends if problem.operation in b.operations]
+        if not serving:
             return f"no NVFP4 GEMM backend is available on {self.device.name} for {p}"
         lines = [f"no backend has a valid tactic for {p} on {self.device.name}:"]
-        for b in self.backends:
+        for b in serving:
             lines.append(f"  {b.name} ({b.family}): {skipped.get(b.name, 'no valid tactic')}")
         return "\n".join(lines)
 

@@ -12,6 +12,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 OutDtype = Literal["bfloat16", "float16"]
+#: the two operations: both operands NVFP4 (``mm_fp4``), or dense bf16/fp16 activations
+#: times NVFP4 weights (weight-only, FlashInfer's ``mm_bf16_fp4``)
+Operation = Literal["w4a4", "w4a16"]
+OPERATIONS: tuple[str, ...] = ("w4a4", "w4a16")
 
 
 class Tactic(BaseModel):
@@ -46,7 +50,11 @@ class Tactic(BaseModel):
 
 
 class Problem(BaseModel):
-    """One GEMM: out[M, N] = A[M, K] @ B[N, K].T, in NVFP4 with 16-element blocks."""
+    """One GEMM: out[M, N] = A[M, K] @ B[N, K].T with B in NVFP4 (16-element blocks).
+
+    ``operation`` says what A is: NVFP4 too (``w4a4``) or dense bf16/fp16 (``w4a16``).
+    Families compete only within one operation.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -54,6 +62,7 @@ class Problem(BaseModel):
     n: PositiveInt
     k: PositiveInt
     out_dtype: OutDtype = "bfloat16"
+    operation: Operation = "w4a4"
 
     def swapped(self) -> Problem:
         """The problem the kernel sees when a tactic sets swap_ab."""
@@ -65,6 +74,8 @@ class Problem(BaseModel):
 
     @property
     def min_bytes(self) -> float:
-        """Fewest bytes moved: fp4 operands, e4m3 scales (1 per 16), 2-byte output."""
-        operands = (self.m + self.n) * self.k * (0.5 + 1.0 / 16)
-        return operands + 2.0 * self.m * self.n
+        """Fewest bytes moved: fp4 operands with e4m3 scales (1 per 16 values: 0.5625
+        bytes per value), a dense 2-byte A for w4a16, and the 2-byte output."""
+        fp4 = 0.5 + 1.0 / 16
+        a_bytes = 2.0 if self.operation == "w4a16" else fp4
+        return self.m * self.k * a_bytes + self.n * self.k * fp4 + 2.0 * self.m * self.n

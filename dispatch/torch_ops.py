@@ -19,6 +19,8 @@ Ops, namespace ``fp4_dispatch`` (``torch.ops.fp4_dispatch.*``):
 - ``gemm(a_data, a_scale, b_data, b_scale, alpha, out_dtype, dispatcher=-1) -> out``:
   ``out = alpha * dequant(a) @ dequant(b).T`` through a dispatcher.
 - ``gemm_out(..., out, dispatcher=-1)``: the same, writing a caller's ``out``.
+- ``gemm_w4a16(a, b_data, b_scale, alpha, out_dtype, dispatcher=-1) -> out``: weight-only
+  ``out = alpha * a @ dequant(b).T`` with dense bf16/fp16 activations ``a``.
 
 ``dispatcher`` is an int: `dispatcher_id` of a registered dispatcher, or -1 for the
 per-device default (`default_dispatcher`). An int keeps the op schema plain and lets a
@@ -78,6 +80,7 @@ __all__ = [
     "not_warm",
     "quantize",
     "run",
+    "run_w4a16",
     "set_default_factory",
     "stream_capturing",
     "warmup",
@@ -108,9 +111,21 @@ class Runner(Protocol):
         dtype: str,
     ) -> None: ...
 
+    def run_dense(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        sb: torch.Tensor,
+        alpha: torch.Tensor,
+        out: torch.Tensor,
+        dtype: str,
+    ) -> None: ...
+
     def check_device(self, name: str, t: torch.Tensor) -> torch.device: ...
 
-    def cached_plan(self, m: int, n: int, k: int, dtype: str) -> Plan | None: ...
+    def cached_plan(
+        self, m: int, n: int, k: int, dtype: str, operation: str = "w4a4"
+    ) -> Plan | None: ...
 
     def gemm(self, qa: Nvfp4Tensor, qb: Nvfp4Tensor, out_dtype: torch.dtype,
              out: torch.Tensor | None = None) -> torch.Tensor: ...  # fmt: skip
@@ -207,17 +222,20 @@ def stream_capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-def is_warm(d: Runner, m: int, n: int, k: int, out_dtype: torch.dtype) -> bool:
-    """Whether a GEMM of this exact shape may run inside a CUDA graph capture."""
-    plan = d.cached_plan(m, n, k, checks.out_dtype_name(out_dtype))
+def is_warm(
+    d: Runner, m: int, n: int, k: int, out_dtype: torch.dtype, operation: str = "w4a4"
+) -> bool:
+    """Whether a GEMM of this exact problem may run inside a CUDA graph capture."""
+    plan = d.cached_plan(m, n, k, checks.out_dtype_name(out_dtype), operation)
     return plan is not None and plan.warm
 
 
 def not_warm(device_name: str, key: PlanKey, why: str) -> CaptureNotWarmError:
     """The error for a shape whose plan may not launch inside a capture (names the fix)."""
-    m, n, k, dtype = key
+    m, n, k, dtype, op = key
+    what = "GEMM" if op == "w4a4" else "W4A16 GEMM"
     return CaptureNotWarmError(
-        f"fp4_dispatch: GEMM M={m} N={n} K={k} out={dtype} on {device_name} reached a "
+        f"fp4_dispatch: {what} M={m} N={n} K={k} out={dtype} on {device_name} reached a "
         f"CUDA graph capture {why}. Inside a capture nothing is ranked, built, compiled, "
         "allocated or tuned, so the kernel must have run at this exact shape beforehand. "
         "Run the model once at this shape before capturing (torch.compile "
@@ -298,6 +316,50 @@ def _gemm_out_op(
 @_gemm_out_op.register_fake
 def _gemm_out_fake(a_data, a_scale, b_data, b_scale, alpha, out, dispatcher=DEFAULT):
     return None
+
+
+def _dense_impl(
+    did: int,
+    a: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    alpha: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """The W4A16 op's body: check the plain-tensor operands (the op is public), then run."""
+    a = checks.dense_activation("a", a)
+    b_data = checks.fp4_data("b_data", b_data)
+    m, n = a.shape[0], b_data.shape[0]
+    k = checks.k_dims(a.shape[1], b_data.shape[1] * 2, ("a", "b_data"))
+    dtype = checks.out_dtype_name(out.dtype)
+    if tuple(out.shape) != (m, n):
+        raise ValueError(f"out: expected shape {(m, n)}, got {tuple(out.shape)}")
+    if not b_data.is_contiguous():
+        raise ValueError("b_data: expected a contiguous [N, K/2] tensor")
+    d = get_dispatcher(did, a.device)
+    device = d.check_device("a", a)
+    checks.same_device(device, b_data=b_data, b_scale=b_scale, out=out)
+    sb = checks.swizzled_scale("b_scale", b_scale, n, k)
+    d.run_dense(a, b_data, sb, checks.alpha_tensor(alpha, device), out, dtype)
+
+
+@torch.library.custom_op("fp4_dispatch::gemm_w4a16", mutates_args=())
+def _gemm_w4a16_op(
+    a: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    alpha: torch.Tensor,
+    out_dtype: torch.dtype,
+    dispatcher: int = DEFAULT,
+) -> torch.Tensor:
+    out = torch.empty((a.shape[0], b_data.shape[0]), dtype=out_dtype, device=a.device)
+    _dense_impl(dispatcher, a, b_data, b_scale, alpha, out)
+    return out
+
+
+@_gemm_w4a16_op.register_fake
+def _gemm_w4a16_fake(a, b_data, b_scale, alpha, out_dtype, dispatcher=DEFAULT):
+    return a.new_empty((a.shape[0], b_data.shape[0]), dtype=out_dtype)
 
 
 def _quantize_eager(
@@ -400,6 +462,33 @@ def run(
     if out is None:
         out = torch.empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype, device=a_data.device)
     d.run_checked(a_data, a_scale, b_data, b_scale, alpha, out, dtype)
+    return out
+
+
+def run_w4a16(
+    dispatcher: Runner | None,
+    a: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    alpha: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """W4A16 ``alpha * a @ dequant(b).T`` (dense ``a``) on already checked operands.
+
+    Under torch.compile this is the ``fp4_dispatch::gemm_w4a16`` op; eagerly the plan
+    runs directly (same CUDA-graph rules as `run`). A caller's ``out`` is written
+    through a copy under torch.compile (the op returns a new tensor).
+    """
+    if torch.compiler.is_compiling():
+        did = DEFAULT if dispatcher is None else dispatcher.op_id
+        y = torch.ops.fp4_dispatch.gemm_w4a16(a, b_data, b_scale, alpha, out_dtype, did)
+        return y if out is None else out.copy_(y)
+    d = _resolve(dispatcher, a.device)
+    dtype = checks.out_dtype_name(out_dtype)
+    if out is None:
+        out = torch.empty((a.shape[0], b_data.shape[0]), dtype=out_dtype, device=a.device)
+    d.run_dense(a, b_data, b_scale, alpha, out, dtype)
     return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp4_dispatch import Dispatcher, quantize_nvfp4, reference_gemm
+from fp4_dispatch import Dispatcher, dequantize, quantize_nvfp4, reference_gemm
 
 FP4X2 = getattr(torch, "float4_e2m1fn_x2", None)
 
@@ -201,3 +201,41 @@ def test_bad_budget_and_device():
         Dispatcher(device="cpu", budget=0)
     with pytest.raises(ValueError, match="device: expected one of"):
         Dispatcher(device="sm999")
+
+
+# ---- W4A16: dense activations times an NVFP4 weight ----------------------------------------
+
+
+def test_w4a16_gemm_matches_float64_of_the_unrounded_activation(dispatcher):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 96, generator=g).to(torch.float16)
+    qb = quantize_nvfp4(torch.randn(40, 96, generator=g))
+    y = dispatcher.gemm(x, qb)
+    assert y.dtype == torch.float16 and y.shape == (9, 40)  # out dtype follows x
+    ref = x.double() @ dequantize(qb).double().T
+    assert float((y.double() - ref).norm() / ref.norm()) < 2e-3
+    out = torch.full((9, 40), float("nan"), dtype=torch.bfloat16)
+    assert dispatcher.gemm(x, qb, out_dtype=torch.bfloat16, out=out) is out
+    assert torch.isfinite(out).all()
+    # its own plan, and its own ranking: only backends that serve w4a16 compete
+    assert dispatcher.cached_plan(9, 40, 96, "float16", "w4a16") is not None
+    sl = dispatcher.candidates(9, 40, 96, operation="w4a16")
+    assert sl.candidates and all(
+        "w4a16" in dispatcher.registry.backends[c.backend].operations for c in sl.candidates
+    )
+    assert all(not c.tactic.swap_ab for c in sl.candidates)
+
+
+@pytest.mark.parametrize(
+    ("x", "exc", "text"),
+    [
+        (torch.randn(4, 96), TypeError, "bfloat16 or torch.float16"),
+        (torch.randn(4, 64).half(), ValueError, "K must match"),
+        (torch.randn(4, 2, 96).half(), ValueError, "2-D"),
+        (torch.randn(96, 4).half().t(), ValueError, "unit stride"),
+    ],
+)
+def test_w4a16_bad_activations_are_rejected(dispatcher, x, exc, text):
+    qb = quantize_nvfp4(torch.randn(40, 96))
+    with pytest.raises(exc, match=text):
+        dispatcher.gemm(x, qb)

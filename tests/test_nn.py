@@ -132,7 +132,7 @@ def test_explicit_dispatcher_is_the_one_that_runs():
     mod = Nvfp4Linear.from_linear(nn.Linear(64, 48), dispatcher=d)
     mod(torch.randn(6, 64, dtype=torch.float16))
     assert torch_ops.is_warm(d, 6, 48, 64, torch.float16)
-    assert (6, 48, 64, "float16") in d._plans
+    assert (6, 48, 64, "float16", "w4a4") in d._plans
 
 
 @pytest.mark.slow
@@ -189,3 +189,26 @@ def test_backward_raises_a_clear_error(layer):
     assert x.grad is None
     with torch.no_grad():
         assert not mod(x).requires_grad  # the usual inference call is untouched
+
+
+def test_weight_only_activations_keep_the_input_unrounded(layer):
+    """activations="bf16": W4A16 - only the weight is quantized."""
+    mod = Nvfp4Linear.from_linear(layer, activations="bf16")
+    assert mod.operation() == "w4a16" and "activations=bf16" in repr(mod)
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    y = mod(x)
+    ref = (
+        x.double() @ mod.dequantized_weight().double().T
+        + layer.bias.detach().to(torch.bfloat16).double()
+    )
+    assert rel(y, ref) < 2 * ROUND16  # no activation quantization error at all
+    w4a4 = Nvfp4Linear.from_linear(layer, activations="nvfp4")(x)
+    assert rel(w4a4, ref) > 10 * rel(y, ref)  # the W4A4 path does round x (tests can fail)
+
+
+def test_auto_activations_follow_the_device():
+    mod = Nvfp4Linear(64, 16)
+    assert mod.activations == "auto" and mod.operation("cpu") == "w4a4"
+    assert "activations=auto (cpu: w4a4)" in repr(mod)
+    with pytest.raises(ValueError, match="activations"):
+        Nvfp4Linear(64, 16, activations="fp8")

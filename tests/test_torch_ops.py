@@ -89,6 +89,17 @@ def test_ops_pass_opcheck(dispatcher, operands):
             torch.ops.fp4_dispatch.quantize.default,
             (torch.randn(8, 64).bfloat16(), torch.tensor(0.1)),
         ),
+        (
+            torch.ops.fp4_dispatch.gemm_w4a16.default,
+            (
+                torch.randn(8, 128).bfloat16(),
+                qb.data,
+                qb.scale,
+                qb.global_scale.reshape(1),
+                torch.bfloat16,
+                did,
+            ),
+        ),
     ]
     for op, args in cases:
         result = torch.library.opcheck(op, args, test_utils=OPCHECK_UTILS)
@@ -161,7 +172,7 @@ def test_torch_ops_gemm_traces_in_one_graph(operands):
     explained = torch._dynamo.explain(lambda a, b: torch_ops.gemm(d, a, b))(qa, qb)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
     assert "fp4_dispatch.gemm" in _op_targets(explained.graphs[0])
-    assert set(d._plans) == {(8, 64, 128, "bfloat16")}  # explain ran it: the op planned it
+    assert set(d._plans) == {(8, 64, 128, "bfloat16", "w4a4")}  # explain ran it: the op planned it
 
 
 @pytest.mark.slow
@@ -186,7 +197,7 @@ def test_module_calling_dispatcher_gemm_compiles_fullgraph(operands):
         got = compiled(x)
         assert got.shape == (m, 64)
         assert rel_err(got, reference_gemm(quantize_nvfp4(x), qb).relu()) < 5e-3
-    assert set(d._plans) == {(3, 64, 128, "bfloat16"), (17, 64, 128, "bfloat16")}
+    assert set(d._plans) == {(3, 64, 128, "bfloat16", "w4a4"), (17, 64, 128, "bfloat16", "w4a4")}
 
 
 # ---- CUDA-graph capture rules (simulated) ---------------------------------------------------
@@ -230,7 +241,7 @@ def test_capture_replays_the_warm_plan_only_for_the_exact_shape(operands, captur
     qa, qb = operands(8, 48, 64)
     eager = torch_ops.gemm(d, qa, qb)
     assert torch_ops.is_warm(d, 8, 48, 64, torch.bfloat16)
-    planned = d._plans[(8, 48, 64, "bfloat16")]
+    planned = d._plans[(8, 48, 64, "bfloat16", "w4a4")]
     assert planned.candidate == d.select(8, 48, 64)  # untuned bucket: the heuristic top-1
     _forbid_planning(monkeypatch, d)
     capturing(True)
@@ -248,7 +259,7 @@ def test_capture_after_the_plan_changed_raises(operands, capturing):
     d = Dispatcher(device="cpu")
     qa, qb = operands(8, 48, 64)
     torch_ops.gemm(d, qa, qb)
-    key = (8, 48, 64, "bfloat16")
+    key = (8, 48, 64, "bfloat16", "w4a4")
     cand, kernel = d._plans[key]
     d._plans[key] = Plan(key, cand, kernel)  # e.g. re-tuned: a new plan object, never run
     capturing(True)

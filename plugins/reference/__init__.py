@@ -35,6 +35,7 @@ class ReferenceBackend(Backend):
     version = __version__
     tactic_type = ReferenceTactic
     diversity_axes = ("compute_dtype",)
+    operations = ("w4a4", "w4a16")
 
     def supports(self, device: DeviceInfo) -> Support:
         if device.is_simulated:
@@ -72,9 +73,8 @@ class ReferenceBackend(Backend):
         from fp4_dispatch.backends import reference
 
         assert isinstance(tactic, ReferenceTactic)
-        return functools.partial(
-            reference.gemm, compute_dtype=tactic.compute_dtype, k_chunk=tactic.k_chunk
-        )
+        fn = reference.gemm_dense if problem.operation == "w4a16" else reference.gemm
+        return functools.partial(fn, compute_dtype=tactic.compute_dtype, k_chunk=tactic.k_chunk)
 
 
 @hookimpl
