@@ -77,6 +77,9 @@ class Dispatcher:
     ``budget`` is how many tactics a shortlist keeps. ``cache``: the tuning cache file
     (None = `fp4_dispatch.cache.default_path()`, i.e. ``FP4_DISPATCH_CACHE`` or the user
     cache dir; a path; a `TuningCache`; False = keep tuned winners in memory only).
+    ``verify_cache`` (default ``FP4_DISPATCH_VERIFY_CACHE``, on): run each cached winner
+    once on its first use in this process and ignore it (one warning) if its output is
+    not the reference's (`fp4_dispatch.winners`).
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class Dispatcher:
         budget: int = 32,
         sm_count: int | None = None,
         cache: str | os.PathLike[str] | TuningCache | bool | None = None,
+        verify_cache: bool | None = None,
     ) -> None:
         if not isinstance(budget, int) or budget < 1:
             raise ValueError(f"budget: expected a positive int, got {budget!r}")
@@ -104,7 +108,7 @@ class Dispatcher:
         self.op_id = torch_ops.dispatcher_id(self)
         self._kernels: dict[tuple, Kernel] = {}
         self._plans: dict[tuple[int, int, int, str], tuple[Candidate, Kernel]] = {}
-        self.winners = TunedWinners(self, _tuning_cache(cache))
+        self.winners = TunedWinners(self, _tuning_cache(cache), verify_cache)
         self._untuned_logged: set[BucketKey] = set()
         self._autotune_depth = 0
         self._autotuned: set[BucketKey] = set()

@@ -7,8 +7,14 @@ graphs and a cold L2 (3648), and different winners in different processes from n
 
 1. **Build** through `Dispatcher.kernel_for` (the same cache `gemm` uses). A build that
    raises times as infinity and is reported (tactic, error); tuning goes on.
-2. **Warm-up**: one launch and a synchronize (triggers JIT; a raising or faulting
-   launch is reported like a failed build).
+2. **Warm-up and check**: ``out`` is filled with NaN, one launch and a synchronize
+   (triggers JIT; a raising or faulting launch is reported like a failed build), then
+   the output is compared with the float64 reference ``alpha * dequant(A) @
+   dequant(B).T`` of the same inputs (`check_output`). A wrong result (relative
+   Frobenius error over `CHECK_RTOL`, any NaN/inf, an element left unwritten) is a
+   failure (method ``wrong``, time infinity, ``error`` says why): a fast kernel that
+   writes zeros, ignores ``out``'s strides on a swapped tactic or misses a tail tile
+   is never adopted. Each candidate is checked once per bucket it is tuned for.
 3. **Timing** by a timer (injectable, see `Timer`):
 
    - CUDA (`CudaTimer`): a delay kernel (``torch.cuda._sleep``) is queued first so the
@@ -55,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from .backend import GemmOperands
+from .backend import GemmOperands, Kernel
 from .device import DeviceInfo
 from .ranking import Candidate, m_bucket
 from .tactics import Problem
@@ -80,6 +86,19 @@ COPY_MEMORY_CAP = 4 << 30
 _BASE_ROWS = 1024
 
 OUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: Relative Frobenius error ``||out - ref|| / ||ref||`` a correct kernel stays under.
+#: Why 1e-2: rounding the output to bf16 costs up to 2^-9 relative per element (RMS
+#: about 1.1e-3; fp16 8x less), and float32 accumulation in another order or split-K
+#: adds ~1e-6 sqrt(K). 1e-2 leaves ~9x headroom for that, yet every fault the check is
+#: for (zeros, NaN, a transposed or half-written output, wrong scales) gives ~1.
+CHECK_RTOL = 1e-2
+#: problems up to this many multiply-adds (M*N*K) are checked in full; larger ones on
+#: a sample of rows and columns (`check_indices`): float64 on the device, ~2 GFLOP max
+CHECK_FULL_MACS = 1 << 31
+#: rows (and columns) a sampled check always covers at each end: the first tile and
+#: the last (tail) tiles, whatever the tile size (every tactic's tile is <= 256)
+CHECK_HEAD, CHECK_TAIL, CHECK_INTERIOR = 128, 256, 128
 
 Launch = Callable[[int], None]
 """``launch(i)`` runs the candidate once on input copy ``i % n_copies``."""
@@ -232,11 +251,106 @@ class TuneResult:
 
 @dataclass
 class Inputs:
-    """Rotating operand copies for one problem, and one output tensor."""
+    """Rotating operand copies for one problem, and one output tensor.
+
+    ``reference``: the float64 reference of ``copies[0]`` on the checked rows and
+    columns, computed once (`check_output`) and shared by every candidate.
+    """
 
     copies: list[GemmOperands]
     out: torch.Tensor
     bytes_per_copy: int
+    reference: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+# ---- checking results -----------------------------------------------------------------
+
+
+def check_indices(m: int, n: int, k: int, device: torch.device, seed: int = 0):
+    """(rows, cols) the check compares: all of them for small problems, else the first
+    `CHECK_HEAD`, the last `CHECK_TAIL` and `CHECK_INTERIOR` seeded random others of each
+    (so a missed tail tile or an unwritten edge is always seen)."""
+
+    def pick(size: int, salt: int) -> torch.Tensor:
+        if m * n * k <= CHECK_FULL_MACS or size <= CHECK_HEAD + CHECK_TAIL + CHECK_INTERIOR:
+            return torch.arange(size, device=device)
+        gen = torch.Generator().manual_seed(seed + salt)
+        inner = torch.randperm(size - CHECK_HEAD - CHECK_TAIL, generator=gen)[:CHECK_INTERIOR]
+        idx = torch.cat([torch.arange(CHECK_HEAD), CHECK_HEAD + inner.sort().values,
+                         torch.arange(size - CHECK_TAIL, size)])  # fmt: skip
+        return idx.to(device)
+
+    return pick(m, 0), pick(n, 1)
+
+
+def _dequant_rows(data: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, k: int):
+    """float64 ``dequant`` of the selected rows of one operand (swizzled scales)."""
+    from .nvfp4 import BLOCK_SIZE, e2m1_to_float, unpack_e2m1, unswizzle_scales
+
+    total = data.shape[0]
+    vals = e2m1_to_float(unpack_e2m1(data.index_select(0, rows))).to(torch.float64)
+    lin = unswizzle_scales(scale, total, k).index_select(0, rows).to(torch.float64)
+    return (vals.reshape(len(rows), k // BLOCK_SIZE, BLOCK_SIZE) * lin.unsqueeze(-1)).reshape(
+        len(rows), k
+    )
+
+
+def reference_output(operands: GemmOperands, rows: torch.Tensor, cols: torch.Tensor):
+    """``alpha * dequant(a)[rows] @ dequant(b)[cols].T`` in float64 (the operands' device)."""
+    k = operands.k
+    a = _dequant_rows(operands.a_data, operands.a_scale, rows, k)
+    b = _dequant_rows(operands.b_data, operands.b_scale, cols, k)
+    return (a @ b.T) * operands.alpha.to(torch.float64).reshape(())
+
+
+def check_output(out: torch.Tensor, inputs: Inputs, seed: int = 0) -> str | None:
+    """Why `out` is not the result of ``inputs.copies[0]`` (None when it is).
+
+    The caller filled `out` with NaN before the launch, so an element the kernel left
+    unwritten reads as NaN and fails like a computed NaN.
+    """
+    if inputs.reference is None:
+        ops = inputs.copies[0]
+        rows, cols = check_indices(ops.m, ops.n, ops.k, ops.a_data.device, seed)
+        inputs.reference = (rows, cols, reference_output(ops, rows, cols))
+    rows, cols, ref = inputs.reference
+    got = out.index_select(0, rows).index_select(1, cols).to(torch.float64)
+    bad = (~torch.isfinite(got)).sum().item()
+    if bad:
+        return f"{bad} of {got.numel()} checked output elements are NaN/inf (or unwritten)"
+    norm = torch.linalg.vector_norm(ref).item()
+    err = torch.linalg.vector_norm(got - ref).item() / (norm if norm > 0 else 1.0)
+    if not err <= CHECK_RTOL:
+        return (
+            f"relative error {err:.3g} against the float64 reference exceeds {CHECK_RTOL:g} "
+            f"(checked {got.shape[0]}x{got.shape[1]} of {out.shape[0]}x{out.shape[1]})"
+        )
+    return None
+
+
+def verify_candidate(
+    cand: Candidate,
+    kernel_for: Callable[[Candidate, Problem], Kernel],
+    problem: Problem,
+    device: DeviceInfo,
+    seed: int = 0,
+) -> str | None:
+    """Build `cand` for `problem`, run it once on random inputs and check the result.
+
+    Returns why it is wrong (build or run errors included), None when it is right. This
+    is the check a cached winner gets on its first use in a process.
+    """
+    from .dispatcher import launch as run_kernel
+
+    try:
+        kernel = kernel_for(cand, problem)
+        inputs = make_inputs(problem, device, seed, copies=1)
+        inputs.out.fill_(math.nan)
+        run_kernel(cand, kernel, inputs.copies[0], inputs.out)
+        _sync(device)
+    except Exception as exc:  # a plugin's build or kernel failing: the answer is "wrong"
+        return f"{type(exc).__name__}: {exc}"
+    return check_output(inputs.out, inputs, seed)
 
 
 def _random_operand(rows: int, k: int, device: torch.device, gen: torch.Generator):
@@ -483,8 +597,16 @@ class Tuner:
             run_kernel(cand, kernel, copies[i % n], out)
 
         try:
+            out.fill_(math.nan)  # an element the kernel does not write stays NaN
             launch(0)
             _sync(self.device)
+        except Exception as exc:  # a tactic that fails to run is timed as inf, reported
+            return self._failed(cand, "run", exc, name)
+        why = check_output(out, inputs, self.seed)
+        if why is not None:
+            log.warning("tuning: %s gives a wrong result, never adopted: %s", name, why)
+            return Measurement(cand, math.inf, "wrong", error=f"wrong result: {why}")
+        try:
             timing = self.timer(cand, launch, best)
             _sync(self.device)
         except Exception as exc:  # a tactic that fails to run is timed as inf, reported

@@ -1,15 +1,35 @@
 """Tuned winners of one dispatcher: measured in this process, or read from the tuning
-cache and re-validated against the installed backends before first use."""
+cache and re-validated against the installed backends before first use.
+
+A cached entry is used only when (in this order) it was measured in this environment
+(`environment`: library, torch, Triton, CuTe-DSL and cutlass-operators versions, CUDA
+driver, GPU name and SM count; any difference makes it stale), its backend is loaded,
+available and of the measured version, its tactic still parses and validates, and -
+on its first use in a process - its kernel's output matches the float64 reference on
+random inputs (`fp4_dispatch.tuning.verify_candidate`; opt out with
+``Dispatcher(verify_cache=False)`` or ``FP4_DISPATCH_VERIFY_CACHE=0``). A stale or wrong
+entry is ignored with one warning naming the cache file (the bucket runs untuned, or is
+re-tuned under ``autotuning()``). Entries written before the environment was recorded
+have no ``env`` field: they are treated as stale ("no environment record"), never
+migrated, because nothing says which versions measured them.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import importlib.metadata
 import logging
-from typing import TYPE_CHECKING
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import tuning
-from .cache import TuningCache
+from .cache import CacheReadOnlyError, ImportReport, TuningCache
+from .device import DeviceInfo
 from .ranking import Candidate, m_bucket
 from .tactics import Problem
 
@@ -21,13 +41,80 @@ log = logging.getLogger(__name__)
 #: (N, K, M bucket, out dtype): the unit a tuned winner covers
 BucketKey = tuple[int, int, int, str]
 
+ENV_VERIFY = "FP4_DISPATCH_VERIFY_CACHE"
+#: distribution name -> environment field: the packages whose version decides a
+#: kernel's speed (code generators and the library's own kernels)
+_PACKAGES = {
+    "fp4-dispatch": "fp4_dispatch",
+    "torch": "torch",
+    "triton": "triton",
+    "nvidia-cutlass-dsl": "cutlass_dsl",
+    "nvidia-cutlass-operators": "cutlass_operators",
+}
+
+
+def verify_default() -> bool:
+    """``FP4_DISPATCH_VERIFY_CACHE`` (default on; 0/false/no/off turn it off)."""
+    return os.environ.get(ENV_VERIFY, "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_driver_version() -> str | None:
+    """The CUDA driver's version (``cuDriverGetVersion``, e.g. "12.4"), None without one.
+
+    Read from libcuda directly: torch reports the runtime it was built with, not the
+    driver, and the driver's JIT and scheduling change kernel speed."""
+    name = ctypes.util.find_library("cuda") or "libcuda.so.1"
+    try:
+        lib = ctypes.CDLL(name)
+        value = ctypes.c_int(0)
+        if lib.cuDriverGetVersion(ctypes.byref(value)) != 0:
+            return None
+    except (OSError, AttributeError) as exc:  # no driver on this machine
+        log.debug("no CUDA driver (%s): %r", name, exc)
+        return None
+    return f"{value.value // 1000}.{value.value % 1000 // 10}"
+
+
+def environment(device: DeviceInfo) -> dict[str, Any]:
+    """What decides a kernel's speed besides its tactic: recorded in every cache entry."""
+    env: dict[str, Any] = {field: _version(dist) for dist, field in _PACKAGES.items()}
+    env["cuda_driver"] = cuda_driver_version() if device.kind == "cuda" else None
+    env["gpu"] = device.name
+    env["sm_count"] = device.sm_count
+    return env
+
+
+def environment_mismatch(recorded: object, current: Mapping[str, Any]) -> str | None:
+    """Why an entry's recorded environment is not this one (None when it is)."""
+    if not isinstance(recorded, Mapping):
+        return ("entry has no environment record (written by an older fp4-dispatch); "
+                "re-tune to use it")  # fmt: skip
+    diffs = [
+        f"{key} {recorded.get(key)!r} -> {current.get(key)!r}"
+        for key in sorted(set(recorded) | set(current))
+        if recorded.get(key) != current.get(key)
+    ]
+    return f"measured in another environment: {', '.join(diffs)}" if diffs else None
+
 
 class TunedWinners:
     """Bucket -> valid tuned winner, backed by a `TuningCache` (None: memory only)."""
 
-    def __init__(self, dispatcher: Dispatcher, cache: TuningCache | None) -> None:
+    def __init__(
+        self, dispatcher: Dispatcher, cache: TuningCache | None, verify: bool | None = None
+    ) -> None:
         self._d = dispatcher
         self.cache = cache
+        #: check a cached winner's output on its first use in this process
+        self.verify = verify_default() if verify is None else verify
         self._winners: dict[BucketKey, Candidate | None] = {}  # None: looked up, none usable
         self._entries: dict[BucketKey, dict] | None = None
         self.results: dict[BucketKey, tuning.TuneResult] = {}
@@ -55,13 +142,62 @@ class TunedWinners:
         cand = None
         entry = self.entries().get(bkey)
         if entry is not None:
+            if self.verify and self._d._capturing():  # cannot run a check inside capture
+                log.info("bucket N=%d K=%d M<=%d %s: cached winner not verified yet "
+                         "(CUDA-graph capture); heuristic used", *bkey)  # fmt: skip
+                return None
             try:
-                cand = tuning.candidate_from_entry(entry, self._d)
+                cand = self.validate(entry)
+                if self.verify:
+                    self._verify(cand, bkey)
             except tuning.StaleEntry as exc:
+                cand = None
                 log.warning("tuning cache %s: ignoring stale entry for N=%d K=%d M<=%d %s: %s",
                             self.cache.path if self.cache else "-", *bkey, exc)  # fmt: skip
         self._winners[bkey] = cand
         return cand
+
+    def validate(self, entry: Mapping[str, Any]) -> Candidate:
+        """The entry's candidate if it is usable here; raises `tuning.StaleEntry`.
+
+        Environment first (`environment_mismatch`), then backend, version and tactic
+        (`tuning.candidate_from_entry`)."""
+        why = environment_mismatch(entry.get("env"), environment(self._d.device))
+        if why is not None:
+            raise tuning.StaleEntry(why)
+        return tuning.candidate_from_entry(dict(entry), self._d)
+
+    def _verify(self, cand: Candidate, bkey: BucketKey) -> None:
+        """Run a cached winner once and compare with the reference; StaleEntry if wrong."""
+        n, k, bucket, dtype = bkey
+        problem = Problem(m=bucket, n=n, k=k, out_dtype=dtype)
+        why = tuning.verify_candidate(cand, self._d.kernel_for, problem, self._d.device)
+        if why is not None:
+            raise tuning.StaleEntry(f"cached winner {cand.backend} gives a wrong result: {why}")
+
+    def import_from(self, path: str | os.PathLike[str], *, replace: bool = False) -> ImportReport:
+        """Merge another machine's cache file into this one (``cache import``).
+
+        An entry is taken when it is for this device, usable here (`validate`: same
+        environment, backend, version, valid tactic) and its bucket has no entry yet
+        (unless ``replace``). Raises like `TuningCache.import_from`."""
+        if self.cache is None:
+            raise ValueError("cache: this dispatcher keeps winners in memory only (cache=False)")
+        here = self._d.device_fingerprint
+
+        def accept(entry: dict[str, Any]) -> str | None:
+            if entry["device"] != here:
+                return f"tuned on {entry['device']}, this device is {here}"
+            try:
+                self.validate(entry)
+            except tuning.StaleEntry as exc:
+                return str(exc)
+            return None
+
+        report = self.cache.import_from(path, accept, replace=replace)
+        self._entries = None  # read the merged file on next use
+        self._winners = {b: c for b, c in self._winners.items() if b in self.results}
+        return report
 
     def pick(self, m: int, n: int, k: int, dtype: str) -> Candidate | None:
         """The bucket's winner if it is also valid at this exact M (else None)."""
@@ -95,6 +231,7 @@ class TunedWinners:
 
         d = self._d
         entry = tuning.to_entry(result, d, __version__)
+        entry["env"] = environment(d.device)
         self.entries()[bkey] = entry
         metadata = {
             "library": "fp4-dispatch",
@@ -112,6 +249,9 @@ class TunedWinners:
         }
         try:
             self.cache.put([entry], metadata)
+        except CacheReadOnlyError as exc:  # the cache warned once when it read the file
+            log.info("tuning cache %s: not saved (%s); winner kept in memory", self.cache.path,
+                     exc)  # fmt: skip
         except (OSError, TimeoutError) as exc:  # the winner is still used in this process
             log.warning("tuning cache %s: could not save (%s); winner kept in memory only",
                         self.cache.path, exc)  # fmt: skip

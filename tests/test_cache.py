@@ -118,7 +118,7 @@ BAD_FILES = {
     "garbage": lambda good: "\x00\x01not json at all",
     "truncated": lambda good: good[: len(good) // 2],
     "empty": lambda good: "",
-    "wrong-version": lambda good: json.dumps({**json.loads(good), "format_version": 99}),
+    "older-version": lambda good: json.dumps({**json.loads(good), "format_version": 0}),
     "foreign": lambda good: json.dumps({"format": "someone-else", "entries": []}),
     "not-an-object": lambda good: "[1, 2, 3]",
     "entries-not-list": lambda good: json.dumps({**json.loads(good), "entries": {}}),
