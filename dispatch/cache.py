@@ -21,17 +21,18 @@ One file may hold several devices: an entry's key is (``device`` fingerprint, ``
 SM count are in ``metadata.devices``. An entry also holds ``backend``,
 ``backend_version``, ``family``, ``tactic`` (the tactic as JSON, with its ``backend``
 discriminator), ``us`` (measured), ``est_us``, ``runner_up``, ``timestamp`` and
-whatever else the tuner records; the cache only checks the key and required fields.
+whatever else the tuner records (``env``: the environment it was measured in, see
+`fp4_dispatch.winners`); the cache only checks the key and required fields.
 
 A file that is not JSON, is truncated, or has another ``format`` (or an older or
 non-integer ``format_version``) is moved aside to ``<path>.corrupt-<timestamp>`` with a
 warning and rebuilt. A file of a NEWER format version (written by a newer fp4-dispatch)
 is never moved aside nor overwritten: the entries this version understands are read,
 the file is used read-only (one warning), and writes raise `CacheReadOnlyError` (the
-dispatcher keeps its winners in memory). Single malformed entries are dropped with a
-warning. Whether an entry is still *usable* (backend present, version, tactic valid,
-same environment) is the winner store's question (`fp4_dispatch.winners`), not the
-file's.
+dispatcher keeps its winners in memory). Single malformed entries are not used (one
+warning each) but are written back unchanged by the next write. Whether an entry is
+still *usable* (backend present, version, tactic valid, same environment) is the winner
+store's question (`fp4_dispatch.winners`), not the file's.
 
 **Writes follow symlinks**: the lock and the temporary file sit next to the link's
 final target (``os.path.realpath``), and the target is replaced, so a cache shared
@@ -173,13 +174,17 @@ class CacheData:
     read_only: str = ""
     #: why each malformed entry was dropped while parsing
     dropped: list[str] = field(default_factory=list)
+    #: the malformed entries themselves: not used, but written back unchanged, so a
+    #: rewrite never loses what another version (or a hand edit) put in the file
+    unparsed: list[Any] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
+        ordered = [self.entries[k] for k in sorted(self.entries, key=_sort_key)]
         return {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "metadata": self.metadata,
-            "entries": [self.entries[k] for k in sorted(self.entries, key=_sort_key)],
+            "entries": ordered + self.unparsed,
         }
 
 
@@ -224,7 +229,9 @@ def parse(text: str, source: str = "<text>") -> CacheData:
         if why is not None:
             dropped += 1
             data.dropped.append(f"entry {i} malformed: {why}")
-            log.warning("tuning cache %s: entry %d dropped: %s", source, i, why)
+            data.unparsed.append(entry)
+            log.warning("tuning cache %s: entry %d dropped from use (kept in the file): %s",
+                        source, i, why)  # fmt: skip
             continue
         data.entries[entry_key(entry)] = entry
     return data
