@@ -216,3 +216,54 @@ def test_cli_cache_show_path_clear(capsys, monkeypatch, tmp_path):
     assert main(["cache", "clear"]) == 0
     assert "2 entries" in capsys.readouterr().out
     assert not path.exists()
+
+
+# ---- export / import (file level) ---------------------------------------------------------
+
+
+def test_export_all_or_one_device(tmp_path):
+    src = TuningCache(tmp_path / "src.json")
+    devices = {"dev|9.0|132": {"name": "A"}, "other|10.0|148": {"name": "B"}}
+    src.put([entry(0), entry(1), entry(2, device="other|10.0|148")], {"devices": devices})
+    assert src.export_to(tmp_path / "all.json") == 3
+    assert src.export_to(tmp_path / "one.json", device="other|10.0|148") == 1
+    one = TuningCache(tmp_path / "one.json").load()
+    assert [k[0] for k in one.entries] == ["other|10.0|148"]
+    assert set(one.metadata["devices"]) == {"other|10.0|148"}
+    assert len(TuningCache(tmp_path / "all.json").entries()) == 3
+    assert not list(tmp_path.glob(".*.tmp"))  # written through a temp file, renamed
+
+
+def test_import_merges_and_never_loses_an_entry(tmp_path):
+    mine = TuningCache(tmp_path / "mine.json")
+    mine.put([entry(0), entry(1, us=1.0)])
+    theirs = TuningCache(tmp_path / "theirs.json")
+    theirs.put([entry(1, us=99.0), entry(2), entry(3)])
+    raw = json.loads(theirs.path.read_text())
+    raw["entries"].append({"device": "x"})  # malformed: reported, not taken
+    theirs.path.write_text(json.dumps(raw))
+
+    report = mine.import_from(theirs.path, lambda e: "no thanks" if e["m_bucket"] == 8 else None)
+    assert [e["m_bucket"] for e in report.taken] == [4]
+    reasons = sorted(why for _, why in report.skipped)
+    assert any("already has an entry" in r for r in reasons)
+    assert "no thanks" in reasons and any("malformed" in r for r in reasons)
+    got = {e["m_bucket"]: e["us"] for e in mine.entries()}
+    assert got == {1: 10.0, 2: 1.0, 4: 12.0}  # existing M<=2 kept at 1.0 us
+    assert json.dumps(report.to_json())  # serialisable for --json
+
+    again = mine.import_from(theirs.path, replace=True)
+    assert {e["m_bucket"] for e in again.taken} == {2, 4, 8}
+    assert {e["m_bucket"]: e["us"] for e in mine.entries()}[2] == 99.0
+
+
+@pytest.mark.parametrize("kind", ["garbage", "foreign", "truncated"])
+def test_import_of_a_bad_file_raises_and_writes_nothing(tmp_path, kind):
+    mine = TuningCache(tmp_path / "mine.json")
+    mine.put([entry(0)])
+    before = mine.path.read_bytes()
+    bad = tmp_path / "bad.json"
+    bad.write_text(BAD_FILES[kind](before.decode()))
+    with pytest.raises(cache_mod.CacheFormatError, match=r"bad\.json"):
+        mine.import_from(bad)
+    assert mine.path.read_bytes() == before and bad.exists()

@@ -794,3 +794,56 @@ def test_an_entry_of_another_environment_is_stale(make_dispatcher, tmp_path, cap
         assert d.select(M, N, K).reason == "heuristic top-1"
         d.select(M, N, K)
     assert caplog.text.count("ignoring stale entry") == 1 and why in caplog.text
+
+
+# ---- caches that travel -------------------------------------------------------------------
+
+
+def test_fleet_workflow_tune_export_import(make_dispatcher, tmp_path, monkeypatch, capsys):
+    """Tune on one machine, export, import on another with a cache of its own."""
+    from fp4_dispatch.cli import main
+
+    tuned = tmp_path / "tuned.json"
+    d = make_dispatcher(cache=tuned)
+    d.tune([(M, N, K), (1, N, K)], timer=FakeTimer({("fake-b", 64, 32): 5.0}), progress=False)
+    foreign = dict(TuningCache(tuned).entries()[0], device="Other GPU|10.0|148")
+    stale = dict(TuningCache(tuned).entries()[0], m_bucket=512)
+    stale["env"] = {**stale["env"], "triton": "0.0.1"}
+    gone = dict(TuningCache(tuned).entries()[0], m_bucket=1024, backend="gone")
+    TuningCache(tuned).put([foreign, stale, gone])
+
+    monkeypatch.setenv("FP4_DISPATCH_CACHE", str(tuned))
+    assert main(["cache", "export", str(tmp_path / "fleet.json"), "--device", "cpu"]) == 0
+    assert "exported 4 entries" in capsys.readouterr().out  # not the other GPU's
+
+    other = tmp_path / "other-machine.json"
+    mine = dict(TuningCache(tuned).entries()[0], n=512, us=1.5)  # a bucket only it has
+    TuningCache(other).put([mine])
+    monkeypatch.setenv("FP4_DISPATCH_CACHE", str(other))
+    assert main(["cache", "import", str(tmp_path / "fleet.json"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["taken"]) == 2 and len(report["skipped"]) == 2
+    why = " ".join(s["reason"] for s in report["skipped"])
+    assert "another environment" in why and "not installed" in why
+    assert len(TuningCache(other).entries()) == 3  # its own entry kept
+    d2 = make_dispatcher(cache=other)
+    assert d2.select(M, N, K).tactic == FakeBTactic(tile_m=64, tile_n=32)
+
+    assert main(["cache", "import", str(tmp_path / "fleet.json")]) == 0  # table; again
+    text = capsys.readouterr().out
+    assert "0 taken, 4 skipped" in text and "already has an entry" in text
+
+    monkeypatch.setenv("FP4_DISPATCH_CACHE", str(tuned))
+    assert main(["cache", "import", str(tmp_path / "fleet.json"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["taken"] == []  # importing its own export changes nothing
+
+
+def test_import_skips_other_devices(make_dispatcher, tmp_path):
+    src = tmp_path / "src.json"
+    make_dispatcher(cache=src).tune([(M, N, K)], timer=FakeTimer({}), progress=False)
+    e = dict(TuningCache(src).entries()[0], device="NVIDIA H200|9.0|132")
+    TuningCache(tmp_path / "gpu.json").put([e])
+    d = make_dispatcher(cache=tmp_path / "dst.json")
+    report = d.winners.import_from(tmp_path / "gpu.json")
+    assert report.taken == [] and "tuned on NVIDIA H200|9.0|132" in report.skipped[0][1]
