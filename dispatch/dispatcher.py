@@ -222,7 +222,7 @@ class Dispatcher:
             raise ValueError(
                 f"out_dtype: expected one of {sorted(_tuning.OUT_DTYPES)}, got {out_dtype!r}"
             )
-        tuner = _tuning.Tuner(self, timer=timer, band=band)
+        tuner = _tuning.Tuner(self.device, self.kernel_for, self.ranker, timer=timer, band=band)
         todo: list[Problem] = []
         results: dict[BucketKey, _tuning.TuneResult] = {}
         order: list[BucketKey] = []
@@ -232,13 +232,9 @@ class Dispatcher:
             if bkey in order:
                 continue
             order.append(bkey)
-            cached = None if force else self.winners.bucket(bkey)
-            entry = self.winners.entries().get(bkey)
-            if cached is not None and bkey in self.winners.results:
-                results[bkey] = self.winners.results[bkey]
-            elif cached is not None and entry is not None:
-                results[bkey] = _tuning.result_from_entry(entry, cached, self)
-                results[bkey].requested = (m, n, k)
+            hit = None if force else self.winners.cached_result(bkey, (m, n, k))
+            if hit is not None:
+                results[bkey] = hit
             else:
                 todo.append(Problem(m=m, n=n, k=k, out_dtype=out_dtype))
         shortlists = [

@@ -1,5 +1,8 @@
 """Measuring a shortlist on the device, and a winner that independent processes agree on.
 
+Tuning ends at a `TuneResult`; cache entries, adoption and re-validation belong to the
+winner store (`fp4_dispatch.winners`).
+
 Lessons from FlashInfer's autotuner (facts.md): 5+ minutes of warm-up for one model
 (issue 3295), a pick 11-12% slower than the default at M=1 before it measured with CUDA
 graphs and a cold L2 (3648), and different winners in different processes from noisy
@@ -50,7 +53,6 @@ processes whose measurements differ by noise pick the same tactic.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import statistics
@@ -63,7 +65,7 @@ import torch
 
 from .backend import GemmOperands, Kernel
 from .device import DeviceInfo
-from .ranking import Candidate, m_bucket
+from .ranking import Candidate, Ranker, m_bucket
 from .tactics import Problem
 
 if TYPE_CHECKING:
@@ -102,6 +104,9 @@ CHECK_HEAD, CHECK_TAIL, CHECK_INTERIOR = 128, 256, 128
 
 Launch = Callable[[int], None]
 """``launch(i)`` runs the candidate once on input copy ``i % n_copies``."""
+
+KernelFor = Callable[[Candidate, Problem], Kernel]
+"""``kernel_for(candidate, problem) -> kernel``: builds (once) what `gemm` would run."""
 
 
 @dataclass(frozen=True)
@@ -330,7 +335,7 @@ def check_output(out: torch.Tensor, inputs: Inputs, seed: int = 0) -> str | None
 
 def verify_candidate(
     cand: Candidate,
-    kernel_for: Callable[[Candidate, Problem], Kernel],
+    kernel_for: KernelFor,
     problem: Problem,
     device: DeviceInfo,
     seed: int = 0,
@@ -509,7 +514,13 @@ def _sync(device: DeviceInfo) -> None:
 
 
 class Tuner:
-    """Measures candidates of one `Dispatcher` and picks winners (module docstring).
+    """Measures candidates and picks winners (module docstring); it owns no cache entry.
+
+    It takes only what it needs: the `device`, a ``kernel_for`` build function (the
+    dispatcher's, so tuned kernels are the ones `gemm` reuses) and the `Ranker` that
+    gives a bucket's shortlist and heuristic pick. ``Tuner(dispatcher)`` takes those
+    three from a dispatcher and keeps no reference to it. Adopting and caching the
+    winner is the winner store's job (`fp4_dispatch.winners`).
 
     ``timer``: defaults to `CudaTimer` on CUDA devices and `WallClockTimer` elsewhere.
     ``band``: a fixed noise band instead of the measured one.
@@ -517,20 +528,27 @@ class Tuner:
 
     def __init__(
         self,
-        dispatcher: Dispatcher,
+        device: DeviceInfo | Dispatcher,
+        kernel_for: KernelFor | None = None,
+        ranker: Ranker | None = None,
         *,
         timer: Timer | None = None,
         band: float | None = None,
         noise_floor: float = NOISE_FLOOR,
         seed: int = 0,
     ) -> None:
-        if dispatcher.device.is_simulated:
+        if not isinstance(device, DeviceInfo):  # a Dispatcher: take its three parts
+            device, kernel_for, ranker = device.device, device.kernel_for, device.ranker
+        if kernel_for is None or ranker is None:
+            raise TypeError("kernel_for and ranker: required with a DeviceInfo, got None")
+        if device.is_simulated:
             raise RuntimeError(
-                f"{dispatcher.device.name} is simulated: tuning measures kernels, so it needs "
+                f"{device.name} is simulated: tuning measures kernels, so it needs "
                 "the real device (use Dispatcher() on it)"
             )
-        self.dispatcher = dispatcher
-        self.device = dispatcher.device
+        self.device = device
+        self.kernel_for = kernel_for
+        self.ranker = ranker
         self.timer = timer if timer is not None else default_timer(self.device)
         self.band = band
         self.noise_floor = noise_floor
@@ -587,7 +605,7 @@ class Tuner:
 
         name = f"{cand.backend} {cand.tactic.canonical_json()}"
         try:
-            kernel = self.dispatcher.kernel_for(cand, problem)
+            kernel = self.kernel_for(cand, problem)
         except Exception as exc:  # a tactic that fails to build is timed as inf, reported
             return self._failed(cand, "build", exc, name)
         copies, out = inputs.copies, inputs.out
@@ -630,8 +648,8 @@ class Tuner:
         t0 = time.perf_counter()
         bucket = problem.model_copy(update={"m": m_bucket(problem.m)})
         if shortlist is None:
-            shortlist = self.dispatcher.ranker.shortlist(bucket).candidates
-        heuristic = self.dispatcher.ranker.pick(bucket.m, bucket.n, bucket.k, bucket.out_dtype)
+            shortlist = self.ranker.shortlist(bucket).candidates
+        heuristic = self.ranker.pick(bucket.m, bucket.n, bucket.k, bucket.out_dtype)
         todo = list(shortlist)
         if not any(_same(c, heuristic) for c in todo):  # always measure the heuristic pick
             todo.append(heuristic)
@@ -665,123 +683,3 @@ def _same(a: Candidate, b: Candidate) -> bool:
 def _tuned_candidate(m: Measurement) -> Candidate:
     c = m.candidate
     return Candidate(c.backend, c.family, c.tactic, c.est_us, f"tuned ({m.us:.4g} us measured)")
-
-
-# ---- cache entries --------------------------------------------------------------------
-
-
-class StaleEntry(ValueError):
-    """A cached winner that this process cannot use (the message says why)."""
-
-
-def to_entry(result: TuneResult, dispatcher: Dispatcher, library_version: str) -> dict[str, Any]:
-    """The cache entry (see `fp4_dispatch.cache`) of a measured result with a winner."""
-    assert result.winner is not None
-    w = result.winner
-    backend = dispatcher.registry.backends[w.backend]
-    p = result.problem
-
-    def ref(c: Candidate | None, us: float) -> dict[str, Any] | None:
-        if c is None:
-            return None
-        return {"backend": c.backend, "tactic": c.tactic.model_dump(mode="json"),
-                "us": us if math.isfinite(us) else None}  # fmt: skip
-
-    heur = ref(result.heuristic, result.heuristic_us)
-    return {
-        "device": dispatcher.device_fingerprint,
-        "n": p.n,
-        "k": p.k,
-        "m_bucket": p.m,
-        "out_dtype": p.out_dtype,
-        "backend": w.backend,
-        "backend_version": backend.version,
-        "family": w.family,
-        "library_version": library_version,
-        "tactic": w.tactic.model_dump(mode="json"),
-        "us": result.winner_us,
-        "est_us": w.est_us,
-        "runner_up": ref(result.runner_up, result.runner_up_us),
-        "heuristic": heur,
-        "noise_band": result.noise_band,
-        "measured": len(result.measurements),
-        "failed": len(result.failures),
-        "method": next((m.method for m in result.measurements if _same(m.candidate, w)), "unknown"),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-
-
-def candidate_from_entry(entry: dict[str, Any], dispatcher: Dispatcher) -> Candidate:
-    """Re-validate a cached winner against this dispatcher; raise `StaleEntry` if unusable.
-
-    Checks: the backend is loaded and available on this device, its version is the one
-    that was measured, the tactic parses with the backend's ``tactic_type`` (and names
-    this backend), and ``backend.validate`` accepts it for the bucket's problem.
-    """
-    name = entry["backend"]
-    backend = dispatcher.registry.backends.get(name)
-    if backend is None:
-        raise StaleEntry(f"backend {name!r} is not installed (or its plugin failed to load)")
-    if backend not in dispatcher.available:
-        raise StaleEntry(f"backend {name!r} is not available on {dispatcher.device.name}")
-    if entry["backend_version"] != backend.version:
-        raise StaleEntry(
-            f"measured with {name} version {entry['backend_version']!r}, "
-            f"installed is {backend.version!r}"
-        )
-    try:
-        tactic = backend.tactic_type.model_validate_json(json.dumps(entry["tactic"]))
-    except Exception as exc:  # pydantic ValidationError, or a plugin's own error: stale
-        raise StaleEntry(f"tactic no longer parses for {name}: {exc}") from exc
-    if tactic.backend != name:
-        raise StaleEntry(f"tactic names backend {tactic.backend!r}, entry says {name!r}")
-    problem = Problem(m=entry["m_bucket"], n=entry["n"], k=entry["k"], out_dtype=entry["out_dtype"])
-    try:
-        why = backend.validate(tactic, problem, dispatcher.device)
-    except Exception as exc:  # a raising check counts as "not valid here"
-        why = f"validate() raised {type(exc).__name__}: {exc}"
-    if why is not None:
-        raise StaleEntry(f"tactic is no longer valid for {problem}: {why}")
-    est = entry.get("est_us")
-    if not isinstance(est, (int, float)) or isinstance(est, bool) or not math.isfinite(est):
-        from .ranking import estimate_us
-
-        est = estimate_us(problem, dispatcher.device, tactic)
-    return Candidate(
-        name, backend.family, tactic, float(est), f"tuned ({entry['us']:.4g} us measured)"
-    )
-
-
-def result_from_entry(
-    entry: dict[str, Any], winner: Candidate, dispatcher: Dispatcher
-) -> TuneResult:
-    """A `TuneResult` (source "cache") for a bucket that a valid cache entry covers."""
-    problem = Problem(m=entry["m_bucket"], n=entry["n"], k=entry["k"], out_dtype=entry["out_dtype"])
-    heuristic = dispatcher.ranker.pick(problem.m, problem.n, problem.k, problem.out_dtype)
-    heur_us = math.nan
-    h = entry.get("heuristic")
-    same_pick = (
-        isinstance(h, dict)
-        and h.get("backend") == heuristic.backend
-        and h.get("tactic") == heuristic.tactic.model_dump(mode="json")
-    )
-    if same_pick and isinstance(h.get("us"), (int, float)):
-        heur_us = float(h["us"])
-    ru = entry.get("runner_up")
-    ru_us = (
-        float(ru["us"])
-        if isinstance(ru, dict) and isinstance(ru.get("us"), (int, float))
-        else math.nan
-    )
-    band = entry.get("noise_band")
-    return TuneResult(
-        problem=problem,
-        source="cache",
-        winner=winner,
-        winner_us=float(entry["us"]),
-        heuristic=heuristic,
-        heuristic_us=heur_us,
-        runner_up=None,
-        runner_up_us=ru_us,
-        noise_band=float(band) if isinstance(band, (int, float)) else NOISE_FLOOR,
-    )

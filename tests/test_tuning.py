@@ -847,3 +847,38 @@ def test_import_skips_other_devices(make_dispatcher, tmp_path):
     d = make_dispatcher(cache=tmp_path / "dst.json")
     report = d.winners.import_from(tmp_path / "gpu.json")
     assert report.taken == [] and "tuned on NVIDIA H200|9.0|132" in report.skipped[0][1]
+
+
+# ---- one owner for cache entries ----------------------------------------------------------
+
+
+def test_cache_entry_model_is_lenient_and_keeps_unknown_fields():
+    from fp4_dispatch.winners import CacheEntry
+
+    old = {"device": "cpu|-|1", "n": 256, "k": 128, "m_bucket": 128, "out_dtype": "bfloat16",
+           "backend": "fake-a", "backend_version": "1", "tactic": {"backend": "fake-a"},
+           "us": 3, "runner_up": None, "heuristic": [1], "est_us": "fast", "timestamp": 7,
+           "from_the_future": {"x": 1}}  # fmt: skip
+    e = CacheEntry.model_validate(old)
+    assert e.bucket == (256, 128, 128, "bfloat16") and e.us == 3.0
+    assert e.heuristic is None and e.est_us is None and e.timestamp is None and e.env is None
+    out = e.to_json()
+    assert out["from_the_future"] == {"x": 1} and "heuristic" not in out
+    with pytest.raises(ValueError, match="n"):
+        CacheEntry.model_validate({**old, "n": "many"})
+
+
+def test_tuner_takes_parts_not_a_dispatcher(make_dispatcher):
+    d = make_dispatcher()
+    built = []
+
+    def kernel_for(cand, problem):
+        built.append(cand.tactic)
+        return d.kernel_for(cand, problem)
+
+    tuner = Tuner(d.device, kernel_for, d.ranker, timer=FakeTimer({("fake-a", 64, 64): 9.0}))
+    assert not hasattr(tuner, "dispatcher")
+    r = tuner.tune(Problem(m=M, n=N, k=K))
+    assert r.winner.tactic == FakeATactic(tile_m=64, tile_n=64) and len(built) == 16
+    with pytest.raises(TypeError, match="kernel_for and ranker"):
+        Tuner(d.device)
