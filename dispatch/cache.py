@@ -454,10 +454,10 @@ class TuningCache:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=TMP_SUFFIX, dir=target.parent)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
-                os.fchmod(f.fileno(), mode)
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
+            os.chmod(tmp, mode)  # mkstemp made it 0600; os.fchmod is POSIX-only
             os.replace(tmp, target)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):

@@ -3,7 +3,7 @@
 Tuning ends at a `TuneResult`; cache entries, adoption and re-validation belong to the
 winner store (`fp4_dispatch.winners`).
 
-Lessons from FlashInfer's autotuner (facts.md): 5+ minutes of warm-up for one model
+Lessons from FlashInfer's autotuner (its issue tracker): 5+ minutes of warm-up for one model
 (issue 3295), a pick 11-12% slower than the default at M=1 before it measured with CUDA
 graphs and a cold L2 (3648), and different winners in different processes from noisy
 "fastest" picks (4433). So, per tactic of the shortlist:
