@@ -267,3 +267,23 @@ def test_import_of_a_bad_file_raises_and_writes_nothing(tmp_path, kind):
     with pytest.raises(cache_mod.CacheFormatError, match=r"bad\.json"):
         mine.import_from(bad)
     assert mine.path.read_bytes() == before and bad.exists()
+
+
+def test_cli_show_marks_a_newer_file_read_only_and_shows_the_environment(
+    tmp_path, monkeypatch, capsys
+):
+    from fp4_dispatch.cli import main
+
+    path = tmp_path / "new.json"
+    monkeypatch.setenv("FP4_DISPATCH_CACHE", str(path))
+    env = {"torch": "2.13.0", "triton": "3.9.0", "cuda_driver": "12.8"}
+    TuningCache(path).put([entry(0, env=env), entry(1)])
+    raw = json.loads(path.read_text())
+    path.write_text(json.dumps({**raw, "format_version": FORMAT_VERSION + 1}))
+    before = path.read_bytes()
+    assert main(["cache", "show"]) == 0
+    text = capsys.readouterr().out
+    assert "read-only" in text and "newer fp4-dispatch" in text
+    assert "torch 2.13.0 triton 3.9.0 driver 12.8" in text and "(none recorded)" in text
+    assert main(["cache", "clear"]) == 1  # refused, reported, file kept
+    assert str(path) in capsys.readouterr().out and path.read_bytes() == before
