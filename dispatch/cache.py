@@ -21,12 +21,28 @@ One file may hold several devices: an entry's key is (``device`` fingerprint, ``
 SM count are in ``metadata.devices``. An entry also holds ``backend``,
 ``backend_version``, ``family``, ``tactic`` (the tactic as JSON, with its ``backend``
 discriminator), ``us`` (measured), ``est_us``, ``runner_up``, ``timestamp`` and
-whatever else the tuner records; the cache only checks the key and required fields.
+whatever else the tuner records (``env``: the environment it was measured in, see
+`fp4_dispatch.winners`); the cache only checks the key and required fields.
 
-A file that is not JSON, is truncated, or has another ``format``/``format_version`` is
-moved aside to ``<path>.corrupt-<timestamp>`` with a warning and rebuilt. Single
-malformed entries are dropped with a warning. Whether an entry is still *usable*
-(backend present, version, tactic valid) is the dispatcher's question, not the file's.
+A file that is not JSON, is truncated, or has another ``format`` (or an older or
+non-integer ``format_version``) is moved aside to ``<path>.corrupt-<timestamp>`` with a
+warning and rebuilt. A file of a NEWER format version (written by a newer fp4-dispatch)
+is never moved aside nor overwritten: the entries this version understands are read,
+the file is used read-only (one warning), and writes raise `CacheReadOnlyError` (the
+dispatcher keeps its winners in memory). Single malformed entries are not used (one
+warning each) but are written back unchanged by the next write. Whether an entry is
+still *usable* (backend present, version, tactic valid, same environment) is the winner
+store's question (`fp4_dispatch.winners`), not the file's.
+
+**Writes follow symlinks**: the lock and the temporary file sit next to the link's
+final target (``os.path.realpath``), and the target is replaced, so a cache shared
+through links stays shared and two links to one file share one lock. **The mode is
+kept**: a replaced file gets the old file's permission bits (a cache shared between
+users stays readable to them); a new file gets ``0o666 & ~umask`` like any file the
+user creates (not `tempfile.mkstemp`'s private 0600). **Killed writers**: a writer
+killed mid-write leaves ``.<name>.<random>.tmp``; every writer removes such files whose
+mtime predates its own lock acquisition (only the lock holder writes, so an older temp
+file belongs to a writer that no longer holds the lock, i.e. is dead).
 
 This module depends only on the standard library, `filelock` and `platformdirs`, so a
 process can use it without importing torch.
@@ -35,12 +51,14 @@ process can use it without importing torch.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging
 import os
+import stat
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,8 +70,13 @@ log = logging.getLogger(__name__)
 FORMAT = "fp4-dispatch-tuning"
 FORMAT_VERSION = 1
 ENV_PATH = "FP4_DISPATCH_CACHE"
-#: seconds a writer waits for the lock before giving up with an error
+#: seconds a writer waits for the lock before giving up with ``TimeoutError`` (a
+#: tuning write takes milliseconds; a minute means the holder is stuck). Read at each
+#: write, so ``FP4_DISPATCH_CACHE_LOCK_TIMEOUT`` or patching this changes it.
 LOCK_TIMEOUT_S = 60.0
+ENV_LOCK_TIMEOUT = "FP4_DISPATCH_CACHE_LOCK_TIMEOUT"
+#: temp files of this cache's writers: ``.<name>.<random>.tmp`` (see `TuningCache._write`)
+TMP_SUFFIX = ".tmp"
 
 KEY_FIELDS = ("device", "n", "k", "m_bucket", "out_dtype")
 #: field -> accepted types; an entry missing one (or of another type) is dropped
@@ -74,6 +97,38 @@ Key = tuple[str, int, int, int, str]
 
 class CacheFormatError(ValueError):
     """The file is not a tuning cache this version can read (corrupt, truncated, foreign)."""
+
+
+class CacheReadOnlyError(PermissionError):
+    """The file was written by a newer format version: this library never overwrites it."""
+
+
+#: (path, kind) pairs already warned about in this process: one warning per fault
+_warned: set[tuple[str, str]] = set()
+
+
+def warn_once(path: object, kind: str, message: str, *args: object) -> None:
+    """Log `message` as a warning the first time (path, kind) is seen in this process."""
+    key = (str(path), kind)
+    if key in _warned:
+        log.debug(message, *args)
+        return
+    _warned.add(key)
+    log.warning(message, *args)
+
+
+def lock_timeout() -> float:
+    """`LOCK_TIMEOUT_S`, or ``$FP4_DISPATCH_CACHE_LOCK_TIMEOUT`` (seconds) when set."""
+    raw = os.environ.get(ENV_LOCK_TIMEOUT, "").strip()
+    if not raw:
+        return LOCK_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        log.warning("%s=%r is not a number of seconds; using %s", ENV_LOCK_TIMEOUT, raw,
+                    LOCK_TIMEOUT_S)  # fmt: skip
+        return LOCK_TIMEOUT_S
+    return max(0.0, value)
 
 
 def default_path() -> Path:
@@ -115,13 +170,21 @@ class CacheData:
 
     metadata: dict[str, Any] = field(default_factory=dict)
     entries: dict[Key, dict[str, Any]] = field(default_factory=dict)
+    #: why this file must not be written (a newer format version), else ""
+    read_only: str = ""
+    #: why each malformed entry was dropped while parsing
+    dropped: list[str] = field(default_factory=list)
+    #: the malformed entries themselves: not used, but written back unchanged, so a
+    #: rewrite never loses what another version (or a hand edit) put in the file
+    unparsed: list[Any] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
+        ordered = [self.entries[k] for k in sorted(self.entries, key=_sort_key)]
         return {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "metadata": self.metadata,
-            "entries": [self.entries[k] for k in sorted(self.entries, key=_sort_key)],
+            "entries": ordered + self.unparsed,
         }
 
 
@@ -141,42 +204,85 @@ def parse(text: str, source: str = "<text>") -> CacheData:
         raise CacheFormatError(
             f"{source}: not an fp4-dispatch tuning cache ({raw.get('format')!r})"
         )
-    if raw.get("format_version") != FORMAT_VERSION:
+    version = raw.get("format_version")
+    newer = type(version) is int and version > FORMAT_VERSION
+    if version != FORMAT_VERSION and not newer:
         raise CacheFormatError(
             f"{source}: format version {raw.get('format_version')!r}, "
             f"this library reads version {FORMAT_VERSION}"
         )
     metadata, entries = raw.get("metadata"), raw.get("entries")
+    if newer:  # read what this version understands; never write it
+        metadata = metadata if isinstance(metadata, dict) else {}
+        entries = entries if isinstance(entries, list) else []
     if not isinstance(metadata, dict) or not isinstance(entries, list):
         raise CacheFormatError(f"{source}: 'metadata' must be an object and 'entries' a list")
     data = CacheData(metadata=metadata)
+    if newer:
+        data.read_only = (
+            f"{source}: written by a newer fp4-dispatch (format version {version}, this "
+            f"library writes {FORMAT_VERSION}); using it read-only"
+        )
     dropped = 0
     for i, entry in enumerate(entries):
         why = check_entry(entry)
         if why is not None:
             dropped += 1
-            log.warning("tuning cache %s: entry %d dropped: %s", source, i, why)
+            data.dropped.append(f"entry {i} malformed: {why}")
+            data.unparsed.append(entry)
+            log.warning("tuning cache %s: entry %d dropped from use (kept in the file): %s",
+                        source, i, why)  # fmt: skip
             continue
         data.entries[entry_key(entry)] = entry
     return data
 
 
+@dataclass
+class ImportReport:
+    """What `TuningCache.import_from` took and skipped (and why), by entry key."""
+
+    source: str
+    taken: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[tuple[dict[str, Any] | None, str]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        def key(e: dict[str, Any] | None) -> dict[str, Any] | None:
+            return None if e is None else {f: e.get(f) for f in (*KEY_FIELDS, "backend")}
+
+        return {
+            "source": self.source,
+            "taken": [key(e) for e in self.taken],
+            "skipped": [{"entry": key(e), "reason": why} for e, why in self.skipped],
+        }
+
+
+#: ``accept(entry) -> None`` (take it) or the reason to skip it
+Acceptor = Callable[[dict[str, Any]], "str | None"]
+
+
 class TuningCache:
     """A tuning cache file: read without a lock, merge-write under one.
 
-    `path` defaults to `default_path()` (resolved when the object is made).
+    `path` defaults to `default_path()` (resolved when the object is made). It may be a
+    symlink: reads follow it, writes lock and replace its final target.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self.path = Path(path).expanduser() if path is not None else default_path()
 
     @property
+    def target(self) -> Path:
+        """The file writes replace: `path` with every symlink resolved (may not exist)."""
+        return Path(os.path.realpath(self.path))
+
+    @property
     def lock_path(self) -> Path:
-        return self.path.with_name(self.path.name + ".lock")
+        t = self.target
+        return t.with_name(t.name + ".lock")
 
     def _lock(self) -> filelock.BaseFileLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        return filelock.FileLock(str(self.lock_path), timeout=LOCK_TIMEOUT_S)
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        return filelock.FileLock(str(self.lock_path), timeout=lock_timeout())
 
     # ---- reading ----------------------------------------------------------------------
 
@@ -188,22 +294,33 @@ class TuningCache:
             return CacheData()
         except UnicodeDecodeError as exc:
             raise CacheFormatError(f"{self.path}: not UTF-8 text: {exc}") from exc
-        return parse(text, str(self.path))
+        data = parse(text, str(self.path))
+        if data.read_only:
+            warn_once(self.path, "newer", "tuning cache %s", data.read_only)
+        return data
 
     def load(self) -> CacheData:
         """The file's content. A corrupt or foreign file is set aside (under the lock).
 
-        Raises OSError only when the file exists but cannot be read at all.
+        Raises OSError only when the file exists but cannot be read at all. When a bad
+        file cannot be set aside (read-only directory, lock held), it is left alone and
+        read as empty, with one warning.
         """
         try:
             return self._read()
-        except CacheFormatError:
-            with self._lock():
-                try:  # a writer may have replaced it meanwhile: look again under the lock
-                    return self._read()
-                except CacheFormatError as exc:
-                    self._set_aside(exc)
-                    return CacheData()
+        except CacheFormatError as first:
+            try:
+                with self._lock():
+                    try:  # a writer may have replaced it meanwhile: look again under the lock
+                        return self._read()
+                    except CacheFormatError as exc:
+                        self._set_aside(exc)
+                        return CacheData()
+            except (OSError, TimeoutError) as exc:  # cannot move it: leave it, run without
+                warn_once(self.path, "unreadable",
+                          "tuning cache %s: %s; cannot set it aside (%s); ignoring it",
+                          self.path, first, exc)  # fmt: skip
+                return CacheData()
 
     def entries(self, device: str | None = None) -> list[dict[str, Any]]:
         """Entries in key order, optionally only those of one device fingerprint."""
@@ -220,7 +337,9 @@ class TuningCache:
 
         `metadata` is merged one level deep (``devices`` and ``backends`` maps are
         merged key by key, other fields replaced). Returns the number of entries now in
-        the file. Raises ValueError for a malformed entry, before touching the file.
+        the file. Raises ValueError for a malformed entry, before touching the file;
+        `CacheReadOnlyError` for a file of a newer format version; TimeoutError when the
+        lock is not free within `lock_timeout()`; OSError when the file cannot be written.
         """
         new = [dict(e) for e in entries]
         for e in new:
@@ -228,58 +347,182 @@ class TuningCache:
             if why is not None:
                 raise ValueError(f"tuning cache entry is malformed: {why}: {e!r}")
         with self._lock():
-            try:
-                data = self._read()
-            except CacheFormatError as exc:
-                self._set_aside(exc)
-                data = CacheData()
+            data = self._read_for_write()
             for e in new:
                 data.entries[entry_key(e)] = e
             data.metadata = _merge_metadata(data.metadata, metadata or {})
             self._write(data)
             return len(data.entries)
 
+    def _read_for_write(self) -> CacheData:
+        """The file under the lock: a bad one set aside, a newer one refused."""
+        try:
+            data = self._read()
+        except CacheFormatError as exc:
+            self._set_aside(exc)
+            data = CacheData()
+        if data.read_only:
+            raise CacheReadOnlyError(data.read_only)
+        return data
+
     def clear(self) -> int:
-        """Remove the file; returns how many entries it held (0 if absent or unreadable)."""
+        """Remove the file; returns how many entries it held (0 if absent or unreadable).
+
+        A file of a newer format version is not removed (`CacheReadOnlyError`)."""
         with self._lock():
             try:
-                count = len(self._read().entries)
+                data = self._read()
             except CacheFormatError as exc:
                 log.warning("tuning cache %s was unreadable (%s); removing it", self.path, exc)
-                count = 0
+                data = CacheData()
+            if data.read_only:
+                raise CacheReadOnlyError(data.read_only)
             with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
-            return count
+                self.target.unlink()
+            return len(data.entries)
+
+    # ---- travelling -------------------------------------------------------------------
+
+    def export_to(self, path: str | os.PathLike[str], device: str | None = None) -> int:
+        """Write this cache's entries (only `device`'s fingerprint if given) to `path`.
+
+        The export is a cache file itself (same format), written atomically like every
+        write (lock, temp file, rename; an existing file at `path` is replaced). Returns
+        the number of entries exported.
+        """
+        data = self.load()
+        out = CacheData(metadata=dict(data.metadata))
+        out.entries = {k: e for k, e in data.entries.items() if device is None or k[0] == device}
+        devices = data.metadata.get("devices")
+        if device is not None and isinstance(devices, dict):
+            out.metadata["devices"] = {d: v for d, v in devices.items() if d == device}
+        dest = TuningCache(path)
+        with dest._lock():
+            dest._write(out)
+        return len(out.entries)
+
+    def import_from(
+        self,
+        path: str | os.PathLike[str],
+        accept: Acceptor | None = None,
+        *,
+        replace: bool = False,
+    ) -> ImportReport:
+        """Merge the entries of the cache file at `path` into this one.
+
+        Each entry is taken unless it is malformed, `accept` returns a reason to skip
+        it (the winner store checks backends and environment), or this cache already
+        has an entry with its key (kept, unless ``replace``): importing never loses an
+        entry of another key. Raises `CacheFormatError` for a corrupt or foreign file
+        (nothing is written), OSError/TimeoutError like `put`.
+        """
+        src = Path(path).expanduser()
+        try:
+            text = src.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise CacheFormatError(f"{src}: not UTF-8 text: {exc}") from exc
+        incoming = parse(text, str(src))
+        report = ImportReport(str(src))
+        report.skipped.extend((None, why) for why in incoming.dropped)
+        with self._lock():
+            data = self._read_for_write()
+            for key, e in incoming.entries.items():
+                why = accept(e) if accept is not None else None
+                if why is None and key in data.entries and not replace:
+                    why = "this cache already has an entry for the bucket (kept)"
+                if why is not None:
+                    report.skipped.append((e, why))
+                    continue
+                data.entries[key] = e
+                report.taken.append(e)
+            if report.taken:
+                data.metadata = _merge_metadata(data.metadata, _devices_of(incoming, report))
+                self._write(data)
+        return report
+
+    # ---- the file ---------------------------------------------------------------------
 
     def _write(self, data: CacheData) -> None:
-        """Temp file in the same directory, fsync, os.replace: readers never see half."""
+        """Temp file next to the target, same mode, fsync, os.replace (call under the lock).
+
+        Readers never see half a file; the target of a symlink is replaced, not the link.
+        """
+        target = self.target
+        self._remove_dead_temp_files(target)
         text = json.dumps(data.to_json(), indent=1, sort_keys=True)
-        fd, tmp = tempfile.mkstemp(
-            prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
-        )
+        mode = _mode_for(target)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=TMP_SUFFIX, dir=target.parent)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            os.chmod(tmp, mode)  # mkstemp made it 0600; os.fchmod is POSIX-only
+            os.replace(tmp, target)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
-        _fsync_dir(self.path.parent)
+        _fsync_dir(target.parent)
+
+    def _remove_dead_temp_files(self, target: Path) -> None:
+        """Remove ``.<name>.*.tmp`` files older than our lock: their writer is dead.
+
+        Only the lock holder writes temp files, and we hold the lock, so a temp file
+        modified before this call belongs to a writer killed mid-write (SIGKILL, power).
+        A one-second margin guards against coarse file-system timestamps.
+        """
+        now = time.time()
+        for tmp in target.parent.glob(f".{glob.escape(target.name)}.*{TMP_SUFFIX}"):
+            try:
+                if tmp.stat().st_mtime < now - 1.0:
+                    tmp.unlink()
+                    log.info("tuning cache %s: removed %s left by a killed writer", target, tmp)
+            except OSError as exc:  # gone meanwhile, or not ours to remove: say so, go on
+                log.debug("tuning cache %s: cannot remove %s: %r", target, tmp, exc)
 
     def _set_aside(self, exc: CacheFormatError) -> Path:
-        """Move an unreadable file to ``<path>.corrupt-<timestamp>`` (call under the lock)."""
+        """Move an unreadable file to ``<target>.corrupt-<timestamp>`` (under the lock)."""
+        target_file = self.target
         stamp = time.strftime("%Y%m%dT%H%M%S")
-        target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        target = target_file.with_name(f"{target_file.name}.corrupt-{stamp}")
         n = 1
         while target.exists():
-            target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}.{n}")
+            target = target_file.with_name(f"{target_file.name}.corrupt-{stamp}.{n}")
             n += 1
-        os.replace(self.path, target)
+        os.replace(target_file, target)
         log.warning("tuning cache: %s; moved it aside to %s and starting afresh", exc, target)
         return target
+
+
+def _devices_of(data: CacheData, report: ImportReport) -> dict[str, Any]:
+    """The ``devices`` metadata of the imported entries' fingerprints."""
+    devices = data.metadata.get("devices")
+    if not isinstance(devices, dict):
+        return {}
+    wanted = {e["device"] for e in report.taken}
+    return {"devices": {d: v for d, v in devices.items() if d in wanted}}
+
+
+def _umask() -> int:
+    """The process umask, read from /proc where possible (setting it is process-wide)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError) as exc:
+        log.debug("cannot read the umask from /proc: %r", exc)
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def _mode_for(target: Path) -> int:
+    """The permission bits a rewrite of `target` gets: its own, else ``0o666 & ~umask``."""
+    try:
+        return stat.S_IMODE(target.stat().st_mode)
+    except FileNotFoundError:
+        return 0o666 & ~_umask()
 
 
 def _merge_metadata(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:

@@ -78,6 +78,9 @@ class Dispatcher:
     ``budget`` is how many tactics a shortlist keeps. ``cache``: the tuning cache file
     (None = `fp4_dispatch.cache.default_path()`, i.e. ``FP4_DISPATCH_CACHE`` or the user
     cache dir; a path; a `TuningCache`; False = keep tuned winners in memory only).
+    ``verify_cache`` (default ``FP4_DISPATCH_VERIFY_CACHE``, on): run each cached winner
+    once on its first use in this process and ignore it (one warning) if its output is
+    not the reference's (`fp4_dispatch.winners`).
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class Dispatcher:
         budget: int = 32,
         sm_count: int | None = None,
         cache: str | os.PathLike[str] | TuningCache | bool | None = None,
+        verify_cache: bool | None = None,
     ) -> None:
         if not isinstance(budget, int) or budget < 1:
             raise ValueError(f"budget: expected a positive int, got {budget!r}")
@@ -111,7 +115,7 @@ class Dispatcher:
         self._torch_device = (
             None if self.device.is_simulated else torch.device(self.device.torch_device)
         )
-        self.winners = TunedWinners(self, _tuning_cache(cache))
+        self.winners = TunedWinners(self, _tuning_cache(cache), verify_cache)
         self._untuned_logged: set[BucketKey] = set()
         self._autotune_depth = 0
         self._autotuned: set[BucketKey] = set()
@@ -231,7 +235,7 @@ class Dispatcher:
             raise ValueError(
                 f"out_dtype: expected one of {sorted(_tuning.OUT_DTYPES)}, got {out_dtype!r}"
             )
-        tuner = _tuning.Tuner(self, timer=timer, band=band)
+        tuner = _tuning.Tuner(self.device, self.kernel_for, self.ranker, timer=timer, band=band)
         todo: list[Problem] = []
         results: dict[BucketKey, _tuning.TuneResult] = {}
         order: list[BucketKey] = []
@@ -241,13 +245,9 @@ class Dispatcher:
             if bkey in order:
                 continue
             order.append(bkey)
-            cached = None if force else self.winners.bucket(bkey)
-            entry = self.winners.entries().get(bkey)
-            if cached is not None and bkey in self.winners.results:
-                results[bkey] = self.winners.results[bkey]
-            elif cached is not None and entry is not None:
-                results[bkey] = _tuning.result_from_entry(entry, cached, self)
-                results[bkey].requested = (m, n, k)
+            hit = None if force else self.winners.cached_result(bkey, (m, n, k))
+            if hit is not None:
+                results[bkey] = hit
             else:
                 todo.append(Problem(m=m, n=n, k=k, out_dtype=out_dtype))
         shortlists = [

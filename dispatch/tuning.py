@@ -1,14 +1,23 @@
 """Measuring a shortlist on the device, and a winner that independent processes agree on.
 
-Lessons from FlashInfer's autotuner (facts.md): 5+ minutes of warm-up for one model
+Tuning ends at a `TuneResult`; cache entries, adoption and re-validation belong to the
+winner store (`fp4_dispatch.winners`).
+
+Lessons from FlashInfer's autotuner (its issue tracker): 5+ minutes of warm-up for one model
 (issue 3295), a pick 11-12% slower than the default at M=1 before it measured with CUDA
 graphs and a cold L2 (3648), and different winners in different processes from noisy
 "fastest" picks (4433). So, per tactic of the shortlist:
 
 1. **Build** through `Dispatcher.kernel_for` (the same cache `gemm` uses). A build that
    raises times as infinity and is reported (tactic, error); tuning goes on.
-2. **Warm-up**: one launch and a synchronize (triggers JIT; a raising or faulting
-   launch is reported like a failed build).
+2. **Warm-up and check**: ``out`` is filled with NaN, one launch and a synchronize
+   (triggers JIT; a raising or faulting launch is reported like a failed build), then
+   the output is compared with the float64 reference ``alpha * dequant(A) @
+   dequant(B).T`` of the same inputs (`check_output`). A wrong result (relative
+   Frobenius error over `CHECK_RTOL`, any NaN/inf, an element left unwritten) is a
+   failure (method ``wrong``, time infinity, ``error`` says why): a fast kernel that
+   writes zeros, ignores ``out``'s strides on a swapped tactic or misses a tail tile
+   is never adopted. Each candidate is checked once per bucket it is tuned for.
 3. **Timing** by a timer (injectable, see `Timer`):
 
    - CUDA (`CudaTimer`): a delay kernel (``torch.cuda._sleep``) is queued first so the
@@ -44,7 +53,6 @@ processes whose measurements differ by noise pick the same tactic.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import statistics
@@ -55,10 +63,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from .backend import GemmOperands
+from .backend import GemmOperands, Kernel
 from .backend import launch as run_kernel
 from .device import DeviceInfo
-from .ranking import Candidate, m_bucket
+from .ranking import Candidate, Ranker, m_bucket
 from .tactics import Problem
 
 if TYPE_CHECKING:
@@ -82,8 +90,24 @@ _BASE_ROWS = 1024
 
 OUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
+#: Relative Frobenius error ``||out - ref|| / ||ref||`` a correct kernel stays under.
+#: Why 1e-2: rounding the output to bf16 costs up to 2^-9 relative per element (RMS
+#: about 1.1e-3; fp16 8x less), and float32 accumulation in another order or split-K
+#: adds ~1e-6 sqrt(K). 1e-2 leaves ~9x headroom for that, yet every fault the check is
+#: for (zeros, NaN, a transposed or half-written output, wrong scales) gives ~1.
+CHECK_RTOL = 1e-2
+#: problems up to this many multiply-adds (M*N*K) are checked in full; larger ones on
+#: a sample of rows and columns (`check_indices`): float64 on the device, ~2 GFLOP max
+CHECK_FULL_MACS = 1 << 31
+#: rows (and columns) a sampled check always covers at each end: the first tile and
+#: the last (tail) tiles, whatever the tile size (every tactic's tile is <= 256)
+CHECK_HEAD, CHECK_TAIL, CHECK_INTERIOR = 128, 256, 128
+
 Launch = Callable[[int], None]
 """``launch(i)`` runs the candidate once on input copy ``i % n_copies``."""
+
+KernelFor = Callable[[Candidate, Problem], Kernel]
+"""``kernel_for(candidate, problem) -> kernel``: builds (once) what `gemm` would run."""
 
 
 @dataclass(frozen=True)
@@ -233,11 +257,106 @@ class TuneResult:
 
 @dataclass
 class Inputs:
-    """Rotating operand copies for one problem, and one output tensor."""
+    """Rotating operand copies for one problem, and one output tensor.
+
+    ``reference``: the float64 reference of ``copies[0]`` on the checked rows and
+    columns, computed once (`check_output`) and shared by every candidate.
+    """
 
     copies: list[GemmOperands]
     out: torch.Tensor
     bytes_per_copy: int
+    reference: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+# ---- checking results -----------------------------------------------------------------
+
+
+def check_indices(m: int, n: int, k: int, device: torch.device, seed: int = 0):
+    """(rows, cols) the check compares: all of them for small problems, else the first
+    `CHECK_HEAD`, the last `CHECK_TAIL` and `CHECK_INTERIOR` seeded random others of each
+    (so a missed tail tile or an unwritten edge is always seen)."""
+
+    def pick(size: int, salt: int) -> torch.Tensor:
+        if m * n * k <= CHECK_FULL_MACS or size <= CHECK_HEAD + CHECK_TAIL + CHECK_INTERIOR:
+            return torch.arange(size, device=device)
+        gen = torch.Generator().manual_seed(seed + salt)
+        inner = torch.randperm(size - CHECK_HEAD - CHECK_TAIL, generator=gen)[:CHECK_INTERIOR]
+        idx = torch.cat([torch.arange(CHECK_HEAD), CHECK_HEAD + inner.sort().values,
+                         torch.arange(size - CHECK_TAIL, size)])  # fmt: skip
+        return idx.to(device)
+
+    return pick(m, 0), pick(n, 1)
+
+
+def _dequant_rows(data: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, k: int):
+    """float64 ``dequant`` of the selected rows of one operand (swizzled scales)."""
+    from .nvfp4 import BLOCK_SIZE, e2m1_to_float, unpack_e2m1, unswizzle_scales
+
+    total = data.shape[0]
+    vals = e2m1_to_float(unpack_e2m1(data.index_select(0, rows))).to(torch.float64)
+    lin = unswizzle_scales(scale, total, k).index_select(0, rows).to(torch.float64)
+    return (vals.reshape(len(rows), k // BLOCK_SIZE, BLOCK_SIZE) * lin.unsqueeze(-1)).reshape(
+        len(rows), k
+    )
+
+
+def reference_output(operands: GemmOperands, rows: torch.Tensor, cols: torch.Tensor):
+    """``alpha * dequant(a)[rows] @ dequant(b)[cols].T`` in float64 (the operands' device)."""
+    k = operands.k
+    a = _dequant_rows(operands.a_data, operands.a_scale, rows, k)
+    b = _dequant_rows(operands.b_data, operands.b_scale, cols, k)
+    return (a @ b.T) * operands.alpha.to(torch.float64).reshape(())
+
+
+def check_output(out: torch.Tensor, inputs: Inputs, seed: int = 0) -> str | None:
+    """Why `out` is not the result of ``inputs.copies[0]`` (None when it is).
+
+    The caller filled `out` with NaN before the launch, so an element the kernel left
+    unwritten reads as NaN and fails like a computed NaN.
+    """
+    if inputs.reference is None:
+        ops = inputs.copies[0]
+        rows, cols = check_indices(ops.m, ops.n, ops.k, ops.a_data.device, seed)
+        inputs.reference = (rows, cols, reference_output(ops, rows, cols))
+    rows, cols, ref = inputs.reference
+    got = out.index_select(0, rows).index_select(1, cols).to(torch.float64)
+    bad = (~torch.isfinite(got)).sum().item()
+    if bad:
+        return f"{bad} of {got.numel()} checked output elements are NaN/inf (or unwritten)"
+    norm = torch.linalg.vector_norm(ref).item()
+    err = torch.linalg.vector_norm(got - ref).item() / (norm if norm > 0 else 1.0)
+    if not err <= CHECK_RTOL:
+        return (
+            f"relative error {err:.3g} against the float64 reference exceeds {CHECK_RTOL:g} "
+            f"(checked {got.shape[0]}x{got.shape[1]} of {out.shape[0]}x{out.shape[1]})"
+        )
+    return None
+
+
+def verify_candidate(
+    cand: Candidate,
+    kernel_for: KernelFor,
+    problem: Problem,
+    device: DeviceInfo,
+    seed: int = 0,
+) -> str | None:
+    """Build `cand` for `problem`, run it once on random inputs and check the result.
+
+    Returns why it is wrong (build or run errors included), None when it is right. This
+    is the check a cached winner gets on its first use in a process.
+    """
+    from .dispatcher import launch as run_kernel
+
+    try:
+        kernel = kernel_for(cand, problem)
+        inputs = make_inputs(problem, device, seed, copies=1)
+        inputs.out.fill_(math.nan)
+        run_kernel(cand, kernel, inputs.copies[0], inputs.out)
+        _sync(device)
+    except Exception as exc:  # a plugin's build or kernel failing: the answer is "wrong"
+        return f"{type(exc).__name__}: {exc}"
+    return check_output(inputs.out, inputs, seed)
 
 
 def _random_operand(rows: int, k: int, device: torch.device, gen: torch.Generator):
@@ -396,7 +515,13 @@ def _sync(device: DeviceInfo) -> None:
 
 
 class Tuner:
-    """Measures candidates of one `Dispatcher` and picks winners (module docstring).
+    """Measures candidates and picks winners (module docstring); it owns no cache entry.
+
+    It takes only what it needs: the `device`, a ``kernel_for`` build function (the
+    dispatcher's, so tuned kernels are the ones `gemm` reuses) and the `Ranker` that
+    gives a bucket's shortlist and heuristic pick. ``Tuner(dispatcher)`` takes those
+    three from a dispatcher and keeps no reference to it. Adopting and caching the
+    winner is the winner store's job (`fp4_dispatch.winners`).
 
     ``timer``: defaults to `CudaTimer` on CUDA devices and `WallClockTimer` elsewhere.
     ``band``: a fixed noise band instead of the measured one.
@@ -404,20 +529,27 @@ class Tuner:
 
     def __init__(
         self,
-        dispatcher: Dispatcher,
+        device: DeviceInfo | Dispatcher,
+        kernel_for: KernelFor | None = None,
+        ranker: Ranker | None = None,
         *,
         timer: Timer | None = None,
         band: float | None = None,
         noise_floor: float = NOISE_FLOOR,
         seed: int = 0,
     ) -> None:
-        if dispatcher.device.is_simulated:
+        if not isinstance(device, DeviceInfo):  # a Dispatcher: take its three parts
+            device, kernel_for, ranker = device.device, device.kernel_for, device.ranker
+        if kernel_for is None or ranker is None:
+            raise TypeError("kernel_for and ranker: required with a DeviceInfo, got None")
+        if device.is_simulated:
             raise RuntimeError(
-                f"{dispatcher.device.name} is simulated: tuning measures kernels, so it needs "
+                f"{device.name} is simulated: tuning measures kernels, so it needs "
                 "the real device (use Dispatcher() on it)"
             )
-        self.dispatcher = dispatcher
-        self.device = dispatcher.device
+        self.device = device
+        self.kernel_for = kernel_for
+        self.ranker = ranker
         self.timer = timer if timer is not None else default_timer(self.device)
         self.band = band
         self.noise_floor = noise_floor
@@ -472,7 +604,7 @@ class Tuner:
     ) -> Measurement:
         name = f"{cand.backend} {cand.tactic.canonical_json()}"
         try:
-            kernel = self.dispatcher.kernel_for(cand, problem)
+            kernel = self.kernel_for(cand, problem)
         except Exception as exc:  # a tactic that fails to build is timed as inf, reported
             return self._failed(cand, "build", exc, name)
         copies, out = inputs.copies, inputs.out
@@ -484,8 +616,16 @@ class Tuner:
             run_kernel(kernel, copies[i % n], out, swap)
 
         try:
+            out.fill_(math.nan)  # an element the kernel does not write stays NaN
             launch(0)
             _sync(self.device)
+        except Exception as exc:  # a tactic that fails to run is timed as inf, reported
+            return self._failed(cand, "run", exc, name)
+        why = check_output(out, inputs, self.seed)
+        if why is not None:
+            log.warning("tuning: %s gives a wrong result, never adopted: %s", name, why)
+            return Measurement(cand, math.inf, "wrong", error=f"wrong result: {why}")
+        try:
             timing = self.timer(cand, launch, best)
             _sync(self.device)
         except Exception as exc:  # a tactic that fails to run is timed as inf, reported
@@ -509,8 +649,8 @@ class Tuner:
         t0 = time.perf_counter()
         bucket = problem.model_copy(update={"m": m_bucket(problem.m)})
         if shortlist is None:
-            shortlist = self.dispatcher.ranker.shortlist(bucket).candidates
-        heuristic = self.dispatcher.ranker.pick(bucket.m, bucket.n, bucket.k, bucket.out_dtype)
+            shortlist = self.ranker.shortlist(bucket).candidates
+        heuristic = self.ranker.pick(bucket.m, bucket.n, bucket.k, bucket.out_dtype)
         todo = list(shortlist)
         if not any(_same(c, heuristic) for c in todo):  # always measure the heuristic pick
             todo.append(heuristic)
@@ -544,123 +684,3 @@ def _same(a: Candidate, b: Candidate) -> bool:
 def _tuned_candidate(m: Measurement) -> Candidate:
     c = m.candidate
     return Candidate(c.backend, c.family, c.tactic, c.est_us, f"tuned ({m.us:.4g} us measured)")
-
-
-# ---- cache entries --------------------------------------------------------------------
-
-
-class StaleEntry(ValueError):
-    """A cached winner that this process cannot use (the message says why)."""
-
-
-def to_entry(result: TuneResult, dispatcher: Dispatcher, library_version: str) -> dict[str, Any]:
-    """The cache entry (see `fp4_dispatch.cache`) of a measured result with a winner."""
-    assert result.winner is not None
-    w = result.winner
-    backend = dispatcher.registry.backends[w.backend]
-    p = result.problem
-
-    def ref(c: Candidate | None, us: float) -> dict[str, Any] | None:
-        if c is None:
-            return None
-        return {"backend": c.backend, "tactic": c.tactic.model_dump(mode="json"),
-                "us": us if math.isfinite(us) else None}  # fmt: skip
-
-    heur = ref(result.heuristic, result.heuristic_us)
-    return {
-        "device": dispatcher.device_fingerprint,
-        "n": p.n,
-        "k": p.k,
-        "m_bucket": p.m,
-        "out_dtype": p.out_dtype,
-        "backend": w.backend,
-        "backend_version": backend.version,
-        "family": w.family,
-        "library_version": library_version,
-        "tactic": w.tactic.model_dump(mode="json"),
-        "us": result.winner_us,
-        "est_us": w.est_us,
-        "runner_up": ref(result.runner_up, result.runner_up_us),
-        "heuristic": heur,
-        "noise_band": result.noise_band,
-        "measured": len(result.measurements),
-        "failed": len(result.failures),
-        "method": next((m.method for m in result.measurements if _same(m.candidate, w)), "unknown"),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-
-
-def candidate_from_entry(entry: dict[str, Any], dispatcher: Dispatcher) -> Candidate:
-    """Re-validate a cached winner against this dispatcher; raise `StaleEntry` if unusable.
-
-    Checks: the backend is loaded and available on this device, its version is the one
-    that was measured, the tactic parses with the backend's ``tactic_type`` (and names
-    this backend), and ``backend.validate`` accepts it for the bucket's problem.
-    """
-    name = entry["backend"]
-    backend = dispatcher.registry.backends.get(name)
-    if backend is None:
-        raise StaleEntry(f"backend {name!r} is not installed (or its plugin failed to load)")
-    if backend not in dispatcher.available:
-        raise StaleEntry(f"backend {name!r} is not available on {dispatcher.device.name}")
-    if entry["backend_version"] != backend.version:
-        raise StaleEntry(
-            f"measured with {name} version {entry['backend_version']!r}, "
-            f"installed is {backend.version!r}"
-        )
-    try:
-        tactic = backend.tactic_type.model_validate_json(json.dumps(entry["tactic"]))
-    except Exception as exc:  # pydantic ValidationError, or a plugin's own error: stale
-        raise StaleEntry(f"tactic no longer parses for {name}: {exc}") from exc
-    if tactic.backend != name:
-        raise StaleEntry(f"tactic names backend {tactic.backend!r}, entry says {name!r}")
-    problem = Problem(m=entry["m_bucket"], n=entry["n"], k=entry["k"], out_dtype=entry["out_dtype"])
-    try:
-        why = backend.validate(tactic, problem, dispatcher.device)
-    except Exception as exc:  # a raising check counts as "not valid here"
-        why = f"validate() raised {type(exc).__name__}: {exc}"
-    if why is not None:
-        raise StaleEntry(f"tactic is no longer valid for {problem}: {why}")
-    est = entry.get("est_us")
-    if not isinstance(est, (int, float)) or isinstance(est, bool) or not math.isfinite(est):
-        from .ranking import estimate_us
-
-        est = estimate_us(problem, dispatcher.device, tactic)
-    return Candidate(
-        name, backend.family, tactic, float(est), f"tuned ({entry['us']:.4g} us measured)"
-    )
-
-
-def result_from_entry(
-    entry: dict[str, Any], winner: Candidate, dispatcher: Dispatcher
-) -> TuneResult:
-    """A `TuneResult` (source "cache") for a bucket that a valid cache entry covers."""
-    problem = Problem(m=entry["m_bucket"], n=entry["n"], k=entry["k"], out_dtype=entry["out_dtype"])
-    heuristic = dispatcher.ranker.pick(problem.m, problem.n, problem.k, problem.out_dtype)
-    heur_us = math.nan
-    h = entry.get("heuristic")
-    same_pick = (
-        isinstance(h, dict)
-        and h.get("backend") == heuristic.backend
-        and h.get("tactic") == heuristic.tactic.model_dump(mode="json")
-    )
-    if same_pick and isinstance(h.get("us"), (int, float)):
-        heur_us = float(h["us"])
-    ru = entry.get("runner_up")
-    ru_us = (
-        float(ru["us"])
-        if isinstance(ru, dict) and isinstance(ru.get("us"), (int, float))
-        else math.nan
-    )
-    band = entry.get("noise_band")
-    return TuneResult(
-        problem=problem,
-        source="cache",
-        winner=winner,
-        winner_us=float(entry["us"]),
-        heuristic=heuristic,
-        heuristic_us=heur_us,
-        runner_up=None,
-        runner_up_us=ru_us,
-        noise_band=float(band) if isinstance(band, (int, float)) else NOISE_FLOOR,
-    )

@@ -118,7 +118,7 @@ BAD_FILES = {
     "garbage": lambda good: "\x00\x01not json at all",
     "truncated": lambda good: good[: len(good) // 2],
     "empty": lambda good: "",
-    "wrong-version": lambda good: json.dumps({**json.loads(good), "format_version": 99}),
+    "older-version": lambda good: json.dumps({**json.loads(good), "format_version": 0}),
     "foreign": lambda good: json.dumps({"format": "someone-else", "entries": []}),
     "not-an-object": lambda good: "[1, 2, 3]",
     "entries-not-list": lambda good: json.dumps({**json.loads(good), "entries": {}}),
@@ -216,3 +216,74 @@ def test_cli_cache_show_path_clear(capsys, monkeypatch, tmp_path):
     assert main(["cache", "clear"]) == 0
     assert "2 entries" in capsys.readouterr().out
     assert not path.exists()
+
+
+# ---- export / import (file level) ---------------------------------------------------------
+
+
+def test_export_all_or_one_device(tmp_path):
+    src = TuningCache(tmp_path / "src.json")
+    devices = {"dev|9.0|132": {"name": "A"}, "other|10.0|148": {"name": "B"}}
+    src.put([entry(0), entry(1), entry(2, device="other|10.0|148")], {"devices": devices})
+    assert src.export_to(tmp_path / "all.json") == 3
+    assert src.export_to(tmp_path / "one.json", device="other|10.0|148") == 1
+    one = TuningCache(tmp_path / "one.json").load()
+    assert [k[0] for k in one.entries] == ["other|10.0|148"]
+    assert set(one.metadata["devices"]) == {"other|10.0|148"}
+    assert len(TuningCache(tmp_path / "all.json").entries()) == 3
+    assert not list(tmp_path.glob(".*.tmp"))  # written through a temp file, renamed
+
+
+def test_import_merges_and_never_loses_an_entry(tmp_path):
+    mine = TuningCache(tmp_path / "mine.json")
+    mine.put([entry(0), entry(1, us=1.0)])
+    theirs = TuningCache(tmp_path / "theirs.json")
+    theirs.put([entry(1, us=99.0), entry(2), entry(3)])
+    raw = json.loads(theirs.path.read_text())
+    raw["entries"].append({"device": "x"})  # malformed: reported, not taken
+    theirs.path.write_text(json.dumps(raw))
+
+    report = mine.import_from(theirs.path, lambda e: "no thanks" if e["m_bucket"] == 8 else None)
+    assert [e["m_bucket"] for e in report.taken] == [4]
+    reasons = sorted(why for _, why in report.skipped)
+    assert any("already has an entry" in r for r in reasons)
+    assert "no thanks" in reasons and any("malformed" in r for r in reasons)
+    got = {e["m_bucket"]: e["us"] for e in mine.entries()}
+    assert got == {1: 10.0, 2: 1.0, 4: 12.0}  # existing M<=2 kept at 1.0 us
+    assert json.dumps(report.to_json())  # serialisable for --json
+
+    again = mine.import_from(theirs.path, replace=True)
+    assert {e["m_bucket"] for e in again.taken} == {2, 4, 8}
+    assert {e["m_bucket"]: e["us"] for e in mine.entries()}[2] == 99.0
+
+
+@pytest.mark.parametrize("kind", ["garbage", "foreign", "truncated"])
+def test_import_of_a_bad_file_raises_and_writes_nothing(tmp_path, kind):
+    mine = TuningCache(tmp_path / "mine.json")
+    mine.put([entry(0)])
+    before = mine.path.read_bytes()
+    bad = tmp_path / "bad.json"
+    bad.write_text(BAD_FILES[kind](before.decode()))
+    with pytest.raises(cache_mod.CacheFormatError, match=r"bad\.json"):
+        mine.import_from(bad)
+    assert mine.path.read_bytes() == before and bad.exists()
+
+
+def test_cli_show_marks_a_newer_file_read_only_and_shows_the_environment(
+    tmp_path, monkeypatch, capsys
+):
+    from fp4_dispatch.cli import main
+
+    path = tmp_path / "new.json"
+    monkeypatch.setenv("FP4_DISPATCH_CACHE", str(path))
+    env = {"torch": "2.13.0", "triton": "3.9.0", "cuda_driver": "12.8"}
+    TuningCache(path).put([entry(0, env=env), entry(1)])
+    raw = json.loads(path.read_text())
+    path.write_text(json.dumps({**raw, "format_version": FORMAT_VERSION + 1}))
+    before = path.read_bytes()
+    assert main(["cache", "show"]) == 0
+    text = capsys.readouterr().out
+    assert "read-only" in text and "newer fp4-dispatch" in text
+    assert "torch 2.13.0 triton 3.9.0 driver 12.8" in text and "(none recorded)" in text
+    assert main(["cache", "clear"]) == 1  # refused, reported, file kept
+    assert str(path) in capsys.readouterr().out and path.read_bytes() == before

@@ -602,3 +602,283 @@ def test_measure_stops_at_the_deadline(make_dispatcher):
     got = Tuner(d, timer=timer).measure(p, cands, deadline=time.monotonic() - 1)
     assert [m.method for m in got] == ["skipped"] * len(cands) and timer.calls == []
     assert all(math.isinf(m.us) and "deadline" in m.error for m in got)
+
+
+# ---- results are checked before they are trusted -----------------------------------------
+
+
+def _zeros(operands, out):
+    out.zero_()
+
+
+def _nans(operands, out):
+    out.fill_(float("nan"))
+
+
+def _unwritten(operands, out):
+    """Returns without writing: the NaN the tuner poisoned ``out`` with stays."""
+
+
+def _ignores_strides(operands, out):
+    """Computes the right numbers but writes them as if ``out`` were contiguous."""
+    res = torch.empty(out.shape, dtype=out.dtype)
+    _reference_kernel(operands, res)
+    torch.as_strided(out, res.shape, (res.shape[1], 1)).copy_(res)
+
+
+def _misses_tail(operands, out):
+    """Skips the last partial 64-column tile (as a kernel with a bad grid would)."""
+    res = torch.empty(out.shape, dtype=out.dtype)
+    _reference_kernel(operands, res)
+    full = out.shape[1] // 64 * 64
+    out[:, :full].copy_(res[:, :full])
+
+
+class Sloppy(FakeB):
+    """fake-b whose 64x32 kernel (swapped when ``swap``) is wrong in one way: ``bad``."""
+
+    def __init__(self, bad, swap: bool = False) -> None:
+        super().__init__()
+        self.bad, self.swap = bad, swap
+
+    def tactics(self, problem, device):
+        for t in super().tactics(problem, device):
+            yield t.model_copy(update={"swap_ab": self.swap and (t.tile_m, t.tile_n) == (64, 32)})
+
+    def build(self, tactic, problem, device):
+        if (tactic.tile_m, tactic.tile_n) == (64, 32) and self.bad is not None:
+            return self.bad
+        return _reference_kernel
+
+
+@pytest.mark.parametrize(
+    ("bad", "swap", "n", "why"),
+    [
+        (_zeros, False, N, "relative error 1"),
+        (_nans, False, N, "NaN/inf"),
+        (_unwritten, False, N, "NaN/inf"),
+        (_ignores_strides, True, N, "relative error"),
+        (_misses_tail, False, 200, "NaN/inf"),
+    ],
+    ids=["zeros", "nan", "unwritten", "swap-ignores-strides", "misses-tail-tile"],
+)
+def test_a_fast_wrong_kernel_is_never_adopted(make_dispatcher, operands, tmp_path, bad, swap, n,
+                                              why, caplog):  # fmt: skip
+    path = tmp_path / "wrong.json"
+    d = make_dispatcher(FakeA(), Sloppy(bad, swap), cache=path)
+    times = {("fake-b", 64, 32): 1.0, ("fake-a", 64, 64): 40.0}  # the wrong one is fastest
+    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.tuning"):
+        (r,) = d.tune([(M, n, K)], timer=FakeTimer(times), progress=False)
+    wrong = [m for m in r.measurements if m.method == "wrong"]
+    assert len(wrong) == 1 and wrong[0].candidate.tactic.tile_n == 32
+    assert wrong[0].error.startswith("wrong result") and why in wrong[0].error
+    assert math.isinf(wrong[0].us) and wrong[0] in r.failures
+    assert (r.winner.backend, r.winner.tactic.tile_m, r.winner.tactic.tile_n) == ("fake-a", 64, 64)
+    assert "gives a wrong result, never adopted" in caplog.text
+    (saved,) = TuningCache(path).entries()
+    assert saved["backend"] == "fake-a"
+    qa, qb = operands(M, n, K)
+    ref = reference_gemm(qa, qb)
+    assert float((d.gemm(qa, qb).double() - ref).norm() / ref.norm()) < 5e-3
+
+
+def test_a_correct_swapped_kernel_passes_the_check(make_dispatcher):
+    d = make_dispatcher(FakeA(), Sloppy(None, swap=True))
+    (r,) = d.tune([(M, N, K)], timer=FakeTimer({("fake-b", 64, 32): 1.0}), progress=False)
+    assert not [m for m in r.measurements if m.method == "wrong"]
+    assert r.winner.tactic.swap_ab and r.winner.tactic.tile_n == 32
+
+
+def test_sampled_check_sees_the_tail_and_zeros(monkeypatch):
+    import fp4_dispatch.tuning as tuning
+    from fp4_dispatch.profiles import resolve
+
+    monkeypatch.setattr(tuning, "CHECK_FULL_MACS", 0)  # force sampling on a small problem
+    monkeypatch.setattr(tuning, "CHECK_HEAD", 8)
+    monkeypatch.setattr(tuning, "CHECK_TAIL", 16)
+    monkeypatch.setattr(tuning, "CHECK_INTERIOR", 8)
+    inputs = make_inputs(Problem(m=256, n=192, k=64), resolve("cpu", None), copies=1)
+    rows, cols = tuning.check_indices(256, 192, 64, torch.device("cpu"))
+    assert len(rows) == 32 and len(cols) == 32
+    assert rows[:8].tolist() == list(range(8)) and rows[-16:].tolist() == list(range(240, 256))
+    good = torch.empty(256, 192, dtype=torch.bfloat16)
+    _reference_kernel(inputs.copies[0], good)
+    assert tuning.check_output(good, inputs) is None
+    tail = good.clone()
+    tail[-5:] = float("nan")  # a missed last row tile, left at the poison value
+    assert "NaN/inf" in tuning.check_output(tail, inputs)
+    assert "relative error 1" in tuning.check_output(torch.zeros_like(good), inputs)
+
+
+def _tune_then_break(make_dispatcher, tmp_path):
+    """A cache whose fake-b 64x32 winner was right when tuned."""
+    path = tmp_path / "v.json"
+    make_dispatcher(FakeA(), Sloppy(None), cache=path).tune(
+        [(M, N, K)], timer=FakeTimer({("fake-b", 64, 32): 1.0}), progress=False
+    )
+    assert TuningCache(path).entries()[0]["tactic"]["tile_n"] == 32
+    return path
+
+
+def test_a_wrong_cached_winner_is_ignored_once(make_dispatcher, tmp_path, caplog, operands):
+    path = _tune_then_break(make_dispatcher, tmp_path)
+    d = make_dispatcher(FakeA(), Sloppy(_zeros), cache=path)  # same version, now broken
+    with caplog.at_level(logging.WARNING):
+        assert d.select(M, N, K).reason == "heuristic top-1"
+        assert d.select(M + 1, N, K).reason == "heuristic top-1"
+    assert caplog.text.count("gives a wrong result") == 1 and str(path) in caplog.text
+    qa, qb = operands(M, N, K)
+    ref = reference_gemm(qa, qb)
+    assert float((d.gemm(qa, qb).double() - ref).norm() / ref.norm()) < 5e-3
+
+
+def test_a_wrong_cached_winner_is_retuned_under_autotuning(make_dispatcher, tmp_path, operands,
+                                                          monkeypatch):  # fmt: skip
+    path = _tune_then_break(make_dispatcher, tmp_path)
+    d = make_dispatcher(FakeA(), Sloppy(_zeros), cache=path)
+    timer = FakeTimer({("fake-b", 64, 32): 1.0, ("fake-a", 128, 32): 9.0})
+    monkeypatch.setattr(d, "tune", functools.partial(d.tune, timer=timer, progress=False))
+    qa, qb = operands(M, N, K)
+    with d.autotuning():
+        out = d.gemm(qa, qb)
+    assert len(timer.calls) == 15  # re-tuned; the wrong 64x32 failed its check, not timed
+    assert d.select(M, N, K).tactic == FakeATactic(tile_m=128, tile_n=32)
+    ref = reference_gemm(qa, qb)
+    assert float((out.double() - ref).norm() / ref.norm()) < 5e-3
+    assert TuningCache(path).entries()[0]["backend"] == "fake-a"
+
+
+@pytest.mark.parametrize("how", ["argument", "env"])
+def test_cache_verification_opt_out(make_dispatcher, tmp_path, monkeypatch, how):
+    path = _tune_then_break(make_dispatcher, tmp_path)
+    backends = (FakeA(), Sloppy(_zeros))
+    monkeypatch.setattr(registry_mod, "load", lambda strict=None: make_registry(*backends))
+    if how == "env":
+        monkeypatch.setenv("FP4_DISPATCH_VERIFY_CACHE", "0")
+        d = Dispatcher(device="cpu", cache=path)
+    else:
+        d = Dispatcher(device="cpu", cache=path, verify_cache=False)
+    assert d.select(M, N, K).reason.startswith("tuned")  # trusted without a check
+
+
+# ---- environment metadata -----------------------------------------------------------------
+
+
+def test_entries_record_the_environment(make_dispatcher, tmp_path):
+    import importlib.metadata
+
+    path = tmp_path / "env.json"
+    make_dispatcher(cache=path).tune([(M, N, K)], timer=FakeTimer({}), progress=False)
+    env = TuningCache(path).entries()[0]["env"]
+    assert env["torch"] == importlib.metadata.version("torch")
+    assert env["triton"] == importlib.metadata.version("triton")
+    assert env["fp4_dispatch"] == importlib.metadata.version("fp4-dispatch")
+    assert set(env) >= {"cutlass_dsl", "cutlass_operators", "cuda_driver", "gpu", "sm_count"}
+    assert env["cuda_driver"] is None  # a CPU device has no driver to record
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (lambda e: e["env"].update(triton="0.0.1"), "triton '0.0.1' ->"),
+        (lambda e: e["env"].update(cuda_driver="11.8"), "cuda_driver '11.8' -> None"),
+        (lambda e: e["env"].update(sm_count=7), "sm_count 7 ->"),
+        (lambda e: e.pop("env"), "no environment record"),
+    ],
+    ids=["triton", "driver", "sm-count", "old-entry"],
+)
+def test_an_entry_of_another_environment_is_stale(make_dispatcher, tmp_path, caplog, edit, why):
+    path = _tune_and_edit(make_dispatcher, tmp_path, edit)
+    d = make_dispatcher(cache=path)
+    with caplog.at_level(logging.WARNING):
+        assert d.select(M, N, K).reason == "heuristic top-1"
+        d.select(M, N, K)
+    assert caplog.text.count("ignoring stale entry") == 1 and why in caplog.text
+
+
+# ---- caches that travel -------------------------------------------------------------------
+
+
+def test_fleet_workflow_tune_export_import(make_dispatcher, tmp_path, monkeypatch, capsys):
+    """Tune on one machine, export, import on another with a cache of its own."""
+    from fp4_dispatch.cli import main
+
+    tuned = tmp_path / "tuned.json"
+    d = make_dispatcher(cache=tuned)
+    d.tune([(M, N, K), (1, N, K)], timer=FakeTimer({("fake-b", 64, 32): 5.0}), progress=False)
+    foreign = dict(TuningCache(tuned).entries()[0], device="Other GPU|10.0|148")
+    stale = dict(TuningCache(tuned).entries()[0], m_bucket=512)
+    stale["env"] = {**stale["env"], "triton": "0.0.1"}
+    gone = dict(TuningCache(tuned).entries()[0], m_bucket=1024, backend="gone")
+    TuningCache(tuned).put([foreign, stale, gone])
+
+    monkeypatch.setenv("FP4_DISPATCH_CACHE", str(tuned))
+    assert main(["cache", "export", str(tmp_path / "fleet.json"), "--device", "cpu"]) == 0
+    assert "exported 4 entries" in capsys.readouterr().out  # not the other GPU's
+
+    other = tmp_path / "other-machine.json"
+    mine = dict(TuningCache(tuned).entries()[0], n=512, us=1.5)  # a bucket only it has
+    TuningCache(other).put([mine])
+    monkeypatch.setenv("FP4_DISPATCH_CACHE", str(other))
+    assert main(["cache", "import", str(tmp_path / "fleet.json"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["taken"]) == 2 and len(report["skipped"]) == 2
+    why = " ".join(s["reason"] for s in report["skipped"])
+    assert "another environment" in why and "not installed" in why
+    assert len(TuningCache(other).entries()) == 3  # its own entry kept
+    d2 = make_dispatcher(cache=other)
+    assert d2.select(M, N, K).tactic == FakeBTactic(tile_m=64, tile_n=32)
+
+    assert main(["cache", "import", str(tmp_path / "fleet.json")]) == 0  # table; again
+    text = capsys.readouterr().out
+    assert "0 taken, 4 skipped" in text and "already has an entry" in text
+
+    monkeypatch.setenv("FP4_DISPATCH_CACHE", str(tuned))
+    assert main(["cache", "import", str(tmp_path / "fleet.json"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["taken"] == []  # importing its own export changes nothing
+
+
+def test_import_skips_other_devices(make_dispatcher, tmp_path):
+    src = tmp_path / "src.json"
+    make_dispatcher(cache=src).tune([(M, N, K)], timer=FakeTimer({}), progress=False)
+    e = dict(TuningCache(src).entries()[0], device="NVIDIA H200|9.0|132")
+    TuningCache(tmp_path / "gpu.json").put([e])
+    d = make_dispatcher(cache=tmp_path / "dst.json")
+    report = d.winners.import_from(tmp_path / "gpu.json")
+    assert report.taken == [] and "tuned on NVIDIA H200|9.0|132" in report.skipped[0][1]
+
+
+# ---- one owner for cache entries ----------------------------------------------------------
+
+
+def test_cache_entry_model_is_lenient_and_keeps_unknown_fields():
+    from fp4_dispatch.winners import CacheEntry
+
+    old = {"device": "cpu|-|1", "n": 256, "k": 128, "m_bucket": 128, "out_dtype": "bfloat16",
+           "backend": "fake-a", "backend_version": "1", "tactic": {"backend": "fake-a"},
+           "us": 3, "runner_up": None, "heuristic": [1], "est_us": "fast", "timestamp": 7,
+           "from_the_future": {"x": 1}}  # fmt: skip
+    e = CacheEntry.model_validate(old)
+    assert e.bucket == (256, 128, 128, "bfloat16") and e.us == 3.0
+    assert e.heuristic is None and e.est_us is None and e.timestamp is None and e.env is None
+    out = e.to_json()
+    assert out["from_the_future"] == {"x": 1} and "heuristic" not in out
+    with pytest.raises(ValueError, match="n"):
+        CacheEntry.model_validate({**old, "n": "many"})
+
+
+def test_tuner_takes_parts_not_a_dispatcher(make_dispatcher):
+    d = make_dispatcher()
+    built = []
+
+    def kernel_for(cand, problem):
+        built.append(cand.tactic)
+        return d.kernel_for(cand, problem)
+
+    tuner = Tuner(d.device, kernel_for, d.ranker, timer=FakeTimer({("fake-a", 64, 64): 9.0}))
+    assert not hasattr(tuner, "dispatcher")
+    r = tuner.tune(Problem(m=M, n=N, k=K))
+    assert r.winner.tactic == FakeATactic(tile_m=64, tile_n=64) and len(built) == 16
+    with pytest.raises(TypeError, match="kernel_for and ranker"):
+        Tuner(d.device)
