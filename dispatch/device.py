@@ -55,6 +55,7 @@ class DeviceInfo(BaseModel):
 
     def with_sm_count(self, sm_count: int) -> DeviceInfo:
         """Same part with another SM count; per-SM rates stay, totals scale."""
+        sm_count = check_sm_count(sm_count)
         f = sm_count / self.sm_count
         fp4 = None if self.fp4_tflops is None else self.fp4_tflops * f
         return self.model_copy(
@@ -127,6 +128,17 @@ SIMULATED: dict[str, DeviceInfo] = {
 }
 
 CPU = DeviceInfo(name="cpu", kind="cpu", note="no CUDA device")
+
+
+def check_sm_count(sm_count: object) -> int:
+    """A user's SM count: a positive int (not a bool or float); ValueError otherwise.
+
+    Why: 0 divided the rates (ZeroDivisionError deep in the cost model) and a negative
+    count produced negative rates that ranked every tactic as free.
+    """
+    if type(sm_count) is not int or sm_count < 1:
+        raise ValueError(f"sm_count: expected a positive int, got {sm_count!r}")
+    return sm_count
 
 
 def simulated(name: str, sm_count: int | None = None) -> DeviceInfo:
@@ -209,7 +221,10 @@ def resolve(device: str | DeviceInfo | None = None, sm_count: int | None = None)
     """Turn a user's device argument into a `DeviceInfo`.
 
     None or ``"auto"`` detects; ``"cpu"``; ``"cuda"``/``"cuda:N"``; a simulated name.
+    ``sm_count`` (None keeps the device's) must be a positive int.
     """
+    if sm_count is not None:
+        check_sm_count(sm_count)
     if isinstance(device, DeviceInfo):
         dev = device
     elif device is None or device == "auto":
