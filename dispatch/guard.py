@@ -210,7 +210,8 @@ class Guard:
         value, exc = contain(backend.validate, tactic, problem, device)
         if exc is None and value is not None and not isinstance(value, str):
             exc = BadReturn(f"returned {_short(value)}, expected None or a str")
-        if exc is not None:
+        if exc is not None:  # a check that fails cannot vouch for its tactic: not used again
+            self.broken.add((backend.name, tactic))
             err = self.failed(backend.name, "validate()", exc, tactic)
             return str(err)
         return value
