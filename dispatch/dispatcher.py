@@ -381,7 +381,10 @@ class Dispatcher:
             candidate = self.select(m, n, k, dtype)
             try:
                 return candidate, self.kernel_for(candidate, problem)
-            except PluginFault as err:  # recorded by the guard; fall back unless strict
+            except Exception as exc:  # recorded by the guard; fall back unless strict
+                err = exc if isinstance(exc, PluginFault) else getattr(exc, "plugin_fault", None)
+                if not isinstance(err, PluginFault):
+                    err = self.guard.fault(candidate.backend, "build()", exc, candidate.tactic)
                 self._fall_back(candidate, err)
 
     def _fall_back(self, candidate: Candidate, err: PluginFault) -> None:

@@ -217,14 +217,25 @@ class Guard:
         return value
 
     def build(self, backend: Any, tactic: Tactic, problem: Any, device: Any) -> Callable:
-        """``backend.build(...)``, checked callable; raises `PluginFault` (recorded) otherwise."""
+        """``backend.build(...)``, checked to be callable; the fault is recorded otherwise.
+
+        An `Exception` from the plugin is re-raised as itself (callers such as the tuner
+        report its own type and message) with the recorded `PluginFault` attached as
+        ``exc.plugin_fault``; SystemExit & co. and a non-callable result raise the
+        `PluginFault` (they must not end the process or be called).
+        """
         value, exc = contain(backend.build, tactic, problem, device)
         if exc is None and not callable(value):
             exc = BadReturn(f"returned {_short(value)}, expected a callable kernel")
-        if exc is not None:
-            self.broken.add((backend.name, tactic))
-            raise self.fault(backend.name, "build()", exc, tactic, quiet=True)
-        return value
+        if exc is None:
+            return value
+        self.broken.add((backend.name, tactic))
+        err = self.fault(backend.name, "build()", exc, tactic, quiet=True)
+        if isinstance(exc, Exception) and not isinstance(exc, BadReturn):
+            _, attach_failed = contain(setattr, exc, "plugin_fault", err)
+            if attach_failed is None:
+                raise exc
+        raise err
 
 
 def _finite_non_negative(value: object) -> bool:
