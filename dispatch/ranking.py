@@ -390,7 +390,7 @@ def _collect(
             continue
         refine = _overrides_estimate(backend)
         seen: set[str] = set()
-        invalid = 0
+        invalid = failed_here = 0
         first_invalid = ""
         for t in tactics:
             info = None
@@ -417,6 +417,7 @@ def _collect(
                 continue
             seen.add(canon)
             if broken and (name, t) in broken:  # failed to build or run in this process
+                failed_here += 1
                 continue
             est = by_geom.get(geom)
             if est is None:
@@ -439,6 +440,9 @@ def _collect(
             log.warning("backend %s for %s: %s", name, problem, why)
             skipped[name] = why
             guard.bad_tactics(backend, invalid, first_invalid)
+        if failed_here:
+            why = f"{failed_here} tactic(s) left out: they failed to build or run in this process"
+            skipped[name] = f"{skipped[name]}; {why}" if name in skipped else why
     return entries, skipped, warnings
 
 

@@ -298,3 +298,15 @@ def test_exit_does_not_end_the_cli(case, plugin_dist, tmp_path):
     strict = subprocess.run([*cmd, "--strict"], capture_output=True, text=True, env=env,
                             timeout=120)  # fmt: skip
     assert strict.returncode == 1 and f"<{PLUGIN}>" in strict.stdout
+
+
+def test_no_working_candidate_left_says_why(plugin_dist, qab, monkeypatch):
+    plugin_dist("faulty-dist", {PLUGIN: CASES["build-raises"][0]})
+    monkeypatch.setenv("FP4_DISPATCH_PLUGINS", PLUGIN)
+    monkeypatch.setenv("FP4_DISPATCH_DISABLE", "torch-reference")  # nothing to fall back to
+    d = Dispatcher("cpu", cache=False)
+    with pytest.raises(RuntimeError, match="faulty-b.*failed to build or run in this process"):
+        d.gemm(*qab)
+    (fault,) = d.faults
+    assert (fault.plugin, fault.backend, fault.call) == (PLUGIN, BACKEND, "build()")
+    assert "nvcc" in fault.message and '"backend":"faulty-b"' in fault.tactic
