@@ -27,7 +27,7 @@ from . import tuning as _tuning
 from .backend import Backend, GemmOperands, Kernel
 from .cache import TuningCache, device_fingerprint
 from .device import DeviceInfo, resolve
-from .guard import Fault, Guard, PluginFault, contain
+from .guard import Fault, Guard, PluginFault
 from .nvfp4 import Nvfp4Tensor
 from .ranking import Candidate, Ranker, Shortlist, m_bucket
 from .tactics import Problem
@@ -138,8 +138,7 @@ class Dispatcher:
         """Through the guard: raising or returning a non-`Support` marks the backend failed."""
         support = self.guard.supports(backend, self.device)
         if isinstance(support, PluginFault):  # recorded (strict mode raised already)
-            f = support.fault
-            return "failed", f"{f.call} failed: {f.error_type}: {f.message}"
+            return "failed", support.fault.what
         return ("available" if support.ok else "unsupported"), support.reason
 
     def backends(self) -> list[BackendStatus]:
@@ -419,11 +418,15 @@ class Dispatcher:
             self._autotune(operands.m, operands.n, operands.k, dtype)
         while True:
             candidate, kernel = self._plan(operands.m, operands.n, operands.k, dtype)
-            _, exc = contain(launch, candidate, kernel, operands, out)
-            if exc is None:
-                return out
-            # the kernel raised: the next candidate rewrites all of `out`
-            err = self.guard.fault(candidate.backend, "kernel", exc, candidate.tactic, quiet=True)
+            # inline (zero-cost try) rather than guard.contain: this is the hot path
+            try:
+                return launch(candidate, kernel, operands, out)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # plugin kernel: recorded, the next one rewrites out
+                err = self.guard.fault(
+                    candidate.backend, "kernel()", exc, candidate.tactic, quiet=True
+                )
             self._fall_back(candidate, err)
 
     def run_candidate(

@@ -49,10 +49,7 @@ class Fault:
     def __str__(self) -> str:
         where = f"backend {self.backend!r}" if self.backend else "its hook"
         tactic = f" tactic {self.tactic}" if self.tactic else ""
-        return (
-            f"plugin {self.plugin!r} {where}{tactic}: {self.call} failed: "
-            f"{self.error_type}: {self.message}"
-        )
+        return f"plugin {self.plugin!r} {where}{tactic}: {self.what}"
 
     def to_json(self) -> dict[str, str]:
         return asdict(self)

@@ -89,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
             for r in failed:
                 if r["error"]:
                     print(f"\n--- {r['plugin']} ---\n{r['error']['traceback']}")
+            for f in faults:
+                print(f"\n--- {f.plugin} / {f.backend} {f.call} ---\n{f.traceback}")
         elif failed:
             print(f"\n{len(failed)} failed; --traceback shows where they raised.")
     return 1 if (failed or faults) and strict else 0
