@@ -27,7 +27,7 @@ from . import tuning as _tuning
 from .backend import Backend, GemmOperands, Kernel
 from .cache import TuningCache, device_fingerprint
 from .device import DeviceInfo, resolve
-from .guard import Fault, Guard, PluginFault
+from .guard import Fault, Guard, PluginExit, PluginFault
 from .nvfp4 import Nvfp4Tensor
 from .ranking import Candidate, Ranker, Shortlist, m_bucket
 from .tactics import Problem
@@ -65,11 +65,23 @@ class BackendStatus:
 def launch(
     candidate: Candidate, kernel: Kernel, operands: GemmOperands, out: torch.Tensor
 ) -> torch.Tensor:
-    """Call `kernel`, realising ``swap_ab`` by exchanging operands and writing ``out.T``."""
-    if candidate.tactic.swap_ab:
-        kernel(operands.swapped(), out.t())
-    else:
-        kernel(operands, out)
+    """Call `kernel`, realising ``swap_ab`` by exchanging operands and writing ``out.T``.
+
+    A kernel's SystemExit (or other non-Exception BaseException, Ctrl-C aside) comes out
+    as `PluginExit`, an ordinary RuntimeError: callers containing kernel failures with
+    ``except Exception`` (the tuner) then contain it too. The try costs nothing (3.11).
+    """
+    try:
+        if candidate.tactic.swap_ab:
+            kernel(operands.swapped(), out.t())
+        else:
+            kernel(operands, out)
+    except (Exception, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # plugin code must not end the process: an error instead
+        raise PluginExit(
+            f"backend {candidate.backend!r} kernel raised {type(exc).__name__}: {exc}"
+        ) from exc
     return out
 
 
@@ -421,11 +433,10 @@ class Dispatcher:
             # inline (zero-cost try) rather than guard.contain: this is the hot path
             try:
                 return launch(candidate, kernel, operands, out)
-            except KeyboardInterrupt:
-                raise
-            except BaseException as exc:  # plugin kernel: recorded, the next one rewrites out
+            except Exception as exc:  # plugin kernel: recorded, the next one rewrites out
+                cause = exc.__cause__ if isinstance(exc, PluginExit) else exc
                 err = self.guard.fault(
-                    candidate.backend, "kernel()", exc, candidate.tactic, quiet=True
+                    candidate.backend, "kernel()", cause or exc, candidate.tactic, quiet=True
                 )
             self._fall_back(candidate, err)
 

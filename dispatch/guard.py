@@ -74,6 +74,15 @@ class PluginFault(RuntimeError):
         self.fault = fault
 
 
+class PluginExit(RuntimeError):
+    """A plugin's kernel raised SystemExit (or another non-Exception BaseException).
+
+    `fp4_dispatch.dispatcher.launch` turns it into this ordinary error (the original is
+    ``__cause__``) so that every caller that contains kernel failures with ``except
+    Exception`` (the tuner, doctor) contains it too.
+    """
+
+
 class BadReturn(TypeError):
     """A plugin call returned something of the wrong type or value (not an exception)."""
 

@@ -312,3 +312,14 @@ def test_no_working_candidate_left_says_why(plugin_dist, qab, monkeypatch):
     (fault,) = d.faults
     assert (fault.plugin, fault.backend, fault.call) == (PLUGIN, BACKEND, "build()")
     assert "nvcc" in fault.message and '"backend":"faulty-b"' in fault.tactic
+
+
+@pytest.mark.parametrize("case", ["kernel-SystemExit", "build-SystemExit", "kernel-raises"])
+def test_tuning_survives_exiting_plugin(case, plugin_dist, qab):
+    plugin_dist("faulty-dist", {PLUGIN: CASES[case][0]})
+    d = Dispatcher("cpu", cache=False)
+    (result,) = d.tune([(M, N, K)], save=False, progress=False)
+    assert result.winner is not None and result.winner.backend != BACKEND
+    assert BACKEND in json.dumps([str(f) for f in result.failures])
+    qa, qb = qab
+    assert rel_err(d.gemm(qa, qb), reference_gemm(qa, qb)) < 1e-2
