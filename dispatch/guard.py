@@ -201,15 +201,25 @@ class Guard:
     def estimate_us(
         self, backend: Any, problem: Any, device: Any, tactic: Tactic
     ) -> float | PluginFault | None:
-        """The backend's own estimate; None keeps the shared model; the fault when unusable."""
-        value, exc = contain(backend.estimate_us, problem, device, tactic)
-        if exc is None and value is None:
-            return None
-        if exc is None and not _finite_non_negative(value):
-            exc = BadReturn(f"returned {_short(value)}, expected None or a finite float >= 0")
-        if exc is not None:
+        """The backend's own estimate; None keeps the shared model; the fault when unusable.
+
+        Called once per tactic in every ranking (thousands): the usual answer, a finite
+        non-negative float, takes the first branch (no extra call, no isinstance).
+        """
+        try:
+            value = backend.estimate_us(problem, device, tactic)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # recorded; the caller keeps the shared model
             return self.failed(backend.name, "estimate_us()", exc, tactic)
-        return float(value)
+        if type(value) is float and 0.0 <= value < math.inf:
+            return value
+        if value is None:
+            return None
+        if _finite_non_negative(value):
+            return float(value)
+        exc = BadReturn(f"returned {_short(value)}, expected None or a finite float >= 0")
+        return self.failed(backend.name, "estimate_us()", exc, tactic)
 
     def validate(self, backend: Any, tactic: Tactic, problem: Any, device: Any) -> str | None:
         """None when valid, else why not (a fault counts as "not valid here")."""

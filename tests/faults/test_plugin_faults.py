@@ -323,3 +323,16 @@ def test_tuning_survives_exiting_plugin(case, plugin_dist, qab):
     assert BACKEND in json.dumps([str(f) for f in result.failures])
     qa, qb = qab
     assert rel_err(d.gemm(qa, qb), reference_gemm(qa, qb)) < 1e-2
+
+
+def test_list_backends_json_carries_faults(plugin_dist, capsys):
+    from fp4_dispatch.cli import main
+
+    plugin_dist("faulty-dist", {PLUGIN: CASES["supports-True"][0]})
+    assert main(["list-backends", "--device", "cpu", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    row = rows[BACKEND]
+    assert row["status"] == "failed" and row["plugin"] == PLUGIN
+    (fault,) = row["faults"]
+    assert fault["call"] == "supports()" and "expected an fp4_dispatch.Support" in fault["message"]
+    assert isinstance(row["load_s"], float)
