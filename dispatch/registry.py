@@ -186,14 +186,15 @@ def _call_hook(report: PluginReport, module: object, registry: Registry) -> list
     """
     pm = registry.pm
     others = [p for p in pm.get_plugins() if p is not module]
-    _, exc = contain(pm.register, module, name=report.name)
-    if exc is not None:
-        _error(report, "hook", exc)
-        return None
+    if not pm.is_registered(module):  # two entry points may name one module: register once
+        # a second distribution's entry point of the same name gets a distinct pluggy name
+        name = report.name if pm.get_plugin(report.name) is None else report.target
+        _, exc = contain(pm.register, module, name=name)
+        if exc is not None:
+            _error(report, "hook", exc)
+            return None
     impls = [
-        i
-        for i in pm.hook.fp4_dispatch_register_backends.get_hookimpls()
-        if i.plugin_name == report.name
+        i for i in pm.hook.fp4_dispatch_register_backends.get_hookimpls() if i.plugin is module
     ]
     if not impls:
         _, exc = contain(_no_hook, report.target)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import textwrap
+
 import pytest
 from conftest import good_plugin
 
@@ -174,3 +177,18 @@ def test_hook_that_registers_then_raises_contributes_nothing(plugin_dist):
     assert "half-backend" not in reg.backends
     (err,) = report(reg, "half").errors
     assert err.stage == "hook" and "late" in err.message
+
+
+def test_same_entry_point_name_in_two_distributions_both_load(plugin_dist, tmp_path):
+    plugin_dist("one-dist", {"same": good_plugin("one-backend")})
+    # a second distribution whose entry point has the same name, another module
+    info = tmp_path / "two_dist-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: two-dist\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[fp4_dispatch]\nsame = fakeplug_same_two\n")
+    (tmp_path / "fakeplug_same_two.py").write_text(textwrap.dedent(good_plugin("two-backend")))
+    try:
+        reg = load()
+    finally:
+        sys.modules.pop("fakeplug_same_two", None)
+    assert {"one-backend", "two-backend"} <= set(reg.backends), [str(e) for e in reg.errors]
