@@ -408,7 +408,11 @@ class Dispatcher:
             candidate.backend, candidate.tactic.canonical_json(), err.fault.message,
         )  # fmt: skip
         self.ranker.clear()
-        self._plans = {key: plan for key, plan in self._plans.items() if plan[0] != candidate}
+        gone = (candidate.backend, candidate.tactic)
+        self._plans = {
+            key: plan for key, plan in self._plans.items()
+            if (plan[0].backend, plan[0].tactic) != gone
+        }  # fmt: skip
 
     def check_device(self, name: str, t: torch.Tensor) -> torch.device:
         """The torch device this dispatcher runs on; raises unless `t` is there and it is real."""
