@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: distinct faults kept per dispatcher: a plugin whose messages vary on every call (ids,
+#: times) must not grow the record without bound; strict mode still raises every time
+MAX_FAULTS = 1000
+
 
 @dataclass(frozen=True)
 class Fault:
@@ -101,7 +105,9 @@ def contain(
 
 def describe(exc: BaseException) -> tuple[str, str, str]:
     """(type name, message, traceback text) of an exception, SystemExit's code included."""
-    message = str(exc)
+    message, failed = contain(str, exc)
+    if failed is not None:  # a hostile __str__ must not escape the guard either
+        message = f"<str() of the exception raised {type(failed).__name__}>"
     if isinstance(exc, SystemExit):
         message = f"sys.exit({exc.code!r}) called by the plugin"
     trace = "".join(_tb.format_exception(type(exc), exc, exc.__traceback__))
@@ -151,10 +157,12 @@ class Guard:
             traceback=trace,
         )
         key = (f.plugin, f.backend, f.call, f.tactic, f.error_type, f.message)
-        if key not in self._seen:
+        if key not in self._seen and len(self._seen) < MAX_FAULTS:
             self._seen.add(key)
             self.faults.append(f)
             log.log(logging.INFO if quiet else logging.WARNING, "%s", f)
+            if len(self._seen) == MAX_FAULTS:
+                log.warning("%d plugin faults recorded: further ones are not", MAX_FAULTS)
         err = PluginFault(f)
         err.__cause__ = exc if not isinstance(exc, BadReturn) else None
         return err
@@ -261,7 +269,9 @@ def _finite_non_negative(value: object) -> bool:
 
 
 def _short(value: object) -> str:
-    text = repr(value)
+    text, failed = contain(repr, value)
+    if failed is not None:
+        text = f"<repr() raised {type(failed).__name__}>"
     text = text if len(text) <= 60 else text[:57] + "..."
     return f"{type(value).__name__} {text}"
 
