@@ -48,15 +48,44 @@ def dense_activation(name: str, t: object) -> torch.Tensor:
     return t
 
 
+#: K must be a multiple of this: two 16-element scale blocks, so that every packed row
+#: (K/2 bytes) and every scale row (K/16, padded to 4) is whole for every backend
+K_MULTIPLE = 32
+
+
+def gemm_k(k: object, name: str = "K") -> int:
+    """The GEMM's K rule, one function for select, candidates, explain, tune and gemm."""
+    if type(k) is not int:
+        raise TypeError(f"{name}: expected a positive int multiple of {K_MULTIPLE}, got {k!r}")
+    if k < 1 or k % K_MULTIPLE:
+        raise ValueError(
+            f"{name}: K must be a positive multiple of {K_MULTIPLE} for the GEMM, got K={k}"
+        )
+    return k
+
+
+def problem_dims(m: object, n: object, k: object) -> tuple[int, int, int]:
+    """(M, N, K) of a problem to rank or tune: positive ints, K by `gemm_k`.
+
+    ValueError for every bad value (wrong type included) so that callers parsing user
+    input have one error to catch.
+    """
+    for name, v in (("M", m), ("N", n)):
+        if type(v) is not int or v < 1:
+            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    if type(k) is not int:
+        raise ValueError(f"K: expected a positive int multiple of {K_MULTIPLE}, got {k!r}")
+    gemm_k(k)
+    return m, n, k  # type: ignore[return-value]
+
+
 def k_dims(k_a: int, k_b: int, names: tuple[str, str] = ("qa", "qb")) -> int:
     if k_a != k_b:
         raise ValueError(
             f"{names[1]}: K must match {names[0]}'s K={k_a} (out = A @ B.T with B as [N, K]), "
             f"got K={k_b}"
         )
-    if k_a % 32:
-        raise ValueError(f"{names[0]}: K must be a multiple of 32 for the GEMM, got K={k_a}")
-    return k_a
+    return gemm_k(k_a, names[0])
 
 
 def same_device(device: torch.device, **tensors: torch.Tensor) -> None:

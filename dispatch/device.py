@@ -57,6 +57,7 @@ class DeviceInfo(BaseModel):
 
     def with_sm_count(self, sm_count: int) -> DeviceInfo:
         """Same part with another SM count; per-SM rates stay, totals scale."""
+        sm_count = check_sm_count(sm_count)
         f = sm_count / self.sm_count
         fp4 = None if self.fp4_tflops is None else self.fp4_tflops * f
         return self.model_copy(
@@ -96,6 +97,17 @@ class DeviceProfile:
 
 
 CPU = DeviceInfo(name="cpu", kind="cpu", note="no CUDA device")
+
+
+def check_sm_count(sm_count: object) -> int:
+    """A user's SM count: a positive int (not a bool or float); ValueError otherwise.
+
+    Why: 0 divided the rates (ZeroDivisionError deep in the cost model) and a negative
+    count produced negative rates that ranked every tactic as free.
+    """
+    if type(sm_count) is not int or sm_count < 1:
+        raise ValueError(f"sm_count: expected a positive int, got {sm_count!r}")
+    return sm_count
 
 
 def _check(result: tuple) -> object:

@@ -25,10 +25,11 @@ import torch
 from . import checks, registry, torch_ops
 from . import tuning as _tuning
 from .backend import Backend, GemmOperands, Kernel, kernel_problem
-from .backend import launch as _launch
 from .buckets import m_bucket
 from .cache import TuningCache, device_fingerprint
 from .device import DeviceInfo
+from .guard import Fault, Guard, PluginFault
+from .guard import launch as guarded_launch
 from .nvfp4 import Nvfp4Tensor
 from .plans import Plan, PlanKey, plan_for
 from .profiles import resolve
@@ -38,7 +39,7 @@ from .winners import BucketKey, TunedWinners
 
 log = logging.getLogger(__name__)
 
-Status = Literal["available", "unsupported", "failed", "disabled"]
+Status = Literal["available", "unsupported", "failed", "disabled", "empty"]
 
 
 @dataclass(frozen=True)
@@ -53,18 +54,26 @@ class BackendStatus:
     reason: str
     plugin: str
     error: registry.LoadError | None = None
+    #: run-time faults of this backend's plugin code (or of the plugin's hook)
+    faults: tuple[Fault, ...] = ()
+    #: the plugin's import + hook time in seconds
+    load_s: float = 0.0
 
     def to_json(self) -> dict:
         row = asdict(self)
         row["error"] = None if self.error is None else asdict(self.error)
+        row["faults"] = [f.to_json() for f in self.faults]
         return row
 
 
 def launch(
     candidate: Candidate, kernel: Kernel, operands: GemmOperands, out: torch.Tensor
 ) -> torch.Tensor:
-    """`fp4_dispatch.backend.launch` for a candidate (the swap convention); returns out."""
-    _launch(kernel, operands, out, candidate.tactic.swap_ab)
+    """Run `kernel` for `candidate` under the swap convention; returns ``out``.
+
+    A kernel's SystemExit comes out as `fp4_dispatch.guard.PluginExit` (`guard.launch`).
+    """
+    guarded_launch(kernel, operands, out, candidate.tactic.swap_ab)
     return out
 
 
@@ -98,12 +107,18 @@ class Dispatcher:
         self.strict = registry.strict_default() if strict is None else strict
         self.budget = budget
         self.registry = registry.load(strict=self.strict)
+        #: every call into plugin code after loading goes through it
+        self.guard = Guard(
+            strict=self.strict,
+            plugin_of={name: rep.name for name, rep in self.registry.plugin_of.items()},
+            faults=self.registry.faults,
+        )
         self.device = resolve(device, sm_count, self.registry.backends.values())
         self._status = {name: self._check_support(b) for name, b in self.registry.backends.items()}
         self.available: list[Backend] = [
             b for name, b in self.registry.backends.items() if self._status[name][0] == "available"
         ]
-        self.ranker = Ranker(self.available, self.device, budget)
+        self.ranker = Ranker(self.available, self.device, budget, guard=self.guard)
         #: this dispatcher's id for the ``fp4_dispatch::gemm`` op: a plain int, so that
         #: torch.compile can read it from a module attribute without tracing the registry
         self.op_id = torch_ops.dispatcher_id(self)
@@ -128,14 +143,16 @@ class Dispatcher:
 
     # ---- backends -------------------------------------------------------------------
 
+    @property
+    def faults(self) -> list[Fault]:
+        """Every contained fault of plugin code in this dispatcher (shown by list-backends)."""
+        return self.registry.faults
+
     def _check_support(self, backend: Backend) -> tuple[Status, str]:
-        try:
-            support = backend.supports(self.device)
-        except Exception as exc:  # a backend's own check failed: a failure, shown to users
-            log.warning("backend %s: supports() raised %r", backend.name, exc)
-            if self.strict:
-                raise
-            return "failed", f"supports() raised {type(exc).__name__}: {exc}"
+        """Through the guard: raising or returning a non-`Support` marks the backend failed."""
+        support = self.guard.supports(backend, self.device)
+        if isinstance(support, PluginFault):  # recorded (strict mode raised already)
+            return "failed", support.fault.what
         return ("available" if support.ok else "unsupported"), support.reason
 
     def backends(self) -> list[BackendStatus]:
@@ -145,11 +162,28 @@ class Dispatcher:
             for name in report.backends:
                 b = self.registry.backends[name]
                 status, reason = self._status[name]
+                faults = tuple(f for f in self.faults if f.backend == name)
                 rows.append(
                     BackendStatus(
-                        name, b.family, report.origin, b.version, status, reason, report.name
+                        name, b.family, report.origin, b.version, status, reason, report.name,
+                        faults=faults, load_s=report.load_s,
                     )
-                )
+                )  # fmt: skip
+            for name, why in report.disabled_backends.items():
+                rows.append(
+                    BackendStatus(
+                        name, "?", report.origin, report.version, "disabled", why, report.name,
+                        load_s=report.load_s,
+                    )
+                )  # fmt: skip
+            if report.status == "loaded" and not report.backends and not report.disabled_backends:
+                rows.append(
+                    BackendStatus(
+                        f"<{report.name}>", "?", report.origin, report.version, "empty",
+                        "the plugin's hook registered no backend", report.name,
+                        load_s=report.load_s,
+                    )
+                )  # fmt: skip
             for err in report.errors:
                 rows.append(
                     BackendStatus(
@@ -161,6 +195,7 @@ class Dispatcher:
                         reason=f"{err.stage}: {err.error_type}: {err.message}",
                         plugin=report.name,
                         error=err,
+                        load_s=report.load_s,
                     )
                 )
             if report.status == "disabled":
@@ -178,6 +213,7 @@ class Dispatcher:
         self, m: int, n: int, k: int, out_dtype: str = "bfloat16", operation: str = "w4a4"
     ) -> Shortlist:
         """The capped, explained shortlist for one problem (``operation`` w4a4 or w4a16)."""
+        checks.problem_dims(m, n, k)
         return self.ranker.shortlist(
             Problem(m=m, n=n, k=k, out_dtype=out_dtype, operation=operation)
         )
@@ -186,9 +222,11 @@ class Dispatcher:
         self, m: int, n: int, k: int, out_dtype: str = "bfloat16", operation: str = "w4a4"
     ) -> Candidate:
         """The candidate a call of this shape would run: the bucket's tuned winner if there
-        is a valid one, else the heuristic pick (logged once per bucket)."""
+        is a valid one, else the heuristic pick (logged once per bucket). A (backend,
+        tactic) that failed to build or run in this process is never selected."""
+        checks.problem_dims(m, n, k)
         tuned = self.winners.pick(m, n, k, out_dtype) if operation == "w4a4" else None
-        if tuned is not None:
+        if tuned is not None and (tuned.backend, tuned.tactic) not in self.guard.broken:
             return tuned
         pick = self.ranker.pick(m, n, k, out_dtype, operation)
         bkey = (n, k, m_bucket(m), out_dtype, operation)
@@ -322,7 +360,9 @@ class Dispatcher:
         if kernel is None:
             backend = self.registry.backends[candidate.backend]
             log.info("building %s %s for %s", candidate.backend, candidate.tactic, bucketed)
-            kernel = backend.build(candidate.tactic, bucketed, self.device)
+            # raises PluginFault (recorded, pair marked broken) when build fails or
+            # returns something that is not callable
+            kernel = self.guard.build(backend, candidate.tactic, bucketed, self.device)
             self._kernels[key] = kernel
         return kernel
 
@@ -336,11 +376,42 @@ class Dispatcher:
         return self._plans.get((m, n, k, dtype, operation))
 
     def _new_plan(self, key: PlanKey) -> Plan:
+        """The selected candidate's plan; on a failed build, the next candidate's.
+
+        Each failed (backend, tactic) is remembered for the process (`Guard.broken`), so
+        the next `select` ranks without it: the loop ends when a build works or ranking
+        finds no candidate left (its RuntimeError then lists why). Strict: raises.
+        """
         m, n, k, dtype, op = key
-        candidate = self.select(m, n, k, dtype, op)
         problem = Problem(m=m, n=n, k=k, out_dtype=dtype, operation=op)
-        plan = self._plans[key] = plan_for(key, candidate, self.kernel_for(candidate, problem))
-        return plan
+        while True:
+            candidate = self.select(m, n, k, dtype, op)
+            try:
+                kernel = self.kernel_for(candidate, problem)
+            except Exception as exc:  # recorded by the guard; fall back unless strict
+                err = exc if isinstance(exc, PluginFault) else getattr(exc, "plugin_fault", None)
+                if not isinstance(err, PluginFault):
+                    err = self.guard.fault(candidate.backend, "build()", exc, candidate.tactic)
+                self._fall_back(candidate, err)
+                continue
+            plan = self._plans[key] = plan_for(key, candidate, kernel)
+            return plan
+
+    def _fall_back(self, candidate: Candidate, err: PluginFault) -> None:
+        """Forget every plan and memo that used `candidate`; warn once; strict: raise."""
+        if self.strict:
+            raise err
+        self.guard.broken.add((candidate.backend, candidate.tactic))
+        log.warning(
+            "backend %s tactic %s failed (%s); falling back to the next candidate",
+            candidate.backend, candidate.tactic.canonical_json(), err.fault.message,
+        )  # fmt: skip
+        self.ranker.clear()
+        gone = (candidate.backend, candidate.tactic)
+        self._plans = {
+            key: plan for key, plan in self._plans.items()
+            if (plan.candidate.backend, plan.candidate.tactic) != gone
+        }  # fmt: skip
 
     def check_device(self, name: str, t: torch.Tensor) -> torch.device:
         """The torch device this dispatcher runs on; raises unless `t` is there and it is real."""
@@ -398,9 +469,20 @@ class Dispatcher:
         if self._autotune_depth and key[4] == "w4a4":
             self._autotune(*key[:4])
             plan = self._plans.get(key)
-        if plan is None:
-            plan = self._new_plan(key)
-        plan(*args)
+        while True:
+            if plan is None:
+                plan = self._new_plan(key)
+            # inline (zero-cost try) rather than guard.contain: this is the hot path
+            try:
+                plan(*args)
+                break
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # plugin kernel: recorded; the next one rewrites out
+                cand = plan.candidate
+                err = self.guard.fault(cand.backend, "kernel()", exc, cand.tactic, quiet=True)
+            self._fall_back(plan.candidate, err)
+            plan = None
         plan.warm = True
         self._ran.add(key)
 
@@ -536,7 +618,8 @@ def _shape(shape: object) -> tuple[int, int, int]:
         m, n, k = shape  # type: ignore[misc]
     except (TypeError, ValueError):
         raise ValueError(f"shapes: expected (M, N, K) tuples, got {shape!r}") from None
-    for name, v in (("M", m), ("N", n), ("K", k)):
-        if type(v) is not int or v < 1:
-            raise ValueError(f"shapes: {name} must be a positive int, got {v!r} in {shape!r}")
+    try:
+        checks.problem_dims(m, n, k)
+    except ValueError as exc:
+        raise ValueError(f"shapes: {exc} in {shape!r}") from None
     return m, n, k

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Iterable
 
 from .backend import Backend
-from .device import CPU, DeviceInfo, DeviceProfile, detect
+from .device import CPU, DeviceInfo, DeviceProfile, check_sm_count, detect
 from .registry import load
 
 log = logging.getLogger(__name__)
@@ -53,15 +53,9 @@ def profiles(backends: Iterable[Backend] | None = None) -> dict[str, DeviceProfi
     return found
 
 
-def check_sm_count(sm_count: object) -> int | None:
-    """``sm_count`` as given (None or a positive int); ValueError/TypeError otherwise."""
-    if sm_count is None:
-        return None
-    if type(sm_count) is not int:
-        raise TypeError(f"sm_count: expected a positive int or None, got {sm_count!r}")
-    if sm_count < 1:
-        raise ValueError(f"sm_count: expected a positive int, got {sm_count}")
-    return sm_count
+def _sm_count(sm_count: object) -> int | None:
+    """None (keep the part's), or `fp4_dispatch.device.check_sm_count`'s positive int."""
+    return None if sm_count is None else check_sm_count(sm_count)
 
 
 def simulated(
@@ -75,7 +69,7 @@ def simulated(
             f"device: expected one of {sorted(known)}, 'cpu', 'cuda' or 'cuda:N', got {name!r}"
         )
     dev = known[key].device
-    sm_count = check_sm_count(sm_count)
+    sm_count = _sm_count(sm_count)
     return dev if sm_count is None else dev.with_sm_count(sm_count)
 
 
@@ -115,7 +109,7 @@ def resolve(
     backends: Iterable[Backend] | None = None,
 ) -> DeviceInfo:
     """Turn a user's device argument into a `DeviceInfo` (module docstring)."""
-    sm_count = check_sm_count(sm_count)
+    sm_count = _sm_count(sm_count)
     backends = None if backends is None else tuple(backends)
     if isinstance(device, DeviceInfo):
         dev = device

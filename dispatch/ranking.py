@@ -33,9 +33,13 @@ M = 8192 both orientations are neutral, so measurement decides (at M = 32768 swa
 7-66% faster under an M-major persistent scheduler; facts.md).
 
 A backend refines the estimate by returning a number from its own ``estimate_us``; that
-number replaces the shared one for its tactic (None keeps the shared one; NaN or a
-negative value is ignored with a warning; a raising refinement is logged and the shared
-estimate used for the rest of that backend's tactics).
+number replaces the shared one for its tactic (None keeps the shared one). Every call
+into a backend goes through `fp4_dispatch.guard.Guard`: a refinement that raises or
+returns anything but None or a finite float >= 0 (a str, NaN, inf, a negative number)
+is a recorded fault, and the shared estimate is used for the rest of that backend's
+tactics; ``tactics()`` that raises, returns a non-iterable, or yields tactics of the
+wrong type or of another backend is a recorded fault too (its valid tactics are kept).
+In strict mode each of these raises `fp4_dispatch.guard.PluginFault`.
 
 Re-validation (the merge): each tactic must be an instance of its backend's
 ``tactic_type`` with ``tactic.backend == backend.name``, and must survive
@@ -65,6 +69,7 @@ from pydantic import ValidationError
 from .backend import Backend
 from .buckets import m_bucket
 from .device import DeviceInfo
+from .guard import Guard, PluginFault
 from .tactics import Problem, Tactic
 
 log = logging.getLogger(__name__)
@@ -351,7 +356,7 @@ def _overrides_estimate(backend: Backend) -> bool:
 
 
 def _collect(
-    problem: Problem, device: DeviceInfo, backends: Iterable[Backend]
+    problem: Problem, device: DeviceInfo, backends: Iterable[Backend], guard: Guard | None = None
 ) -> tuple[list[_Entry], dict[str, str], list[str]]:
     """Every distinct valid tactic of every backend, scored; plus skipped and warnings.
 
@@ -367,20 +372,19 @@ def _collect(
     by_geom: dict[tuple, float] = {}
     by_id, by_value = _BY_ID, _CHECKED
     dense = problem.operation == "w4a16"
+    guard = Guard() if guard is None else guard
+    broken = guard.broken
     for backend in sorted(backends, key=lambda b: b.name):
         name, family, ttype = backend.name, backend.family, backend.tactic_type
         if problem.operation not in backend.operations:
             continue  # families compete only within one operation
-        try:
-            tactics = list(backend.tactics(problem, device))
-        except Exception as exc:  # a plugin bug must not take the others down: report it
-            why = f"tactics() raised {type(exc).__name__}: {exc}"
-            log.warning("backend %s skipped for %s: %s", name, problem, why)
-            skipped[name] = why
+        tactics = guard.tactics(backend, problem, device)
+        if isinstance(tactics, PluginFault):  # recorded (and raised in strict mode)
+            skipped[name] = tactics.fault.what
             continue
         refine = _overrides_estimate(backend)
         seen: set[str] = set()
-        invalid = 0
+        invalid = failed_here = 0
         first_invalid = ""
         for t in tactics:
             info = None
@@ -410,12 +414,20 @@ def _collect(
             if canon in seen:
                 continue
             seen.add(canon)
+            if broken and (name, t) in broken:  # failed to build or run in this process
+                failed_here += 1
+                continue
             est = by_geom.get(geom)
             if est is None:
                 tm, tn, cm, cn, swap, cpt = geom
                 est = by_geom[geom] = _shared_us(m, n, k, sms, peak, bw, tm, tn, cm, cn, swap, cpt)
             if refine:
-                est, refine = _refined(backend, problem, device, t, est, warnings)
+                value = guard.estimate_us(backend, problem, device, t)
+                if isinstance(value, PluginFault):  # recorded; shared model from now on
+                    warnings.append(f"{value}; shared model used")
+                    refine = False
+                elif value is not None:
+                    est = value
             entries.append((est, name, canon, t, family))
         if invalid:
             why = (
@@ -424,35 +436,11 @@ def _collect(
             )
             log.warning("backend %s for %s: %s", name, problem, why)
             skipped[name] = why
+            guard.bad_tactics(backend, invalid, first_invalid)
+        if failed_here:
+            why = f"{failed_here} tactic(s) left out: they failed to build or run in this process"
+            skipped[name] = f"{skipped[name]}; {why}" if name in skipped else why
     return entries, skipped, warnings
-
-
-def _refined(
-    backend: Backend,
-    problem: Problem,
-    device: DeviceInfo,
-    tactic: Tactic,
-    est: float,
-    warnings: list[str],
-) -> tuple[float, bool]:
-    """The backend's own estimate if it gives a usable one; (estimate, keep refining)."""
-    try:
-        value = backend.estimate_us(problem, device, tactic)
-    except Exception as exc:  # an optional refinement failed: keep the shared model, say so
-        msg = f"{backend.name}: estimate_us raised {type(exc).__name__}: {exc}; shared model used"
-        log.warning(msg)
-        warnings.append(msg)
-        return est, False
-    if value is None:
-        return est, True
-    value = float(value)
-    if math.isnan(value) or value < 0:
-        msg = f"{backend.name}: estimate_us returned {value!r}; shared model used"
-        if msg not in warnings:
-            log.warning(msg)
-            warnings.append(msg)
-        return est, True
-    return value, True
 
 
 # ---- the cap --------------------------------------------------------------------------
@@ -564,6 +552,7 @@ def shortlist(
     backends: Sequence[Backend],
     budget: int = DEFAULT_BUDGET,
     floor: int | None = None,
+    guard: Guard | None = None,
 ) -> Shortlist:
     """Merge, score and cap every backend's tactics for `problem` to `budget` tactics.
 
@@ -580,7 +569,7 @@ def shortlist(
         raise ValueError(f"budget: expected a positive int, got {budget!r}")
     if floor is not None and (not isinstance(floor, int) or floor < 0):
         raise ValueError(f"floor: expected a non-negative int, got {floor!r}")
-    entries, skipped, warnings = _collect(problem, device, backends)
+    entries, skipped, warnings = _collect(problem, device, backends, guard)
     entries.sort()  # (est_us, backend, canonical JSON) are unique: tactics never compared
     kept, cut, floor_used = _cap(entries, _axes_of(backends), budget, floor)
     candidates = [
@@ -620,7 +609,11 @@ class Ranker:
     """
 
     def __init__(
-        self, backends: Sequence[Backend], device: DeviceInfo, budget: int = DEFAULT_BUDGET
+        self,
+        backends: Sequence[Backend],
+        device: DeviceInfo,
+        budget: int = DEFAULT_BUDGET,
+        guard: Guard | None = None,
     ) -> None:
         if not isinstance(budget, int) or budget < 1:
             raise ValueError(f"budget: expected a positive int, got {budget!r}")
@@ -631,6 +624,8 @@ class Ranker:
             by_name[b.name] = b
         self.backends: tuple[Backend, ...] = tuple(by_name[n] for n in sorted(by_name))
         self._by_name = by_name
+        #: every call into a backend goes through it (faults recorded, strict raises)
+        self.guard = Guard() if guard is None else guard
         self.device = device
         self.budget = budget
         self._buckets: dict[tuple[int, int, int, str, str], Candidate] = {}
@@ -638,7 +633,7 @@ class Ranker:
 
     def shortlist(self, problem: Problem) -> Shortlist:
         """The full capped ranking for this exact problem (not memoized)."""
-        return shortlist(problem, self.device, self.backends, self.budget)
+        return shortlist(problem, self.device, self.backends, self.budget, guard=self.guard)
 
     def pick(
         self, m: int, n: int, k: int, out_dtype: str = "bfloat16", operation: str = "w4a4"
@@ -670,14 +665,10 @@ class Ranker:
 
     def _invalid_for(self, cand: Candidate, problem: Problem) -> str | None:
         backend = self._by_name[cand.backend]
-        try:
-            return backend.validate(cand.tactic, problem, self.device)
-        except Exception as exc:  # a failing check counts as "not valid here": re-rank
-            log.warning("backend %s: validate() raised %r", backend.name, exc)
-            return f"validate() raised {type(exc).__name__}: {exc}"
+        return self.guard.validate(backend, cand.tactic, problem, self.device)
 
     def _best(self, problem: Problem) -> Candidate:
-        entries, skipped, _ = _collect(problem, self.device, self.backends)
+        entries, skipped, _ = _collect(problem, self.device, self.backends, self.guard)
         if not entries:
             raise RuntimeError(self._none_qualifies(problem, skipped))
         e = min(entries, key=_sort_key)

@@ -6,13 +6,19 @@ own; a plugin that raises on import, raises inside the hook, registers something
 is not a `Backend`, or registers a duplicate name is recorded in a `LoadError`
 (plugin, distribution, version, stage, exception type, message, traceback) and the
 others still load. ``strict=True`` raises `PluginLoadError` instead.
+
+Everything a plugin can raise is contained (`fp4_dispatch.guard.contain`: SystemExit
+too, only Ctrl-C passes). A hook that raises contributes nothing: its registrations are
+rolled back. Each plugin's load time is measured (`PluginReport.load_s`) so that a slow
+plugin is visible in ``list-backends``. Disabled entry points are blocked in the
+registry's pluggy `PluginManager` (``pm.is_blocked(name)``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import traceback
+import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Literal
@@ -21,6 +27,7 @@ import pluggy
 
 from . import hookspecs
 from .backend import Backend
+from .guard import Fault, contain, describe
 from .tactics import Tactic
 
 log = logging.getLogger(__name__)
@@ -62,6 +69,10 @@ class PluginReport:
     reason: str = ""
     backends: list[str] = field(default_factory=list)
     errors: list[LoadError] = field(default_factory=list)
+    #: seconds spent importing the module and running its hook
+    load_s: float = 0.0
+    #: backends this plugin registered that an environment variable disabled -> why
+    disabled_backends: dict[str, str] = field(default_factory=dict)
 
     @property
     def origin(self) -> str:
@@ -83,6 +94,9 @@ class Registry:
     backends: dict[str, Backend] = field(default_factory=dict)
     plugin_of: dict[str, PluginReport] = field(default_factory=dict)
     plugins: list[PluginReport] = field(default_factory=list)
+    #: run-time faults of plugin code (`fp4_dispatch.guard.Guard` appends here)
+    faults: list[Fault] = field(default_factory=list)
+    pm: pluggy.PluginManager = field(default_factory=lambda: _plugin_manager())
 
     @property
     def errors(self) -> list[LoadError]:
@@ -125,15 +139,22 @@ def _report_for(ep: metadata.EntryPoint) -> PluginReport:
     return PluginReport(ep.name, ep.value, dist, version, _is_builtin(ep))
 
 
+def _plugin_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    return pm
+
+
 def _error(report: PluginReport, stage: Stage, exc: BaseException) -> LoadError:
+    error_type, message, trace = describe(exc)
     err = LoadError(
         plugin=report.name,
         distribution=report.distribution,
         version=report.version,
         stage=stage,
-        error_type=type(exc).__name__,
-        message=str(exc),
-        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        error_type=error_type,
+        message=message,
+        traceback=trace,
     )
     report.errors.append(err)
     report.status = "failed"
@@ -157,60 +178,159 @@ def check_backend(obj: object) -> None:
         raise TypeError(f"backend {obj.name!r}: tactic_type must be a subclass of Tactic")
 
 
-def _call_hook(report: PluginReport, module: object, registry: Registry) -> None:
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
-    pm.register(module, name=report.name)
-    if not pm.hook.fp4_dispatch_register_backends.get_hookimpls():
-        raise TypeError(f"{report.target} defines no fp4_dispatch_register_backends hook")
+def _call_hook(report: PluginReport, module: object, registry: Registry) -> list[Backend] | None:
+    """Run one plugin's hook alone; its backends, or None when it raised (nothing kept).
+
+    Registrations are staged and committed only when the hook returns: a hook that
+    registers a backend and then raises contributes nothing.
+    """
+    pm = registry.pm
+    others = [p for p in pm.get_plugins() if p is not module]
+    if not pm.is_registered(module):  # two entry points may name one module: register once
+        # a second distribution's entry point of the same name gets a distinct pluggy name
+        name = report.name if pm.get_plugin(report.name) is None else report.target
+        _, exc = contain(pm.register, module, name=name)
+        if exc is not None:
+            _error(report, "hook", exc)
+            return None
+    impls = [
+        i for i in pm.hook.fp4_dispatch_register_backends.get_hookimpls() if i.plugin is module
+    ]
+    if not impls:
+        _, exc = contain(_no_hook, report.target)
+        _error(report, "hook", exc)
+        return None
+    staged: dict[str, Backend] = {}
 
     def register(obj: object) -> None:
         try:
             check_backend(obj)
-            if obj.name in registry.backends:
-                owner = registry.plugin_of[obj.name].name
+            if obj.name in registry.backends or obj.name in staged:
+                owner = (
+                    registry.plugin_of[obj.name].name
+                    if obj.name in registry.plugin_of
+                    else report.name
+                )
                 raise ValueError(f"duplicate backend name {obj.name!r} (already from {owner!r})")
         except (TypeError, ValueError) as exc:
             _error(report, "register", exc)
             return
-        registry.backends[obj.name] = obj
-        registry.plugin_of[obj.name] = report
-        report.backends.append(obj.name)
+        staged[obj.name] = obj
 
-    pm.hook.fp4_dispatch_register_backends(register=register)
+    # only this plugin's implementation runs (pluggy's subset caller, earlier plugins removed)
+    call = pm.subset_hook_caller("fp4_dispatch_register_backends", remove_plugins=others)
+    _, exc = contain(call, register=register)
+    if exc is not None:
+        _error(report, "hook", exc)
+        if staged:
+            log.warning("plugin %r: hook raised after registering %s: none of them is kept",
+                        report.name, ", ".join(sorted(staged)))  # fmt: skip
+        return None
+    return list(staged.values())
+
+
+def _no_hook(target: str) -> None:
+    """Raised (not just built) so that the recorded error has a traceback."""
+    raise TypeError(f"{target} defines no fp4_dispatch_register_backends hook")
+
+
+def _env_sources() -> tuple[set[str] | None, set[str] | None]:
+    return _env_list("FP4_DISPATCH_PLUGINS"), _env_list("FP4_DISPATCH_DISABLE")
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_unmatched(var: str, names: set[str], eps: set[str], backends: set[str]) -> None:
+    """One warning per process for each name of `var` that matched no plugin or backend."""
+    for name in sorted(names - eps - backends):
+        if (var, name) in _WARNED:
+            continue
+        _WARNED.add((var, name))
+        log.warning(
+            "%s: %r matches no plugin (entry point) and no backend; plugins: %s; backends: %s",
+            var, name, ", ".join(sorted(eps)) or "none", ", ".join(sorted(backends)) or "none",
+        )  # fmt: skip
 
 
 def load(strict: bool | None = None) -> Registry:
     """Load every plugin of the ``fp4_dispatch`` entry-point group.
 
     ``FP4_DISPATCH_PLUGINS`` (comma list; empty = built-ins only) limits third-party
-    plugins; ``FP4_DISPATCH_DISABLE`` (comma list) skips any plugin, built-ins too.
+    plugins; ``FP4_DISPATCH_DISABLE`` (comma list) skips any plugin, built-ins too. Both
+    take entry-point names and backend names: an entry-point name acts on the whole
+    plugin (a disabled one is never imported); a backend name acts on that backend only
+    (its plugin is loaded, the other backends of the plugin stay as they were; with a
+    backend name in ``FP4_DISPATCH_PLUGINS`` unlisted third-party plugins are imported
+    to find it, and only listed backends of theirs are kept). A name that matches
+    nothing is warned about once per process.
     """
     strict = strict_default() if strict is None else strict
-    allow, disable = _env_list("FP4_DISPATCH_PLUGINS"), _env_list("FP4_DISPATCH_DISABLE")
+    allow, disable = _env_sources()
     registry = Registry()
-    for ep in _entry_points():
+    eps = _entry_points()
+    ep_names = {ep.name for ep in eps}
+    allow_backends = None if allow is None else allow - ep_names
+    for ep in eps:
         report = _report_for(ep)
         registry.plugins.append(report)
         if disable is not None and ep.name in disable:
-            report.status, report.reason = "disabled", "listed in FP4_DISPATCH_DISABLE"
+            _block(registry, report, "listed in FP4_DISPATCH_DISABLE")
             continue
-        if allow is not None and not report.builtin and ep.name not in allow:
-            report.status, report.reason = "disabled", "not listed in FP4_DISPATCH_PLUGINS"
+        named = allow is None or report.builtin or ep.name in allow
+        if not named and not allow_backends:
+            _block(registry, report, "not listed in FP4_DISPATCH_PLUGINS")
             continue
-        _load_one(ep, report, registry)
+        _load_one(ep, report, registry, keep=None if named else allow_backends, disable=disable)
         if strict and report.errors:
             raise PluginLoadError(report.errors[0])
+    every = set(registry.backends) | {b for p in registry.plugins for b in p.disabled_backends}
+    if allow:
+        _warn_unmatched("FP4_DISPATCH_PLUGINS", allow, ep_names, every)
+    if disable:
+        _warn_unmatched("FP4_DISPATCH_DISABLE", disable, ep_names, every)
     return registry
 
 
-def _load_one(ep: metadata.EntryPoint, report: PluginReport, registry: Registry) -> None:
+def _block(registry: Registry, report: PluginReport, reason: str) -> None:
+    """A disabled entry point: blocked in pluggy (never imported), shown as disabled."""
+    report.status, report.reason = "disabled", reason
+    registry.pm.set_blocked(report.name)
+
+
+def _load_one(
+    ep: metadata.EntryPoint,
+    report: PluginReport,
+    registry: Registry,
+    keep: set[str] | None = None,
+    disable: set[str] | None = None,
+) -> None:
+    """Import one entry point and run its hook, each contained; commit what it registered.
+
+    ``keep``: when set, only these backend names are kept (FP4_DISPATCH_PLUGINS named
+    backends, not this plugin). ``disable``: backend names to leave out.
+    """
+    start = time.perf_counter()
     try:
-        module = ep.load()
-    except Exception as exc:  # a broken plugin must never stop the others: record it
-        _error(report, "import", exc)
-        return
-    try:
-        _call_hook(report, module, registry)
-    except Exception as exc:  # raised inside the plugin's hook: record it
-        _error(report, "hook", exc)
+        module, exc = contain(ep.load)
+        if exc is not None:
+            _error(report, "import", exc)
+            return
+        backends = _call_hook(report, module, registry)
+    finally:
+        report.load_s = time.perf_counter() - start
+        if report.load_s > SLOW_LOAD_S:
+            log.warning("plugin %r took %.1f s to load", report.name, report.load_s)
+    for b in backends or ():
+        if disable is not None and b.name in disable:
+            report.disabled_backends[b.name] = "listed in FP4_DISPATCH_DISABLE"
+        elif keep is not None and b.name not in keep:
+            report.disabled_backends[b.name] = "not listed in FP4_DISPATCH_PLUGINS"
+        else:
+            registry.backends[b.name] = b
+            registry.plugin_of[b.name] = report
+            report.backends.append(b.name)
+
+
+#: a plugin slower than this (seconds, import + hook) is shown with its load time
+SLOW_LOAD_S = 0.5

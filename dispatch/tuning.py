@@ -64,8 +64,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from .backend import GemmOperands, Kernel
-from .backend import launch as run_kernel
 from .device import DeviceInfo
+from .guard import launch as run_kernel
 from .ranking import Candidate, Ranker, m_bucket
 from .tactics import Problem
 

@@ -636,7 +636,10 @@ def test_pick_large_m_is_not_capped_at_4096():
     r = Ranker(ranker_backends(), SM107)
     small = r.pick(4096, 4096, 4096)
     big = r.pick(100000, 4096, 4096)
-    assert r._buckets.keys() >= {(4096, 4096, 4096, "bfloat16"), (4096, 4096, 131072, "bfloat16")}
+    assert r._buckets.keys() >= {
+        (4096, 4096, 4096, "bfloat16", "w4a4"),
+        (4096, 4096, 131072, "bfloat16", "w4a4"),
+    }
     assert big.est_us > small.est_us  # ranked for its own bucket, not M=4096's
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import textwrap
+
 import pytest
 from conftest import good_plugin
 
@@ -119,3 +122,73 @@ def test_check_backend_rejects_bad_attributes():
 
     with pytest.raises(TypeError, match="name must be a non-empty str"):
         registry.check_backend(NoName())
+
+
+def test_disable_takes_a_backend_name(plugin_dist, monkeypatch):
+    from fp4_dispatch.dispatcher import Dispatcher
+
+    monkeypatch.setenv("FP4_DISPATCH_DISABLE", "torch-reference, triton-sm90")
+    reg = load()
+    assert "torch-reference" not in reg.backends and "triton-sm90" not in reg.backends
+    assert "triton-sm90-unpack" in reg.backends  # same plugin, not named: kept
+    assert report(reg, "reference").disabled_backends == {
+        "torch-reference": "listed in FP4_DISPATCH_DISABLE"
+    }
+    rows = {r.name: r for r in Dispatcher("cpu", cache=False).backends()}
+    assert rows["torch-reference"].status == "disabled" and rows["torch-reference"].plugin == (
+        "reference"
+    )
+
+
+def test_allowlist_takes_a_backend_name(plugin_dist, monkeypatch):
+    plugin_dist("tp-dist", {"tp": good_plugin("tp-backend"), "tq": good_plugin("tq-backend")})
+    monkeypatch.setenv("FP4_DISPATCH_PLUGINS", "tq-backend")
+    reg = load()
+    assert "tq-backend" in reg.backends and "tp-backend" not in reg.backends
+    assert "torch-reference" in reg.backends  # built-ins are not limited by the allowlist
+    assert "tp-backend" in report(reg, "tp").disabled_backends
+
+
+@pytest.mark.parametrize("var", ["FP4_DISPATCH_DISABLE", "FP4_DISPATCH_PLUGINS"])
+def test_unmatched_name_warns_once_with_known_names(monkeypatch, caplog, var):
+    name = f"no-such-thing-{var[-7:].lower()}"
+    monkeypatch.setenv(var, f"sm100,{name}")
+    with caplog.at_level("WARNING", logger="fp4_dispatch.registry"):
+        load()
+        load()
+    hits = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert len(hits) == 1, hits
+    assert var in hits[0] and "torch-reference" in hits[0] and "sm90" in hits[0]
+
+
+def test_disabled_plugin_is_blocked_in_pluggy(monkeypatch):
+    monkeypatch.setenv("FP4_DISPATCH_DISABLE", "sm100")
+    reg = load()
+    assert reg.pm.is_blocked("sm100") and not reg.pm.is_blocked("reference")
+    assert report(reg, "sm100").status == "disabled"
+
+
+def test_hook_that_registers_then_raises_contributes_nothing(plugin_dist):
+    src = good_plugin("half-backend").replace(
+        "register(B())", "register(B())\n        raise RuntimeError('late')"
+    )
+    plugin_dist("half-dist", {"half": src})
+    reg = load()
+    assert "half-backend" not in reg.backends
+    (err,) = report(reg, "half").errors
+    assert err.stage == "hook" and "late" in err.message
+
+
+def test_same_entry_point_name_in_two_distributions_both_load(plugin_dist, tmp_path):
+    plugin_dist("one-dist", {"same": good_plugin("one-backend")})
+    # a second distribution whose entry point has the same name, another module
+    info = tmp_path / "two_dist-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: two-dist\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[fp4_dispatch]\nsame = fakeplug_same_two\n")
+    (tmp_path / "fakeplug_same_two.py").write_text(textwrap.dedent(good_plugin("two-backend")))
+    try:
+        reg = load()
+    finally:
+        sys.modules.pop("fakeplug_same_two", None)
+    assert {"one-backend", "two-backend"} <= set(reg.backends), [str(e) for e in reg.errors]

@@ -116,15 +116,23 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"fp4-dispatch explain: {name} must be >= 1")
     dispatcher = common.make_dispatcher(args, budget=args.budget)
     sl = dispatcher.candidates(args.m, args.n, args.k, out_dtype=args.out_dtype)
+    faults = list(getattr(dispatcher, "faults", ()))
     if args.json:
-        common.emit_json(sl.to_json())
+        common.emit_json({**sl.to_json(), "faults": [f.to_json() for f in faults]})
     else:
         device = getattr(dispatcher, "device", None)
         gpu = device is not None and device.compute_capability is not None
         print(render(sl, device.sm_count if gpu else None))
         if not sl.candidates:
             print(_not_available(dispatcher))
+        if faults:
+            print(_faults(faults))
     return 0
+
+
+def _faults(faults: list) -> str:
+    """Contained plugin faults (supports/tactics/estimate_us/validate...), with their plugin."""
+    return "\n".join(["", "plugin faults (contained):", *[f"  {f}" for f in faults]])
 
 
 def _not_available(dispatcher) -> str:

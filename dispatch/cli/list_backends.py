@@ -1,10 +1,18 @@
-"""``fp4-dispatch list-backends``: what is loaded, what is not, and why."""
+"""``fp4-dispatch list-backends``: what is loaded, what is not, and why.
+
+Every plugin appears: loaded backends, failed, disabled and empty plugins (a hook that
+registered nothing), the faults its code had at run time (e.g. ``tactics()`` raising on
+the sample shape), and its load time when it is slow. The table always prints; with
+``--strict`` (or FP4_DISPATCH_STRICT=1) any failure or fault makes the exit status 1.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 
+from ..guard import PluginFault
+from ..registry import SLOW_LOAD_S
 from ..tactics import Problem
 from .common import add_device_args, add_json_arg, emit_json, format_table, make_dispatcher
 
@@ -27,23 +35,38 @@ def _tactic_count(dispatcher, name: str) -> int | str:
     backend = dispatcher.registry.backends.get(name)
     if backend is None or backend not in dispatcher.available:
         return "-"
-    try:
-        return sum(1 for _ in backend.tactics(SAMPLE, dispatcher.device))
-    except Exception as exc:  # shown in the table, not hidden
-        log.warning("backend %s: tactics() raised %r", name, exc)
-        return f"error: {type(exc).__name__}: {exc}"
+    tactics = dispatcher.guard.tactics(backend, SAMPLE, dispatcher.device)
+    if isinstance(tactics, PluginFault):  # recorded: shown under "plugin faults"
+        return "error"
+    return len(tactics)
+
+
+def _reason(row: dict) -> str:
+    """The row's reason, with its faults counted and a slow load time shown."""
+    parts = [row["reason"]] if row["reason"] else []
+    if row["faults"]:
+        parts.append(f"{len(row['faults'])} fault(s), see below")
+    if row["load_s"] > SLOW_LOAD_S:
+        parts.append(f"slow to load: {row['load_s']:.1f} s")
+    return "; ".join(parts)
 
 
 def run(args: argparse.Namespace) -> int:
-    d = make_dispatcher(args, strict=args.strict or None)
+    strict = args.strict or _strict_env()
+    # never strict while loading: the table is printed first, strictness sets the status
+    d = make_dispatcher(args, strict=False)
     rows = []
-    for st in d.backends():
+    statuses = d.backends()
+    for st in statuses:
         row = st.to_json()
         row["tactics"] = _tactic_count(d, st.name)
         backend = d.registry.backends.get(st.name)
         row["note"] = getattr(backend, "compile_only_note", "") if backend else ""
         rows.append(row)
+    for row, st in zip(rows, statuses, strict=True):  # faults found while counting tactics
+        row["faults"] = [f.to_json() for f in d.faults if f.backend == st.name]
     failed = [r for r in rows if r["status"] == "failed"]
+    faults = list(d.faults)
     if args.json:
         emit_json(rows)
     else:
@@ -51,10 +74,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"sample shape for the tactic count: M={SAMPLE.m} N={SAMPLE.n} K={SAMPLE.k}\n")
         table = [
             (r["name"], r["family"], f"{r['origin']} {r['version']}", r["status"], r["tactics"],
-             r["reason"])
+             _reason(r))
             for r in rows
         ]  # fmt: skip
         print(format_table(table, ("backend", "family", "origin", "status", "tactics", "reason")))
+        if faults:
+            print("\nplugin faults (contained; the backend or tactic is not used):")
+            for f in faults:
+                print(f"  {f}")
         notes = sorted({r["note"] for r in rows if r["note"]})
         for note in notes:
             print(f"\nnote: {note}")
@@ -62,6 +89,15 @@ def run(args: argparse.Namespace) -> int:
             for r in failed:
                 if r["error"]:
                     print(f"\n--- {r['plugin']} ---\n{r['error']['traceback']}")
+            for f in faults:
+                print(f"\n--- {f.plugin} / {f.backend} {f.call} ---\n{f.traceback}")
         elif failed:
             print(f"\n{len(failed)} failed; --traceback shows where they raised.")
-    return 1 if failed and d.strict else 0
+    return 1 if (failed or faults) and strict else 0
+
+
+def _strict_env() -> bool:
+    """FP4_DISPATCH_STRICT, read here because the dispatcher itself is built non-strict."""
+    from ..registry import strict_default
+
+    return strict_default()
