@@ -1,0 +1,166 @@
+"""The fused Triton quantize kernel against the torch reference, byte for byte.
+
+The kernel runs under TRITON_INTERPRET=1 in a subprocess (`run_interpreted`); the
+reference is `quantize_nvfp4` on the CPU (the torch path: `quantize_blocks` +
+`swizzle_scales`), which tests/test_nvfp4.py checks against an independent slow
+reference. Every case is run twice: with the default tile size and with a tiny one
+(`_TILE_ELEMS = 256`) so that small inputs still exercise many programs, several K
+tiles, the partial-amax kernel and the swizzled row/column padding of the last tiles.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import run_interpreted
+
+from fp4_dispatch.backends.triton_launch import specialization_key
+
+SCRIPT = r"""
+import json, sys
+import torch
+from fp4_dispatch.backends import quantize as kq
+from fp4_dispatch.nvfp4 import quantize_nvfp4
+
+DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+MID = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+
+
+def make(c):
+    m, k, kind = c["m"], c["k"], c["kind"]
+    gen = torch.Generator().manual_seed(c["seed"])
+    x = torch.randn(m, k, generator=gen) * torch.exp(2 * torch.randn(m, k, generator=gen))
+    if kind == "ties":  # a 6 pins the block scale to 1 (g = 1); then every midpoint, +-
+        row = ([6.0] + MID + [-v for v in MID] + [1.0]) * (k // 16)
+        x = torch.tensor(row[:k]).repeat(m, 1)
+        x[:, 1::7] *= 1.0 + 2.0**-22  # just above a tie
+    elif kind == "huge":
+        x = x.sign() * 3.0e38 * torch.rand(m, k, generator=gen).clamp(min=0.5)
+        x[:, :16] = 1.0e6  # > 448 * 6 * g for g = 1: scale and codes saturate
+    elif kind == "tiny":
+        x = x * 2.0**-14  # subnormal e4m3 block scales for g = 1
+        x[:, :16] = 1.0e-40  # float32 subnormals: the scale underflows to 0 -> codes 0
+    elif kind == "zeros":
+        x[:, 16:48] = 0.0
+        x[0] = 0.0
+    elif kind == "allzero":
+        x = torch.zeros(m, k)
+    elif kind == "negzero":
+        x[:, :16] = -0.0
+        x[:, 16:32] = torch.tensor([-0.0, 0.0] * 8)
+        x[:, 32:48] = torch.tensor([-0.0, 1e-30] * 8)
+    elif kind == "nonfinite":
+        r = min(1, m - 1)
+        x[r, 3] = float("nan")
+        x[r, min(20, k - 1)] = float("inf")
+        x[r, k - 1] = float("-inf")
+    x = x.to(DT[c["dtype"]])
+    if c.get("strided"):
+        wide = torch.zeros(m, k + 48, dtype=x.dtype)
+        wide[:, 16 : 16 + k] = x
+        x = wide[:, 16 : 16 + k]
+    return x
+
+
+out = []
+for tile in (None, 256):
+    if tile:
+        kq._TILE_ELEMS = tile
+        kq._plans.clear()
+    for c in json.loads(sys.argv[1]):
+        x = make(c)
+        gs = c["g"]
+        if isinstance(gs, str):
+            gs = torch.tensor(float(gs))
+        d, s, g = kq.quantize_triton(x, gs, c["layout"])
+        q = quantize_nvfp4(x, gs, c["layout"])
+        out.append(
+            {
+                "case": c,
+                "tile": tile,
+                "data": torch.equal(d, q.data),
+                "scale": torch.equal(s.view(torch.uint8), q.scale.view(torch.uint8)),
+                "shape": list(s.shape) == list(q.scale.shape),
+                "g": torch.equal(g, q.global_scale),
+                "nan_blocks": int((q.scale.view(torch.uint8) == 0x7F).sum()),
+            }
+        )
+print(json.dumps(out))
+"""
+
+
+def _cases() -> list[dict]:
+    cases = []
+    # random data, every input dtype, both layouts, given (float / tensor) and dynamic g
+    for dtype, layout, g in itertools.product(
+        ("fp32", "fp16", "bf16"), ("swizzled", "linear"), (None, 0.003, "0.02")
+    ):
+        cases.append({"kind": "random", "m": 3, "k": 80, "dtype": dtype, "layout": layout, "g": g})
+    # shapes: rows not a multiple of 128, K not a multiple of 64, strided rows
+    for m, k, strided in ((1, 16, False), (130, 48, True), (2, 256, True), (129, 80, False)):
+        for layout in ("swizzled", "linear"):
+            for g in (None, "0.5"):
+                cases.append(
+                    {"kind": "random", "m": m, "k": k, "dtype": "bf16", "layout": layout, "g": g,
+                     "strided": strided}
+                )  # fmt: skip
+    # adversarial values
+    for kind, g in (
+        ("ties", 1.0),
+        ("ties", "1.0"),
+        ("huge", 1.0),
+        ("huge", None),
+        ("tiny", 1.0),
+        ("tiny", None),
+        ("zeros", None),
+        ("allzero", None),
+        ("allzero", 1.0),
+        ("negzero", 1.0),
+        ("negzero", None),
+        ("nonfinite", None),
+        ("nonfinite", "0.25"),
+    ):
+        for layout in ("swizzled", "linear"):
+            cases.append({"kind": kind, "m": 3, "k": 64, "dtype": "fp32", "layout": layout, "g": g})
+    cases.append({"kind": "nonfinite", "m": 5, "k": 48, "dtype": "bf16", "layout": "swizzled",
+                  "g": None, "strided": True})  # fmt: skip
+    for i, c in enumerate(cases):
+        c["seed"] = i
+    return cases
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_interpreted(SCRIPT, _cases())
+
+
+def test_every_case_ran_at_both_tile_sizes(results: list[dict]) -> None:
+    assert len(results) == 2 * len(_cases())
+
+
+def test_kernel_bytes_equal_reference(results: list[dict]) -> None:
+    bad = [r for r in results if not (r["data"] and r["scale"] and r["shape"] and r["g"])]
+    assert not bad, bad[:5]
+
+
+def test_non_finite_cases_hit_the_nan_block_rule(results: list[dict]) -> None:
+    """The non-finite rows really produced 0x7F blocks (so byte equality covered them)."""
+    nonfinite = [r for r in results if r["case"]["kind"] == "nonfinite"]
+    assert nonfinite and all(r["nan_blocks"] >= 2 for r in nonfinite)
+    assert all(r["nan_blocks"] == 0 for r in results if r["case"]["kind"] != "nonfinite")
+
+
+def test_specialization_key_separates_what_triton_specializes_on() -> None:
+    base = torch.zeros(64, dtype=torch.float32)
+    aligned, misaligned = base[:16], base[1:17]
+    assert specialization_key([aligned]) != specialization_key([misaligned])
+    assert specialization_key([aligned]) != specialization_key([aligned.half()])
+    assert specialization_key([1]) != specialization_key([2])
+    assert specialization_key([16]) != specialization_key([17])
+    assert specialization_key([17]) == specialization_key([19])
+    assert specialization_key([2**31 + 16]) != specialization_key([2**31 - 16])
+    assert specialization_key([1.0, None]) == specialization_key([2.5, None])
+    with pytest.raises(TypeError, match="args: unsupported kernel argument type"):
+        specialization_key(["x"])
