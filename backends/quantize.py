@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import CachedLauncher
+from .triton_launch import BoundLaunch, CachedLauncher
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +248,8 @@ class _Plan:
     scale_shape: tuple[int, int]
     amax_grid: tuple[int, int] | None
     part_block: int
+    launch: BoundLaunch
+    amax_launch: BoundLaunch | None
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -286,9 +288,15 @@ def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
             amax_grid = (gm, gk)
             part_block = _next_pow2(gm * gk)
     num_warps = 8 if bm * bk >= 8192 else 4
+    meta = {"G_MODE": g_mode, "SWIZZLED": swizzled, "BM": bm, "NB": bk // 16,
+            "PART_BLOCK": part_block}  # fmt: skip
+    launch = _quant_launch.bind(meta, num_warps)
+    amax_launch = None
+    if amax_grid is not None:
+        amax_launch = _amax_launch.bind({"BM": bm, "NB": bk // 16}, num_warps)
     return _Plan(
         grid, bm, bk // 16, num_warps, g_mode, m_pad, num_k_tiles, scale_shape, amax_grid,
-        part_block,
+        part_block, launch, amax_launch,
     )  # fmt: skip
 
 
@@ -348,18 +356,10 @@ def quantize_triton(
     elif plan.amax_grid is not None:
         n_part = plan.amax_grid[0] * plan.amax_grid[1]
         parts = torch.empty((n_part,), dtype=torch.float32, device=dev)
-        _amax_launch(
-            plan.amax_grid,
-            (x, x.stride(0), parts, m, k),
-            {"BM": plan.bm, "NB": plan.nb},
-            num_warps=plan.num_warps,
-        )
-    _quant_launch(
+        plan.amax_launch(plan.amax_grid, (x, x.stride(0), parts, m, k))
+    plan.launch(
         plan.grid,
         (x, x.stride(0), data, scale, g_ptr, g_value, g_out, parts, n_part, m, k,
          plan.m_pad, plan.num_k_tiles),
-        {"G_MODE": plan.g_mode, "SWIZZLED": swizzled, "BM": plan.bm, "NB": plan.nb,
-         "PART_BLOCK": plan.part_block},
-        num_warps=plan.num_warps,
     )  # fmt: skip
     return data, scale.view(torch.float8_e4m3fn), g_out

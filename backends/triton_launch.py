@@ -22,9 +22,9 @@ a grid, the launcher logs once and keeps using the ordinary ``kernel[grid](...)`
 (correct, just slower). The fast path only ever runs with arguments whose
 specialization key matches the one that compiled the kernel.
 
-The kernel's parameters must be passed *all* positionally in declaration order by the
-caller's ``args`` (runtime values) and ``constexprs`` (by name); `CachedLauncher`
-interleaves them by the kernel's parameter names.
+Usage: ``bound = CachedLauncher(kernel).bind({"BM": 8, ...}, num_warps=4)`` once per
+meta-parameter set, then ``bound(grid, runtime_args)`` per call (runtime parameters in
+declaration order; `BoundLaunch` interleaves the constexprs by parameter name).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CachedLauncher", "specialization_key"]
+__all__ = ["BoundLaunch", "CachedLauncher", "specialization_key"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -67,97 +67,111 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
 
+def _passes_all_params() -> bool:
+    """Whether this Triton's launcher takes every kernel parameter, constexprs included.
+
+    Since Triton 3.3 ``JITFunction.run`` ends with ``kernel.run(..., *bound_args.values())``
+    (all parameters); earlier versions passed only the non-constexpr ones. The direct
+    path is used only where the convention is the one this module implements.
+    """
+    try:
+        import triton
+    except ImportError:
+        return False
+    parts = triton.__version__.split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) >= (3, 3)
+    except (IndexError, ValueError):
+        log.warning("unrecognised triton version %r: direct launches disabled", triton.__version__)
+        return False
+
+
+def _device_index() -> int:
+    """The current CUDA device (a compiled binary is loaded per device); -1 without CUDA."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else -1
+
+
+class BoundLaunch:
+    """One kernel with fixed constexprs and options: ``bound(grid, args)`` launches it.
+
+    Precomputes what does not change between calls (the constexpr part of the cache key
+    and where the runtime arguments go among the parameters), so a warm call costs the
+    specialization key of the runtime arguments, two dict look-ups and the launch.
+    """
+
+    def __init__(self, owner: CachedLauncher, constexprs: dict[str, object], num_warps: int):
+        self.owner = owner
+        self.constexprs = dict(constexprs)
+        self.num_warps = num_warps
+        self._static = (tuple(sorted(constexprs.items())), num_warps)
+        names = list(owner.kernel.arg_names)
+        self._template = [constexprs.get(n) for n in names]
+        self._slots = [i for i, n in enumerate(names) if n not in constexprs]
+        self._compiled: dict[Hashable, Any] = {}
+        self._runners: dict[tuple[Hashable, tuple[int, ...]], Any] = {}
+
+    def _slow(self, grid: tuple[int, ...], args: Sequence[object]) -> Any:
+        return self.owner.kernel[grid](*args, **self.constexprs, num_warps=self.num_warps)
+
+    def _all_args(self, args: Sequence[object]) -> list[object]:
+        full = list(self._template)
+        for slot, value in zip(self._slots, args, strict=True):
+            full[slot] = value
+        return full
+
+    def __call__(self, grid: tuple[int, ...], args: Sequence[object]) -> None:
+        if not self.owner.fast:
+            self._slow(grid, args)
+            return
+        key = (specialization_key(args), _device_index())
+        runner = self._runners.get((key, grid))
+        if runner is None:
+            compiled = self._compiled.get(key)
+            if compiled is None:  # compile (and launch) through Triton's own path
+                compiled = self._slow(grid, args)
+                if compiled is None or not hasattr(compiled, "__getitem__"):
+                    self.owner.disable_fast(f"kernel[grid] returned {type(compiled).__name__}")
+                else:
+                    self._compiled[key] = compiled
+                return
+            try:
+                runner = self._runners[(key, grid)] = compiled[grid]
+            except Exception as exc:  # an unexpected Triton API: keep the safe path
+                self.owner.disable_fast(f"{type(exc).__name__}: {exc}")
+                self._slow(grid, args)
+                return
+        try:
+            runner(*self._all_args(args))
+        except (TypeError, ValueError, SystemError) as exc:
+            # argument packing failed (before anything launched): another convention
+            self.owner.disable_fast(f"{type(exc).__name__}: {exc}")
+            self._slow(grid, args)
+
+
 class CachedLauncher:
     """Launch one ``@triton.jit`` kernel, compiling once per specialization.
 
-    ``launcher(grid, args, constexprs, num_warps=4)``: ``args`` are the kernel's
-    runtime parameters in declaration order, ``constexprs`` the constexpr parameters by
-    name. The first call of a specialization goes through ``kernel[grid]`` (which
+    ``launcher.bind(constexprs, num_warps)`` gives a `BoundLaunch` (keep it, e.g. in a
+    per-shape plan); ``bound(grid, args)`` takes the runtime parameters in declaration
+    order. The first call of a specialization goes through ``kernel[grid]`` (which
     compiles); later calls launch the compiled binary directly.
     """
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
-        self.name = getattr(kernel, "__name__", None) or getattr(
-            getattr(kernel, "fn", None), "__name__", "kernel"
-        )
-        self._compiled: dict[Hashable, Any] = {}
-        self._runners: dict[tuple[Hashable, tuple[int, ...]], Any] = {}
-        self._fast = not _interpreting()
-        self._order: list[str] | None = None
+        fn = getattr(kernel, "fn", kernel)
+        self.name = getattr(fn, "__name__", "kernel")
+        self.fast = not _interpreting() and _passes_all_params()
+        self._bound: dict[tuple, BoundLaunch] = {}
 
-    def _param_order(self) -> list[str]:
-        if self._order is None:
-            self._order = list(self.kernel.arg_names)
-        return self._order
+    def disable_fast(self, why: str) -> None:
+        if self.fast:
+            log.warning("%s: direct launch unavailable (%s); using kernel[grid]", self.name, why)
+        self.fast = False
 
-    def _all_args(self, args: Sequence[object], constexprs: dict[str, object]) -> list[object]:
-        """Runtime and constexpr arguments interleaved in the kernel's parameter order."""
-        it = iter(args)
-        out = []
-        for name in self._param_order():
-            out.append(constexprs[name] if name in constexprs else next(it))
-        return out
-
-    def _disable_fast(self, why: str) -> None:
-        log.warning(
-            "%s: direct launch unavailable (%s); using kernel[grid] launches", self.name, why
-        )
-        self._fast = False
-
-    def __call__(
-        self,
-        grid: tuple[int, ...],
-        args: Sequence[object],
-        constexprs: dict[str, object],
-        num_warps: int = 4,
-    ) -> None:
-        if not self._fast:
-            self.kernel[grid](*args, **constexprs, num_warps=num_warps)
-            return
-        key = (
-            specialization_key(args),
-            tuple(sorted(constexprs.items())),
-            num_warps,
-            torch.cuda.current_device() if torch.cuda.is_available() else -1,
-        )
-        runner = self._runners.get((key, grid))
-        if runner is not None:
-            self._run_direct(runner, grid, args, constexprs, num_warps)
-            return
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self.kernel[grid](*args, **constexprs, num_warps=num_warps)
-            if compiled is None or not hasattr(compiled, "__getitem__"):
-                self._disable_fast(f"kernel[grid] returned {type(compiled).__name__}")
-                return
-            self._compiled[key] = compiled
-            try:
-                self._runners[(key, grid)] = compiled[grid]
-            except Exception as exc:  # an unexpected Triton API: keep the safe path
-                self._disable_fast(f"{type(exc).__name__}: {exc}")
-            return  # this call already launched through kernel[grid]
-        try:
-            runner = compiled[grid]
-        except Exception as exc:  # an unexpected Triton API: keep the safe path
-            self._disable_fast(f"{type(exc).__name__}: {exc}")
-            self.kernel[grid](*args, **constexprs, num_warps=num_warps)
-            return
-        self._runners[(key, grid)] = runner
-        self._run_direct(runner, grid, args, constexprs, num_warps)
-
-    def _run_direct(
-        self,
-        runner: Any,
-        grid: tuple[int, ...],
-        args: Sequence[object],
-        constexprs: dict[str, object],
-        num_warps: int,
-    ) -> None:
-        """Call the compiled launcher; an argument-convention mismatch (TypeError, raised
-        while packing arguments, before anything launches) switches to the safe path."""
-        try:
-            runner(*self._all_args(args, constexprs))
-        except TypeError as exc:
-            self._disable_fast(f"TypeError: {exc}")
-            self.kernel[grid](*args, **constexprs, num_warps=num_warps)
+    def bind(self, constexprs: dict[str, object], num_warps: int = 4) -> BoundLaunch:
+        key = (tuple(sorted(constexprs.items())), num_warps)
+        bound = self._bound.get(key)
+        if bound is None:
+            bound = self._bound[key] = BoundLaunch(self, constexprs, num_warps)
+        return bound

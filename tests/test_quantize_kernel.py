@@ -164,3 +164,70 @@ def test_specialization_key_separates_what_triton_specializes_on() -> None:
     assert specialization_key([1.0, None]) == specialization_key([2.5, None])
     with pytest.raises(TypeError, match="args: unsupported kernel argument type"):
         specialization_key(["x"])
+
+
+class _FakeCompiled:
+    """Stands in for Triton's CompiledKernel: ``compiled[grid](*all_params)``."""
+
+    def __init__(self, calls: list, fail: bool) -> None:
+        self.calls, self.fail = calls, fail
+
+    def __getitem__(self, grid):
+        def runner(*args):
+            if self.fail:
+                raise TypeError("launcher takes 2 arguments")
+            self.calls.append(("direct", grid, args))
+
+        return runner
+
+
+class _FakeKernel:
+    """Stands in for a JITFunction: ``kernel[grid](*args, **constexprs, num_warps=)``."""
+
+    arg_names = ("x", "BM", "n", "NB")
+
+    def __init__(self, fail_direct: bool = False) -> None:
+        self.calls: list = []
+        self.fail_direct = fail_direct
+
+    def __getitem__(self, grid):
+        def run(*args, num_warps, **constexprs):
+            self.calls.append(("slow", grid, args, constexprs, num_warps))
+            return _FakeCompiled(self.calls, self.fail_direct)
+
+        return run
+
+
+def _fast_launcher(kernel: _FakeKernel, monkeypatch) -> object:
+    from fp4_dispatch.backends import triton_launch
+
+    monkeypatch.setattr(triton_launch, "_interpreting", lambda: False)
+    monkeypatch.setattr(triton_launch, "_passes_all_params", lambda: True)
+    return triton_launch.CachedLauncher(kernel)
+
+
+def test_cached_launcher_compiles_once_then_launches_directly(monkeypatch) -> None:
+    kernel = _FakeKernel()
+    bound = _fast_launcher(kernel, monkeypatch).bind({"BM": 8, "NB": 4}, num_warps=8)
+    x = torch.zeros(32)
+    bound((2, 1), (x, 17))  # compiles through kernel[grid]
+    bound((2, 1), (x, 17))  # direct: every parameter, in declaration order
+    bound((3, 1), (x, 18))  # same specialization, new grid: still direct
+    bound((3, 1), (x, 16))  # 16 is divisible by 16: a new specialization compiles
+    kinds = [c[0] for c in kernel.calls]
+    assert kinds == ["slow", "direct", "direct", "slow"]
+    assert kernel.calls[0][2:] == ((x, 17), {"BM": 8, "NB": 4}, 8)
+    assert kernel.calls[1][1] == (2, 1) and kernel.calls[1][2] == (x, 8, 17, 4)
+    assert kernel.calls[2][1] == (3, 1) and kernel.calls[2][2][2] == 18
+
+
+def test_cached_launcher_falls_back_when_the_convention_differs(monkeypatch, caplog) -> None:
+    kernel = _FakeKernel(fail_direct=True)
+    launcher = _fast_launcher(kernel, monkeypatch)
+    bound = launcher.bind({"BM": 8, "NB": 4})
+    x = torch.zeros(32)
+    for _ in range(3):
+        bound((1,), (x, 5))
+    assert [c[0] for c in kernel.calls] == ["slow", "slow", "slow"]  # every call launched
+    assert not launcher.fast
+    assert "direct launch unavailable" in caplog.text
