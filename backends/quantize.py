@@ -44,12 +44,18 @@ from .triton_launch import BoundLaunch, CachedLauncher
 
 log = logging.getLogger(__name__)
 
-__all__ = ["quantize_triton"]
+__all__ = ["quantize_checked", "quantize_triton"]
 
 #: fp32 max: ``|v| <= FLT_MAX`` is False exactly for NaN and ±inf.
 _FLT_MAX = 3.4028234663852886e38
 #: Elements per program (16 KiB of bf16: enough bytes in flight per SM at 2+ programs).
 _TILE_ELEMS = 8192
+#: Widest K tile of the multi-program grid: a decode row of K=8192 spreads over 8
+#: programs (8 SMs load in parallel) instead of one.
+_MAX_BK = 1024
+#: Largest single tile of the fused dynamic-scale launch (amax and quantize in one
+#: program, no second kernel): 16K elements is 64 fp32 registers a thread at 8 warps.
+_FUSED_ELEMS = 16384
 #: Upper bound on partial maxima of the dynamic scale (each quantize program reads all).
 _MAX_PARTIALS = 256
 #: Rows of zero scales stored per step in the swizzled row padding.
@@ -62,7 +68,8 @@ _G_PTR, _G_VALUE, _G_PARTIALS, _G_FUSED = 0, 1, 2, 3
 @triton.jit
 def _g_from_amax(amax):
     """Dynamic decode scale: amax / (6 * 448), 1.0 when that is 0 (all zero or underflow)."""
-    g = tl.math.div_rn(amax, tl.full(amax.shape, 2688.0, tl.float32))
+    # amax is a 0-d value (never inf/NaN here): amax * 0 + c is c as a same-typed operand
+    g = tl.math.div_rn(amax, amax * 0.0 + 2688.0)
     return tl.where(g == 0.0, 1.0, g)
 
 
@@ -261,12 +268,18 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _tile(m: int, k: int, elems: int) -> tuple[int, int]:
+def _tile(m: int, k: int, elems: int, max_bk: int) -> tuple[int, int]:
     """(BM, BK): BK a power of two >= 64 (whole groups of 4 scale columns, so the last K
     tile also writes the swizzled column padding), BM*BK <= elems where M allows."""
-    bk = max(64, min(_next_pow2(k), elems))
+    bk = max(64, min(_next_pow2(k), elems, max_bk))
     bm = max(1, min(_next_pow2(m), elems // bk))
     return bm, bk
+
+
+def _fused_tile(m: int, k: int) -> tuple[int, int] | None:
+    """The one tile covering all of ``[m, k]`` when it is small enough to fuse amax."""
+    bm, bk = _next_pow2(m), max(64, _next_pow2(k))
+    return (bm, bk) if bm * bk <= min(_FUSED_ELEMS, 2 * _TILE_ELEMS) else None
 
 
 def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
@@ -274,13 +287,14 @@ def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
     num_k_tiles = -(-kb // 4)
     m_pad = -(-m // 128) * 128 if swizzled else m
     scale_shape = (m_pad, num_k_tiles * 4) if swizzled else (m, kb)
-    bm, bk = _tile(m, k, _TILE_ELEMS)
+    fused = _fused_tile(m, k) if kind == "dynamic" else None
+    bm, bk = fused or _tile(m, k, _TILE_ELEMS, min(_MAX_BK, _TILE_ELEMS))
     grid = (-(-m // bm), -(-k // bk))
     g_mode = {"tensor": _G_PTR, "value": _G_VALUE}.get(kind, _G_PARTIALS)
     amax_grid = None
     part_block = 1
     if kind == "dynamic":
-        if grid == (1, 1):
+        if fused:
             g_mode = _G_FUSED
         else:
             gk = grid[1]
@@ -309,7 +323,7 @@ def _check(x: torch.Tensor, layout: str) -> None:
         raise ValueError(f"x: expected a 2-D tensor [M, K], got shape {tuple(x.shape)}")
     if x.shape[1] % 16:
         raise ValueError(f"x: K must be a multiple of 16, got K={x.shape[1]}")
-    if x.shape[1] > 1 and x.stride(1) != 1:
+    if x.stride(1) != 1:
         raise ValueError(f"x: expected unit stride along K, got strides {x.stride()}")
     if layout not in ("swizzled", "linear"):
         raise ValueError(f"layout: expected 'swizzled' or 'linear', got {layout!r}")
@@ -330,6 +344,14 @@ def quantize_triton(
     ``[ceil128(M), ceil4(K/16)]`` swizzled or ``[M, K/16]`` linear.
     """
     _check(x, layout)
+    return quantize_checked(x, global_scale, layout)
+
+
+def quantize_checked(
+    x: torch.Tensor, global_scale: torch.Tensor | float | None, layout: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_triton` minus its argument checks, for callers that made them already
+    (`fp4_dispatch.nvfp4.quantize_fields`): a CUDA ``x`` with unit stride along K."""
     m, k = x.shape
     if m == 0 or k == 0:
         raise ValueError(f"x: quantize_triton needs M, K > 0, got shape {tuple(x.shape)}")

@@ -503,16 +503,16 @@ _triton_quantize: object = None  # None: not looked up yet; False: unavailable
 
 
 def _kernel_quantizer() -> object:
-    """`quantize_triton` when Triton imports, else False (looked up once)."""
+    """The Triton kernel's entry when Triton imports, else False (looked up once)."""
     global _triton_quantize
     if _triton_quantize is None:
         try:
-            from .backends.quantize import quantize_triton
+            from .backends.quantize import quantize_checked
         except ImportError as exc:  # triton is an optional dependency
             logger.info("Triton quantize kernel unavailable (%s); using the torch path", exc)
             _triton_quantize = False
         else:
-            _triton_quantize = quantize_triton
+            _triton_quantize = quantize_checked
     return _triton_quantize
 
 
@@ -530,7 +530,7 @@ def quantize_fields(
         if kernel:
             if x.stride(1) != 1:
                 x = x.contiguous()
-            return kernel(x.detach(), g, layout)
+            return kernel(x, g, layout)  # reads x's memory only: no autograd involved
     xf = x.detach().to(torch.float32)
     if g is None:
         gt = _dynamic_scale(xf)

@@ -99,7 +99,9 @@ def _cases() -> list[dict]:
     ):
         cases.append({"kind": "random", "m": 3, "k": 80, "dtype": dtype, "layout": layout, "g": g})
     # shapes: rows not a multiple of 128, K not a multiple of 64, strided rows
-    for m, k, strided in ((1, 16, False), (130, 48, True), (2, 256, True), (129, 80, False)):
+    # K=1040: 65 scale columns (column padding) over several K tiles at both tile sizes
+    shapes = ((1, 16, False), (130, 48, True), (2, 256, True), (129, 80, False), (5, 1040, True))
+    for m, k, strided in shapes:
         for layout in ("swizzled", "linear"):
             for g in (None, "0.5"):
                 cases.append(
