@@ -233,3 +233,34 @@ def test_cached_launcher_falls_back_when_the_convention_differs(monkeypatch, cap
     assert [c[0] for c in kernel.calls] == ["slow", "slow", "slow"]  # every call launched
     assert not launcher.fast
     assert "direct launch unavailable" in caplog.text
+
+
+@pytest.mark.parametrize(("arch", "g_mode"), [(90, 0), (100, 3)])
+def test_kernel_compiles_for_hopper_and_blackwell_with_16_byte_loads(arch: int, g_mode: int):
+    """Compiled (to PTX, on the CPU: no GPU needed) for sm90 and sm100; with aligned
+    pointers and strides the bf16 loads are 16-byte vectors (``ld.global.v4``)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fp4_dispatch.backends import quantize as kq
+
+    kernel = kq._nvfp4_quantize_kernel
+    names = list(kernel.arg_names)
+    types = {
+        "x_ptr": "*bf16", "stride_xm": "i32", "data_ptr": "*u8", "scale_ptr": "*u8",
+        "g_ptr": "*fp32", "g_value": "fp32", "g_out_ptr": "*fp32", "part_ptr": "*fp32",
+        "n_part": "i32", "M": "i32", "K": "i32", "M_PAD": "i32", "NUM_K_TILES": "i32",
+    }  # fmt: skip
+    consts = {"G_MODE": g_mode, "SWIZZLED": True, "BM": 8, "NB": 64, "PART_BLOCK": 1}
+    aligned = ("x_ptr", "stride_xm", "data_ptr", "scale_ptr", "g_ptr", "g_out_ptr", "K")
+    src = ASTSource(
+        fn=kernel,
+        signature={n: "constexpr" if n in consts else types[n] for n in names},
+        constexprs={(names.index(n),): v for n, v in consts.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
+    ptx = compiled.asm["ptx"]
+    assert "ld.global.v4" in ptx or "ld.global.nc.v4" in ptx
+    assert "div.rn.f32" in ptx  # IEEE division, not the approximate default
