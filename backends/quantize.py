@@ -314,7 +314,7 @@ def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
     )  # fmt: skip
 
 
-def _check(x: torch.Tensor, layout: str) -> None:
+def _check(x: torch.Tensor, g: object, layout: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -327,6 +327,16 @@ def _check(x: torch.Tensor, layout: str) -> None:
         raise ValueError(f"x: expected unit stride along K, got strides {x.stride()}")
     if layout not in ("swizzled", "linear"):
         raise ValueError(f"layout: expected 'swizzled' or 'linear', got {layout!r}")
+    if isinstance(g, torch.Tensor):
+        if g.dtype != torch.float32 or g.numel() != 1:
+            raise TypeError(
+                f"global_scale: expected a one-element float32 tensor, "
+                f"got dtype {g.dtype} with shape {tuple(g.shape)}"
+            )
+        if g.device != x.device:
+            raise ValueError(f"global_scale: expected a tensor on {x.device}, got {g.device}")
+    elif g is not None and (not isinstance(g, (int, float)) or isinstance(g, bool)):
+        raise TypeError(f"global_scale: expected a tensor, a float or None, got {type(g)}")
 
 
 def quantize_triton(
@@ -343,7 +353,7 @@ def quantize_triton(
     Returns ``(data uint8 [M, K/2], scale float8_e4m3fn, g float32 0-dim)``; scale is
     ``[ceil128(M), ceil4(K/16)]`` swizzled or ``[M, K/16]`` linear.
     """
-    _check(x, layout)
+    _check(x, global_scale, layout)
     return quantize_checked(x, global_scale, layout)
 
 
@@ -355,6 +365,17 @@ def quantize_checked(
     m, k = x.shape
     if m == 0 or k == 0:
         raise ValueError(f"x: quantize_triton needs M, K > 0, got shape {tuple(x.shape)}")
+    index = x.device.index
+    if index is not None and index != torch.cuda.current_device():
+        with torch.cuda.device(index):  # Triton launches on the current device
+            return _quantize(x, global_scale, layout)
+    return _quantize(x, global_scale, layout)
+
+
+def _quantize(
+    x: torch.Tensor, global_scale: torch.Tensor | float | None, layout: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, k = x.shape
     if isinstance(global_scale, torch.Tensor):
         kind = "tensor"
     elif global_scale is None:

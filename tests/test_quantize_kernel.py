@@ -264,3 +264,26 @@ def test_kernel_compiles_for_hopper_and_blackwell_with_16_byte_loads(arch: int, 
     ptx = compiled.asm["ptx"]
     assert "ld.global.v4" in ptx or "ld.global.nc.v4" in ptx
     assert "div.rn.f32" in ptx  # IEEE division, not the approximate default
+
+
+@pytest.mark.parametrize(
+    ("x", "kwargs", "exc", "match"),
+    [
+        (torch.zeros(4, 32, dtype=torch.int32), {}, TypeError, "x: expected dtype"),
+        (torch.zeros(32), {}, ValueError, "x: expected a 2-D tensor"),
+        (torch.zeros(4, 24), {}, ValueError, "x: K must be a multiple of 16"),
+        (torch.zeros(32, 4).t(), {}, ValueError, "x: expected unit stride along K"),
+        (torch.zeros(4, 32), {"layout": "tiled"}, ValueError, "layout"),
+        (torch.zeros(0, 32), {}, ValueError, "M, K > 0"),
+        (torch.zeros(4, 32), {"global_scale": torch.ones((), dtype=torch.float64)}, TypeError,
+         "global_scale: expected a one-element float32"),
+        (torch.zeros(4, 32), {"global_scale": torch.ones(2)}, TypeError, "global_scale"),
+        (torch.zeros(4, 32), {"global_scale": "1.0"}, TypeError, "global_scale"),
+    ],
+)  # fmt: skip
+def test_quantize_triton_argument_errors(x, kwargs, exc, match) -> None:
+    pytest.importorskip("triton")
+    from fp4_dispatch.backends.quantize import quantize_triton
+
+    with pytest.raises(exc, match=match):
+        quantize_triton(x, **kwargs)
