@@ -43,24 +43,28 @@ __all__ = ["BoundLaunch", "CachedLauncher", "specialization_key"]
 _INT32_MAX = 2**31 - 1
 
 
-def _arg_key(value: object) -> Hashable:
-    """The properties of one runtime argument that Triton specializes a binary on."""
-    if isinstance(value, torch.Tensor):
-        return ("t", value.dtype, value.data_ptr() % 16 == 0)
-    if isinstance(value, bool):
-        return ("b", value)
-    if isinstance(value, int):
-        return ("i", value == 1, value % 16 == 0, not -_INT32_MAX - 1 <= value <= _INT32_MAX)
-    if isinstance(value, float):
-        return ("f",)
-    if value is None:
-        return ("n",)
-    raise TypeError(f"args: unsupported kernel argument type {type(value).__name__}")
-
-
 def specialization_key(args: Sequence[object]) -> tuple[Hashable, ...]:
-    """Key of the runtime arguments: equal keys can share one compiled binary."""
-    return tuple(_arg_key(a) for a in args)
+    """Key of the runtime arguments: equal keys can share one compiled binary.
+
+    Tensors: (dtype, 16-byte aligned); ints: "== 1", "% 16 == 0" and "needs 64 bits";
+    floats and None: their type only. One flat loop: this runs on every launch.
+    """
+    key: list[Hashable] = []
+    for a in args:
+        t = type(a)
+        if t is int:
+            key.append((a == 1) + 2 * (a % 16 == 0) + 4 * (a > _INT32_MAX or a < -_INT32_MAX - 1))
+        elif isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif t is float:
+            key.append("f")
+        elif a is None:
+            key.append(None)
+        elif t is bool:
+            key.append(("b", a))
+        else:
+            raise TypeError(f"args: unsupported kernel argument type {t.__name__}")
+    return tuple(key)
 
 
 def _interpreting() -> bool:
@@ -86,9 +90,15 @@ def _passes_all_params() -> bool:
         return False
 
 
+_cuda: bool | None = None
+
+
 def _device_index() -> int:
     """The current CUDA device (a compiled binary is loaded per device); -1 without CUDA."""
-    return torch.cuda.current_device() if torch.cuda.is_available() else -1
+    global _cuda
+    if _cuda is None:
+        _cuda = torch.cuda.is_available()
+    return torch.cuda.current_device() if _cuda else -1
 
 
 class BoundLaunch:

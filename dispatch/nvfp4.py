@@ -331,14 +331,9 @@ class Nvfp4Tensor:
     ) -> Nvfp4Tensor:
         """Build from fields already known valid (no checks, no host sync): the hot path."""
         obj = object.__new__(cls)
-        for name, value in (
-            ("data", data),
-            ("scale", scale),
-            ("global_scale", global_scale),
-            ("layout", layout),
-            ("shape", shape),
-        ):
-            object.__setattr__(obj, name, value)
+        obj.__dict__.update(  # bypasses the frozen __setattr__, as dataclasses do
+            data=data, scale=scale, global_scale=global_scale, layout=layout, shape=shape
+        )
         return obj
 
     def __repr__(self) -> str:

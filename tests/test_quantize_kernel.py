@@ -287,3 +287,29 @@ def test_quantize_triton_argument_errors(x, kwargs, exc, match) -> None:
 
     with pytest.raises(exc, match=match):
         quantize_triton(x, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("given", [False, True])
+def test_quantize_nvfp4_is_captured_in_a_cuda_graph(given: bool) -> None:
+    from fp4_dispatch.nvfp4 import quantize_nvfp4
+
+    pytest.importorskip("triton")
+    gs = torch.tensor(0.05, device="cuda") if given else None
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        quantize_nvfp4(x, gs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q = quantize_nvfp4(x, gs)
+    for i in range(3):
+        x.copy_(torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16) * (i + 1))
+        graph.replay()
+        want = quantize_nvfp4(x.cpu(), None if gs is None else gs.cpu())
+        assert torch.equal(q.data.cpu(), want.data)
+        assert torch.equal(q.scale.view(torch.uint8).cpu(), want.scale.view(torch.uint8))
+        assert torch.equal(q.global_scale.cpu(), want.global_scale)
