@@ -212,6 +212,7 @@ def table(rate: float) -> list[dict]:
             row["eager_us_dynamic"] = eager_us(lambda x=x: quantize_nvfp4(x), n)
             row["gbps_given"] = nbytes / (row["gpu_us_given"] * 1e-6) / 1e9
             row["copy_frac_given"] = row["gbps_given"] / rate
+            row["gbps_dynamic"] = nbytes / (row["gpu_us_dynamic"] * 1e-6) / 1e9
             rows.append(row)
     return rows
 
