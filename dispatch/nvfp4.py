@@ -1,6 +1,6 @@
 """The NVFP4 number format: quantize, dequantize, scale swizzle and a reference GEMM.
 
-Format (see DESIGN.md, "The number format"):
+Format:
 
 - Values are e2m1 (fp4): 1 sign bit (bit 3), 2 exponent bits, 1 mantissa bit. Codes
   0-7 are the magnitudes ``E2M1_VALUES`` = (0, 0.5, 1, 1.5, 2, 3, 4, 6); codes 8-15 are

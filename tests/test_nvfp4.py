@@ -2,7 +2,7 @@
 
 The reference below shares no code with the module: e4m3 and e2m1 rounding are written
 out from the format definitions (grid scan with an explicit tie-to-even rule), scale
-offsets come from the DESIGN.md formula evaluated entry by entry, and packing is done
+offsets come from the documented storage formula evaluated entry by entry, and packing is done
 byte by byte. Only float32 arithmetic (the spec's "compute in float32") uses numpy.
 """
 
