@@ -110,7 +110,7 @@ def _e4m3(v):
 
 @triton.jit
 def _e2m1_codes(y):
-    """e2m1 codes of fp32 y: nearest, ties to even, saturating at 6; zero -> code 0.
+    """e2m1 codes of fp32 y: nearest, ties to even, saturating at 6; zero and NaN -> 0.
 
     The magnitude code is the number of midpoints |y| passes (0.25, 0.75, 1.25, 1.75,
     2.5, 3.5, 5; ``>`` where the lower code is even, ``>=`` where it is odd: ties to
@@ -124,7 +124,8 @@ def _e2m1_codes(y):
     t0 = tl.where(b2, tl.where(b1, 5.0, 2.5), tl.where(b1, 1.25, 0.25))
     b0 = a > t0  # midpoint 6, 4, 2 or 0 (even lower code: >)
     mag = b2.to(tl.int32) * 4 + b1.to(tl.int32) * 2 + b0.to(tl.int32)
-    return tl.where((y < 0.0) & (mag != 0), mag | 8, mag)
+    # negative and a nonzero code <=> y < -0.25 (the first midpoint); NaN: neither
+    return mag | tl.where(y < -0.25, 8, 0)
 
 
 @triton.jit
@@ -151,9 +152,11 @@ def _quantize_store(
 ):  # fmt: skip
     """Quantize a loaded ``[BM, NB, 16]`` tile with decode scale g and store it."""
     ax = tl.abs(xb)
-    fin = ax <= 3.4028234663852886e38
-    bad = tl.max(tl.where(fin, 0, 1), 2) > 0
-    bamax = tl.max(tl.where(fin, ax, 0.0), 2)
+    # |x| * 0 is 0 for finite x and NaN for NaN/inf, and a sum keeps a NaN: one fma an
+    # element flags the non-finite blocks. Their bamax is meaningless (max drops NaN,
+    # keeps inf) and unused: their scale byte becomes 0x7F and their codes 0.
+    bad = tl.sum(ax * 0.0, 2) != 0.0
+    bamax = tl.max(ax, 2)
     gb = tl.full(bamax.shape, 1.0, tl.float32) * g
     v = tl.math.div_rn(tl.math.div_rn(bamax, tl.full(bamax.shape, 6.0, tl.float32)), gb)
     v = tl.minimum(v, 448.0)
@@ -161,9 +164,11 @@ def _quantize_store(
     sbyte = tl.where(bad, 0x7F, sbyte)
     denom = s * gb
     ok = (denom > 0.0) & (bad == 0)
-    safe = tl.where(ok, denom, 1.0)
-    y = tl.math.div_rn(xb, tl.broadcast_to(safe[:, :, None], xb.shape))
-    codes = tl.where(ok[:, :, None], _e2m1_codes(y), 0)
+    # Unusable blocks divide by +inf: finite / inf = ±0 and NaN or inf / inf = NaN, both
+    # code 0, so no per-element select is needed for "codes 0".
+    inf = tl.full(denom.shape, 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
+    safe = tl.where(ok, denom, inf)
+    codes = _e2m1_codes(tl.math.div_rn(xb, tl.broadcast_to(safe[:, :, None], xb.shape)))
     lo, hi = tl.split(tl.reshape(codes, [BM, NB, 8, 2]))
     packed = (lo | (hi << 4)).to(tl.uint8)
 
