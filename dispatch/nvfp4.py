@@ -1,6 +1,6 @@
 """The NVFP4 number format: quantize, dequantize, scale swizzle and a reference GEMM.
 
-Format (see DESIGN.md, "The number format"):
+Format:
 
 - Values are e2m1 (fp4): 1 sign bit (bit 3), 2 exponent bits, 1 mantissa bit. Codes
   0-7 are the magnitudes ``E2M1_VALUES`` = (0, 0.5, 1, 1.5, 2, 3, 4, 6); codes 8-15 are
@@ -26,6 +26,18 @@ float32 at the end. The default global scale ``amax / (6 * 448)`` is not exact i
 float32, so quantize -> dequantize round trips of representable values are exact only
 with a power-of-two global scale.
 
+Non-finite values. NVFP4 has no NaN/inf code, and a non-finite input must damage only
+its own row of a GEMM output (as a bf16 ``nn.Linear`` would), never the whole tensor:
+
+- the dynamic global scale is ``amax / (6 * 448)`` over the FINITE values only (1.0
+  when that is 0, or when the division underflows to 0);
+- a 16-element block holding any NaN or ±inf gets the e4m3 NaN scale byte ``0x7F`` and
+  codes 0, so it dequantizes to NaN and a GEMM row reading it comes out NaN;
+- every other block is quantized exactly as if the row had no non-finite value.
+
+Checking for non-finite inputs needs a host synchronisation, so `quantize_nvfp4` does
+it only with ``check_finite=True`` (then NaN/inf raise ValueError).
+
 Quantization accepts ``K % 16 == 0``; the GEMM backends additionally require
 ``K % 32 == 0`` (whole bytes per 16-element block pair, the kernels' K tiling). That rule
 is checked by the backends, not by this module.
@@ -35,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import math
+import struct
 from dataclasses import dataclass
 from typing import Literal
 
@@ -53,6 +66,7 @@ __all__ = [
     "dequantize",
     "e2m1_to_float",
     "pack_e2m1",
+    "quantize_fields",
     "quantize_nvfp4",
     "reference_gemm",
     "round_to_e2m1",
@@ -224,6 +238,13 @@ def unswizzle_scales(swizzled: torch.Tensor, rows: int, k: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------
 
 
+def _value_unreadable(t: torch.Tensor) -> bool:
+    """True while torch.compile traces or ``t``'s device is capturing a CUDA graph."""
+    if torch.compiler.is_compiling():
+        return True
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 @dataclass(frozen=True)
 class Nvfp4Tensor:
     """An NVFP4-quantized ``[R, K]`` matrix.
@@ -234,6 +255,11 @@ class Nvfp4Tensor:
       when ``layout == "swizzled"``, ``[R, K/16]`` when ``layout == "linear"``.
     - ``global_scale``: float32 0-dim tensor, the decode multiplier.
     - ``shape``: ``(R, K)``; ``K % 16 == 0`` (GEMM backends also need ``K % 32 == 0``).
+
+    The constructor checks every field, including that the global scale is finite and
+    > 0 (a host sync for a CUDA tensor; skipped under torch.compile tracing and CUDA
+    graph capture, where a value cannot be read). `quantize_nvfp4` builds through an
+    internal path that skips the checks.
     """
 
     data: torch.Tensor
@@ -286,6 +312,37 @@ class Nvfp4Tensor:
                 f"data, scale and global_scale must be on one device, got "
                 f"{self.data.device}, {self.scale.device}, {g.device}"
             )
+        # A host sync on CUDA; acceptable: tensors are built by users off the hot path
+        # (quantize_nvfp4 and the library's own copies use `_trusted`). Skipped where a
+        # value cannot be read: while torch.compile traces, or inside a CUDA graph capture.
+        if not _value_unreadable(g):
+            v = float(g)
+            if not math.isfinite(v) or v <= 0:
+                raise ValueError(f"global_scale: expected a finite value > 0, got {v}")
+
+    @classmethod
+    def _trusted(
+        cls,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        global_scale: torch.Tensor,
+        layout: Layout,
+        shape: tuple[int, int],
+    ) -> Nvfp4Tensor:
+        """Build from fields already known valid (no checks, no host sync): the hot path."""
+        obj = object.__new__(cls)
+        obj.__dict__.update(  # bypasses the frozen __setattr__, as dataclasses do
+            data=data, scale=scale, global_scale=global_scale, layout=layout, shape=shape
+        )
+        return obj
+
+    def __repr__(self) -> str:
+        # No values: printing a CUDA tensor's contents would synchronise.
+        return f"Nvfp4Tensor(shape={self.shape}, layout={self.layout!r}, device={self.device})"
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``[R, K]``: ``e2m1 * scale * global_scale`` (same as `dequantize`)."""
+        return dequantize(self)
 
     @property
     def rows(self) -> int:
@@ -304,12 +361,12 @@ class Nvfp4Tensor:
         device = torch.device(device)
         if device == self.device:
             return self
-        return Nvfp4Tensor(
-            data=self.data.to(device),
-            scale=self.scale.to(device),
-            global_scale=self.global_scale.to(device),
-            layout=self.layout,
-            shape=self.shape,
+        return Nvfp4Tensor._trusted(
+            self.data.to(device),
+            self.scale.to(device),
+            self.global_scale.to(device),
+            self.layout,
+            self.shape,
         )
 
     def linear_scale(self) -> torch.Tensor:
@@ -326,7 +383,7 @@ class Nvfp4Tensor:
             return self
         lin = self.linear_scale()
         scale = lin if layout == "linear" else swizzle_scales(lin)
-        return Nvfp4Tensor(self.data, scale, self.global_scale, layout, self.shape)
+        return Nvfp4Tensor._trusted(self.data, scale, self.global_scale, layout, self.shape)
 
 
 # ---------------------------------------------------------------------------------------
@@ -334,19 +391,72 @@ class Nvfp4Tensor:
 # ---------------------------------------------------------------------------------------
 
 
-def _scalar_f32(value: float | torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name}: expected one element, got shape {tuple(value.shape)}")
-        t = value.detach().reshape(()).to(device=device, dtype=torch.float32)
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        t = torch.tensor(float(value), dtype=torch.float32, device=device)
-    else:
-        raise TypeError(f"{name}: expected a float or a one-element tensor, got {type(value)}")
-    v = float(t)
+def _f32(v: float) -> float:
+    """``v`` rounded to float32 (nearest even; ±inf past the float32 range), as a float."""
+    try:
+        return struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:
+        return math.copysign(math.inf, v)
+
+
+def _usable(v: float, name: str) -> None:
     if not math.isfinite(v) or v <= 0:
         raise ValueError(f"{name}: expected a finite value > 0, got {v}")
-    return t
+
+
+def _scale_tensor(value: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
+    """A one-element tensor as a float32 0-dim tensor on ``device`` (no host sync)."""
+    if value.numel() != 1:
+        raise ValueError(f"{name}: expected one element, got shape {tuple(value.shape)}")
+    return value.detach().reshape(()).to(device=device, dtype=torch.float32)
+
+
+def _global_scale_arg(
+    global_scale: float | torch.Tensor | None,
+    encode_scale: float | torch.Tensor | None,
+    device: torch.device,
+    check: bool,
+) -> float | torch.Tensor | None:
+    """The decode scale as None (dynamic), a float32-rounded Python float or a device tensor.
+
+    Python floats are validated here (free); tensors only when ``check`` (a host sync).
+    """
+    if global_scale is not None and encode_scale is not None:
+        raise ValueError("give global_scale (decode) or encode_scale (its inverse), not both")
+    name = "encode_scale" if encode_scale is not None else "global_scale"
+    value = encode_scale if encode_scale is not None else global_scale
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        t = _scale_tensor(value, name, device)
+        if encode_scale is not None:
+            if check:
+                _usable(float(t), name)
+            t = torch.reciprocal(t)
+        if check:
+            v = float(t)
+            if encode_scale is not None and (not math.isfinite(v) or v <= 0):
+                raise ValueError(f"encode_scale: its inverse {v} is not a usable global scale")
+            _usable(v, name)
+        return t
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name}: expected a float or a one-element tensor, got {type(value)}")
+    v = _f32(float(value))
+    _usable(v, name)
+    if encode_scale is not None:
+        v = _f32(1.0 / v)  # float32 division, correctly rounded through float64
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError(f"encode_scale: its inverse {v} is not a usable global scale")
+    return v
+
+
+def _dynamic_scale(xf: torch.Tensor) -> torch.Tensor:
+    """``amax / (6 * 448)`` over the finite values of ``xf``; 1.0 when that is 0."""
+    if not xf.numel():
+        return torch.ones((), dtype=torch.float32, device=xf.device)
+    finite_abs = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros((), device=xf.device))
+    g = finite_abs.amax() / (E2M1_MAX * E4M3_MAX)
+    return torch.where(g == 0, torch.ones_like(g), g)  # all zeros, or underflow
 
 
 def quantize_blocks(xf: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -354,39 +464,82 @@ def quantize_blocks(xf: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, to
 
     ``xf``: float32 ``[R, K]``, K % 16 == 0; ``g``: the float32 0-dim global (decode)
     scale. Returns packed data ``uint8 [R, K/2]`` and linear e4m3 scales ``[R, K/16]``.
-    Shared with the ``fp4_dispatch::quantize`` op, which must not synchronise.
+    A block holding NaN/inf gets scale byte 0x7F and codes 0 (module docstring).
+    This is the reference the Triton kernel (`fp4_dispatch.backends.quantize`) matches
+    byte for byte.
     """
     r, k = xf.shape
     kb = k // BLOCK_SIZE
     blocks = xf.reshape(r, kb, BLOCK_SIZE)
-    block_amax = blocks.abs().amax(dim=-1) if xf.numel() else xf.new_zeros((r, kb))
+    finite = torch.isfinite(blocks)
+    bad = ~finite.all(dim=-1)
+    zero = torch.zeros((), device=xf.device)
+    block_amax = (
+        torch.where(finite, blocks.abs(), zero).amax(dim=-1)
+        if xf.numel()
+        else xf.new_zeros((r, kb))
+    )
     scale = (block_amax / E2M1_MAX / g).clamp(max=E4M3_MAX).to(_SCALE_DTYPE)
+    bits = torch.where(
+        bad, torch.full((), 0x7F, dtype=torch.uint8, device=xf.device), scale.view(torch.uint8)
+    )
+    scale = bits.view(_SCALE_DTYPE)
     denom = scale.to(torch.float32) * g
-    nonzero = denom > 0
+    usable = (denom > 0) & ~bad
     y = torch.where(
-        nonzero.unsqueeze(-1),
-        blocks / torch.where(nonzero, denom, torch.ones_like(denom)).unsqueeze(-1),
+        usable.unsqueeze(-1),
+        blocks / torch.where(usable, denom, torch.ones_like(denom)).unsqueeze(-1),
         torch.zeros_like(blocks),
     )
     return pack_e2m1(round_to_e2m1(y).reshape(r, k)), scale
 
 
-def quantize_nvfp4(
-    x: torch.Tensor,
-    global_scale: float | torch.Tensor | None = None,
-    layout: Layout = "swizzled",
-    *,
-    encode_scale: float | torch.Tensor | None = None,
-) -> Nvfp4Tensor:
-    """Quantize a 2-D float tensor ``[R, K]`` (``K % 16 == 0``) to NVFP4.
+_triton_quantize: object = None  # None: not looked up yet; False: unavailable
 
-    ``global_scale`` is the decode multiplier (default ``amax(|x|) / (6 * 448)``, or 1.0
-    for an all-zero tensor). ``encode_scale`` is FlashInfer's inverse convention
-    (``448 * 6 / amax``); give at most one of the two. Block scale =
-    ``e4m3(min(block_amax / 6 / global_scale, 448))``; codes are ``x / (scale *
-    global_scale)`` rounded to nearest-even on the e2m1 grid, saturating at ±6.
-    Arithmetic is float32 whatever the input dtype (fp32, fp16, bf16).
+
+def _kernel_quantizer() -> object:
+    """The Triton kernel's entry when Triton imports, else False (looked up once)."""
+    global _triton_quantize
+    if _triton_quantize is None:
+        try:
+            from .backends.quantize import quantize_checked
+        except ImportError as exc:  # triton is an optional dependency
+            logger.info("Triton quantize kernel unavailable (%s); using the torch path", exc)
+            _triton_quantize = False
+        else:
+            _triton_quantize = quantize_checked
+    return _triton_quantize
+
+
+def quantize_fields(
+    x: torch.Tensor, g: float | torch.Tensor | None, layout: Layout
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(data, scale, global_scale)`` of checked inputs, with no host synchronisation.
+
+    ``g``: None (dynamic), a float32-valued Python float or a float32 0-dim tensor on
+    x's device. On CUDA with Triton: the fused kernel; otherwise the torch reference.
+    The returned global scale never aliases ``g``. Shared with ``fp4_dispatch::quantize``.
     """
+    if x.is_cuda and x.numel():
+        kernel = _kernel_quantizer()
+        if kernel:
+            if x.stride(1) != 1:
+                x = x.contiguous()
+            return kernel(x, g, layout)  # reads x's memory only: no autograd involved
+    xf = x.detach().to(torch.float32)
+    if g is None:
+        gt = _dynamic_scale(xf)
+    elif isinstance(g, torch.Tensor):
+        gt = g.clone()
+    else:
+        gt = torch.tensor(g, dtype=torch.float32, device=xf.device)
+    data, scale = quantize_blocks(xf, gt)
+    if layout == "swizzled":
+        scale = swizzle_scales(scale)
+    return data, scale, gt
+
+
+def _check_input(x: torch.Tensor, layout: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _INPUT_DTYPES:
@@ -395,33 +548,40 @@ def quantize_nvfp4(
         raise ValueError(f"x: expected a 2-D tensor [R, K], got shape {tuple(x.shape)}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    if x.shape[1] % BLOCK_SIZE:
+        raise ValueError(f"x: K must be a multiple of {BLOCK_SIZE}, got K={x.shape[1]}")
+
+
+def quantize_nvfp4(
+    x: torch.Tensor,
+    global_scale: float | torch.Tensor | None = None,
+    layout: Layout = "swizzled",
+    *,
+    encode_scale: float | torch.Tensor | None = None,
+    check_finite: bool = False,
+) -> Nvfp4Tensor:
+    """Quantize a 2-D float tensor ``[R, K]`` (``K % 16 == 0``) to NVFP4.
+
+    ``global_scale`` is the decode multiplier (default ``amax(finite |x|) / (6 * 448)``,
+    or 1.0 when that is 0). ``encode_scale`` is FlashInfer's inverse convention
+    (``448 * 6 / amax``); give at most one of the two. Block scale =
+    ``e4m3(min(block_amax / 6 / global_scale, 448))``; codes are ``x / (scale *
+    global_scale)`` rounded to nearest-even on the e2m1 grid, saturating at ±6.
+    Arithmetic is float32 whatever the input dtype (fp32, fp16, bf16). NaN/inf: see the
+    module docstring (their block gets the NaN scale 0x7F, other rows are unaffected).
+
+    No host synchronisation unless ``check_finite=True``, which raises ValueError for a
+    non-finite ``x`` and validates a *tensor* global/encode scale (Python floats are
+    always validated). On CUDA with Triton installed this is one fused kernel launch
+    (two for a large dynamic scale) and can be captured in a CUDA graph.
+    """
+    _check_input(x, layout)
     r, k = x.shape
-    if k % BLOCK_SIZE:
-        raise ValueError(f"x: K must be a multiple of {BLOCK_SIZE}, got K={k}")
-    if global_scale is not None and encode_scale is not None:
-        raise ValueError("give global_scale (decode) or encode_scale (its inverse), not both")
-
-    xf = x.detach().to(torch.float32)
-    if not bool(torch.isfinite(xf).all()):
+    g = _global_scale_arg(global_scale, encode_scale, x.device, check_finite)
+    if check_finite and not bool(torch.isfinite(x).all()):
         raise ValueError("x: contains NaN or inf; NVFP4 has no encoding for them")
-    device = xf.device
-
-    if encode_scale is not None:
-        g = torch.reciprocal(_scalar_f32(encode_scale, "encode_scale", device))
-        if not math.isfinite(float(g)) or float(g) <= 0:
-            raise ValueError(f"encode_scale: its inverse {float(g)} is not a usable global scale")
-    elif global_scale is not None:
-        g = _scalar_f32(global_scale, "global_scale", device)
-    else:
-        amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=device)
-        g = amax / (E2M1_MAX * E4M3_MAX)
-        if float(g) == 0.0:  # all zeros, or so small the division underflowed
-            g = torch.ones((), dtype=torch.float32, device=device)
-
-    data, scale = quantize_blocks(xf, g)
-    if layout == "swizzled":
-        scale = swizzle_scales(scale)
-    return Nvfp4Tensor(data=data, scale=scale, global_scale=g, layout=layout, shape=(r, k))
+    data, scale, gt = quantize_fields(x, g, layout)
+    return Nvfp4Tensor._trusted(data, scale, gt, layout, (r, k))
 
 
 def dequantize(q: Nvfp4Tensor) -> torch.Tensor:

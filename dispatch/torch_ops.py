@@ -14,8 +14,8 @@ without an import cycle.
 Ops, namespace ``fp4_dispatch`` (``torch.ops.fp4_dispatch.*``):
 
 - ``quantize(x, global_scale=None) -> (data, scale, global_scale)``: NVFP4 quantization
-  of a 2-D activation, bit-identical to `quantize_nvfp4` (swizzled scales) but with no
-  host synchronisation (no NaN check, no ``float(tensor)``), so it is capturable.
+  of a 2-D activation, bit-identical to `quantize_nvfp4` (swizzled scales) and, like it,
+  with no host synchronisation (the fused Triton kernel on CUDA), so it is capturable.
 - ``gemm(a_data, a_scale, b_data, b_scale, alpha, out_dtype, dispatcher=-1) -> out``:
   ``out = alpha * dequant(a) @ dequant(b).T`` through a dispatcher.
 - ``gemm_out(..., out, dispatcher=-1)``: the same, writing a caller's ``out``.
@@ -52,12 +52,9 @@ import torch
 from . import checks
 from .nvfp4 import (
     BLOCK_SIZE,
-    E2M1_MAX,
-    E4M3_MAX,
     Nvfp4Tensor,
-    quantize_blocks,
+    quantize_fields,
     quantize_nvfp4,
-    swizzle_scales,
 )
 from .plans import PlanKey
 from .progress import progress
@@ -365,17 +362,12 @@ def _gemm_w4a16_fake(a, b_data, b_scale, alpha, out_dtype, dispatcher=DEFAULT):
 def _quantize_eager(
     x: torch.Tensor, global_scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`quantize_nvfp4`'s arithmetic, step for step, minus its host-synchronising checks."""
-    xf = x.to(torch.float32)
-    if global_scale is None:
-        amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
-        g = amax / (E2M1_MAX * E4M3_MAX)
-        g = torch.where(g == 0, torch.ones_like(g), g)  # all zeros, or underflow
-    else:
-        # a copy: an op's output may not alias its input
-        g = global_scale.detach().reshape(()).to(device=x.device, dtype=torch.float32).clone()
-    data, scale = quantize_blocks(xf, g)
-    return data, swizzle_scales(scale), g
+    """`quantize_nvfp4`'s path (the fused kernel on CUDA) minus its opt-in checks."""
+    g = None
+    if global_scale is not None:
+        g = global_scale.detach().reshape(()).to(device=x.device, dtype=torch.float32)
+    # quantize_fields never returns an alias of g (an op's output may not alias its input)
+    return quantize_fields(x, g, "swizzled")
 
 
 def _check_quantize_input(x: torch.Tensor) -> None:
@@ -420,9 +412,10 @@ def quantize(
     the fields of the `Nvfp4Tensor` `quantize_nvfp4` would give, bit for bit.
     ``global_scale`` (a float32 tensor, decode multiplier) fixes the per-tensor scale,
     e.g. a calibrated static one; None computes ``amax / (6 * 448)`` on the device.
-    NaN/inf inputs are not checked here (that would synchronise): they give meaningless
-    codes. Under torch.compile this is the ``fp4_dispatch::quantize`` op; eagerly the
-    same code runs without the op's dispatch overhead.
+    NaN/inf inputs are not checked here (that would synchronise): their 16-element
+    block gets the NaN scale 0x7F and codes 0, other rows are unaffected. Under
+    torch.compile this is the ``fp4_dispatch::quantize`` op; eagerly the same code runs
+    without the op's dispatch overhead.
     """
     if torch.compiler.is_compiling():
         return torch.ops.fp4_dispatch.quantize(x, global_scale)

@@ -2,7 +2,7 @@
 
 The reference below shares no code with the module: e4m3 and e2m1 rounding are written
 out from the format definitions (grid scan with an explicit tie-to-even rule), scale
-offsets come from the DESIGN.md formula evaluated entry by entry, and packing is done
+offsets come from the documented storage formula evaluated entry by entry, and packing is done
 byte by byte. Only float32 arithmetic (the spec's "compute in float32") uses numpy.
 """
 
@@ -96,7 +96,9 @@ def ref_e4m3_from_bits(b: int) -> float:
 
 
 def ref_default_global(x: np.ndarray) -> np.float32:
-    amax = F32(np.max(np.abs(x))) if x.size else F32(0)
+    """amax over the FINITE values / (6 * 448); 1.0 when that is 0."""
+    finite = np.abs(x[np.isfinite(x)])
+    amax = F32(np.max(finite)) if finite.size else F32(0)
     g = F32(amax / F32(6 * 448))
     return F32(1.0) if g == 0 else g
 
@@ -111,6 +113,9 @@ def ref_quantize(x: np.ndarray, g: np.float32) -> tuple[np.ndarray, np.ndarray]:
         for i in range(r):
             for b in range(kb):
                 blk = x[i, b * 16 : (b + 1) * 16]
+                if not all(math.isfinite(float(v)) for v in blk):
+                    sbytes[i, b] = 0x7F  # e4m3 NaN; codes stay 0
+                    continue
                 amax = max(abs(float(v)) for v in blk)
                 sf = F32(F32(amax) / F32(6.0)) / g
                 s = ref_e4m3(min(float(sf), 448.0))
@@ -437,6 +442,68 @@ def test_default_global_scale_and_zero_input() -> None:
     assert not bool(dequantize(z).any())
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("layout", ["swizzled", "linear"])
+def test_non_finite_matches_independent_reference(bad: float, layout: str) -> None:
+    x = make_input(3, 5, 64, 0, 0.1)
+    x[2, 17] = bad
+    x[4, 0] = float("nan")
+    q = quantize_nvfp4(x, layout=layout)
+    xn = x.numpy()
+    g = ref_default_global(xn)
+    assert q.global_scale.item() == g
+    codes, sbytes = ref_quantize(xn, g)
+    assert torch.equal(q.data, torch.from_numpy(ref_pack(codes)))
+    assert torch.equal(q.linear_scale().view(torch.uint8), torch.from_numpy(sbytes))
+    got = q.linear_scale().view(torch.uint8)
+    assert int(got[2, 1]) == 0x7F and int(got[4, 0]) == 0x7F
+    assert int((got == 0x7F).sum()) == 2  # only the two blocks holding a non-finite value
+
+
+@pytest.mark.parametrize("given", [None, 0.01])
+def test_nan_row_leaves_other_rows_unchanged(given: float | None) -> None:
+    """Independent of any reference: NaN at (r, c) vs 0 at (r, c) (the finite amax is the
+    same either way) differ only in the block holding (r, c)."""
+    gen = torch.Generator().manual_seed(11)
+    clean = torch.randn(6, 96, generator=gen) * 4
+    clean[3, 40] = 0.0
+    dirty = clean.clone()
+    dirty[3, 40] = float("nan")
+    qc = quantize_nvfp4(clean, global_scale=given, layout="linear")
+    qd = quantize_nvfp4(dirty, global_scale=given, layout="linear")
+    assert torch.equal(qc.global_scale, qd.global_scale)
+    sc, sd = qc.scale.view(torch.uint8).clone(), qd.scale.view(torch.uint8).clone()
+    assert int(sd[3, 2]) == 0x7F and int(sc[3, 2]) != 0x7F
+    sc[3, 2] = sd[3, 2] = 0
+    assert torch.equal(sc, sd)
+    cc, cd = unpack_e2m1(qc.data), unpack_e2m1(qd.data)
+    assert not bool(cd[3, 32:48].any()) and bool(cc[3, 32:48].any())
+    cc[3, 32:48] = 0
+    assert torch.equal(cc, cd)
+    deq = dequantize(qd)
+    assert bool(deq[3, 32:48].isnan().all())
+    assert bool(deq.isfinite()[[0, 1, 2, 4, 5]].all()) and bool(deq[3, :32].isfinite().all())
+
+
+def test_tensor_scale_checked_only_on_request() -> None:
+    x = torch.ones(2, 16)
+    q = quantize_nvfp4(x, global_scale=torch.tensor(float("nan")))  # no sync, no check
+    assert bool(q.global_scale.isnan())
+    with pytest.raises(ValueError, match="global_scale: expected a finite value > 0"):
+        quantize_nvfp4(x, global_scale=torch.tensor(float("nan")), check_finite=True)
+    assert quantize_nvfp4(x, check_finite=True).global_scale.item() == F32(1.0) / F32(2688.0)
+
+
+def test_nvfp4_tensor_constructor_validates_global_scale_and_repr() -> None:
+    q = quantize_nvfp4(torch.randn(3, 32), layout="linear")
+    for bad in (float("nan"), -1.0, 0.0, float("inf")):
+        with pytest.raises(ValueError, match="global_scale: expected a finite value > 0"):
+            Nvfp4Tensor(q.data, q.scale, torch.tensor(bad), q.layout, q.shape)
+    assert repr(q) == "Nvfp4Tensor(shape=(3, 32), layout='linear', device=cpu)"
+    assert torch.equal(q.dequantize(), dequantize(q))
+    assert q.dequantize().dtype == torch.float32
+
+
 def test_zero_scale_block_gives_zero_codes() -> None:
     x = torch.full((2, 32), 1e-5)
     x[:, 16:] = 1.0
@@ -578,6 +645,11 @@ def test_tensor_validation(change: dict, exc: type, match: str) -> None:
         Nvfp4Tensor(**fields)
 
 
+NAN_ROW = torch.tensor([[float("nan")] + [0.0] * 15])
+INF_ROW = torch.tensor([[float("inf")] + [0.0] * 15])
+ONES = torch.ones(2, 16)
+
+
 @pytest.mark.parametrize(
     ("x", "kwargs", "exc", "match"),
     [
@@ -587,8 +659,13 @@ def test_tensor_validation(change: dict, exc: type, match: str) -> None:
         (torch.zeros(2, 4, 32), {}, ValueError, "2-D"),
         (torch.zeros(4, 33), {}, ValueError, "multiple of 16"),
         (torch.zeros(4, 24), {}, ValueError, "multiple of 16"),
-        (torch.tensor([[float("nan")] + [0.0] * 15]), {}, ValueError, "NaN or inf"),
-        (torch.tensor([[float("inf")] + [0.0] * 15]), {}, ValueError, "NaN or inf"),
+        # non-finite input and tensor scales are checked only on request (a host sync)
+        (NAN_ROW, {"check_finite": True}, ValueError, "x: contains NaN or inf"),
+        (INF_ROW, {"check_finite": True}, ValueError, "x: contains NaN or inf"),
+        (ONES, {"global_scale": torch.tensor(0.0), "check_finite": True}, ValueError, "global_"),
+        (ONES, {"global_scale": torch.tensor(-2.0), "check_finite": True}, ValueError, "global_"),
+        (ONES, {"encode_scale": torch.tensor(0.0), "check_finite": True}, ValueError, "encode_"),
+        (ONES, {"global_scale": 1e39}, ValueError, "global_scale"),  # inf in float32
         (torch.ones(2, 16), {"global_scale": 1.0, "encode_scale": 1.0}, ValueError, "not both"),
         (torch.ones(2, 16), {"global_scale": 0.0}, ValueError, "global_scale"),
         (torch.ones(2, 16), {"global_scale": -1.0}, ValueError, "global_scale"),

@@ -1,0 +1,418 @@
+"""Fused NVFP4 activation quantization in Triton: one launch, no host synchronisation.
+
+Why: the torch reference (`fp4_dispatch.nvfp4.quantize_blocks` + `swizzle_scales`) is
+~50 small kernels; a decode step needs one. `quantize_triton` reads ``x`` once and
+writes the packed e2m1 codes and the e4m3 block scales - directly in the 128x4
+swizzled layout (storage formula in the `fp4_dispatch.nvfp4` module docstring, padding
+entries written as zero by the kernel, so the output is a plain ``torch.empty``) or in
+the linear ``[M, K/16]`` layout.
+
+Launches: a given global scale (a one-element float32 device tensor, or a Python float
+baked in as a kernel argument) is ONE launch. The dynamic scale (``amax / (6 * 448)``
+over the finite values) is one launch when the whole tensor fits one program's tile
+(decode rows up to 8192 elements: the program reduces its own registers), otherwise a
+small partial-amax kernel (at most `_MAX_PARTIALS` partial maxima, no memset: every slot
+is written) followed by the quantize kernel, whose programs each reduce the partials.
+
+Bit-exactness with the reference (the tests compare bytes):
+- every fp32 division is ``tl.math.div_rn`` (Triton's ``/`` is approximate on GPU),
+  and ``block_amax / 6 / g`` divides twice as the reference does;
+- the e4m3 rounding is integer arithmetic on the fp32 bits (round to nearest even on
+  3 mantissa bits for normals, ``round-half-even(v * 2**9)`` for subnormals), so it
+  does not depend on how a Triton version lowers the float8 cast;
+- e2m1 codes come from the same midpoint comparisons as `round_to_e2m1` (``>`` at
+  midpoints whose lower code is even, ``>=`` otherwise: ties to even), as a binary
+  search over the sorted midpoints; a zero magnitude gets code 0, never -0 (code 8);
+- non-finite semantics (`fp4_dispatch.nvfp4` docstring): a 16-element block holding
+  NaN/inf gets scale byte 0x7F and codes 0; the dynamic amax ignores non-finite values.
+
+Tiles: a program handles ``[BM, BK]`` elements loaded as ``[BM, BK/16, 16]`` (16
+contiguous elements per block, so a thread's loads are 16-byte vectors and the block
+reduction stays within a thread/warp), ~8192 elements per program (16 KiB of bf16).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_launch import BoundLaunch, CachedLauncher
+
+log = logging.getLogger(__name__)
+
+__all__ = ["quantize_checked", "quantize_triton"]
+
+#: fp32 max: ``|v| <= FLT_MAX`` is False exactly for NaN and ±inf.
+_FLT_MAX = 3.4028234663852886e38
+#: Elements per program (16 KiB of bf16: enough bytes in flight per SM at 2+ programs).
+_TILE_ELEMS = 8192
+#: Widest K tile of the multi-program grid: a decode row of K=8192 spreads over 8
+#: programs (8 SMs load in parallel) instead of one.
+_MAX_BK = 1024
+#: Largest single tile of the fused dynamic-scale launch (amax and quantize in one
+#: program, no second kernel): 16K elements is 64 fp32 registers a thread at 8 warps.
+_FUSED_ELEMS = 16384
+#: Upper bound on partial maxima of the dynamic scale (each quantize program reads all).
+_MAX_PARTIALS = 256
+#: Rows of zero scales stored per step in the swizzled row padding.
+_PAD_ROWS = 32
+
+# g modes (constexpr): where the global (decode) scale comes from
+_G_PTR, _G_VALUE, _G_PARTIALS, _G_FUSED = 0, 1, 2, 3
+
+
+@triton.jit
+def _g_from_amax(amax):
+    """Dynamic decode scale: amax / (6 * 448), 1.0 when that is 0 (all zero or underflow)."""
+    # amax is a 0-d value (never inf/NaN here): amax * 0 + c is c as a same-typed operand
+    g = tl.math.div_rn(amax, amax * 0.0 + 2688.0)
+    return tl.where(g == 0.0, 1.0, g)
+
+
+@triton.jit
+def _load_blocks(x_ptr, stride_xm, row0, col0, M, K, BM: tl.constexpr, NB: tl.constexpr):
+    """``[BM, NB, 16]`` float32 tile at (row0, col0); out-of-range elements are 0."""
+    rows = row0 + tl.arange(0, BM)
+    cols = col0 + tl.arange(0, NB)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    mask = (rows < M)[:, None, None] & (cols < K)
+    ptrs = x_ptr + rows.to(tl.int64)[:, None, None] * stride_xm + cols
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _finite_amax(xb):
+    """max |x| over the finite values of a tile (0.0 when none)."""
+    ax = tl.abs(xb)
+    return tl.max(tl.max(tl.max(tl.where(ax <= 3.4028234663852886e38, ax, 0.0), 2), 1), 0)
+
+
+@triton.jit
+def _e4m3(v):
+    """Round non-negative fp32 ``v <= 448`` to e4m3fn (nearest even): (byte, fp32 value)."""
+    bits = v.to(tl.int32, bitcast=True)
+    r = bits + 0x7FFFF + ((bits >> 20) & 1)
+    r = (r >> 20) << 20
+    s_norm = r.to(tl.float32, bitcast=True)
+    b_norm = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+    t = v * 512.0  # subnormal step 2**-9; exact scaling
+    ti = t.to(tl.int32)  # truncation = floor for t >= 0
+    fr = t - ti.to(tl.float32)  # exact
+    up = (fr > 0.5) | ((fr == 0.5) & ((ti & 1) == 1))
+    mi = ti + up.to(tl.int32)  # 8 is 2**-6, the smallest normal: byte 0x08 either way
+    s_sub = mi.to(tl.float32) * 0.001953125
+    normal = v >= 0.015625
+    return tl.where(normal, b_norm, mi), tl.where(normal, s_norm, s_sub)
+
+
+@triton.jit
+def _e2m1_codes(y):
+    """e2m1 codes of fp32 y: nearest, ties to even, saturating at 6; zero and NaN -> 0.
+
+    The magnitude code is the number of midpoints |y| passes (0.25, 0.75, 1.25, 1.75,
+    2.5, 3.5, 5; ``>`` where the lower code is even, ``>=`` where it is odd: ties to
+    even). The midpoints are sorted, so a 3-level binary search over them gives the
+    count bit by bit: 3 compares and 4 selects an element instead of 7 compares and 7
+    adds (this kernel is close to compute-bound at large M).
+    """
+    a = tl.abs(y)
+    b2 = a >= 1.75  # midpoint 3 (odd lower code: >=)
+    b1 = a >= tl.where(b2, 3.5, 0.75)  # midpoint 5 or 1 (odd: >=)
+    t0 = tl.where(b2, tl.where(b1, 5.0, 2.5), tl.where(b1, 1.25, 0.25))
+    b0 = a > t0  # midpoint 6, 4, 2 or 0 (even lower code: >)
+    mag = b2.to(tl.int32) * 4 + b1.to(tl.int32) * 2 + b0.to(tl.int32)
+    # negative and a nonzero code <=> y < -0.25 (the first midpoint); NaN: neither
+    return mag | tl.where(y < -0.25, 8, 0)
+
+
+@triton.jit
+def _scale_offsets(rows, kb, KB, NUM_K_TILES, SWIZZLED: tl.constexpr):
+    """Storage offsets of scale entries (rows [R, 1], kb [1, NB]); the swizzled formula is
+    the one in the `fp4_dispatch.nvfp4` module docstring."""
+    if SWIZZLED:
+        off = (
+            (rows // 128) * (NUM_K_TILES * 512)
+            + (kb // 4) * 512
+            + (rows % 32) * 16
+            + ((rows % 128) // 32) * 4
+            + (kb % 4)
+        )
+    else:
+        off = rows * KB + kb
+    return off
+
+
+@triton.jit
+def _quantize_store(
+    xb, g, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES,
+    SWIZZLED: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
+):  # fmt: skip
+    """Quantize a loaded ``[BM, NB, 16]`` tile with decode scale g and store it."""
+    ax = tl.abs(xb)
+    # |x| * 0 is 0 for finite x and NaN for NaN/inf, and a sum keeps a NaN: one fma an
+    # element flags the non-finite blocks. Their bamax is meaningless (max drops NaN,
+    # keeps inf) and unused: their scale byte becomes 0x7F and their codes 0.
+    bad = tl.sum(ax * 0.0, 2) != 0.0
+    bamax = tl.max(ax, 2)
+    gb = tl.full(bamax.shape, 1.0, tl.float32) * g
+    v = tl.math.div_rn(tl.math.div_rn(bamax, tl.full(bamax.shape, 6.0, tl.float32)), gb)
+    v = tl.minimum(v, 448.0)
+    sbyte, s = _e4m3(v)
+    sbyte = tl.where(bad, 0x7F, sbyte)
+    denom = s * gb
+    ok = (denom > 0.0) & (bad == 0)
+    # Unusable blocks divide by +inf: finite / inf = ±0 and NaN or inf / inf = NaN, both
+    # code 0, so no per-element select is needed for "codes 0".
+    inf = tl.full(denom.shape, 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
+    safe = tl.where(ok, denom, inf)
+    codes = _e2m1_codes(tl.math.div_rn(xb, tl.broadcast_to(safe[:, :, None], xb.shape)))
+    lo, hi = tl.split(tl.reshape(codes, [BM, NB, 8, 2]))
+    packed = (lo | (hi << 4)).to(tl.uint8)
+
+    rows = row0 + tl.arange(0, BM)
+    rmask = rows < M
+    half_k = K // 2
+    dcols = col0 // 2 + tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    dptrs = data_ptr + rows.to(tl.int64)[:, None, None] * half_k + dcols
+    tl.store(dptrs, packed, mask=rmask[:, None, None] & (dcols < half_k))
+
+    kb = col0 // 16 + tl.arange(0, NB)
+    KB = K // 16
+    if SWIZZLED:  # noqa: SIM108 (a static branch on a constexpr, clearer in jit code)
+        kmask = kb < NUM_K_TILES * 4  # column padding is written (zero: masked loads)
+    else:
+        kmask = kb < KB
+    off = _scale_offsets(rows.to(tl.int64)[:, None], kb[None, :], KB, NUM_K_TILES, SWIZZLED)
+    tl.store(scale_ptr + off, sbyte.to(tl.uint8), mask=rmask[:, None] & kmask[None, :])
+
+
+@triton.jit
+def _zero_row_padding(scale_ptr, col0, M, M_PAD, NUM_K_TILES, NB: tl.constexpr):
+    """Zero the swizzled scale rows [M, M_PAD) of one K tile."""
+    kb = col0 // 16 + tl.arange(0, NB)
+    kmask = kb < NUM_K_TILES * 4
+    for r0 in range(M, M_PAD, 32):
+        rows = r0 + tl.arange(0, 32)
+        off = _scale_offsets(rows.to(tl.int64)[:, None], kb[None, :], 0, NUM_K_TILES, True)
+        zeros = tl.zeros([32, NB], tl.uint8)
+        tl.store(scale_ptr + off, zeros, mask=(rows < M_PAD)[:, None] & kmask[None, :])
+
+
+@triton.jit
+def _nvfp4_quantize_kernel(
+    x_ptr, stride_xm, data_ptr, scale_ptr, g_ptr, g_value, g_out_ptr, part_ptr, n_part,
+    M, K, M_PAD, NUM_K_TILES,
+    G_MODE: tl.constexpr, SWIZZLED: tl.constexpr,
+    BM: tl.constexpr, NB: tl.constexpr, PART_BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    row0 = pid_m * BM
+    col0 = pid_k * NB * 16
+    xb = _load_blocks(x_ptr, stride_xm, row0, col0, M, K, BM, NB)
+    if G_MODE == 0:
+        g = tl.load(g_ptr)
+    elif G_MODE == 1:
+        g = g_value
+    elif G_MODE == 2:
+        pidx = tl.arange(0, PART_BLOCK)
+        parts = tl.load(part_ptr + pidx, mask=pidx < n_part, other=0.0)
+        g = _g_from_amax(tl.max(parts, 0))
+    else:
+        g = _g_from_amax(_finite_amax(xb))
+    if (pid_m == 0) & (pid_k == 0):
+        tl.store(g_out_ptr, g)
+    _quantize_store(xb, g, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES, SWIZZLED, BM, NB)
+    if SWIZZLED:  # noqa: SIM102 (static constexpr branch around a runtime one)
+        if pid_m == tl.num_programs(0) - 1:
+            _zero_row_padding(scale_ptr, col0, M, M_PAD, NUM_K_TILES, NB)
+
+
+@triton.jit
+def _partial_amax_kernel(
+    x_ptr, stride_xm, part_ptr, M, K, BM: tl.constexpr, NB: tl.constexpr
+):  # fmt: skip
+    """Partial finite amax: program (pm, pk) reduces row tiles pm, pm + GM, ... of K tile
+    pk into ``part_ptr[pm * GK + pk]``."""
+    pm = tl.program_id(0)
+    pk = tl.program_id(1)
+    gm = tl.num_programs(0)
+    acc = tl.zeros([BM, NB, 16], tl.float32)
+    for row0 in range(pm * BM, M, gm * BM):
+        ax = tl.abs(_load_blocks(x_ptr, stride_xm, row0, pk * NB * 16, M, K, BM, NB))
+        acc = tl.maximum(acc, tl.where(ax <= 3.4028234663852886e38, ax, 0.0))
+    amax = tl.max(tl.max(tl.max(acc, 2), 1), 0)
+    tl.store(part_ptr + pm * tl.num_programs(1) + pk, amax)
+
+
+# ---- host side -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Grid and meta-parameters of one (shape, stride, dtype, layout, scale kind)."""
+
+    grid: tuple[int, int]
+    bm: int
+    nb: int
+    num_warps: int
+    g_mode: int
+    m_pad: int
+    num_k_tiles: int
+    scale_shape: tuple[int, int]
+    amax_grid: tuple[int, int] | None
+    part_block: int
+    launch: BoundLaunch
+    amax_launch: BoundLaunch | None
+
+
+_plans: dict[tuple, _Plan] = {}
+_quant_launch = CachedLauncher(_nvfp4_quantize_kernel)
+_amax_launch = CachedLauncher(_partial_amax_kernel)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _tile(m: int, k: int, elems: int, max_bk: int) -> tuple[int, int]:
+    """(BM, BK): BK a power of two >= 64 (whole groups of 4 scale columns, so the last K
+    tile also writes the swizzled column padding), BM*BK <= elems where M allows."""
+    bk = max(64, min(_next_pow2(k), elems, max_bk))
+    bm = max(1, min(_next_pow2(m), elems // bk))
+    return bm, bk
+
+
+def _fused_tile(m: int, k: int) -> tuple[int, int] | None:
+    """The one tile covering all of ``[m, k]`` when it is small enough to fuse amax."""
+    bm, bk = _next_pow2(m), max(64, _next_pow2(k))
+    return (bm, bk) if bm * bk <= min(_FUSED_ELEMS, 2 * _TILE_ELEMS) else None
+
+
+def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
+    kb = k // 16
+    num_k_tiles = -(-kb // 4)
+    m_pad = -(-m // 128) * 128 if swizzled else m
+    scale_shape = (m_pad, num_k_tiles * 4) if swizzled else (m, kb)
+    fused = _fused_tile(m, k) if kind == "dynamic" else None
+    bm, bk = fused or _tile(m, k, _TILE_ELEMS, min(_MAX_BK, _TILE_ELEMS))
+    grid = (-(-m // bm), -(-k // bk))
+    g_mode = {"tensor": _G_PTR, "value": _G_VALUE}.get(kind, _G_PARTIALS)
+    amax_grid = None
+    part_block = 1
+    if kind == "dynamic":
+        if fused:
+            g_mode = _G_FUSED
+        else:
+            gk = grid[1]
+            gm = max(1, min(grid[0], _MAX_PARTIALS // gk))
+            amax_grid = (gm, gk)
+            part_block = _next_pow2(gm * gk)
+    num_warps = 8 if bm * bk >= 8192 else 4
+    meta = {"G_MODE": g_mode, "SWIZZLED": swizzled, "BM": bm, "NB": bk // 16,
+            "PART_BLOCK": part_block}  # fmt: skip
+    launch = _quant_launch.bind(meta, num_warps)
+    amax_launch = None
+    if amax_grid is not None:
+        amax_launch = _amax_launch.bind({"BM": bm, "NB": bk // 16}, num_warps)
+    return _Plan(
+        grid, bm, bk // 16, num_warps, g_mode, m_pad, num_k_tiles, scale_shape, amax_grid,
+        part_block, launch, amax_launch,
+    )  # fmt: skip
+
+
+def _check(x: torch.Tensor, g: object, layout: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"x: expected dtype float32, float16 or bfloat16, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-D tensor [M, K], got shape {tuple(x.shape)}")
+    if x.shape[1] % 16:
+        raise ValueError(f"x: K must be a multiple of 16, got K={x.shape[1]}")
+    if x.stride(1) != 1:
+        raise ValueError(f"x: expected unit stride along K, got strides {x.stride()}")
+    if layout not in ("swizzled", "linear"):
+        raise ValueError(f"layout: expected 'swizzled' or 'linear', got {layout!r}")
+    if isinstance(g, torch.Tensor):
+        if g.dtype != torch.float32 or g.numel() != 1:
+            raise TypeError(
+                f"global_scale: expected a one-element float32 tensor, "
+                f"got dtype {g.dtype} with shape {tuple(g.shape)}"
+            )
+        if g.device != x.device:
+            raise ValueError(f"global_scale: expected a tensor on {x.device}, got {g.device}")
+    elif g is not None and (not isinstance(g, (int, float)) or isinstance(g, bool)):
+        raise TypeError(f"global_scale: expected a tensor, a float or None, got {type(g)}")
+
+
+def quantize_triton(
+    x: torch.Tensor,
+    global_scale: torch.Tensor | float | None = None,
+    layout: str = "swizzled",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4-quantize ``x [M, K]`` in one fused kernel (two for a large dynamic scale).
+
+    ``global_scale``: the decode multiplier as a one-element float32 tensor on x's
+    device (read by the kernel, never on the host), a Python float (passed as a kernel
+    argument), or None for ``amax(finite |x|) / (6 * 448)`` (1.0 when that is 0).
+    Nothing is validated that would need a host sync (see `quantize_nvfp4`).
+    Returns ``(data uint8 [M, K/2], scale float8_e4m3fn, g float32 0-dim)``; scale is
+    ``[ceil128(M), ceil4(K/16)]`` swizzled or ``[M, K/16]`` linear.
+    """
+    _check(x, global_scale, layout)
+    return quantize_checked(x, global_scale, layout)
+
+
+def quantize_checked(
+    x: torch.Tensor, global_scale: torch.Tensor | float | None, layout: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_triton` minus its argument checks, for callers that made them already
+    (`fp4_dispatch.nvfp4.quantize_fields`): a CUDA ``x`` with unit stride along K."""
+    m, k = x.shape
+    if m == 0 or k == 0:
+        raise ValueError(f"x: quantize_triton needs M, K > 0, got shape {tuple(x.shape)}")
+    index = x.device.index
+    if index is not None and index != torch.cuda.current_device():
+        with torch.cuda.device(index):  # Triton launches on the current device
+            return _quantize(x, global_scale, layout)
+    return _quantize(x, global_scale, layout)
+
+
+def _quantize(
+    x: torch.Tensor, global_scale: torch.Tensor | float | None, layout: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    if isinstance(global_scale, torch.Tensor):
+        kind = "tensor"
+    elif global_scale is None:
+        kind = "dynamic"
+    else:
+        kind = "value"
+    swizzled = layout == "swizzled"
+    pkey = (m, k, swizzled, kind)
+    plan = _plans.get(pkey)
+    if plan is None:
+        plan = _plans[pkey] = _make_plan(m, k, swizzled, kind)
+    dev = x.device
+    data = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
+    scale = torch.empty(plan.scale_shape, dtype=torch.uint8, device=dev)
+    g_out = torch.empty((), dtype=torch.float32, device=dev)
+    g_ptr, g_value, parts, n_part = x, 1.0, x, 0
+    if kind == "tensor":
+        g_ptr = global_scale.reshape(())
+    elif kind == "value":
+        g_value = float(global_scale)
+    elif plan.amax_grid is not None:
+        n_part = plan.amax_grid[0] * plan.amax_grid[1]
+        parts = torch.empty((n_part,), dtype=torch.float32, device=dev)
+        plan.amax_launch(plan.amax_grid, (x, x.stride(0), parts, m, k))
+    plan.launch(
+        plan.grid,
+        (x, x.stride(0), data, scale, g_ptr, g_value, g_out, parts, n_part, m, k,
+         plan.m_pad, plan.num_k_tiles),
+    )  # fmt: skip
+    return data, scale.view(torch.float8_e4m3fn), g_out

@@ -1,0 +1,315 @@
+"""The fused Triton quantize kernel against the torch reference, byte for byte.
+
+The kernel runs under TRITON_INTERPRET=1 in a subprocess (`run_interpreted`); the
+reference is `quantize_nvfp4` on the CPU (the torch path: `quantize_blocks` +
+`swizzle_scales`), which tests/test_nvfp4.py checks against an independent slow
+reference. Every case is run twice: with the default tile size and with a tiny one
+(`_TILE_ELEMS = 256`) so that small inputs still exercise many programs, several K
+tiles, the partial-amax kernel and the swizzled row/column padding of the last tiles.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import run_interpreted
+
+from fp4_dispatch.backends.triton_launch import specialization_key
+
+SCRIPT = r"""
+import json, sys
+import torch
+from fp4_dispatch.backends import quantize as kq
+from fp4_dispatch.nvfp4 import quantize_nvfp4
+
+DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+MID = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+
+
+def make(c):
+    m, k, kind = c["m"], c["k"], c["kind"]
+    gen = torch.Generator().manual_seed(c["seed"])
+    x = torch.randn(m, k, generator=gen) * torch.exp(2 * torch.randn(m, k, generator=gen))
+    if kind == "ties":  # a 6 pins the block scale to 1 (g = 1); then every midpoint, +-
+        row = ([6.0] + MID + [-v for v in MID] + [1.0]) * (k // 16)
+        x = torch.tensor(row[:k]).repeat(m, 1)
+        x[:, 1::7] *= 1.0 + 2.0**-22  # just above a tie
+    elif kind == "huge":
+        x = x.sign() * 3.0e38 * torch.rand(m, k, generator=gen).clamp(min=0.5)
+        x[:, :16] = 1.0e6  # > 448 * 6 * g for g = 1: scale and codes saturate
+    elif kind == "tiny":
+        x = x * 2.0**-14  # subnormal e4m3 block scales for g = 1
+        x[:, :16] = 1.0e-40  # float32 subnormals: the scale underflows to 0 -> codes 0
+    elif kind == "zeros":
+        x[:, 16:48] = 0.0
+        x[0] = 0.0
+    elif kind == "allzero":
+        x = torch.zeros(m, k)
+    elif kind == "negzero":
+        x[:, :16] = -0.0
+        x[:, 16:32] = torch.tensor([-0.0, 0.0] * 8)
+        x[:, 32:48] = torch.tensor([-0.0, 1e-30] * 8)
+    elif kind == "nonfinite":
+        r = min(1, m - 1)
+        x[r, 3] = float("nan")
+        x[r, min(20, k - 1)] = float("inf")
+        x[r, k - 1] = float("-inf")
+    x = x.to(DT[c["dtype"]])
+    if c.get("strided"):
+        wide = torch.zeros(m, k + 48, dtype=x.dtype)
+        wide[:, 16 : 16 + k] = x
+        x = wide[:, 16 : 16 + k]
+    return x
+
+
+out = []
+for tile in (None, 256):
+    if tile:
+        kq._TILE_ELEMS = tile
+        kq._plans.clear()
+    for c in json.loads(sys.argv[1]):
+        x = make(c)
+        gs = c["g"]
+        if isinstance(gs, str):
+            gs = torch.tensor(float(gs))
+        d, s, g = kq.quantize_triton(x, gs, c["layout"])
+        q = quantize_nvfp4(x, gs, c["layout"])
+        out.append(
+            {
+                "case": c,
+                "tile": tile,
+                "data": torch.equal(d, q.data),
+                "scale": torch.equal(s.view(torch.uint8), q.scale.view(torch.uint8)),
+                "shape": list(s.shape) == list(q.scale.shape),
+                "g": torch.equal(g, q.global_scale),
+                "nan_blocks": int((q.scale.view(torch.uint8) == 0x7F).sum()),
+            }
+        )
+print(json.dumps(out))
+"""
+
+
+def _cases() -> list[dict]:
+    cases = []
+    # random data, every input dtype, both layouts, given (float / tensor) and dynamic g
+    for dtype, layout, g in itertools.product(
+        ("fp32", "fp16", "bf16"), ("swizzled", "linear"), (None, 0.003, "0.02")
+    ):
+        cases.append({"kind": "random", "m": 3, "k": 80, "dtype": dtype, "layout": layout, "g": g})
+    # shapes: rows not a multiple of 128, K not a multiple of 64, strided rows
+    # K=1040: 65 scale columns (column padding) over several K tiles at both tile sizes
+    shapes = ((1, 16, False), (130, 48, True), (2, 256, True), (129, 80, False), (5, 1040, True))
+    for m, k, strided in shapes:
+        for layout in ("swizzled", "linear"):
+            for g in (None, "0.5"):
+                cases.append(
+                    {"kind": "random", "m": m, "k": k, "dtype": "bf16", "layout": layout, "g": g,
+                     "strided": strided}
+                )  # fmt: skip
+    # adversarial values
+    for kind, g in (
+        ("ties", 1.0),
+        ("ties", "1.0"),
+        ("huge", 1.0),
+        ("huge", None),
+        ("tiny", 1.0),
+        ("tiny", None),
+        ("zeros", None),
+        ("allzero", None),
+        ("allzero", 1.0),
+        ("negzero", 1.0),
+        ("negzero", None),
+        ("nonfinite", None),
+        ("nonfinite", "0.25"),
+    ):
+        for layout in ("swizzled", "linear"):
+            cases.append({"kind": kind, "m": 3, "k": 64, "dtype": "fp32", "layout": layout, "g": g})
+    cases.append({"kind": "nonfinite", "m": 5, "k": 48, "dtype": "bf16", "layout": "swizzled",
+                  "g": None, "strided": True})  # fmt: skip
+    for i, c in enumerate(cases):
+        c["seed"] = i
+    return cases
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_interpreted(SCRIPT, _cases())
+
+
+def test_every_case_ran_at_both_tile_sizes(results: list[dict]) -> None:
+    assert len(results) == 2 * len(_cases())
+
+
+def test_kernel_bytes_equal_reference(results: list[dict]) -> None:
+    bad = [r for r in results if not (r["data"] and r["scale"] and r["shape"] and r["g"])]
+    assert not bad, bad[:5]
+
+
+def test_non_finite_cases_hit_the_nan_block_rule(results: list[dict]) -> None:
+    """The non-finite rows really produced 0x7F blocks (so byte equality covered them)."""
+    nonfinite = [r for r in results if r["case"]["kind"] == "nonfinite"]
+    assert nonfinite and all(r["nan_blocks"] >= 2 for r in nonfinite)
+    assert all(r["nan_blocks"] == 0 for r in results if r["case"]["kind"] != "nonfinite")
+
+
+def test_specialization_key_separates_what_triton_specializes_on() -> None:
+    base = torch.zeros(64, dtype=torch.float32)
+    aligned, misaligned = base[:16], base[1:17]
+    assert specialization_key([aligned]) != specialization_key([misaligned])
+    assert specialization_key([aligned]) != specialization_key([aligned.half()])
+    assert specialization_key([1]) != specialization_key([2])
+    assert specialization_key([16]) != specialization_key([17])
+    assert specialization_key([17]) == specialization_key([19])
+    assert specialization_key([2**31 + 16]) != specialization_key([2**31 - 16])
+    assert specialization_key([1.0, None]) == specialization_key([2.5, None])
+    with pytest.raises(TypeError, match="args: unsupported kernel argument type"):
+        specialization_key(["x"])
+
+
+class _FakeCompiled:
+    """Stands in for Triton's CompiledKernel: ``compiled[grid](*all_params)``."""
+
+    def __init__(self, calls: list, fail: bool) -> None:
+        self.calls, self.fail = calls, fail
+
+    def __getitem__(self, grid):
+        def runner(*args):
+            if self.fail:
+                raise TypeError("launcher takes 2 arguments")
+            self.calls.append(("direct", grid, args))
+
+        return runner
+
+
+class _FakeKernel:
+    """Stands in for a JITFunction: ``kernel[grid](*args, **constexprs, num_warps=)``."""
+
+    arg_names = ("x", "BM", "n", "NB")
+
+    def __init__(self, fail_direct: bool = False) -> None:
+        self.calls: list = []
+        self.fail_direct = fail_direct
+
+    def __getitem__(self, grid):
+        def run(*args, num_warps, **constexprs):
+            self.calls.append(("slow", grid, args, constexprs, num_warps))
+            return _FakeCompiled(self.calls, self.fail_direct)
+
+        return run
+
+
+def _fast_launcher(kernel: _FakeKernel, monkeypatch) -> object:
+    from fp4_dispatch.backends import triton_launch
+
+    monkeypatch.setattr(triton_launch, "_interpreting", lambda: False)
+    monkeypatch.setattr(triton_launch, "_passes_all_params", lambda: True)
+    return triton_launch.CachedLauncher(kernel)
+
+
+def test_cached_launcher_compiles_once_then_launches_directly(monkeypatch) -> None:
+    kernel = _FakeKernel()
+    bound = _fast_launcher(kernel, monkeypatch).bind({"BM": 8, "NB": 4}, num_warps=8)
+    x = torch.zeros(32)
+    bound((2, 1), (x, 17))  # compiles through kernel[grid]
+    bound((2, 1), (x, 17))  # direct: every parameter, in declaration order
+    bound((3, 1), (x, 18))  # same specialization, new grid: still direct
+    bound((3, 1), (x, 16))  # 16 is divisible by 16: a new specialization compiles
+    kinds = [c[0] for c in kernel.calls]
+    assert kinds == ["slow", "direct", "direct", "slow"]
+    assert kernel.calls[0][2:] == ((x, 17), {"BM": 8, "NB": 4}, 8)
+    assert kernel.calls[1][1] == (2, 1) and kernel.calls[1][2] == (x, 8, 17, 4)
+    assert kernel.calls[2][1] == (3, 1) and kernel.calls[2][2][2] == 18
+
+
+def test_cached_launcher_falls_back_when_the_convention_differs(monkeypatch, caplog) -> None:
+    kernel = _FakeKernel(fail_direct=True)
+    launcher = _fast_launcher(kernel, monkeypatch)
+    bound = launcher.bind({"BM": 8, "NB": 4})
+    x = torch.zeros(32)
+    for _ in range(3):
+        bound((1,), (x, 5))
+    assert [c[0] for c in kernel.calls] == ["slow", "slow", "slow"]  # every call launched
+    assert not launcher.fast
+    assert "direct launch unavailable" in caplog.text
+
+
+@pytest.mark.parametrize(("arch", "g_mode"), [(90, 0), (100, 3)])
+def test_kernel_compiles_for_hopper_and_blackwell_with_16_byte_loads(arch: int, g_mode: int):
+    """Compiled (to PTX, on the CPU: no GPU needed) for sm90 and sm100; with aligned
+    pointers and strides the bf16 loads are 16-byte vectors (``ld.global.v4``)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fp4_dispatch.backends import quantize as kq
+
+    kernel = kq._nvfp4_quantize_kernel
+    names = list(kernel.arg_names)
+    types = {
+        "x_ptr": "*bf16", "stride_xm": "i32", "data_ptr": "*u8", "scale_ptr": "*u8",
+        "g_ptr": "*fp32", "g_value": "fp32", "g_out_ptr": "*fp32", "part_ptr": "*fp32",
+        "n_part": "i32", "M": "i32", "K": "i32", "M_PAD": "i32", "NUM_K_TILES": "i32",
+    }  # fmt: skip
+    consts = {"G_MODE": g_mode, "SWIZZLED": True, "BM": 8, "NB": 64, "PART_BLOCK": 1}
+    aligned = ("x_ptr", "stride_xm", "data_ptr", "scale_ptr", "g_ptr", "g_out_ptr", "K")
+    src = ASTSource(
+        fn=kernel,
+        signature={n: "constexpr" if n in consts else types[n] for n in names},
+        constexprs={(names.index(n),): v for n, v in consts.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
+    ptx = compiled.asm["ptx"]
+    assert "ld.global.v4" in ptx or "ld.global.nc.v4" in ptx
+    assert "div.rn.f32" in ptx  # IEEE division, not the approximate default
+
+
+@pytest.mark.parametrize(
+    ("x", "kwargs", "exc", "match"),
+    [
+        (torch.zeros(4, 32, dtype=torch.int32), {}, TypeError, "x: expected dtype"),
+        (torch.zeros(32), {}, ValueError, "x: expected a 2-D tensor"),
+        (torch.zeros(4, 24), {}, ValueError, "x: K must be a multiple of 16"),
+        (torch.zeros(32, 4).t(), {}, ValueError, "x: expected unit stride along K"),
+        (torch.zeros(4, 32), {"layout": "tiled"}, ValueError, "layout"),
+        (torch.zeros(0, 32), {}, ValueError, "M, K > 0"),
+        (torch.zeros(4, 32), {"global_scale": torch.ones((), dtype=torch.float64)}, TypeError,
+         "global_scale: expected a one-element float32"),
+        (torch.zeros(4, 32), {"global_scale": torch.ones(2)}, TypeError, "global_scale"),
+        (torch.zeros(4, 32), {"global_scale": "1.0"}, TypeError, "global_scale"),
+    ],
+)  # fmt: skip
+def test_quantize_triton_argument_errors(x, kwargs, exc, match) -> None:
+    pytest.importorskip("triton")
+    from fp4_dispatch.backends.quantize import quantize_triton
+
+    with pytest.raises(exc, match=match):
+        quantize_triton(x, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("given", [False, True])
+def test_quantize_nvfp4_is_captured_in_a_cuda_graph(given: bool) -> None:
+    from fp4_dispatch.nvfp4 import quantize_nvfp4
+
+    pytest.importorskip("triton")
+    gs = torch.tensor(0.05, device="cuda") if given else None
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        quantize_nvfp4(x, gs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q = quantize_nvfp4(x, gs)
+    for i in range(3):
+        x.copy_(torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16) * (i + 1))
+        graph.replay()
+        want = quantize_nvfp4(x.cpu(), None if gs is None else gs.cpu())
+        assert torch.equal(q.data.cpu(), want.data)
+        assert torch.equal(q.scale.view(torch.uint8).cpu(), want.scale.view(torch.uint8))
+        assert torch.equal(q.global_scale.cpu(), want.global_scale)
