@@ -86,7 +86,7 @@ SIMULATED: dict[str, DeviceInfo] = {
         mem_bw_gbps=4250.0,
         bf16_tflops=691.0,
         fp8_tflops=1263.0,
-        note="rates measured on an H200 of this workplace",
+        note="rates measured on an H200 by this project",
     ),
     "sm100": DeviceInfo(
         name="simulated B200 (sm100)",

@@ -31,6 +31,8 @@ TOLERANCE = 1e-2  # relative Frobenius error; bf16 output rounding is ~4e-3
 #: other M tried when a backend has no tactic at the test shape (small decode to prefill)
 FALLBACK_M = (128, 256, 1024, 4096, 16, 1)
 CHECKS = ("load", "tactic", "build", "run")
+#: SKIP details that only repeat an earlier check's outcome (left out of the table)
+_DERIVED = ("did not load", "no tactic", "build failed")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -201,9 +203,12 @@ def _print(d, shape, results: list[dict], not_run: list) -> None:
     for r in results:
         checks = r["checks"]
         details = [f"{c}: {checks[c]['detail']}" for c in CHECKS
-                   if checks[c]["result"] != "PASS" and checks[c]["detail"]]  # fmt: skip
-        if checks["run"]["result"] == "PASS":
-            details.insert(0, checks["run"]["detail"])
+                   if checks[c]["result"] == "FAIL"][:1]  # fmt: skip
+        if not details and checks["run"]["result"] == "PASS":
+            details = [checks["run"]["detail"]]
+        if not details:
+            details = [f"{c}: {checks[c]['detail']}" for c in CHECKS
+                       if checks[c]["result"] == "SKIP" and checks[c]["detail"] not in _DERIVED]
         rows.append((r["backend"], r["result"], *(checks[c]["result"] for c in CHECKS),
                      "; ".join(details)))  # fmt: skip
     print(format_table(rows, ("backend", "result", *CHECKS, "detail")))
