@@ -6,7 +6,9 @@ offers a valid tactic; when it has none at the test shape, doctor tries a few ot
 before it SKIPs), ``build`` (its best tactic builds; on a simulated device only for
 backends that compile ahead of time, e.g. CuTe-DSL) and ``run`` (a GEMM against the
 float64 reference; SKIP on a simulated device, which runs nothing). Exit status 1 only
-for a FAIL (or when no backend is available at all).
+for a FAIL (or when no backend is available at all). A plugin that failed to load is
+listed with its error, as in ``list-backends``; with ``--strict`` (or
+``FP4_DISPATCH_STRICT=1``) it is a FAIL row too.
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ fp4-dispatch doctor --shape 128x512x1024 --json""",
         type=parse_shape,
         metavar="M,N,K",
         help="the test GEMM, M,N,K or MxNxK (default 96,256,512)",
+    )
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="a plugin that fails to load is a FAIL (exit 1); also FP4_DISPATCH_STRICT=1",
     )
     p.set_defaults(func=run)
 
@@ -170,11 +177,16 @@ def _summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    d = make_dispatcher(args)
+    d = make_dispatcher(args, strict=False)  # failures shown, not raised
+    from ..registry import strict_default  # noqa: PLC0415 - lazy: start-up time
+
     results = [check_backend(d, b.name, args.shape) for b in d.available]
     statuses = d.backends()
-    results += [_failed_load(s) for s in statuses if s.status == "failed"]
-    not_run = [s for s in statuses if s.status not in ("available", "failed")]
+    if args.strict or strict_default():  # a plugin that fails to load fails the check
+        results += [_failed_load(s) for s in statuses if s.status == "failed"]
+        not_run = [s for s in statuses if s.status not in ("available", "failed")]
+    else:  # as list-backends: shown with its error, the other backends are what is checked
+        not_run = [s for s in statuses if s.status != "available"]
     m, n, k = args.shape
     if args.json:
         emit_json({"device": device_json(d.device), "shape": [m, n, k], "results": results,
@@ -207,8 +219,11 @@ def _print(d, shape, results: list[dict], not_run: list) -> None:
         if not details and checks["run"]["result"] == "PASS":
             details = [checks["run"]["detail"]]
         if not details:
-            details = [f"{c}: {checks[c]['detail']}" for c in CHECKS
-                       if checks[c]["result"] == "SKIP" and checks[c]["detail"] not in _DERIVED]
+            details = [
+                f"{c}: {checks[c]['detail']}"
+                for c in CHECKS
+                if checks[c]["result"] == "SKIP" and checks[c]["detail"] not in _DERIVED
+            ]
         rows.append((r["backend"], r["result"], *(checks[c]["result"] for c in CHECKS),
                      "; ".join(details)))  # fmt: skip
     print(format_table(rows, ("backend", "result", *CHECKS, "detail")))
