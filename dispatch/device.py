@@ -68,13 +68,11 @@ class DeviceInfo(BaseModel):
         )
 
 
-# Sources: H200 figures measured on the workplace H200 (../shared/reference/facts.md,
-# 2026-11-30: copy 4.25 TB/s, bf16 691 TFLOP/s, fp8 1263 TFLOP/s; 132 SMs; L2 from
+# Sources: H200 figures measured on an H200 by this project (2026-11-30: copy 4.25 TB/s, bf16 691 TFLOP/s, fp8 1263 TFLOP/s; 132 SMs; L2 from
 # torch.cuda.get_device_properties). B200: NVIDIA DGX B200 datasheet (per GPU dense:
-# FP4 9 PF, FP8 4.5 PF, BF16 2.25 PF, HBM3e 8 TB/s); 148 SMs (third-party sources, as
-# DESIGN.md). B300: NVIDIA Blackwell Ultra announcement (dense FP4 15 PF), 160 SMs
+# FP4 9 PF, FP8 4.5 PF, BF16 2.25 PF, HBM3e 8 TB/s); 148 SMs (third-party sources). B300: NVIDIA Blackwell Ultra announcement (dense FP4 15 PF), 160 SMs
 # (third-party); other B300 rates assumed equal to B200. SM107 part: 212 SMs from the
-# FlashInfer measurements (facts.md); its rates are NOT published — assumed equal to
+# FlashInfer measurements; its rates are NOT published — assumed equal to
 # B300 per SM, scaled by SM count, and marked as such in `note`.
 SIMULATED: dict[str, DeviceInfo] = {
     "sm90": DeviceInfo(

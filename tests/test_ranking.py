@@ -423,7 +423,7 @@ def test_cap_properties(specs, problem, device, budget, rnd):
     # cut accounting
     kept = Counter(c.family for c in sl.candidates)
     assert sl.cut == {f: len(v) - kept[f] for f, v in sorted(fams.items())}
-    # the floor (DESIGN.md's default, computed here rather than trusted)
+    # the floor (the design's default, computed here rather than trusted)
     floor = max(1, budget // (2 * max(nf, 1)))
     assert sl.floor == floor == default_floor(budget, nf)
     if budget >= nf:
