@@ -136,6 +136,14 @@ class Dispatcher:
         self._autotuned: set[BucketKey] = set()
         self._capture_warned: set[BucketKey] = set()
 
+    def __repr__(self) -> str:
+        """``Dispatcher(device=..., backends=[...], budget=N, cache=path)``: what it serves."""
+        cache = self.cache
+        where = "memory only" if cache is None else str(cache.path)
+        names = ", ".join(b.name for b in self.available) or "none available"
+        return (f"Dispatcher(device={self.device.name!r} ({self.device.kind}), "
+                f"backends=[{names}], budget={self.budget}, cache={where!r})")  # fmt: skip
+
     @property
     def cache(self) -> TuningCache | None:
         """The tuning cache this dispatcher reads and writes (None: memory only)."""

@@ -666,7 +666,14 @@ def check_plugin(
     are built but not run. Returns the report; call ``.raise_for_failures()`` to turn
     failures into an exception. Plugin errors never escape: they are failed checks.
     """
-    dev = device if isinstance(device, DeviceInfo) else resolve(device)
+    try:
+        dev = device if isinstance(device, DeviceInfo) else resolve(device)
+    except RuntimeError as exc:  # "cuda" asked for on a machine without one: SKIP, not raise
+        if not (isinstance(device, str) and device.startswith("cuda")):
+            raise
+        report = ConformanceReport(entry_point, device)
+        report.add("device", "all", "SKIP", f"no CUDA device here ({exc})")
+        return report
     problems = DEFAULT_PROBLEMS if problems is None else tuple(problems)
     report = ConformanceReport(entry_point, dev.name)
     reg = _check_load(report, entry_point)

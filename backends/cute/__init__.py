@@ -377,9 +377,17 @@ def max_clusters_for(device: DeviceInfo) -> Callable[[int], int]:
 
 
 def compile_operator(
-    entry: OperatorEntry, target: str, sm_count: int, max_clusters: Callable[[int], int]
-) -> CompiledKernel:
-    """Compile (or load) `entry` for `target` and `sm_count`; memory, then disk, then compile."""
+    entry: OperatorEntry,
+    target: str,
+    sm_count: int,
+    max_clusters: Callable[[int], int],
+    load_only: bool = False,
+) -> CompiledKernel | None:
+    """Compile (or load) `entry` for `target` and `sm_count`; memory, then disk, then compile.
+
+    ``load_only``: return None instead of compiling (``fp4-dispatch compile`` loads what
+    the cache has in its own process, and spawns compile workers only for the rest).
+    """
     dsl, opv = library_versions()
     d = entry.design
     sizes = sorted({d.cluster_m * d.cluster_n, d.fallback_m * d.fallback_n})
@@ -398,6 +406,8 @@ def compile_operator(
         artifact, sm = loaded
         ck = CompiledKernel(entry, artifact, target, sm_count, sm, time.perf_counter() - t0,
                             "disk", str(obj_path))  # fmt: skip
+    elif load_only:
+        return None
     else:
         with _compile_context(max_clusters):
             artifact = entry.operator.compile(_probe_args(*_kernel_out(entry)), target_sm=target)
@@ -543,13 +553,22 @@ class CuteKernel:
         self.compiled.entry.operator.run(args, self.compiled.artifact, stream=stream)
 
 
-def build_kernel(design: Design, out_dtype: str, major: Major, device: DeviceInfo) -> CuteKernel:
-    """Compile `design` for `device` (its arch and SM count) and wrap it as a Kernel."""
+def build_kernel(
+    design: Design, out_dtype: str, major: Major, device: DeviceInfo, load_only: bool = False
+) -> CuteKernel | None:
+    """Compile `design` for `device` (its arch and SM count) and wrap it as a Kernel.
+
+    ``load_only``: None when the kernel is in neither the memory nor the disk cache.
+    """
     if device.cc is None:
         raise ValueError(f"{device.name}: no compute capability to compile for")
     target = target_of(device.cc)
     entry = operator_for(design, target, out_dtype, major)
-    compiled = compile_operator(entry, target, device.sm_count, max_clusters_for(device))
+    compiled = compile_operator(
+        entry, target, device.sm_count, max_clusters_for(device), load_only=load_only
+    )
+    if compiled is None:
+        return None
     log.info("%s for %s, %d SMs: %s in %.2f s", entry.name, target, device.sm_count,
              compiled.source, compiled.seconds)  # fmt: skip
     return CuteKernel(compiled, out_dtype, major)

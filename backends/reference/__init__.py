@@ -1,34 +1,123 @@
 """Portable reference kernels (W4A4 and W4A16): plain torch, runs on CPU and CUDA.
 
-Dequantizes the NVFP4 operands to ``compute_dtype`` (e2m1 x e4m3 values are exact in
-fp16/bf16/fp32), multiplies with fp32 accumulation, optionally in K chunks, and applies
-``alpha`` (the product of the global scales) in fp32 at the end. It is the yardstick
-every other backend is compared with, and the fallback when nothing faster runs.
+Dequantizes both operands to ``compute_dtype`` and multiplies with torch's own GEMM
+(fp32 accumulation), optionally in K chunks, then applies ``alpha`` (the product of the
+global scales) in fp32. Block-scaled e2m1 values, ``e2m1 * e4m3``, have at most 6
+significant bits and lie in [2^-10, 2688], so they are exact in fp16, bf16 and fp32: the
+only rounding is the GEMM's own. It is the yardstick every other backend is compared
+with, and the fallback when nothing faster runs. (The float64 ground truth of the tests
+is `fp4_dispatch.reference_gemm`, not this.)
+
+Speed on a CPU (measured in benchmarks/bench_first_contact.py):
+
+- dequantization is one table lookup per packed byte (two values at once) and one
+  multiply by the block scale, in the compute dtype;
+- the dequantized B operand (in practice a weight) is kept in a small LRU keyed on the
+  packed tensor's storage, shape, strides and version counter, so repeated calls with the
+  same weight cost one dequantization of A plus a dense GEMM. The cache holds a
+  reference to the packed tensors, so their memory cannot be reused while an entry lives
+  (a stale hit is impossible), and an in-place change bumps the version counter (a miss).
+  ``FP4_DISPATCH_REFERENCE_CACHE_MB`` bounds it (default 1024; 0 turns it off).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+from collections import OrderedDict
+
 import torch
 
 from fp4_dispatch.backend import DenseOperands, GemmOperands
-from fp4_dispatch.nvfp4 import e2m1_to_float, unpack_e2m1, unswizzle_scales
+from fp4_dispatch.nvfp4 import as_uint8_data, e2m1_to_float, unswizzle_scales
+
+log = logging.getLogger(__name__)
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CACHE_ENV = "FP4_DISPATCH_REFERENCE_CACHE_MB"
+DEFAULT_CACHE_MB = 1024
+
+_Key = tuple
+_cache: OrderedDict[_Key, tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor]] = OrderedDict()
+
+
+@functools.cache
+def _pair_table(dtype: torch.dtype, device: str) -> torch.Tensor:
+    """``[256]``: the (low nibble, high nibble) e2m1 values of every packed byte, the two
+    values' bits packed into one integer (int32 for 2-byte dtypes, int64 for fp32).
+
+    One `index_select` of whole pairs is the fastest CPU decode we measured (advanced
+    indexing of a ``[256, 2]`` table is ~5x slower). Built once per dtype and device
+    (never a per-call host-to-device copy).
+    """
+    codes = torch.arange(256, dtype=torch.int32)
+    pairs = torch.stack([codes & 0xF, codes >> 4], dim=-1).to(torch.uint8)
+    values = e2m1_to_float(pairs).to(dtype).contiguous()
+    packed = torch.int32 if values.element_size() == 2 else torch.int64
+    return values.view(packed).reshape(256).to(device)
 
 
 def dequantize_operand(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``e2m1(data) * block_scale`` (no global scale) as `dtype`, shape [rows, K]."""
+    data = as_uint8_data(data)
     rows, k = data.shape[0], data.shape[1] * 2
-    values = e2m1_to_float(unpack_e2m1(data))
-    scales = unswizzle_scales(scale, rows, k).to(torch.float32)
-    return (values.view(rows, k // 16, 16) * scales.unsqueeze(-1)).view(rows, k).to(dtype)
+    table = _pair_table(dtype, str(data.device))
+    pairs = table.index_select(0, data.reshape(-1).to(torch.int32))
+    values = pairs.view(dtype).view(rows, k // 16, 16)  # low nibble first: memory order
+    scales = unswizzle_scales(scale, rows, k).to(dtype)
+    return (values * scales.unsqueeze(-1)).view(rows, k)
+
+
+def _cache_limit_bytes() -> int:
+    raw = os.environ.get(CACHE_ENV, "").strip()
+    try:
+        return int(float(raw) * 2**20) if raw else DEFAULT_CACHE_MB * 2**20
+    except ValueError:
+        log.warning("%s=%r is not a number of MiB; using %d", CACHE_ENV, raw, DEFAULT_CACHE_MB)
+        return DEFAULT_CACHE_MB * 2**20
+
+
+def _key(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> _Key:
+    return (data.data_ptr(), data.storage_offset(), tuple(data.shape), tuple(data.stride()),
+            data.dtype, str(data.device), scale.data_ptr(), tuple(scale.shape), dtype)  # fmt: skip
+
+
+def dequantize_cached(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize_operand`, remembered for the same packed tensors (see the module)."""
+    limit = _cache_limit_bytes()
+    if limit <= 0 or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return dequantize_operand(data, scale, dtype)
+    try:
+        versions = (data._version, scale._version)
+    except RuntimeError:  # inference-mode tensors have no version counter: never cached
+        log.debug("reference: operand B has no version counter; not caching it")
+        return dequantize_operand(data, scale, dtype)
+    key = _key(data, scale, dtype)
+    hit = _cache.get(key)
+    if hit is not None and (hit[2], hit[3]) == versions:
+        _cache.move_to_end(key)
+        return hit[4]
+    value = dequantize_operand(data, scale, dtype)
+    size = value.numel() * value.element_size()
+    if size > limit:
+        return value
+    _cache[key] = (data, scale, *versions, value)
+    while sum(e[4].numel() * e[4].element_size() for e in _cache.values()) > limit:
+        _cache.popitem(last=False)
+    return value
+
+
+def clear_cache() -> None:
+    """Drop every remembered dequantized operand (frees their memory)."""
+    _cache.clear()
 
 
 def gemm(operands: GemmOperands, out: torch.Tensor, compute_dtype: str, k_chunk: int) -> None:
     """``out = alpha * A @ B.T`` with fp32 accumulation over K chunks of `k_chunk` (0 = all)."""
     dtype = COMPUTE_DTYPES[compute_dtype]
     a = dequantize_operand(operands.a_data, operands.a_scale, dtype)
-    b = dequantize_operand(operands.b_data, operands.b_scale, dtype)
+    b = dequantize_cached(operands.b_data, operands.b_scale, dtype)
     _accumulate(a, b, operands.alpha, out, k_chunk)
 
 
@@ -37,19 +126,22 @@ def gemm_dense(
 ) -> None:
     """W4A16: ``out = alpha * a @ dequant(B).T``, the dense ``a`` cast to `compute_dtype`."""
     dtype = COMPUTE_DTYPES[compute_dtype]
-    b = dequantize_operand(operands.b_data, operands.b_scale, dtype)
+    b = dequantize_cached(operands.b_data, operands.b_scale, dtype)
     _accumulate(operands.a.to(dtype), b, operands.alpha, out, k_chunk)
 
 
 def _accumulate(
-    a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor, k_chunk: int
+    a: torch.Tensor, b: torch.Tensor, alpha_t: torch.Tensor, out: torch.Tensor, k_chunk: int
 ) -> None:
     """``out = alpha * a @ b.T``, fp32 accumulation over K chunks of `k_chunk` (0 = all)."""
     k = a.shape[1]
-    step = k if k_chunk == 0 else k_chunk
+    alpha = alpha_t.to(torch.float32).reshape(())
+    if k_chunk == 0 or k_chunk >= k:
+        acc = torch.matmul(a, b.T)
+        out.copy_(acc * alpha if acc.dtype == torch.float32 else acc.to(torch.float32) * alpha)
+        return
     acc = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)
-    for start in range(0, k, step):
-        part = a[:, start : start + step] @ b[:, start : start + step].T
-        acc += part.to(torch.float32)
-    acc *= alpha.to(torch.float32).reshape(())
+    for start in range(0, k, k_chunk):
+        acc += (a[:, start : start + k_chunk] @ b[:, start : start + k_chunk].T).to(torch.float32)
+    acc *= alpha
     out.copy_(acc)

@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import argparse
 
-from ..profiles import profiles, resolve
-from .common import add_json_arg, emit_json, format_table
+from .common import add_command, add_json_arg, emit_json, format_table
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "devices", help="the detected device and the simulated ones the families declare"
+    p = add_command(
+        sub,
+        "devices",
+        help="the detected device and the simulated ones",
+        description="The device found here (a CUDA GPU, else the CPU) and the simulated "
+        "parts --device accepts, with the peak rates the cost model uses.",
+        examples="fp4-dispatch devices\nfp4-dispatch devices --json",
     )
     add_json_arg(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..profiles import profiles, resolve  # noqa: PLC0415 - lazy: start-up time
+
     found = resolve("auto")
     devices = {"detected": found, **{a: p.device for a, p in sorted(profiles().items())}}
     if args.json:

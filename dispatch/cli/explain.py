@@ -6,22 +6,31 @@ Shows the cut per family, so a family that loses every slot can never go unnotic
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from ..ranking import Candidate, Shortlist
 from . import common
+
+if TYPE_CHECKING:
+    from ..ranking import Candidate, Shortlist
 
 #: fields every tactic has; the rest are shown compactly as family-specific knobs
 _COMMON = ("backend", "tile_m", "tile_n", "cluster_m", "cluster_n", "swap_ab")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = common.add_command(
+        sub,
         "explain",
-        help="the ranked, capped shortlist for one shape: scores, reasons, cut per family",
+        help="the ranked, capped shortlist for one shape, and why",
+        description="Rank every valid tactic of every available backend for one GEMM shape "
+        "(out[M, N] = A[M, K] @ B[N, K].T), keep the best --budget with a floor per "
+        "family, and show the scores, why each was kept and the cut per family. Runs "
+        "nothing: works for simulated devices.",
+        examples="""fp4-dispatch explain 128 4096 4096
+fp4-dispatch explain 32768 4096 8192 --device sm107 --budget 16
+fp4-dispatch explain 1 8192 8192 --device sm90 --json""",
     )
-    p.add_argument("m", type=int, metavar="M", help="rows of A and of the output")
-    p.add_argument("n", type=int, metavar="N", help="rows of B (columns of the output)")
-    p.add_argument("k", type=int, metavar="K", help="reduction length")
+    common.add_shape_args(p)
     common.add_device_args(p)
     common.add_budget_arg(p, "tactics kept for measurement")
     p.add_argument(
@@ -111,9 +120,6 @@ def render(sl: Shortlist, sm_count: int | None = None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("m", "n", "k", "budget"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"fp4-dispatch explain: {name} must be >= 1")
     dispatcher = common.make_dispatcher(args, budget=args.budget)
     sl = dispatcher.candidates(args.m, args.n, args.k, out_dtype=args.out_dtype)
     faults = list(getattr(dispatcher, "faults", ()))

@@ -4,46 +4,86 @@ Every plugin appears: loaded backends, failed, disabled and empty plugins (a hoo
 registered nothing), the faults its code had at run time (e.g. ``tactics()`` raising on
 the sample shape), and its load time when it is slow. The table always prints; with
 ``--strict`` (or FP4_DISPATCH_STRICT=1) any failure or fault makes the exit status 1.
+
+``--json`` prints a list with one object per backend (or per plugin that failed, was
+disabled or registered nothing), with stable types: ``name``, ``family``, ``origin``,
+``version``, ``status``, ``reason``, ``plugin`` (strings), ``tactics`` (int: tactics
+offered for the sample shape; null when the backend is not available or its
+``tactics()`` faulted, the error then in ``tactics_error``), ``operations`` (list),
+``note`` (string), ``error`` (object or null), ``faults`` (list), ``load_s`` (float) and
+``device`` (the `DeviceInfo` the row describes, the same object in every row).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+from typing import Any
 
 from ..guard import PluginFault
-from ..registry import SLOW_LOAD_S
+from ..registry import SLOW_LOAD_S, strict_default
 from ..tactics import Problem
-from .common import add_device_args, add_json_arg, emit_json, format_table, make_dispatcher
+from .common import (
+    CliError,
+    add_command,
+    add_device_args,
+    add_json_arg,
+    device_json,
+    emit_json,
+    format_table,
+    make_dispatcher,
+)
 
 log = logging.getLogger(__name__)
 
+#: the shape the tactic count is taken at
 SAMPLE = Problem(m=128, n=4096, k=4096)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("list-backends", help="backends and plugins, with status and reason")
+    p = add_command(
+        sub,
+        "list-backends",
+        help="backends and plugins, with status and reason",
+        description="Every backend the installed plugins register, and every plugin that "
+        "failed to load or was disabled: family, origin, version, status (available, "
+        "unsupported, failed, disabled), the reason, and how many tactics each offers "
+        "at a sample shape on this device.",
+        examples="""fp4-dispatch list-backends
+fp4-dispatch list-backends --device sm100 --json
+fp4-dispatch list-backends --strict --traceback   # fail (exit 1) if a plugin failed""",
+    )
     add_device_args(p)
     add_json_arg(p)
-    p.add_argument("--strict", action="store_true", help="exit non-zero on any plugin failure")
-    p.add_argument("--traceback", action="store_true", help="print failed plugins' tracebacks")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 after the table if any plugin failed (or FP4_DISPATCH_STRICT=1)",
+    )
     p.set_defaults(func=run)
 
 
-def _tactic_count(dispatcher, name: str) -> int | str:
-    """How many tactics a backend offers for the sample shape ('-' when not available)."""
+def _tactic_count(dispatcher, name: str) -> tuple[int | None, str]:
+    """Tactics a backend offers for the sample shape, or (None, why not)."""
     backend = dispatcher.registry.backends.get(name)
     if backend is None or backend not in dispatcher.available:
-        return "-"
-    tactics = dispatcher.guard.tactics(backend, SAMPLE, dispatcher.device)
+        return None, ""
+    problem = (
+        SAMPLE
+        if "w4a4" in backend.operations
+        else SAMPLE.model_copy(update={"operation": backend.operations[0]})
+    )
+    tactics = dispatcher.guard.tactics(backend, problem, dispatcher.device)
     if isinstance(tactics, PluginFault):  # recorded: shown under "plugin faults"
-        return "error"
-    return len(tactics)
+        return None, tactics.fault.what
+    return len(tactics), ""
 
 
 def _reason(row: dict) -> str:
     """The row's reason, with its faults counted and a slow load time shown."""
-    parts = [row["reason"]] if row["reason"] else []
+    parts = (
+        [row["reason"] or row["tactics_error"]] if (row["reason"] or row["tactics_error"]) else []
+    )
     if row["faults"]:
         parts.append(f"{len(row['faults'])} fault(s), see below")
     if row["load_s"] > SLOW_LOAD_S:
@@ -51,53 +91,64 @@ def _reason(row: dict) -> str:
     return "; ".join(parts)
 
 
-def run(args: argparse.Namespace) -> int:
-    strict = args.strict or _strict_env()
-    # never strict while loading: the table is printed first, strictness sets the status
-    d = make_dispatcher(args, strict=False)
-    rows = []
-    statuses = d.backends()
+def rows(dispatcher) -> list[dict[str, Any]]:
+    """One JSON-ready row per backend status (see the module docstring for the keys)."""
+    device = device_json(dispatcher.device)
+    out = []
+    statuses = dispatcher.backends()
     for st in statuses:
         row = st.to_json()
-        row["tactics"] = _tactic_count(d, st.name)
-        backend = d.registry.backends.get(st.name)
+        row["tactics"], row["tactics_error"] = _tactic_count(dispatcher, st.name)
+        backend = dispatcher.registry.backends.get(st.name)
+        row["operations"] = list(backend.operations) if backend else []
         row["note"] = getattr(backend, "compile_only_note", "") if backend else ""
-        rows.append(row)
-    for row, st in zip(rows, statuses, strict=True):  # faults found while counting tactics
-        row["faults"] = [f.to_json() for f in d.faults if f.backend == st.name]
-    failed = [r for r in rows if r["status"] == "failed"]
+        row["device"] = device
+        out.append(row)
+    for row, st in zip(out, statuses, strict=True):  # faults found while counting tactics
+        row["faults"] = [f.to_json() for f in dispatcher.faults if f.backend == st.name]
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    strict = args.strict or strict_default()
+    # never strict while loading: the table is printed first, strictness sets the status
+    d = make_dispatcher(args, strict=False)
+    table_rows = rows(d)
+    failed = [r for r in table_rows if r["status"] == "failed"]
     faults = list(d.faults)
     if args.json:
-        emit_json(rows)
+        emit_json(table_rows)
     else:
-        print(f"device: {d.device.name} ({d.device.kind}) {d.device.note}".rstrip())
-        print(f"sample shape for the tactic count: M={SAMPLE.m} N={SAMPLE.n} K={SAMPLE.k}\n")
-        table = [
-            (r["name"], r["family"], f"{r['origin']} {r['version']}", r["status"], r["tactics"],
-             _reason(r))
-            for r in rows
-        ]  # fmt: skip
-        print(format_table(table, ("backend", "family", "origin", "status", "tactics", "reason")))
-        if faults:
-            print("\nplugin faults (contained; the backend or tactic is not used):")
-            for f in faults:
-                print(f"  {f}")
-        notes = sorted({r["note"] for r in rows if r["note"]})
-        for note in notes:
-            print(f"\nnote: {note}")
-        if args.traceback:
-            for r in failed:
-                if r["error"]:
-                    print(f"\n--- {r['plugin']} ---\n{r['error']['traceback']}")
-            for f in faults:
-                print(f"\n--- {f.plugin} / {f.backend} {f.call} ---\n{f.traceback}")
-        elif failed:
-            print(f"\n{len(failed)} failed; --traceback shows where they raised.")
-    return 1 if (failed or faults) and strict else 0
+        _print_table(d, table_rows, failed, faults, args.traceback)
+    if (failed or faults) and strict:
+        names = ", ".join(f"{r['name']} ({r['reason']})" for r in failed)
+        names += ", ".join(f"{f.plugin}/{f.backend} {f.call}" for f in faults)
+        raise CliError(f"--strict: {len(failed)} failed, {len(faults)} fault(s): {names}")
+    return 0
 
 
-def _strict_env() -> bool:
-    """FP4_DISPATCH_STRICT, read here because the dispatcher itself is built non-strict."""
-    from ..registry import strict_default
-
-    return strict_default()
+def _print_table(d, table_rows: list[dict], failed: list[dict], faults: list,
+                 tracebacks: bool) -> None:  # fmt: skip
+    print(f"device: {d.device.name} ({d.device.kind}) {d.device.note}".rstrip())
+    print(f"sample shape for the tactic count: M={SAMPLE.m} N={SAMPLE.n} K={SAMPLE.k}\n")
+    table = [
+        (r["name"], r["family"], f"{r['origin']} {r['version']}", r["status"],
+         "error" if r["tactics_error"] else ("-" if r["tactics"] is None else r["tactics"]),
+         _reason(r))
+        for r in table_rows
+    ]  # fmt: skip
+    print(format_table(table, ("backend", "family", "origin", "status", "tactics", "reason")))
+    if faults:
+        print("\nplugin faults (contained; the backend or tactic is not used):")
+        for f in faults:
+            print(f"  {f}")
+    for note in sorted({r["note"] for r in table_rows if r["note"]}):
+        print(f"\nnote: {note}")
+    if tracebacks:
+        for r in failed:
+            if r["error"]:
+                print(f"\n--- {r['plugin']} ---\n{r['error']['traceback']}")
+        for f in faults:
+            print(f"\n--- {f.plugin} / {f.backend} {f.call} ---\n{f.traceback}")
+    elif failed:
+        print(f"\n{len(failed)} failed; --traceback shows where they raised.")

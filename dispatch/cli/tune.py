@@ -9,20 +9,35 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import TYPE_CHECKING
 
-from ..ranking import Candidate
-from ..tuning import TuneResult
 from . import common
+
+if TYPE_CHECKING:
+    from ..ranking import Candidate
+    from ..tuning import TuneResult
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("tune", help="measure the shortlist of each shape and cache the winner")
+    p = common.add_command(
+        sub,
+        "tune",
+        help="measure the shortlist of each shape and cache the winner",
+        description="Measure every shortlisted tactic of each shape on this device, keep "
+        "the fastest per M bucket (M rounded up to a power of two) and merge the winners "
+        "into the tuning cache, which later calls of the same bucket use. Needs the "
+        "real device (a simulated one runs nothing); on a CPU it tunes the reference.",
+        examples="""fp4-dispatch tune --shapes 1,4096,4096 128x4096x4096
+fp4-dispatch tune --shapes 16,8192,8192 --budget 8 --json
+fp4-dispatch tune --shapes 1,4096,4096 --force --no-save   # re-measure, keep nothing""",
+    )
     p.add_argument(
         "--shapes",
         nargs="+",
         required=True,
+        type=common.parse_shape,
         metavar="M,N,K",
-        help="problem shapes; shapes of one M bucket (next power of two) are tuned once",
+        help="problem shapes, M,N,K or MxNxK; shapes of one M bucket are tuned once",
     )
     common.add_device_args(p)
     common.add_budget_arg(p, "tactics measured per shape")
@@ -34,19 +49,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     common.add_json_arg(p)
     p.set_defaults(func=run)
-
-
-def parse_shape(text: str) -> tuple[int, int, int]:
-    """``"128,4096,4096"`` -> (128, 4096, 4096), with a clear error otherwise."""
-    parts = text.replace("x", ",").split(",")
-    try:
-        m, n, k = (int(x) for x in parts)
-    except ValueError:
-        raise SystemExit(f"fp4-dispatch tune: --shapes expects M,N,K (e.g. 128,4096,4096), "
-                         f"got {text!r}") from None  # fmt: skip
-    if min(m, n, k) < 1:
-        raise SystemExit(f"fp4-dispatch tune: M, N and K must be >= 1, got {text!r}")
-    return m, n, k
 
 
 def _tactic(c: Candidate | None) -> str:
@@ -106,14 +108,13 @@ def render(results: list[TuneResult]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.budget < 1:
-        raise SystemExit("fp4-dispatch tune: --budget must be >= 1")
-    shapes = [parse_shape(s) for s in args.shapes]
+    shapes = args.shapes
     d = common.make_dispatcher(args, budget=args.budget)
     if d.device.is_simulated:
-        print(f"fp4-dispatch tune: {d.device.name} is simulated; tuning measures kernels and "
-              "needs the real device")  # fmt: skip
-        return 2
+        raise common.UsageError(
+            f"--device {args.device}: {d.device.name} is simulated; tuning measures kernels "
+            "and needs the real device (use explain or compile on a simulated one)"
+        )
     results = d.tune(
         shapes,
         out_dtype=args.out_dtype,
@@ -121,12 +122,14 @@ def run(args: argparse.Namespace) -> int:
         save=not args.no_save,
         progress=False if args.no_progress else None,
     )
-    where = "not saved" if args.no_save or d.cache is None else f"cache: {d.cache.path}"
+    path = None if args.no_save or d.cache is None else str(d.cache.path)
     if args.json:
         common.emit_json(
-            {"device": d.device.name, "cache": where, "results": [r.to_json() for r in results]}
-        )
+            {"device": common.device_json(d.device), "cache": path,
+             "results": [r.to_json() for r in results]}
+        )  # fmt: skip
     else:
+        where = "not saved" if path is None else f"cache: {path}"
         print(f"device: {d.device.name} ({d.device.kind}); budget {args.budget}; {where}\n")
         print(render(results))
     return 0 if all(r.winner is not None for r in results) else 1

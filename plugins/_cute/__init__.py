@@ -151,6 +151,15 @@ class CuteBackend(Backend):
         major = "m" if checked.swap_ab else "n"
         return cb.build_kernel(self._design_of(checked), problem.out_dtype, major, device)
 
+    def build_cached(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel | None:
+        """`build`, but only from the kernel cache (memory or disk): None instead of compiling."""
+        from ..backends import cute_blackwell as cb
+
+        checked = self.tactic_type.model_validate(tactic.model_dump())
+        major = "m" if checked.swap_ab else "n"
+        design = self._design_of(checked)
+        return cb.build_kernel(design, problem.out_dtype, major, device, load_only=True)
+
 
 @functools.lru_cache(maxsize=4096)
 def _cached_tactic(backend: CuteBackend, design, swap: bool) -> Tactic:

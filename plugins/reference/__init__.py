@@ -48,18 +48,25 @@ class ReferenceBackend(Backend):
             # keep its floor in the shortlist at two measurement slots.
             yield from (ReferenceTactic(compute_dtype=d) for d in ("bfloat16", "float32"))
             return
-        for chunk in (0, 512, 2048):
-            if chunk == 0 or (chunk < problem.k and problem.k % chunk == 0):
-                yield ReferenceTactic(compute_dtype="float32", k_chunk=chunk)
+        # On a CPU it is the path people use: torch's bf16 GEMM wins at large M, fp32 at
+        # small M (measured, benchmarks/bench_first_contact.py); K chunking only costs.
+        yield from (ReferenceTactic(compute_dtype=d) for d in ("bfloat16", "float32"))
 
     def estimate_us(self, problem: Problem, device: DeviceInfo, tactic: Tactic) -> float:
-        """Unpack and scale both operands in several torch passes, then a dense GEMM.
+        """Dequantize, then a dense torch GEMM: a roofline per compute dtype.
 
-        Calibrated on an H200 (facts.md, "naive NVFP4": 1.68 ms at 1x8192x8192, 3.13 ms
-        at 4096x8192x8192): the passes move ~100 bytes per operand element.
+        CPU: rates of torch 2.13's CPU GEMM on a 2-core x86 machine (bench_first_contact):
+        fp32 ~70 GFLOP/s and ~20 GB/s of weight streaming, bf16 ~125 GFLOP/s and ~7 GB/s
+        (its matrix-vector path is slow), plus A's dequantization (~2 ns per element; B's
+        is cached across calls with the same weight). GPU: calibrated on an H200
+        (naive NVFP4: 1.68 ms at 1x8192x8192, 3.13 ms at 4096x8192x8192): the passes
+        move ~100 bytes per operand element.
         """
         if device.kind == "cpu":
-            return 50.0 + problem.flops / 50e9 * 1e6  # ~50 GFLOP/s on a small CPU
+            bf16 = tactic.compute_dtype != "float32"
+            rate, bw, size = (125e9, 7e9, 2) if bf16 else (70e9, 20e9, 4)
+            gemm_s = max(problem.flops / rate, problem.n * problem.k * size / bw)
+            return 50.0 + gemm_s * 1e6 + problem.m * problem.k * 2e-3
         elems = (problem.m + problem.n) * problem.k
         rate_tflops = device.bf16_tflops if tactic.compute_dtype != "float32" else 60.0
         chunks = 1 if tactic.k_chunk == 0 else problem.k // tactic.k_chunk

@@ -398,8 +398,8 @@ def _sm90_support(device: DeviceInfo) -> Support:
     if device.kind == "cpu":
         return Support(
             False,
-            "needs a CUDA GPU with compute capability 9.x (Triton); on CPU use the "
-            "TRITON_INTERPRET=1 tests",
+            "needs a CUDA GPU with compute capability 9.x (Triton); "
+            "--device sm90 ranks its tactics without one",
         )
     cc = device.cc
     if cc is None or not 90 <= cc < 100:
