@@ -75,6 +75,8 @@ class CuteBackend(Backend):
     kind: ClassVar[Literal["sm100", "sm107"]]
     version = f"1+cutlass-operators-{_ops_version()}"
     compile_only_note = COMPILE_ONLY
+    #: `fp4-dispatch compile` builds these ahead of time (no GPU needed)
+    compiles_ahead_of_time: ClassVar[bool] = True
     #: compute capabilities another family offers this kind on (never listed twice)
     delegated: ClassVar[dict[int, str]] = {}
     #: if set, only these compute capabilities (else: every arch the library serves)

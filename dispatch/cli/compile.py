@@ -28,7 +28,11 @@ from .common import (
     make_dispatcher,
 )
 
-FAMILY_PREFIX = "sm10"
+
+def compiles_ahead_of_time(backend: Any) -> bool:
+    """A backend declares ``compiles_ahead_of_time = True`` when `build` compiles for a
+    (possibly simulated) device without running anything (CuTe-DSL families)."""
+    return bool(getattr(backend, "compiles_ahead_of_time", False))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -88,12 +92,13 @@ def compile_one(backend: str, tactic_json: str, problem_json: str, device_json: 
 def run(args: argparse.Namespace) -> int:
     d = make_dispatcher(args, budget=args.budget)
     shortlist = d.candidates(args.m, args.n, args.k, args.out_dtype)
-    todo = [c for c in shortlist.candidates if c.family.startswith(FAMILY_PREFIX)]
+    aot = {n for n, b in d.registry.backends.items() if compiles_ahead_of_time(b)}
+    todo = [c for c in shortlist.candidates if c.backend in aot]
     dev = d.device
     if not todo:
         why = [f"{r.name}: {r.status} ({r.reason})" for r in d.backends()
-               if r.family.startswith(FAMILY_PREFIX) or r.name.startswith("<sm10")]  # fmt: skip
-        print(f"nothing to compile on {dev.name}: no sm100/sm103/sm107 tactic in the shortlist",
+               if r.name in aot or r.name.startswith("<")]  # fmt: skip
+        print(f"nothing to compile on {dev.name}: no ahead-of-time tactic in the shortlist",
               *why, sep="\n  ", file=sys.stderr)  # fmt: skip
         return 1
     from ..tactics import Problem
