@@ -108,7 +108,7 @@ def availability() -> tuple[bool, str]:
         importlib.import_module("cutlass.cute")
     except ModuleNotFoundError as exc:
         root = (exc.name or "").split(".")[0]
-        if root in _EXTRA_MODULES and version() == "not installed":
+        if root in _EXTRA_MODULES:  # the package itself is absent
             log.info("FlashInfer backends unavailable: %s", NOT_INSTALLED)
             return False, NOT_INSTALLED
         raise FlashInferUnavailable(_failure(exc)) from exc
@@ -184,8 +184,8 @@ def meta_inputs(m: int, n: int, k: int, out_dtype: str) -> list:
     meta = torch.device("meta")
     a = torch.empty(m, k // 2, dtype=torch.uint8, device=meta)
     b = torch.empty(n, k // 2, dtype=torch.uint8, device=meta).t()
-    sa = torch.empty(1, dtype=torch.float8_e4m3fn, device=meta)
-    sb = torch.empty(1, dtype=torch.float8_e4m3fn, device=meta)
+    sa = torch.empty(1, 1, dtype=torch.float8_e4m3fn, device=meta)
+    sb = torch.empty(1, 1, dtype=torch.float8_e4m3fn, device=meta)
     alpha = torch.empty(1, dtype=torch.float32, device=meta)
     out = torch.empty(m, n, dtype=_torch_dtype(out_dtype), device=meta)
     return [a, b, sa, sb, alpha, None, out, None, None, None]
@@ -224,6 +224,20 @@ def flashinfer_shortlist(
     return gb._rank_mm_fp4_autotune_tactics(
         tactics, m, n, k, sm_count, gb._MM_FP4_CUTE_DSL_MAX_TUNING_CONFIGS
     )
+
+
+@functools.cache
+def direct_store_epilogue_builds() -> bool:
+    """Can the installed CuTe-DSL build FlashInfer's direct-store (non-TMA) epilogue?
+
+    That epilogue (used by FlashInfer's SM103 kernel with ``use_tma_store=False``) makes
+    a ``cute.nvgpu.CopyStgOp`` copy atom, which the public nvidia-cutlass-dsl 4.8.1 does
+    not have: compiling such a tactic fails with AttributeError (measured here; FlashInfer
+    notes its SM103 kernel needs an internal DSL build). Probed, not assumed by version.
+    """
+    import cutlass.cute as cute
+
+    return hasattr(cute.nvgpu, "CopyStgOp")
 
 
 # ---- compile --------------------------------------------------------------------------

@@ -179,6 +179,10 @@ class FlashInferBackend(Backend):
     def _mine(self, fi: tuple) -> bool:
         return fi[4] == self.kernel_type
 
+    def unbuildable(self, fi: tuple) -> str | None:
+        """Why the installed DSL cannot build this FlashInfer tactic (None: it can)."""
+        return None
+
     def supports(self, device: DeviceInfo) -> Support:
         from ...backends import flashinfer as fb
 
@@ -199,7 +203,7 @@ class FlashInferBackend(Backend):
 
         p = problem
         for fi in fb.valid_tactics(p.m, p.n, p.k, p.out_dtype, device.cc, device.sm_count):
-            if self._mine(fi):
+            if self._mine(fi) and self.unbuildable(fi) is None:
                 yield _typed(fi)
 
     def validate(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> str | None:
@@ -212,7 +216,7 @@ class FlashInferBackend(Backend):
         if checked.to_fi() not in valid:
             return (f"{checked.canonical_json()}: FlashInfer's runner does not list it for "
                     f"M={p.m} N={p.n} K={p.k} on sm_{device.cc}a")  # fmt: skip
-        return None
+        return self.unbuildable(checked.to_fi())
 
     def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
         """Compile through FlashInfer's runner for the device's arch and SM count.
@@ -265,6 +269,26 @@ class FiSm103Backend(FlashInferBackend):
     kernel_type = "sm103"
     ccs = frozenset({107})
     diversity_axes = ("swap_ab", "use_tma_store", "tile_m")
+
+    def unbuildable(self, fi: tuple) -> str | None:
+        """``use_tma_store=False`` needs a DSL op the public CuTe-DSL lacks (probed)."""
+        from ...backends import flashinfer as fb
+
+        if fi[5] is False and not fb.direct_store_epilogue_builds():
+            return (
+                "use_tma_store=False: FlashInfer's direct-store epilogue needs "
+                "cute.nvgpu.CopyStgOp, absent from the installed nvidia-cutlass-dsl"
+            )
+        return None
+
+    def supports(self, device: DeviceInfo) -> Support:
+        from ...backends import flashinfer as fb
+
+        s = super().supports(device)
+        if s.ok and not fb.direct_store_epilogue_builds():
+            return Support(True, f"{s.reason}; use_tma_store=False tactics not offered "
+                                 "(the installed CuTe-DSL lacks cute.nvgpu.CopyStgOp)")  # fmt: skip
+        return s
 
 
 class FiSm107Backend(FlashInferBackend):
