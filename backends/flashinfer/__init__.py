@@ -17,15 +17,18 @@ compiles it. Nothing of it is copied here. What this module adds:
 * **Ahead-of-time compile for a simulated device.** ``runner.forward(inputs, tactic)``
   picks the kernel class and its constructor arguments for the tactic (L2 policy, the
   deep-K instruction count, split-K slices ...) and calls
-  ``_compile_block_scaled_gemm``. We wrap that function: the real one compiles (its
-  on-disk cache off, so nothing is loaded onto a GPU), then the wrapper stops the
-  forward before its launch and hands the compiled function back. The maximum number
-  of co-resident clusters the compile bakes in comes from
+  ``_compile_block_scaled_gemm``. We wrap that function: the real one compiles (with
+  a private in-memory cache - FlashInfer's is keyed by device index only, and handed
+  an sm_107a compile the sm_100a kernel of an earlier one, caught by the cubin check -
+  and its on-disk cache off, so nothing is loaded onto a GPU), then the wrapper stops
+  the forward before its launch and hands the compiled function back. The maximum
+  number of co-resident clusters the compile bakes in comes from
   `fp4_dispatch.backends.cute_blackwell.max_clusters_for` (the driver on a real GPU,
-  ``sm_count // cluster size`` on a simulated one); the target arch is the DSL's
-  ``envar.arch`` (what ``cute.compile`` targets when told nothing else), set to the
-  device's ``sm_XXXa`` for the compile. The cubin inside the compiled object is read
-  back (``dump_to_object`` + `cute_blackwell.cubin_sm`) and must name the device's SM.
+  ``sm_count // cluster size`` on a simulated one); the target arch is an explicit
+  ``--gpu-arch=sm_XXXa`` added to FlashInfer's compile options. The cubin inside the
+  compiled object is read back (``dump_to_object`` + `cute_blackwell.cubin_sm`) and
+  must name the device's SM. Compiled kernels are memoized in memory only (no disk
+  cache of our own for these: a later process recompiles, ~1-5 s each here).
 * **Launch** (only on a Blackwell/Rubin GPU, never done here): the runner's own
   ``forward`` on real tensors, in FlashInfer's operand layout (see `FlashInferKernel`).
 
@@ -267,30 +270,49 @@ _memory: dict[tuple, CompiledKernel] = {}
 @contextlib.contextmanager
 def _compile_context(device: DeviceInfo) -> Iterator[Callable[[], Any]]:
     """Device queries answered, clusters supplied, arch set; yields the capture getter."""
-    from cutlass.cutlass_dsl import CuTeDSL
+    import cutlass.cute as cute
 
     from .. import cute_blackwell as cb
 
     cb._preload_runtime()  # dump_to_object needs the DSL runtime (see cute_blackwell)
     fcu = importlib.import_module("flashinfer.cute_dsl.utils")
     max_clusters = cb.max_clusters_for(device)
-    envar = CuTeDSL._get_dsl().envar
+    arch = f"sm_{device.cc}a"
+    compile_for_device = _arch_compile(cute.compile, arch)
     captured: dict[str, Any] = {}
     with _device_context(device.sm_count) as gb:
         real = gb._compile_block_scaled_gemm
 
-        def capture(*args: Any, **kwargs: Any) -> Any:
-            kwargs["cache_module_name"] = None  # compile in process; load nothing
-            captured["result"] = real(*args, **kwargs)
+        def capture(cache: dict, *args: Any, **kwargs: Any) -> Any:
+            # A private cache: FlashInfer's own is keyed by device index, not arch or SM
+            # count, so it would hand back another target's kernel (and must never hold
+            # a simulated device's kernel for a later real launch). No disk cache either.
+            kwargs["cache_module_name"] = None
+            captured["result"] = real({}, *args, **kwargs)
             raise _Compiled
 
         patches = [
             (fcu, "get_max_active_clusters", max_clusters),
             (gb, "_compile_block_scaled_gemm", capture),
-            (envar, "arch", f"sm_{device.cc}a"),
+            (cute, "compile", compile_for_device),
         ]
         with cb._compile_lock, _patched(patches):
             yield lambda: captured.get("result")
+
+
+def _arch_compile(compile_fn: Any, arch: str) -> Callable[..., Any]:
+    """``cute.compile`` with ``--gpu-arch <arch>`` added to the options FlashInfer passes.
+
+    FlashInfer's compile names no arch (the DSL then targets its ``envar.arch``, the
+    machine's GPU or a default); the option makes the target explicit per compile.
+    """
+
+    def compile_for(*args: Any, **kwargs: Any) -> Any:
+        opts = kwargs.get("options") or ""
+        kwargs["options"] = f"{opts} --gpu-arch={arch}".strip()
+        return compile_fn(*args, **kwargs)
+
+    return compile_for
 
 
 def compile_tactic(
