@@ -271,6 +271,22 @@ def test_one_tactic_compiles_for_each_arch_in_one_process():
         assert (kernel.compiled.cubin_sm, kernel.compiled.sm_count) == (sm, sms)
 
 
+@needs_fi
+def test_cli_compile_builds_flashinfer_tactics_for_sm107a(tmp_path, monkeypatch, capsys):
+    from fp4_dispatch.cli import main
+
+    monkeypatch.setenv("FP4_DISPATCH_KERNEL_CACHE", str(tmp_path))
+    argv = ["compile", "1", "7168", "2048", "--device", "sm107", "--budget", "6"]
+    rc = main([*argv, "--jobs", "2", "--no-progress", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0, out
+    fams = out["families"]
+    assert {f for f in fams if f.startswith("fi-")} == NAMES  # one slot per family
+    for f in NAMES:
+        assert fams[f]["compiled"] == fams[f]["shortlisted"] >= 1
+    assert {r["cubin_sm"] for r in out["results"]} == {107}
+
+
 # ---- conformance kit ---------------------------------------------------------------------
 
 
