@@ -287,6 +287,39 @@ def test_cli_compile_builds_flashinfer_tactics_for_sm107a(tmp_path, monkeypatch,
     assert {r["cubin_sm"] for r in out["results"]} == {107}
 
 
+@needs_fi
+@pytest.mark.parametrize("swap", [False, True])
+def test_launcher_hands_flashinfer_its_own_orientation(monkeypatch, swap):
+    """The dispatcher swaps operands for swap_ab; FlashInfer's runner swaps by itself."""
+    import torch
+
+    from fp4_dispatch.backend import GemmOperands
+    from fp4_dispatch.backends import flashinfer as fb
+
+    m, n, k = 4, 24, 64
+    a, b = torch.randint(0, 255, (m, k // 2), dtype=torch.uint8), torch.zeros(n, k // 2).byte()
+    sa, sb = torch.ones(128, 4), torch.full((128, 4), 2.0)
+    out = torch.empty(m, n)
+    seen = {}
+
+    class FakeRunner:
+        def forward(self, inputs, tactic=None):
+            seen["inputs"], seen["tactic"] = inputs, tactic
+
+    monkeypatch.setattr(fb, "_runner", lambda cc, dtype: FakeRunner())
+    tactic = ((128, 8), (1, 1), swap, False, "sm100", None)
+    kernel = fb.FlashInferKernel(
+        fb.CompiledKernel(tactic, None, "107a", 212, 107, 212, 0.0, "compiled"), "bfloat16", 107
+    )
+    ops = GemmOperands(a, sa, b, sb, torch.ones(1))
+    kernel(ops.swapped() if swap else ops, out.t() if swap else out)
+    x = seen["inputs"]
+    assert seen["tactic"] == tactic
+    assert x[0] is a and x[2] is sa and x[3] is sb  # caller's A and scales, never swapped
+    assert x[1].shape == (k // 2, n) and x[1].t().data_ptr() == b.data_ptr()
+    assert x[6].data_ptr() == out.data_ptr() and x[6].is_contiguous()
+
+
 # ---- conformance kit ---------------------------------------------------------------------
 
 

@@ -1,10 +1,12 @@
 """``fp4-dispatch compile M N K``: compile the shortlist's Blackwell/Rubin kernels ahead of time.
 
 Works without a GPU: ``--device sm100|sm103|sm107`` compiles for that arch and SM count
-(CuTe-DSL compiles on a CPU). Each shortlisted tactic of a family ``sm10*`` is built in
+(CuTe-DSL compiles on a CPU). Each shortlisted tactic of a backend that declares
+``compiles_ahead_of_time = True`` (the CuTe-DSL families, FlashInfer's fi-*) is built in
 its own process (spawned, ``--jobs`` at a time), so compiles run in parallel and one
 crashing compile cannot take the others down. Compiled kernels land in the on-disk
-kernel cache (``FP4_DISPATCH_KERNEL_CACHE``), so a later run on that device loads them.
+kernel cache (``FP4_DISPATCH_KERNEL_CACHE``), so a later run on that device loads them
+(FlashInfer's fi-* kernels are compiled and checked, not stored on disk).
 """
 
 from __future__ import annotations
