@@ -101,6 +101,23 @@ def test_families_failed_with_version_when_runner_api_moved():
         assert "0.7.2.post1" in row["reason"]  # the installed FlashInfer version
 
 
+@needs_fi
+def test_runner_api_change_at_enumeration_is_reported_with_the_version(monkeypatch):
+    from fp4_dispatch.backends import flashinfer as fb
+
+    class Moved:
+        def get_valid_tactics(self, inputs):  # the profile argument went away
+            raise AssertionError("not reached")
+
+    monkeypatch.setattr(fb, "_runner", lambda cc, dtype: Moved())
+    fb.valid_tactics.cache_clear()
+    try:
+        with pytest.raises(fb.FlashInferUnavailable, match=r"TypeError.*0\.7\.2\.post1"):
+            list(fip.FiSm100Backend().tactics(Problem(m=3, n=72, k=512), SM107))
+    finally:
+        fb.valid_tactics.cache_clear()
+
+
 # ---- typed tactics ----------------------------------------------------------------------
 
 

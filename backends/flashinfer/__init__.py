@@ -207,9 +207,12 @@ def valid_tactics(m: int, n: int, k: int, out_dtype: str, cc: int, sm_count: int
 
     FlashInfer's own enumeration and rules, without its top-32 cut (see module).
     """
-    with _device_context(sm_count):
-        runner = _runner(cc, out_dtype)
-        found = runner.get_valid_tactics(meta_inputs(m, n, k, out_dtype), None)
+    try:
+        with _device_context(sm_count):
+            runner = _runner(cc, out_dtype)
+            found = runner.get_valid_tactics(meta_inputs(m, n, k, out_dtype), None)
+    except Exception as exc:  # its runner API is internal: name the version that moved
+        raise FlashInferUnavailable(_failure(exc)) from exc
     return tuple(found)
 
 

@@ -155,7 +155,10 @@ def tactic_of(fi: tuple) -> Tactic:
         return FiSm103Tactic(**geo, swap_ab=swap, use_tma_store=extra)
     if kind == "sm107" and not prefetch and tuple(extra[1:4]) == (tn, 128, 256):
         return FiSm107Tactic(**geo, swap_ab=swap, inst_m=extra[0], prefetch_dist=extra[4])
-    raise ValueError(f"fi: unknown FlashInfer mm_fp4 tactic {fi!r}")
+    raise ValueError(
+        f"fi: unknown FlashInfer mm_fp4 tactic {fi!r} (flashinfer-python {_fi_version()}; "
+        "fp4-dispatch was tested with 0.7.2.post1)"
+    )
 
 
 @functools.lru_cache(maxsize=1 << 14)
