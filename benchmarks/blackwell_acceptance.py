@@ -10,7 +10,8 @@ NVFP4 operands), e.g.::
     python benchmarks/blackwell_acceptance.py                    # default shapes
     python benchmarks/blackwell_acceptance.py --shapes 1x8192x8192 32768x4096x8192
 
-For each shape it prints one row per shortlisted tactic of family sm100/sm103/sm107:
+For each shape it prints one row per shortlisted tactic of a CuTe-DSL family (sm100,
+sm103, sm107, and FlashInfer's fi-* with ``pip install 'fp4-dispatch[flashinfer]'``):
 PASS/FAIL against the reference (relative Frobenius error <= --tol), the median time over
 CUDA-graph replays with a cold L2, TFLOP/s, and the ratio to cuBLASLt. Exit status 1 if
 any tactic fails to build, run or match. Add the table to benchmarks/RESULTS.md with the
@@ -115,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"| {flops / base_us / 1e6:.0f} | 1.00 |")  # fmt: skip
         shortlist = d.candidates(m, n, k, args.out_dtype)
         for cand in shortlist.candidates:
-            if not cand.family.startswith("sm10"):
-                continue
+            if not getattr(d.registry.backends[cand.backend], "compiles_ahead_of_time", False):
+                continue  # the CuTe-DSL families: cute-sm10x and FlashInfer's fi-*
             out = torch.empty(m, n, dtype=out_dtype, device=dev.torch_device)
             tactic = cand.tactic.canonical_json()
             try:

@@ -23,6 +23,24 @@ Cost model (`estimate_us`), per tactic, on any `DeviceInfo` (real or simulated):
     t        = max(compute, memory) + OVERLAP * min(compute, memory) + LAUNCH_US
     t       *= SWAP_PENALTY  if M <= 8192 and swap_ab != preferred_swap(problem)
 
+Two optional tactic fields, read by name from any family (absent = the values below,
+which leave the formula above unchanged; added for FlashInfer's split-K and deep-K
+kernels, whose advantage the plain model could not see):
+
+    split_k  (default 1): S CTAs share one output tile's K range. CTAs *= S, each CTA
+             walks K/S (t_wave uses K/S), and the partial sums cost
+             SPLIT_K_REDUCE_US * (S - 1) plus 8 bytes (fp32 out + in) per extra slice
+             per output element in `memory`. Why: at decode a narrow tile grid covers
+             a fraction of the SMs and so of DRAM bandwidth (bw_frac < 1); splitting K
+             is how a kernel buys more loading CTAs, and the model must credit it.
+    tile_k   (default 256, the FP4 K tile of the Blackwell kernels here): K elements
+             per pipeline stage. Above 256, each stage fetches longer rows (tile_k / 2
+             bytes), which streams DRAM slightly better: `memory` *= eff(256) /
+             eff(tile_k), eff(t) = (t/2) / (t/2 + ROW_OVERHEAD_BYTES), and the longer
+             fill/drain costs WAVE_OVERHEAD_US * tile_k / 256 per wave. Only tile_k >
+             256 changes anything (Hopper tactics that declare a smaller tile_k keep
+             their own estimate_us).
+
 All in microseconds: FEED_COST 8, WAVE_OVERHEAD_US 0.5, LAUNCH_US 2, OVERLAP 0.1,
 BW_SATURATION 0.5, CLUSTER_PENALTY 0.01, SWAP_PENALTY 1.05. The model is a ranking
 heuristic, not a prediction: it orders tactics for measurement, and measurement decides.
@@ -90,6 +108,13 @@ CLUSTER_PENALTY = 0.01
 #: the non-preferred orientation costs this factor through M = SWAP_NEUTRAL_ABOVE_M
 SWAP_PENALTY = 1.05
 SWAP_NEUTRAL_ABOVE_M = 8192
+#: fixed cost of reducing one extra K slice of a split-K tile, microseconds
+SPLIT_K_REDUCE_US = 0.5
+#: the K tile the base formula assumes (FP4 Blackwell kernels: 2 x 128-element MMAs)
+BASE_TILE_K = 256
+#: per-row-fetch overhead in bytes: a 128-byte row streams at 128/(128+4) = 97.0% and a
+#: 256-byte one at 98.5%, the 1-2% FlashInfer reports for its deep-K variant
+ROW_OVERHEAD_BYTES = 4.0
 #: memo tables are cleared when they grow past this many entries
 _MEMO_LIMIT = 1 << 17
 
@@ -123,6 +148,8 @@ def _shared_us(
     cluster_n: int,
     swap: bool,
     cpt: int,
+    split_k: int = 1,
+    tile_k: int = BASE_TILE_K,
 ) -> float:
     """The shared formula (module docstring) on plain numbers, memoized by geometry."""
     mk, nk = (n, m) if swap else (m, n)
@@ -132,22 +159,35 @@ def _shared_us(
     ctas_n = -(-tiles_n // cluster_n) * cluster_n
     cluster = cluster_m * cluster_n
     slots = max(cluster, (sms // cluster) * cluster)
-    ctas = ctas_m * ctas_n
+    ctas = ctas_m * ctas_n * split_k
     waves = -(-ctas // slots)
     eff = 1.0 / (1.0 + FEED_COST * (1.0 / tile_n + 1.0 / tile_m))
     per_sm_flops_us = peak_tflops * 1e6 / sms
-    t_wave = 2.0 * (tile_m / cpt) * tile_n * k / (per_sm_flops_us * eff) + WAVE_OVERHEAD_US
+    deep = max(1.0, tile_k / BASE_TILE_K)
+    t_wave = (
+        2.0 * (tile_m / cpt) * tile_n * (k / split_k) / (per_sm_flops_us * eff)
+        + WAVE_OVERHEAD_US * deep
+    )
     compute = waves * t_wave
     if tiles_m * tiles_n > 1:
         compute *= 1.0 + CLUSTER_PENALTY * (cluster - 1)
-    min_bytes = (m + n) * k * (0.5 + 1.0 / 16) + 2.0 * m * n
+    min_bytes = (m + n) * k * (0.5 + 1.0 / 16) + 2.0 * m * n + 8.0 * m * n * (split_k - 1)
     active = min(ctas, slots)
     bw_frac = min(1.0, active / (BW_SATURATION * sms))
     memory = min_bytes / (bw_gbps * 1e3 * bw_frac)
+    if tile_k > BASE_TILE_K:  # longer row fetches stream better than the base K tile's
+        memory *= _row_efficiency(BASE_TILE_K) / _row_efficiency(tile_k)
     t = max(compute, memory) + OVERLAP * min(compute, memory) + LAUNCH_US
+    t += SPLIT_K_REDUCE_US * (split_k - 1)
     if m <= SWAP_NEUTRAL_ABOVE_M and swap != (m <= 32 and n > m and n % 8 == 0):
         t *= SWAP_PENALTY
     return t
+
+
+def _row_efficiency(tile_k: int) -> float:
+    """DRAM streaming efficiency of FP4 row fetches of ``tile_k / 2`` bytes."""
+    row = tile_k / 2
+    return row / (row + ROW_OVERHEAD_BYTES)
 
 
 def _peak_tflops(device: DeviceInfo) -> float:
@@ -169,6 +209,17 @@ def estimate_us(problem: Problem, device: DeviceInfo, tactic: Tactic) -> float:
         tactic.cluster_n,
         bool(tactic.swap_ab),
         ctas_per_tile(tactic, device),
+        *_k_fields(tactic),
+    )
+
+
+def _k_fields(tactic: Tactic) -> tuple[int, int]:
+    """(split_k, tile_k) of a tactic: its optional fields of those names, else (1, 256)."""
+    d = tactic.__dict__
+    split_k, tile_k = d.get("split_k", 1), d.get("tile_k", BASE_TILE_K)
+    return (
+        split_k if type(split_k) is int and split_k >= 1 else 1,
+        tile_k if type(tile_k) is int and tile_k >= 1 else BASE_TILE_K,
     )
 
 
@@ -234,8 +285,9 @@ class Shortlist:
 _ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
 
 # What the merge needs of a re-validated tactic: its canonical JSON and the geometry the
-# shared model reads, (tile_m, tile_n, cluster_m, cluster_n, swap_ab, ctas_per_tile).
-_Info = tuple[str, tuple[int, int, int, int, bool, int]]
+# shared model reads, (tile_m, tile_n, cluster_m, cluster_n, swap_ab, ctas_per_tile,
+# split_k, tile_k), where split_k / tile_k come from `_k_fields`.
+_Info = tuple[str, tuple[int, int, int, int, bool, int, int, int]]
 #: tactic value -> _Info; presence means "re-validated once already"
 _CHECKED: dict[Tactic, _Info] = {}
 #: id(tactic) -> (tactic, _Info): skips pydantic's hash for the very same object (plugins
@@ -325,7 +377,7 @@ def _revalidate(tactic: Tactic, backend: Backend) -> _Info:
     except Exception as exc:  # e.g. a model_construct'ed tactic that cannot even dump
         raise ValueError(f"cannot re-validate: {type(exc).__name__}: {exc}") from exc
     geom = (tactic.tile_m, tactic.tile_n, tactic.cluster_m, tactic.cluster_n,
-            bool(tactic.swap_ab), _ctas(tactic))  # fmt: skip
+            bool(tactic.swap_ab), _ctas(tactic), *_k_fields(tactic))  # fmt: skip
     info = (canon if canon is not None else _canonical(tactic), geom)
     _remember(tactic, info)
     return info
@@ -419,8 +471,10 @@ def _collect(
                 continue
             est = by_geom.get(geom)
             if est is None:
-                tm, tn, cm, cn, swap, cpt = geom
-                est = by_geom[geom] = _shared_us(m, n, k, sms, peak, bw, tm, tn, cm, cn, swap, cpt)
+                tm, tn, cm, cn, swap, cpt, sk, tk = geom
+                est = by_geom[geom] = _shared_us(
+                    m, n, k, sms, peak, bw, tm, tn, cm, cn, swap, cpt, sk, tk
+                )
             if refine:
                 value = guard.estimate_us(backend, problem, device, t)
                 if isinstance(value, PluginFault):  # recorded; shared model from now on

@@ -12,7 +12,7 @@ import pytest
 import fp4_dispatch
 from fp4_dispatch.registry import GROUP, load
 
-BUILTINS = {"reference", "sm90", "sm100", "sm103", "sm107"}
+BUILTINS = {"reference", "sm90", "sm100", "sm103", "sm107", "flashinfer"}
 
 
 def test_package_comes_from_site_packages_not_the_source_tree():

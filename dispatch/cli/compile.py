@@ -1,10 +1,12 @@
 """``fp4-dispatch compile M N K``: compile the shortlist's Blackwell/Rubin kernels ahead of time.
 
 Works without a GPU: ``--device sm100|sm103|sm107`` compiles for that arch and SM count
-(CuTe-DSL compiles on a CPU). Each shortlisted tactic of a family ``sm10*`` is built in
+(CuTe-DSL compiles on a CPU). Each shortlisted tactic of a backend that declares
+``compiles_ahead_of_time = True`` (the CuTe-DSL families, FlashInfer's fi-*) is built in
 its own process (spawned, ``--jobs`` at a time), so compiles run in parallel and one
 crashing compile cannot take the others down. Compiled kernels land in the on-disk
-kernel cache (``FP4_DISPATCH_KERNEL_CACHE``), so a later run on that device loads them.
+kernel cache (``FP4_DISPATCH_KERNEL_CACHE``), so a later run on that device loads them
+(FlashInfer's fi-* kernels are compiled and checked, not stored on disk).
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ from .common import (
 )
 
 log = logging.getLogger(__name__)
-FAMILY_PREFIX = "sm10"
+
+
+def compiles_ahead_of_time(backend: Any) -> bool:
+    """A backend declares ``compiles_ahead_of_time = True`` when `build` compiles for a
+    (possibly simulated) device without running anything (CuTe-DSL families)."""
+    return bool(getattr(backend, "compiles_ahead_of_time", False))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -104,13 +111,14 @@ def compile_one(backend: str, tactic_json: str, problem_json: str, device_json: 
 def run(args: argparse.Namespace) -> int:
     d = make_dispatcher(args, budget=args.budget)
     shortlist = d.candidates(args.m, args.n, args.k, args.out_dtype)
-    todo = [c for c in shortlist.candidates if c.family.startswith(FAMILY_PREFIX)]
+    aot = {n for n, b in d.registry.backends.items() if compiles_ahead_of_time(b)}
+    todo = [c for c in shortlist.candidates if c.backend in aot]
     dev = d.device
     if not todo:
         why = [f"{r.name}: {r.status} ({r.reason})" for r in d.backends()
-               if r.family.startswith(FAMILY_PREFIX) or r.name.startswith("<sm10")]  # fmt: skip
+               if r.name in aot or r.name.startswith("<")]  # fmt: skip
         raise CliError(
-            f"nothing to compile on {dev.name}: no sm100/sm103/sm107 tactic in the shortlist"
+            f"nothing to compile on {dev.name}: no ahead-of-time tactic in the shortlist"
             + (f" ({'; '.join(why)})" if why else "")
         )
     from ..tactics import Problem

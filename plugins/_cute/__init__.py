@@ -81,6 +81,8 @@ class CuteBackend(Backend):
     kind: ClassVar[Literal["sm100", "sm107"]]
     version = f"1+cutlass-operators-{_ops_version()}"
     compile_only_note = COMPILE_ONLY
+    #: `fp4-dispatch compile` builds these ahead of time (no GPU needed)
+    compiles_ahead_of_time: ClassVar[bool] = True
     #: compute capabilities this family steps aside on, with the reason shown to users
     excluded: ClassVar[dict[int, str]] = {}
     #: if set, only these compute capabilities (else: every arch the library serves)
@@ -153,7 +155,7 @@ class CuteBackend(Backend):
 
     def build_cached(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel | None:
         """`build`, but only from the kernel cache (memory or disk): None instead of compiling."""
-        from ..backends import cute_blackwell as cb
+        from fp4_dispatch.backends import cute as cb
 
         checked = self.tactic_type.model_validate(tactic.model_dump())
         major = "m" if checked.swap_ab else "n"
