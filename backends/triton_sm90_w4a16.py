@@ -9,7 +9,7 @@ Two paths (a tactic knob, ``path``):
 
 - ``direct`` (decode and small M): the weights are the MMA's wide operand. Each CTA
   owns ``BLOCK_N`` weight rows (64 or 128: the 64-row side of a Hopper MMA) and
-  ``BLOCK_M`` tokens (16-64: the narrow side), streams its weight bytes once, expands
+  ``BLOCK_M`` tokens (16-128: the narrow side), streams its weight bytes once, expands
   them in registers to fp16 and computes ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T``
   with fp32 accumulation. The output is written transposed through ``out``'s strides.
   Split-K for shapes with fewer tiles than SMs (deterministic, see below).
@@ -70,7 +70,7 @@ _UNSCALE = float(2**14)
 SMEM_LIMIT = 232448
 
 BLOCK_N_CHOICES = (64, 128)
-BLOCK_M_CHOICES = (16, 32, 64)
+BLOCK_M_CHOICES = (16, 32, 64, 128)
 BLOCK_K_CHOICES = (64, 128, 256)
 ACT_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -150,8 +150,8 @@ def smem_estimate(cfg: W4A16Config) -> int:
 
 # ---- dequantization -------------------------------------------------------------------
 
-# 4 packed bytes (b0..b3, $6) and their 4 fp16 block scales (two per register, $7 = s0|s1,
-# $8 = s2|s3) -> 4 fp16 of the low nibbles ($0 = lo0|lo1, $1 = lo2|lo3) and 4 of the high
+# 4 packed bytes (b0..b3, $4) and their 4 fp16 block scales (two per register, $5 = s0|s1,
+# $6 = s2|s3) -> 4 fp16 of the low nibbles ($0 = lo0|lo1, $1 = lo2|lo3) and 4 of the high
 # nibbles ($2, $3), each e2m1 * 2**-14 * scale. PRMT spreads two bytes into the two halves
 # of a word; per half ``(t << 9) & 0x0E00 | (t << 12) & 0x8000`` (low nibble: magnitude to
 # fp16 bits 9-11, sign to bit 15) or shifts 5 / 8 (high nibble) build the fp16 bits, two
