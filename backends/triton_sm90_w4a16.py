@@ -426,6 +426,9 @@ class W4A16Kernel:
 
     cfg: W4A16Config
     _workspaces: dict = field(default_factory=dict, repr=False)
+    #: the Triton launch handle of the latest call (its ``asm`` holds PTX/cubin: the
+    #: benchmark counts SASS instructions per element from it)
+    compiled: object = field(default=None, repr=False)
 
     def workspace(self, device: torch.device, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp32 partials, int32 counters) for ``tiles`` output tiles on ``device``."""
@@ -447,7 +450,7 @@ class W4A16Kernel:
             ws, cnt = self.workspace(out.device, tiles)
         else:
             ws = cnt = out  # unused by the SPLIT_K == 1 variant
-        _w4a16_kernel[(tiles, cfg.split_k)](
+        self.compiled = _w4a16_kernel[(tiles, cfg.split_k)](
             operands.a,
             operands.b_data,
             operands.b_scale,
