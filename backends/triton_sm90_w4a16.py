@@ -29,10 +29,16 @@ accumulation and one rounding at the store. The unpack path rounds each weight o
 Dequantization cost (why the PTX below): Hopper has no FP4 MMA, so every weight element
 costs ALU work before the tensor cores see it; at decode that work, not HBM, bounded
 the W4A4 kernel (benchmarks/RESULTS.md, "Hopper"). The packed PTX dequantizer turns 4
-packed bytes and their fp16 block scales into 8 scaled fp16 in 16 instructions (2 PRMT,
-4 x (2 shifts + 1 LOP3) after ptxas fuses the and/or pairs, 4 HMUL2): 2.0 per element,
-the scale multiply included, two values per instruction. Under TRITON_INTERPRET=1 (CPU)
-the element-wise twin `_dequant_elementwise` computes the same bits.
+packed bytes and their fp16 block scales into 8 scaled fp16 with 2 PRMT, 8 shifts, ~8
+LOP3 and 4 HMUL2 (about 2.75 instructions per element, the scale multiply included, two
+values per instruction). The whole main loop, counted in the sm_90 cubin (Triton 3.9's
+ptxas, compiled on CPU, not run): 5.5 SASS instructions per weight element with fp16
+activations (128x16x128 and 128x16x256 tiles), 7.7 with bf16 (one F2F per element for
+the exact fp16 -> bf16 cast); the rest is Triton repacking bytes into the MMA fragment
+order (~1.2 PRMT per element) and shared-memory traffic. Two dots (low nibbles x even
+K of the activations, high nibbles x odd K) instead of interleaving the halves into one
+dot saved 0.7 per element (6.2 -> 5.5). Under TRITON_INTERPRET=1 (CPU) the element-wise
+twin `_dequant_elementwise` computes the same bits.
 
 Split-K: each split writes its fp32 partial tile into a workspace and bumps a per-tile
 counter (acq_rel atomic after a CTA barrier); the last split sums the partials in fixed
@@ -351,9 +357,9 @@ def _w4a16_kernel(
             s = tl.load(s_ptrs, mask=((kt * KG + rg) < K // 16)[None, :], other=0.0)
             xv = tl.load(x_ptrs, mask=((kt * BLOCK_K + rk) < K)[None, :], other=0.0)
         w_lo, w_hi = _dequant_scaled(w, s, BLOCK_N, KB, USE_ASM)
-        # natural K order: (j, 0) -> 2j (low nibble), (j, 1) -> 2j + 1 (high nibble)
-        wk = tl.reshape(tl.join(w_lo, w_hi), (BLOCK_N, BLOCK_K))
-        acc = tl.dot(wk.to(xv.dtype), tl.trans(xv), acc)
+        xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, KB, 2)))
+        acc = tl.dot(w_lo.to(xv.dtype), tl.trans(xe), acc)
+        acc = tl.dot(w_hi.to(xv.dtype), tl.trans(xo), acc)
         w_ptrs += KB
         s_ptrs += (KG // 4) * 512
         x_ptrs += BLOCK_K
