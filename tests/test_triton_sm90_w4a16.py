@@ -70,8 +70,13 @@ for m, n, k, cfg in json.loads(sys.argv[1]):
     again = torch.full((m, n), float("nan"), dtype=torch.float16)
     kernel(ops, again)  # split-K reuses its workspace: counters must have been reset
     counters = sum(int(c.abs().sum()) for _, c in kernel._workspaces.values())
+    # the prepared byte order computes the same tensor, so the result is bit-identical
+    prep = mod.W4A16Operands(ops.a, mod.prepare_weight(ops.b_data), ops.b_scale, ops.alpha,
+                             prepared=True)
+    out_p = torch.full((m, n), float("nan"), dtype=torch.float16)
+    kernel(prep, out_p)
     results.append([m, n, k, cfg, rel_err(out, ref), rel_err(out_t.t(), ref),
-                    bool(torch.equal(out, again)), counters])
+                    bool(torch.equal(out, again)), counters, bool(torch.equal(out, out_p))])
 unpack = []
 for m, n, k in [(33, 72, 96), (3, 130, 256)]:
     for dtype in (torch.float16, torch.bfloat16):
@@ -81,7 +86,12 @@ for m, n, k in [(33, 72, 96), (3, 130, 256)]:
         kern(ops, out)
         out_t = torch.full((n, m), float("nan"), dtype=dtype)
         kern(ops, out_t.t())
-        unpack.append([m, n, k, str(dtype), rel_err(out, ref), rel_err(out_t.t(), ref)])
+        prep = mod.W4A16Operands(ops.a, mod.prepare_weight(ops.b_data), ops.b_scale,
+                                 ops.alpha, prepared=True)
+        out_p = torch.full((m, n), float("nan"), dtype=dtype)
+        kern(prep, out_p)
+        unpack.append([m, n, k, str(dtype), rel_err(out, ref), rel_err(out_t.t(), ref),
+                       bool(torch.equal(out, out_p))])
 print(json.dumps({"direct": results, "unpack": unpack}))
 """
 )
@@ -105,13 +115,13 @@ def interpreted():
 def test_direct_kernel_matches_float64(interpreted):
     rows = interpreted["direct"]
     assert len(rows) == len(CASES)
-    for m, n, k, cfg, plain, transposed, _, _ in rows:
+    for m, n, k, cfg, plain, transposed, _, _, _ in rows:
         assert plain <= 1e-2, f"{m}x{n}x{k} {cfg}: rel err {plain}"
         assert transposed <= 1e-2, f"{m}x{n}x{k} {cfg} (out.T): rel err {transposed}"
 
 
 def test_direct_kernel_is_deterministic_and_resets_split_k_counters(interpreted):
-    for m, n, k, cfg, _, _, same, counters in interpreted["direct"]:
+    for m, n, k, cfg, _, _, same, counters, _ in interpreted["direct"]:
         assert same, f"{m}x{n}x{k} {cfg}: two calls differ"
         assert counters == 0, f"{m}x{n}x{k} {cfg}: counters left at {counters}"
     split = [r for r in interpreted["direct"] if r[3].get("split_k", 1) > 1]
@@ -121,9 +131,16 @@ def test_direct_kernel_is_deterministic_and_resets_split_k_counters(interpreted)
 def test_unpack_path_matches_float64(interpreted):
     rows = interpreted["unpack"]
     assert len(rows) == 4
-    for m, n, k, dtype, plain, transposed in rows:
+    for m, n, k, dtype, plain, transposed, _ in rows:
         assert plain <= 1e-2, f"unpack {m}x{n}x{k} {dtype}: rel err {plain}"
         assert transposed <= 1e-2, f"unpack {m}x{n}x{k} {dtype} (out.T): rel err {transposed}"
+
+
+def test_prepared_weights_give_identical_results(interpreted):
+    for m, n, k, cfg, *_, same in interpreted["direct"]:
+        assert same, f"direct {m}x{n}x{k} {cfg}: prepared layout changed the result"
+    for m, n, k, dtype, *_, same in interpreted["unpack"]:
+        assert same, f"unpack {m}x{n}x{k} {dtype}: prepared layout changed the result"
 
 
 _DEQUANT_SCRIPT = (
@@ -141,9 +158,11 @@ lin = raw.view(torch.float8_e4m3fn)
 q = Nvfp4Tensor(data, swizzle_scales(lin), torch.tensor(0.37, dtype=torch.float32),
                 "swizzled", (rows, k))
 got = mod.dequantize_weight(q.data, q.scale) * q.global_scale
+got_p = mod.dequantize_weight(mod.prepare_weight(q.data), q.scale, prepared=True)
 want = dequantize(q)
 codes = sorted(set(int(b) & 15 for b in data.flatten()) | set(int(b) >> 4 for b in data.flatten()))
 print(json.dumps({"equal": bool(torch.equal(got, want)), "codes": codes,
+                  "prepared_equal": bool(torch.equal(got_p * q.global_scale, want)),
                   "subnormal_scales": int(((raw & 0x78) == 0).sum()),
                   "mismatch": int((got != want).sum())}))
 """
@@ -155,6 +174,28 @@ def test_dequantizer_twin_is_bit_exact():
     assert res["codes"] == list(range(16))
     assert res["subnormal_scales"] > 0
     assert res["equal"], f"{res['mismatch']} elements differ from nvfp4.dequantize"
+    assert res["prepared_equal"], "the prepared-layout dequantizer differs"
+
+
+def test_prepare_weight_round_trips_and_permutes_within_groups():
+    pytest.importorskip("triton")
+    from fp4_dispatch.backends.triton_sm90_w4a16 import prepare_weight, unprepare_weight
+
+    g = torch.Generator().manual_seed(2)
+    data = torch.randint(0, 256, (7, 48), generator=g, dtype=torch.uint8)
+    prep = prepare_weight(data)
+    assert prep.shape == data.shape and prep.dtype == torch.uint8
+    assert not torch.equal(prep, data)
+    assert torch.equal(unprepare_weight(prep), data)
+    # a permutation inside each 16-byte group: natural byte 8h + 2q + e -> 4q + 2h + e
+    ramp = torch.arange(16, dtype=torch.uint8).repeat(3, 2)
+    want = [8 * h + 2 * q + e for q in range(4) for h in range(2) for e in range(2)]
+    assert prepare_weight(ramp)[0, :16].tolist() == want
+    assert torch.equal(prepare_weight(ramp)[:, 16:], prepare_weight(ramp)[:, :16])
+    with pytest.raises(ValueError, match="K % 32"):
+        prepare_weight(torch.zeros(2, 24, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="uint8"):
+        unprepare_weight(torch.zeros(2, 16, dtype=torch.int16))
 
 
 # ---- in-process checks (no interpreter) -----------------------------------------------
