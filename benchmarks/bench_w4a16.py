@@ -19,6 +19,9 @@ measurement (M in 2, 8, 32, 128 x (N, K) in (4096, 4096), (6144, 4096), (28672, 
    cuBLAS (``torch.mm``), FP8 cuBLASLt (``torch._scaled_mm``, per-tensor scales), W4A16
    (the estimate's top tactics per shape: best and the estimate's pick) and W4A4
    `triton-sm90` (the W4A4 dequantizer is unchanged on this branch: one column);
+   The estimate's pick and the best W4A16 tactic run again on weights in the prepared
+   layout (`prepare_weight`): correctness, bit-identity with natural order, time
+   ("W4A16 prepared"); the ratio columns use the faster of the two layouts;
 3. eager wall time per call (host launch path included) of the W4A16 pick and bf16;
 4. SASS instructions per weight element of the W4A16 direct kernels' main loop (from the
    cubin, nvdisasm shipped with Triton).
@@ -113,12 +116,14 @@ def _w4_compile_worker(args) -> list[tuple[str, str]]:
     for tj in jsons:
         t = TritonSm90W4A16Tactic.model_validate_json(tj)
         try:
-            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
-            w4_kernel(t)(w4.W4A16Operands(x, wd, ws, alpha), out)
-            torch.cuda.synchronize(device)
-            err = rel_err(out, ref)
-            if not err <= TOL:
-                failures.append((tj, f"proxy rel err {err:.3g}"))
+            for prepared in (False, True) if t.path == "direct" else (False,):
+                data = w4.prepare_weight(wd) if prepared else wd
+                out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
+                w4_kernel(t)(w4.W4A16Operands(x, data, ws, alpha, prepared), out)
+                torch.cuda.synchronize(device)
+                err = rel_err(out, ref)
+                if not err <= TOL:
+                    failures.append((tj, f"proxy rel err {err:.3g} (prepared={prepared})"))
         except Exception as exc:  # recorded and reported by the caller
             failures.append((tj, f"{type(exc).__name__}: {str(exc)[:300]}"))
     return failures
@@ -167,8 +172,10 @@ def check_dequant_ptx(device) -> dict:
     g = torch.tensor(0.37, dtype=torch.float32, device=device)
     q = Nvfp4Tensor(data, swizzle_scales(lin), g, "swizzled", (rows, k))
     got = (w4.dequantize_weight(q.data, q.scale) * g).cpu()
+    got_p = (w4.dequantize_weight(w4.prepare_weight(q.data), q.scale, prepared=True) * g).cpu()
     want = dequantize(q.to("cpu"))
-    return {"bit_exact": bool(torch.equal(got, want)), "mismatches": int((got != want).sum())}
+    return {"bit_exact": bool(torch.equal(got, want)), "mismatches": int((got != want).sum()),
+            "prepared_bit_exact": bool(torch.equal(got_p, want))}  # fmt: skip
 
 
 # ---- SASS -----------------------------------------------------------------------------
@@ -250,6 +257,32 @@ def bench_shape(m: int, n: int, k: int, held: bool, info, device) -> dict:
     row["w4a16_est_us"] = times.get(est, math.nan)
     row["w4a16_max_err"] = max(errs.values()) if errs else math.nan
     est_kernel = w4_kernel(tactics[0])
+    # the estimate's pick and the best tactic again on prepared weights (the layout the
+    # lead may store in Nvfp4Linear): correctness, bit-identity and time
+    row["prepared"] = {}
+    for tj in dict.fromkeys([est, best] if best else [est]):
+        kern = w4_kernel(TritonSm90W4A16Tactic.model_validate_json(tj))
+        prep = [w4.W4A16Operands(o.a, w4.prepare_weight(o.b_data), o.b_scale, o.alpha, True)
+                for o in ops]  # fmt: skip
+        try:
+            natural = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
+            kern(ops[0], natural)
+            poisoned = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
+            kern(prep[0], poisoned)
+            calls = [lambda o=o, kern=kern: kern(o, out) for o in prep]
+            row["prepared"][tj] = {
+                "rel_err": rel_err(poisoned, ref),
+                "identical": bool(torch.equal(poisoned, natural)),
+                "us": time_graph(calls, device, flops),
+            }
+        except Exception as exc:  # reported
+            row["prepared"][tj] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        del prep
+    pt = [v["us"] for v in row["prepared"].values() if "us" in v]
+    row["w4a16_prepared_us"] = min(pt) if pt else math.nan
+    row["w4a16_max_err"] = max(
+        [row["w4a16_max_err"]] + [v.get("rel_err", math.nan) for v in row["prepared"].values()]
+    )
     if (n, k) == (8192, 8192) and not held:  # fp16 activations too, on the estimate's pick
         x16 = x.to(torch.float16)
         o16 = torch.full((m, n), float("nan"), dtype=torch.float16, device=device)
@@ -258,7 +291,7 @@ def bench_shape(m: int, n: int, k: int, held: bool, info, device) -> dict:
     first = ops[0]
     row["w4a16_eager_us"] = time_eager(lambda: est_kernel(first, out), device, 10)
     if isinstance(est_kernel, w4.W4A16Kernel):
-        row["sass"] = sass_per_element(est_kernel)
+        row["sass"] = sass_per_element(est_kernel)  # the latest call: prepared or natural
     del ops
 
     # bf16 cuBLAS and FP8 on the dequantized weights (same shape)
@@ -350,16 +383,21 @@ def table(rows: list[dict]) -> str:
         return "n/a" if not (math.isfinite(a) and math.isfinite(b)) or b == 0 else f"{a / b:.2f}"
 
     head = ("| M | N | K | set | bf16 us | fp8 us | W4A16 best us | best tactic | W4A16 est-pick us"
-            " | W4A4 best us | floor us | bf16/W4A16 | fp8/W4A16 | bf16/W4A4 | W4A16 err |"
+            " | W4A16 prepared us | W4A4 best us | floor us | bf16/W4A16 | fp8/W4A16 | bf16/W4A4"
+            " | W4A16 err |"
             " eager W4A16 / bf16 us |")  # fmt: skip
-    lines = [head, "|" + "---|" * 16]
+    lines = [head, "|" + "---|" * 17]
     for x in rows:
+        times = [t for t in (x["w4a16_best_us"], x.get("w4a16_prepared_us", math.nan))
+                 if math.isfinite(t)]  # fmt: skip
+        w = min(times) if times else math.nan  # the ratios use the faster weight layout
         lines.append(
             f"| {x['m']} | {x['n']} | {x['k']} | {'held-out' if x['held_out'] else 'issue'} "
             f"| {f(x['bf16_us'])} | {f(x['fp8_us'])} | {f(x['w4a16_best_us'])} "
-            f"| {short(x['w4a16']['best'])} | {f(x['w4a16_est_us'])} | {f(x['w4a4_best_us'])} "
-            f"| {f(x['floor_us'])} | {r(x['bf16_us'], x['w4a16_best_us'])} "
-            f"| {r(x['fp8_us'], x['w4a16_best_us'])} | {r(x['bf16_us'], x['w4a4_best_us'])} "
+            f"| {short(x['w4a16']['best'])} | {f(x['w4a16_est_us'])} "
+            f"| {f(x.get('w4a16_prepared_us', math.nan))} | {f(x['w4a4_best_us'])} "
+            f"| {f(x['floor_us'])} | {r(x['bf16_us'], w)} "
+            f"| {r(x['fp8_us'], w)} | {r(x['bf16_us'], x['w4a4_best_us'])} "
             f"| {x['w4a16_max_err']:.2e} | {f(x['w4a16_eager_us'])} / {f(x['bf16_eager_us'])} |"
         )
     return "\n".join(lines)
