@@ -127,6 +127,10 @@ class W4A16Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    #: bf16 activations: "cast" = the fp16 dequantizer + an exact cast to bf16 (one F2F
+    #: per element); "native" = the bf16 PTX dequantizer (no F2F; relies on bf16
+    #: subnormal arithmetic, checked only by benchmarks/bench_w4a16.py on the H200)
+    bf16_dequant: str = "cast"
 
     def __post_init__(self) -> None:
         for name, choices in (
@@ -142,6 +146,10 @@ class W4A16Config:
             raise ValueError(f"num_warps: expected 4 or 8, got {self.num_warps}")
         if self.num_stages < 1:
             raise ValueError(f"num_stages: expected >= 1, got {self.num_stages}")
+        if self.bf16_dequant not in ("cast", "native"):
+            raise ValueError(
+                f"bf16_dequant: expected 'cast' or 'native', got {self.bf16_dequant!r}"
+            )
 
 
 def smem_estimate(cfg: W4A16Config) -> int:
@@ -257,6 +265,77 @@ mul.rn.f16x2 $3, r, $6;
 """)
 
 
+# The bf16 twin of the block above (``W4A16Config.bf16_dequant="native"``): per half
+# ``(t << 6) & 0x01C0 | (t << 12) & 0x8000`` (shifts 2 / 8 for the high nibble) is the bf16
+# ``e2m1 * 2**-126`` (code 1 lands on the bf16 subnormal 2**-127, exact: PTX bf16
+# arithmetic keeps subnormals), and MUL.BF16X2 by ``scale * 2**112`` gives
+# ``e2m1 * scale * 2**-14`` exactly, the fp16 path's convention, with no F2F per element.
+_DEQUANT_SCALED_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 t, p, q, r;
+prmt.b32 t, $4, 0, 0x4140;
+shl.b32 p, t, 6;
+and.b32 p, p, 0x01C001C0;
+shl.b32 q, t, 12;
+and.b32 q, q, 0x80008000;
+or.b32 r, p, q;
+mul.rn.bf16x2 $0, r, $5;
+shl.b32 p, t, 2;
+and.b32 p, p, 0x01C001C0;
+shl.b32 q, t, 8;
+and.b32 q, q, 0x80008000;
+or.b32 r, p, q;
+mul.rn.bf16x2 $2, r, $5;
+prmt.b32 t, $4, 0, 0x4342;
+shl.b32 p, t, 6;
+and.b32 p, p, 0x01C001C0;
+shl.b32 q, t, 12;
+and.b32 q, q, 0x80008000;
+or.b32 r, p, q;
+mul.rn.bf16x2 $1, r, $6;
+shl.b32 p, t, 2;
+and.b32 p, p, 0x01C001C0;
+shl.b32 q, t, 8;
+and.b32 q, q, 0x80008000;
+or.b32 r, p, q;
+mul.rn.bf16x2 $3, r, $6;
+}
+""")
+
+
+@triton.jit
+def _dequant_elementwise_bf16(x, s32):
+    """Element-wise twin of the bf16 PTX, in fp32: the same bit placement one exponent
+    field wider (fp32 ``e2m1 * 2**-126``, code 1 on the fp32 subnormal 2**-127; the
+    interpreter flushes bf16 subnormals, fp32 ones it keeps), times ``scale * 2**112``.
+    Exact, so the bf16 result equals the PTX's."""
+    x32 = x.to(tl.uint32)
+    lo = (((x32 & 0x7) << 22) | ((x32 & 0x8) << 28)).to(tl.float32, bitcast=True)
+    hi = (((x32 & 0x70) << 18) | ((x32 & 0x80) << 24)).to(tl.float32, bitcast=True)
+    return (lo * s32).to(tl.bfloat16), (hi * s32).to(tl.bfloat16)
+
+
+@triton.jit
+def _dequant_scaled_bf16(x, s, ROWS: tl.constexpr, KB: tl.constexpr, USE_ASM: tl.constexpr):
+    """Like `_dequant_scaled` but straight to bf16 (``e2m1 * scale * 2**-14`` exactly)."""
+    KG: tl.constexpr = KB // 8
+    s32 = s.to(tl.float32) * 5.192296858534828e33  # 2**112, exact
+    if USE_ASM:
+        sb = tl.reshape(tl.broadcast_to(s32.to(tl.bfloat16)[:, :, None], (ROWS, KG, 8)), (ROWS, KB))
+        lo, hi = tl.inline_asm_elementwise(
+            _DEQUANT_SCALED_BF16_ASM,
+            "=r,=r,=r,=r,r,r,r",
+            [x, sb],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        sf = tl.reshape(tl.broadcast_to(s32[:, :, None], (ROWS, KG, 8)), (ROWS, KB))
+        lo, hi = _dequant_elementwise_bf16(x, sf)
+    return lo, hi
+
+
 @triton.jit
 def _dequant_elementwise(x, s16):
     """The element-wise twin of the PTX: bytes and per-byte fp16 scales -> (lo, hi) fp16."""
@@ -302,6 +381,7 @@ def _dequant_tile_kernel(
     BLOCK_K: tl.constexpr,
     USE_ASM: tl.constexpr,
     PREPARED: tl.constexpr,
+    BF16: tl.constexpr,
 ):
     """out[r, k] = float32(dequantizer output) * 2**14 for one tile (tests the dequantizer).
 
@@ -321,7 +401,10 @@ def _dequant_tile_kernel(
     s = tl.load(scale_ptr + s_row[:, None] + ((rg // 4) * 512 + rg % 4)[None, :])
     if PREPARED:
         x = _from_prepared(x, BLOCK_R, KB)
-    lo, hi = _dequant_scaled(x, s, BLOCK_R, KB, USE_ASM)
+    if BF16:
+        lo, hi = _dequant_scaled_bf16(x, s, BLOCK_R, KB, USE_ASM)
+    else:
+        lo, hi = _dequant_scaled(x, s, BLOCK_R, KB, USE_ASM)
     base = out_ptr + rows[:, None].to(tl.int64) * K + 2 * rb[None, :]
     mask = (rows < R)[:, None]
     tl.store(base, lo.to(tl.float32) * 16384.0, mask=mask)
@@ -329,7 +412,7 @@ def _dequant_tile_kernel(
 
 
 def dequantize_weight(
-    b_data: torch.Tensor, b_scale: torch.Tensor, prepared: bool = False
+    b_data: torch.Tensor, b_scale: torch.Tensor, prepared: bool = False, bf16: bool = False
 ) -> torch.Tensor:
     """``e2m1 * block scale`` as float32 ``[N, K]`` through the kernel's dequantizer.
 
@@ -352,6 +435,7 @@ def dequantize_weight(
         BLOCK_K=64,
         USE_ASM=_USE_ASM,
         PREPARED=prepared,
+        BF16=bf16,
     )
     return out
 
@@ -382,6 +466,7 @@ def _w4a16_kernel(
     EVEN_K: tl.constexpr,
     USE_ASM: tl.constexpr,
     PREPARED: tl.constexpr,
+    BF16_NATIVE: tl.constexpr,
 ):
     KB: tl.constexpr = BLOCK_K // 2  # packed weight bytes per row of a K tile
     KG: tl.constexpr = BLOCK_K // 16  # block scales per row of a K tile
@@ -426,7 +511,10 @@ def _w4a16_kernel(
             xv = tl.load(x_ptrs, mask=((kt * BLOCK_K + rk) < K)[None, :], other=0.0)
         if PREPARED:
             w = _from_prepared(w, BLOCK_N, KB)
-        w_lo, w_hi = _dequant_scaled(w, s, BLOCK_N, KB, USE_ASM)
+        if BF16_NATIVE:
+            w_lo, w_hi = _dequant_scaled_bf16(w, s, BLOCK_N, KB, USE_ASM)
+        else:
+            w_lo, w_hi = _dequant_scaled(w, s, BLOCK_N, KB, USE_ASM)
         xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, KB, 2)))
         acc = tl.dot(w_lo.to(xv.dtype), tl.trans(xe), acc)
         acc = tl.dot(w_hi.to(xv.dtype), tl.trans(xo), acc)
@@ -548,6 +636,7 @@ class W4A16Kernel:
             EVEN_K=k % cfg.block_k == 0,
             USE_ASM=_USE_ASM,
             PREPARED=bool(operands.prepared),
+            BF16_NATIVE=cfg.bf16_dequant == "native" and operands.a.dtype == torch.bfloat16,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

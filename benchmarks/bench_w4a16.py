@@ -20,8 +20,10 @@ measurement (M in 2, 8, 32, 128 x (N, K) in (4096, 4096), (6144, 4096), (28672, 
    (the estimate's top tactics per shape: best and the estimate's pick) and W4A4
    `triton-sm90` (the W4A4 dequantizer is unchanged on this branch: one column);
    The estimate's pick and the best W4A16 tactic run again on weights in the prepared
-   layout (`prepare_weight`): correctness, bit-identity with natural order, time
-   ("W4A16 prepared"); the ratio columns use the faster of the two layouts;
+   layout (`prepare_weight`), with the fp16-then-cast dequantizer ("prepared") and the
+   native bf16 one ("prepared+native", ``bf16_dequant="native"``): correctness,
+   bit-identity with the natural run, time; the ratio columns use the fastest variant
+   (every variant's correctness counts in the error column);
 3. eager wall time per call (host launch path included) of the W4A16 pick and bf16;
 4. SASS instructions per weight element of the W4A16 direct kernels' main loop (from the
    cubin, nvdisasm shipped with Triton).
@@ -42,6 +44,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import replace
 
 import torch
 from bench_hopper import (
@@ -93,6 +96,14 @@ def w4a16_tactics(problem: Problem, info) -> list[TritonSm90W4A16Tactic]:
     return ranked[:W4A16_TACTICS]
 
 
+def variant_kernels(t: TritonSm90W4A16Tactic) -> dict:
+    """Kernels run on prepared weights: the tactic's own, and (direct) the native-bf16 one."""
+    out = {"prepared": w4_kernel(t)}
+    if t.path == "direct":
+        out["prepared+native"] = _kernel_for(replace(t.kernel_config(), bf16_dequant="native"))
+    return out
+
+
 def w4_kernel(t: TritonSm90W4A16Tactic):
     if t.path == "unpack":
         return _unpack_kernel_for(t.block_r, t.tile_k)
@@ -116,14 +127,16 @@ def _w4_compile_worker(args) -> list[tuple[str, str]]:
     for tj in jsons:
         t = TritonSm90W4A16Tactic.model_validate_json(tj)
         try:
-            for prepared in (False, True) if t.path == "direct" else (False,):
+            runs = [("natural", w4_kernel(t), False)]
+            runs += [(name, kern, True) for name, kern in variant_kernels(t).items()]
+            for name, kern, prepared in runs:
                 data = w4.prepare_weight(wd) if prepared else wd
                 out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
-                w4_kernel(t)(w4.W4A16Operands(x, data, ws, alpha, prepared), out)
+                kern(w4.W4A16Operands(x, data, ws, alpha, prepared), out)
                 torch.cuda.synchronize(device)
                 err = rel_err(out, ref)
                 if not err <= TOL:
-                    failures.append((tj, f"proxy rel err {err:.3g} (prepared={prepared})"))
+                    failures.append((tj, f"proxy rel err {err:.3g} ({name})"))
         except Exception as exc:  # recorded and reported by the caller
             failures.append((tj, f"{type(exc).__name__}: {str(exc)[:300]}"))
     return failures
@@ -172,10 +185,14 @@ def check_dequant_ptx(device) -> dict:
     g = torch.tensor(0.37, dtype=torch.float32, device=device)
     q = Nvfp4Tensor(data, swizzle_scales(lin), g, "swizzled", (rows, k))
     got = (w4.dequantize_weight(q.data, q.scale) * g).cpu()
-    got_p = (w4.dequantize_weight(w4.prepare_weight(q.data), q.scale, prepared=True) * g).cpu()
+    prep = w4.prepare_weight(q.data)
+    got_p = (w4.dequantize_weight(prep, q.scale, prepared=True) * g).cpu()
+    got_b = (w4.dequantize_weight(prep, q.scale, prepared=True, bf16=True) * g).cpu()
     want = dequantize(q.to("cpu"))
     return {"bit_exact": bool(torch.equal(got, want)), "mismatches": int((got != want).sum()),
-            "prepared_bit_exact": bool(torch.equal(got_p, want))}  # fmt: skip
+            "prepared_bit_exact": bool(torch.equal(got_p, want)),
+            "bf16_native_bit_exact": bool(torch.equal(got_b, want)),
+            "bf16_native_mismatches": int((got_b != want).sum())}  # fmt: skip
 
 
 # ---- SASS -----------------------------------------------------------------------------
@@ -258,30 +275,34 @@ def bench_shape(m: int, n: int, k: int, held: bool, info, device) -> dict:
     row["w4a16_max_err"] = max(errs.values()) if errs else math.nan
     est_kernel = w4_kernel(tactics[0])
     # the estimate's pick and the best tactic again on prepared weights (the layout the
-    # lead may store in Nvfp4Linear): correctness, bit-identity and time
-    row["prepared"] = {}
+    # lead may store in Nvfp4Linear), with the fp16-then-cast and the native bf16
+    # dequantizer: correctness, bit-identity with the natural run, time
+    row["variants"] = {}
+    prep = [w4.W4A16Operands(o.a, w4.prepare_weight(o.b_data), o.b_scale, o.alpha, True)
+            for o in ops]  # fmt: skip
     for tj in dict.fromkeys([est, best] if best else [est]):
-        kern = w4_kernel(TritonSm90W4A16Tactic.model_validate_json(tj))
-        prep = [w4.W4A16Operands(o.a, w4.prepare_weight(o.b_data), o.b_scale, o.alpha, True)
-                for o in ops]  # fmt: skip
-        try:
-            natural = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
-            kern(ops[0], natural)
-            poisoned = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
-            kern(prep[0], poisoned)
-            calls = [lambda o=o, kern=kern: kern(o, out) for o in prep]
-            row["prepared"][tj] = {
-                "rel_err": rel_err(poisoned, ref),
-                "identical": bool(torch.equal(poisoned, natural)),
-                "us": time_graph(calls, device, flops),
-            }
-        except Exception as exc:  # reported
-            row["prepared"][tj] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-        del prep
-    pt = [v["us"] for v in row["prepared"].values() if "us" in v]
-    row["w4a16_prepared_us"] = min(pt) if pt else math.nan
+        t = TritonSm90W4A16Tactic.model_validate_json(tj)
+        natural = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
+        w4_kernel(t)(ops[0], natural)
+        for name, kern in variant_kernels(t).items():
+            try:
+                poisoned = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
+                kern(prep[0], poisoned)
+                calls = [lambda o=o, kern=kern: kern(o, out) for o in prep]
+                row["variants"][f"{name} {tj}"] = {
+                    "variant": name,
+                    "rel_err": rel_err(poisoned, ref),
+                    "identical": bool(torch.equal(poisoned, natural)),
+                    "us": time_graph(calls, device, flops),
+                }
+            except Exception as exc:  # reported
+                row["variants"][f"{name} {tj}"] = {"variant": name, "error": str(exc)[:200]}
+    del prep
+    for name in ("prepared", "prepared+native"):
+        vt = [v["us"] for v in row["variants"].values() if v["variant"] == name and "us" in v]
+        row[f"w4a16_{name}_us"] = min(vt) if vt else math.nan
     row["w4a16_max_err"] = max(
-        [row["w4a16_max_err"]] + [v.get("rel_err", math.nan) for v in row["prepared"].values()]
+        [row["w4a16_max_err"]] + [v.get("rel_err", math.nan) for v in row["variants"].values()]
     )
     if (n, k) == (8192, 8192) and not held:  # fp16 activations too, on the estimate's pick
         x16 = x.to(torch.float16)
@@ -383,19 +404,21 @@ def table(rows: list[dict]) -> str:
         return "n/a" if not (math.isfinite(a) and math.isfinite(b)) or b == 0 else f"{a / b:.2f}"
 
     head = ("| M | N | K | set | bf16 us | fp8 us | W4A16 best us | best tactic | W4A16 est-pick us"
-            " | W4A16 prepared us | W4A4 best us | floor us | bf16/W4A16 | fp8/W4A16 | bf16/W4A4"
+            " | W4A16 prepared us | prepared+native bf16 us | W4A4 best us | floor us"
+            " | bf16/W4A16 | fp8/W4A16 | bf16/W4A4"
             " | W4A16 err |"
             " eager W4A16 / bf16 us |")  # fmt: skip
-    lines = [head, "|" + "---|" * 17]
+    lines = [head, "|" + "---|" * 18]
     for x in rows:
-        times = [t for t in (x["w4a16_best_us"], x.get("w4a16_prepared_us", math.nan))
-                 if math.isfinite(t)]  # fmt: skip
-        w = min(times) if times else math.nan  # the ratios use the faster weight layout
+        keys = ("w4a16_best_us", "w4a16_prepared_us", "w4a16_prepared+native_us")
+        times = [x[c] for c in keys if c in x and math.isfinite(x[c])]
+        w = min(times) if times else math.nan  # the ratios use the fastest W4A16 variant
         lines.append(
             f"| {x['m']} | {x['n']} | {x['k']} | {'held-out' if x['held_out'] else 'issue'} "
             f"| {f(x['bf16_us'])} | {f(x['fp8_us'])} | {f(x['w4a16_best_us'])} "
             f"| {short(x['w4a16']['best'])} | {f(x['w4a16_est_us'])} "
-            f"| {f(x.get('w4a16_prepared_us', math.nan))} | {f(x['w4a4_best_us'])} "
+            f"| {f(x.get('w4a16_prepared_us', math.nan))} "
+            f"| {f(x.get('w4a16_prepared+native_us', math.nan))} | {f(x['w4a4_best_us'])} "
             f"| {f(x['floor_us'])} | {r(x['bf16_us'], w)} "
             f"| {r(x['fp8_us'], w)} | {r(x['bf16_us'], x['w4a4_best_us'])} "
             f"| {x['w4a16_max_err']:.2e} | {f(x['w4a16_eager_us'])} / {f(x['bf16_eager_us'])} |"

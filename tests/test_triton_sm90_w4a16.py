@@ -159,10 +159,12 @@ q = Nvfp4Tensor(data, swizzle_scales(lin), torch.tensor(0.37, dtype=torch.float3
                 "swizzled", (rows, k))
 got = mod.dequantize_weight(q.data, q.scale) * q.global_scale
 got_p = mod.dequantize_weight(mod.prepare_weight(q.data), q.scale, prepared=True)
+got_b = mod.dequantize_weight(mod.prepare_weight(q.data), q.scale, prepared=True, bf16=True)
 want = dequantize(q)
 codes = sorted(set(int(b) & 15 for b in data.flatten()) | set(int(b) >> 4 for b in data.flatten()))
 print(json.dumps({"equal": bool(torch.equal(got, want)), "codes": codes,
                   "prepared_equal": bool(torch.equal(got_p * q.global_scale, want)),
+                  "bf16_equal": bool(torch.equal(got_b * q.global_scale, want)),
                   "subnormal_scales": int(((raw & 0x78) == 0).sum()),
                   "mismatch": int((got != want).sum())}))
 """
@@ -175,6 +177,7 @@ def test_dequantizer_twin_is_bit_exact():
     assert res["subnormal_scales"] > 0
     assert res["equal"], f"{res['mismatch']} elements differ from nvfp4.dequantize"
     assert res["prepared_equal"], "the prepared-layout dequantizer differs"
+    assert res["bf16_equal"], "the bf16 dequantizer's twin differs"
 
 
 def test_prepare_weight_round_trips_and_permutes_within_groups():
@@ -210,6 +213,8 @@ def test_config_and_operand_checks_name_the_problem():
         mod.W4A16Config(block_n=32)
     with pytest.raises(ValueError, match="split_k"):
         mod.W4A16Config(split_k=0)
+    with pytest.raises(ValueError, match="bf16_dequant"):
+        mod.W4A16Config(bf16_dequant="fast")
     q = quantize_nvfp4(torch.randn(8, 64))
     alpha = q.global_scale.reshape(1)
     ops = mod.W4A16Operands(torch.randn(4, 64).half(), q.data, q.scale, alpha)
