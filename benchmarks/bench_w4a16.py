@@ -312,7 +312,10 @@ def bench_shape(m: int, n: int, k: int, held: bool, info, device) -> dict:
     first = ops[0]
     row["w4a16_eager_us"] = time_eager(lambda: est_kernel(first, out), device, 10)
     if isinstance(est_kernel, w4.W4A16Kernel):
-        row["sass"] = sass_per_element(est_kernel)  # the latest call: prepared or natural
+        row["sass"] = sass_per_element(est_kernel)  # its latest call: natural layout, bf16
+        native = variant_kernels(tactics[0]).get("prepared+native")
+        if native is not None and native.compiled is not None:
+            row["sass_native"] = sass_per_element(native)  # prepared layout, native bf16
     del ops
 
     # bf16 cuBLAS and FP8 on the dequantized weights (same shape)
@@ -464,6 +467,8 @@ def main() -> None:
               f"err {row['w4a16_max_err']:.2e} [{time.time() - t1:.0f}s]", flush=True)  # fmt: skip
         torch.cuda.empty_cache()
     sass = {short(r["w4a16"]["est_pick"]): r["sass"] for r in result["shapes"] if r.get("sass")}
+    sass.update({short(r["w4a16"]["est_pick"]) + " prepared+native": r["sass_native"]
+                 for r in result["shapes"] if r.get("sass_native")})  # fmt: skip
     print("\nSASS of the W4A16 main loop (est picks):")
     for name, s in sass.items():
         print(
