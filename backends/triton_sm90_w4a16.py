@@ -32,13 +32,21 @@ the W4A4 kernel (benchmarks/RESULTS.md, "Hopper"). The packed PTX dequantizer tu
 packed bytes and their fp16 block scales into 8 scaled fp16 with 2 PRMT, 8 shifts, ~8
 LOP3 and 4 HMUL2 (about 2.75 instructions per element, the scale multiply included, two
 values per instruction). The whole main loop, counted in the sm_90 cubin (Triton 3.9's
-ptxas, compiled on CPU, not run): 5.5 SASS instructions per weight element with fp16
-activations (128x16x128 and 128x16x256 tiles), 7.7 with bf16 (one F2F per element for
-the exact fp16 -> bf16 cast); the rest is Triton repacking bytes into the MMA fragment
-order (~1.2 PRMT per element) and shared-memory traffic. Two dots (low nibbles x even
-K of the activations, high nibbles x odd K) instead of interleaving the halves into one
-dot saved 0.7 per element (6.2 -> 5.5). Under TRITON_INTERPRET=1 (CPU) the element-wise
-twin `_dequant_elementwise` computes the same bits.
+ptxas, compiled on CPU, NOT run), SASS instructions per weight element:
+
+| activations, weight layout, dequantizer | 128x16x128 | 128x16x256 |
+|---|---:|---:|
+| fp16, natural | 5.5 | 5.5 |
+| fp16, prepared (`prepare_weight`) | 4.6 | 4.6 |
+| bf16, prepared, fp16 + cast (F2F per element) | - | 6.0 |
+| bf16, prepared, ``bf16_dequant="native"`` | - | 5.1 |
+
+The natural layout costs Triton ~1.2 PRMT per element to repack bytes into the MMA
+fragment order; `prepare_weight` stores them in that order. Two dots (low nibbles x
+even K of the activations, high nibbles x odd K) instead of interleaving the halves
+into one dot saved 0.7 per element (6.2 -> 5.5). The ~2 per element target is not met:
+the nibble expansion itself is ~2.75 (the sign bit needs its own shift). Under
+TRITON_INTERPRET=1 (CPU) the element-wise twins compute the same bits.
 
 Split-K: each split writes its fp32 partial tile into a workspace and bumps a per-tile
 counter (acq_rel atomic after a CTA barrier); the last split sums the partials in fixed
