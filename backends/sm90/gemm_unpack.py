@@ -97,13 +97,18 @@ def unpack_nvfp4_kernel(
     data_ptr,
     scale_ptr,
     out_ptr,
+    alpha_ptr,
     R,
     K,
     s_blk,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_ALPHA: tl.constexpr = False,
 ):
     """out[r, k] = e2m1(data)[r, k] * scale[r, k // 16] for one BLOCK_R x BLOCK_K tile.
+
+    With ``HAS_ALPHA`` the float32 ``*alpha_ptr`` multiplies every value before the cast
+    (one rounding per element; the W4A16 unpack path folds the global scale in here).
 
     ``data``: uint8 [R, K/2] (low nibble = even k); ``scale``: the swizzled 128x4 e4m3
     storage viewed as uint8, read in place through the offset formula
@@ -142,6 +147,8 @@ def unpack_nvfp4_kernel(
     lo = tl.reshape(tl.reshape(_e2m1_to_f32(x & 0xF), (BLOCK_R, KG, 8)) * sc, (BLOCK_R, KB))
     hi = tl.reshape(tl.reshape(_e2m1_to_f32(x >> 4), (BLOCK_R, KG, 8)) * sc, (BLOCK_R, KB))
     vals = tl.reshape(tl.join(lo, hi), (BLOCK_R, BLOCK_K))  # (j, 0) -> 2j, (j, 1) -> 2j + 1
+    if HAS_ALPHA:
+        vals = vals * tl.load(alpha_ptr)
 
     kcol = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     tl.store(
@@ -163,10 +170,13 @@ def unpack_nvfp4(
     block_k: int = 128,
     out: torch.Tensor | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    alpha: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed e2m1 ``[R, K/2]`` + swizzled e4m3 scales -> ``[R, K]`` of ``e2m1 * scale``.
 
-    No global scale is applied. ``dtype`` bf16 (default), fp16 or fp32 (all exact).
+    ``dtype`` bf16 (default), fp16 or fp32 (all exact) when ``alpha`` is None. With
+    ``alpha`` (a one-element float32 device tensor, read by the kernel) the values are
+    ``e2m1 * scale * alpha``, rounded once to ``dtype``.
     """
     if block_r not in BLOCK_R_CHOICES or block_k not in BLOCK_K_CHOICES:
         raise ValueError(
@@ -189,16 +199,21 @@ def unpack_nvfp4(
         out = torch.empty((rows, k), dtype=dtype, device=data.device)
     elif tuple(out.shape) != (rows, k) or not out.is_contiguous():
         raise ValueError(f"out: expected contiguous {(rows, k)}, got {tuple(out.shape)}")
+    if alpha is not None and (alpha.dtype != torch.float32 or alpha.numel() != 1):
+        raise TypeError(f"alpha: expected a one-element float32 tensor, got {alpha.dtype} "
+                        f"{tuple(alpha.shape)}")  # fmt: skip
     grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
     unpack_nvfp4_kernel[grid](
         data,
         scale.view(torch.uint8),
         out,
+        out if alpha is None else alpha,
         rows,
         k,
         scale.shape[1] * 128,
         BLOCK_R=block_r,
         BLOCK_K=block_k,
+        HAS_ALPHA=alpha is not None,
         num_warps=_num_warps(block_r, block_k),
     )
     return out

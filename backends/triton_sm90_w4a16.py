@@ -1,0 +1,701 @@
+"""Hopper (sm90) W4A16 GEMM in Triton: dense bf16/fp16 activations x NVFP4 weights.
+
+``out[M, N] = alpha * x[M, K] @ dequant(W)[N, K].T`` where ``W`` is stored as NVFP4
+(``b_data`` uint8 ``[N, K/2]``, e2m1 pairs low nibble first; ``b_scale`` e4m3 in the
+128x4 swizzled order) and ``alpha`` (a one-element float32 device tensor) is the
+weight's global scale. Activations are never quantized.
+
+Two paths (a tactic knob, ``path``):
+
+- ``direct`` (decode and small M): the weights are the MMA's wide operand. Each CTA
+  owns ``BLOCK_N`` weight rows (64 or 128: the 64-row side of a Hopper MMA) and
+  ``BLOCK_M`` tokens (16-128: the narrow side), streams its weight bytes once, expands
+  them in registers to fp16 and computes ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T``
+  with fp32 accumulation. The output is written transposed through ``out``'s strides.
+  Split-K for shapes with fewer tiles than SMs (deterministic, see below).
+- ``unpack`` (M >= ~1024): the weight is expanded once per call to the activation
+  dtype by the memory-bound unpack kernel of `triton_sm90_unpack` with alpha folded
+  into it, then cuBLAS (``torch.mm``) multiplies. No alpha pass over the output.
+
+Exactness of the direct path. A nibble placed as fp16 bits ``(n & 7) << 9 | (n & 8) << 12``
+is exactly ``e2m1(n) * 2**-14`` (see `triton_sm90`); times the e4m3 block scale in fp16
+it stays exact (at most 6 significant bits, no smaller than ``2**-24``). For bf16
+activations those fp16 values are cast to bf16, also exact (6 <= 8 bits, in range), and
+the dot is bf16 x bf16; for fp16 activations the dot is fp16 x fp16. The epilogue
+multiplies by ``alpha * 2**14``. So the direct path is ``x @ dequant(W).T`` with fp32
+accumulation and one rounding at the store. The unpack path rounds each weight once
+(``e2m1 * scale * alpha`` to the activation dtype) before cuBLAS.
+
+Dequantization cost (why the PTX below): Hopper has no FP4 MMA, so every weight element
+costs ALU work before the tensor cores see it; at decode that work, not HBM, bounded
+the W4A4 kernel (benchmarks/RESULTS.md, "Hopper"). The packed PTX dequantizer turns 4
+packed bytes and their fp16 block scales into 8 scaled fp16 with 2 PRMT, 8 shifts, ~8
+LOP3 and 4 HMUL2 (about 2.75 instructions per element, the scale multiply included, two
+values per instruction). The whole main loop, counted in the sm_90 cubin (Triton 3.9's
+ptxas, compiled on CPU, NOT run), SASS instructions per weight element:
+
+| activations, weight layout, dequantizer | 128x16x128 | 128x16x256 |
+|---|---:|---:|
+| fp16, natural | 5.5 | 5.5 |
+| fp16, prepared (`prepare_weight`) | 4.6 | 4.6 |
+| bf16, prepared, fp16 + cast (F2F per element) | - | 6.0 |
+| bf16, prepared, ``bf16_dequant="native"`` | - | 5.1 |
+
+The natural layout costs Triton ~1.2 PRMT per element to repack bytes into the MMA
+fragment order; `prepare_weight` stores them in that order. Two dots (low nibbles x
+even K of the activations, high nibbles x odd K) instead of interleaving the halves
+into one dot saved 0.7 per element (6.2 -> 5.5). The ~2 per element target is not met:
+the nibble expansion itself is ~2.75 (the sign bit needs its own shift). Under
+TRITON_INTERPRET=1 (CPU) the element-wise twins compute the same bits.
+
+Split-K: each split writes its fp32 partial tile into a workspace and bumps a per-tile
+counter (acq_rel atomic after a CTA barrier); the last split sums the partials in fixed
+split order (deterministic), stores ``out`` and resets the counter to zero. The
+workspace and counters are owned by the kernel object (allocated on first use per
+device and size; counters zeroed once there and self-resetting after), so a call does
+no memset and no allocation: CUDA-graph capturable once a first call has run outside
+the capture (which compiling the Triton kernel requires anyway). One kernel object must
+not run on two streams concurrently.
+
+Shapes: any M, N >= 1 (rows wrap modulo M/N inside a tile so loads stay in bounds;
+stores are masked); ``K % 32 == 0``; K need not divide by the K tile. ``x`` must have
+unit stride along K; ``out`` may have any strides.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+log = logging.getLogger(__name__)
+
+#: The packed PTX dequantizer on GPUs; the element-wise twin under TRITON_INTERPRET=1.
+_USE_ASM = os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
+
+#: 2**14 undoes the 2**-14 carried by each dequantized weight (module docstring).
+_UNSCALE = float(2**14)
+
+#: Hopper's per-block shared-memory limit (227 KiB usable by one CTA), bytes.
+SMEM_LIMIT = 232448
+
+BLOCK_N_CHOICES = (64, 128)
+BLOCK_M_CHOICES = (16, 32, 64, 128)
+BLOCK_K_CHOICES = (64, 128, 256)
+ACT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class W4A16Operands:
+    """What a W4A16 kernel receives: ``out = alpha * a @ dequant(b).T``.
+
+    - ``a``: bf16 or fp16 ``[M, K]`` activations with unit stride along K.
+    - ``b_data``: uint8 ``[N, K/2]`` contiguous (e2m1 pairs, low nibble = even k).
+    - ``b_scale``: float8_e4m3fn ``[ceil128(N), ceil4(K/16)]``, 128x4 swizzled storage.
+    - ``alpha``: float32 tensor of one element on the same device (the weight's global
+      scale); read by the kernel through its pointer, never on the host.
+    - ``prepared``: True when ``b_data`` is in the `prepare_weight` byte order (the
+      fragment-matched layout the direct kernel dequantizes with fewer instructions).
+    """
+
+    a: torch.Tensor
+    b_data: torch.Tensor
+    b_scale: torch.Tensor
+    alpha: torch.Tensor
+    prepared: bool = False
+
+    @property
+    def m(self) -> int:
+        return self.a.shape[0]
+
+    @property
+    def n(self) -> int:
+        return self.b_data.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.a.shape[1]
+
+
+@dataclass(frozen=True)
+class W4A16Config:
+    """Compile-time knobs of one direct-kernel variant.
+
+    ``block_n`` weight rows per CTA (the MMA's 64/128-row side), ``block_m`` tokens per
+    CTA (the narrow side), ``block_k`` K elements per main-loop step.
+    """
+
+    block_n: int = 128
+    block_m: int = 16
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    #: bf16 activations: "cast" = the fp16 dequantizer + an exact cast to bf16 (one F2F
+    #: per element); "native" = the bf16 PTX dequantizer (no F2F; relies on bf16
+    #: subnormal arithmetic, checked only by benchmarks/bench_w4a16.py on the H200)
+    bf16_dequant: str = "cast"
+
+    def __post_init__(self) -> None:
+        for name, choices in (
+            ("block_n", BLOCK_N_CHOICES),
+            ("block_m", BLOCK_M_CHOICES),
+            ("block_k", BLOCK_K_CHOICES),
+        ):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}: expected one of {choices}, got {getattr(self, name)}")
+        if self.split_k < 1:
+            raise ValueError(f"split_k: expected >= 1, got {self.split_k}")
+        if self.num_warps not in (4, 8):
+            raise ValueError(f"num_warps: expected 4 or 8, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages: expected >= 1, got {self.num_stages}")
+        if self.bf16_dequant not in ("cast", "native"):
+            raise ValueError(
+                f"bf16_dequant: expected 'cast' or 'native', got {self.bf16_dequant!r}"
+            )
+
+
+def smem_estimate(cfg: W4A16Config) -> int:
+    """Shared memory of one CTA in bytes (upper estimate, for validity rules).
+
+    Per pipeline stage: weight bytes + scales + the activation tile (2 bytes/element);
+    plus the dequantized fp16 weight tile staged for the MMA and the activation halves;
+    or the epilogue's fp32 layout shuffle if that is larger.
+    """
+    bn, bm, bk = cfg.block_n, cfg.block_m, cfg.block_k
+    raw = bn * (bk // 2 + bk // 16) + bm * bk * 2
+    staged = bn * bk * 2 + bm * bk * 2
+    return max(cfg.num_stages * raw + staged, bn * bm * 4)
+
+
+# ---- the prepared weight layout -------------------------------------------------------
+
+#: bytes per permutation group of the prepared layout (32 K elements, two scale blocks)
+PREPARED_GROUP = 16
+
+
+def _check_packed(b_data: torch.Tensor, name: str) -> None:
+    if not isinstance(b_data, torch.Tensor) or b_data.dtype != torch.uint8:
+        got = b_data.dtype if isinstance(b_data, torch.Tensor) else type(b_data).__name__
+        raise TypeError(f"{name}: expected a uint8 tensor [N, K/2], got {got}")
+    if b_data.dim() != 2 or b_data.shape[1] % PREPARED_GROUP:
+        raise ValueError(
+            f"{name}: expected [N, K/2] with K % 32 == 0, got shape {tuple(b_data.shape)}"
+        )
+
+
+def prepare_weight(b_data: torch.Tensor) -> torch.Tensor:
+    """Packed e2m1 ``[N, K/2]`` (natural order) -> the same bytes in the prepared order.
+
+    Why: the direct kernel's MMA operand fragment gives each of 4 lanes the bytes
+    ``{2q, 2q+1, 2q+8, 2q+9}`` of every 16-byte group; in natural order Triton must
+    extract and repack those bytes one by one (PRMT per byte). The prepared order stores
+    them contiguously, so one 32-bit word feeds the dequantizer as is: the main loop
+    drops from 5.5 to 4.6 SASS instructions per weight element (sm_90 cubin, fp16
+    activations, 128x16x128 tile; compiled, see the module docstring).
+
+    The layout: within each row and each group of 16 bytes (32 K elements, two scale
+    blocks; groups never straddle rows or scale blocks), natural byte ``8h + 2q + e``
+    (h in 0..1, q in 0..3, e in 0..1) moves to position ``4q + 2h + e``. Nibbles inside a
+    byte and the scales are unchanged. A permutation of bytes: `unprepare_weight` is its
+    exact inverse. Tile-size independent (any block_k of the kernel reads it).
+    """
+    _check_packed(b_data, "b_data")
+    n, kb = b_data.shape
+    grouped = b_data.reshape(n, kb // PREPARED_GROUP, 2, 4, 2)  # (h, q, e)
+    return grouped.permute(0, 1, 3, 2, 4).contiguous().reshape(n, kb)  # (q, h, e)
+
+
+def unprepare_weight(prepared: torch.Tensor) -> torch.Tensor:
+    """The inverse of `prepare_weight`: prepared bytes -> natural packed e2m1 order."""
+    _check_packed(prepared, "prepared")
+    n, kb = prepared.shape
+    grouped = prepared.reshape(n, kb // PREPARED_GROUP, 4, 2, 2)  # (q, h, e)
+    return grouped.permute(0, 1, 3, 2, 4).contiguous().reshape(n, kb)  # (h, q, e)
+
+
+@triton.jit
+def _from_prepared(w, ROWS: tl.constexpr, KB: tl.constexpr):
+    """Prepared bytes [ROWS, KB] (memory order) -> natural K order, at the tensor level.
+
+    Memory ``(group, q, h, e)`` becomes tensor ``(group, h, q, e)``: a pure relabelling
+    that Triton folds into the register layout of the MMA operand (no data movement when
+    the fragment matches, which is the point of the layout).
+    """
+    g = tl.reshape(w, (ROWS, KB // 16, 4, 2, 2))
+    return tl.reshape(tl.permute(g, (0, 1, 3, 2, 4)), (ROWS, KB))
+
+
+# ---- dequantization -------------------------------------------------------------------
+
+# 4 packed bytes (b0..b3, $4) and their 4 fp16 block scales (two per register, $5 = s0|s1,
+# $6 = s2|s3) -> 4 fp16 of the low nibbles ($0 = lo0|lo1, $1 = lo2|lo3) and 4 of the high
+# nibbles ($2, $3), each e2m1 * 2**-14 * scale. PRMT spreads two bytes into the two halves
+# of a word; per half ``(t << 9) & 0x0E00 | (t << 12) & 0x8000`` (low nibble: magnitude to
+# fp16 bits 9-11, sign to bit 15) or shifts 5 / 8 (high nibble) build the fp16 bits, two
+# values per instruction; one HMUL2 applies two scales. Each output keeps the position of
+# its input byte, so the result does not depend on how Triton groups registers.
+_DEQUANT_SCALED_ASM = tl.constexpr("""
+{
+.reg .b32 t, p, q, r;
+prmt.b32 t, $4, 0, 0x4140;
+shl.b32 p, t, 9;
+and.b32 p, p, 0x0E000E00;
+shl.b32 q, t, 12;
+and.b32 q, q, 0x80008000;
+or.b32 r, p, q;
+mul.rn.f16x2 $0, r, $5;
+shl.b32 p, t, 5;
+and.b32 p, p, 0x0E000E00;
+shl.b32 q, t, 8;
+and.b32 q, q, 0x80008000;
+or.b32 r, p, q;
+mul.rn.f16x2 $2, r, $5;
+prmt.b32 t, $4, 0, 0x4342;
+shl.b32 p, t, 9;
+and.b32 p, p, 0x0E000E00;
+shl.b32 q, t, 12;
+and.b32 q, q, 0x80008000;
+or.b32 r, p, q;
+mul.rn.f16x2 $1, r, $6;
+shl.b32 p, t, 5;
+and.b32 p, p, 0x0E000E00;
+shl.b32 q, t, 8;
+and.b32 q, q, 0x80008000;
+or.b32 r, p, q;
+mul.rn.f16x2 $3, r, $6;
+}
+""")
+
+
+# The bf16 twin of the block above (``W4A16Config.bf16_dequant="native"``): per half
+# ``(t << 6) & 0x01C0 | (t << 12) & 0x8000`` (shifts 2 / 8 for the high nibble) is the bf16
+# ``e2m1 * 2**-126`` (code 1 lands on the bf16 subnormal 2**-127, exact: PTX bf16
+# arithmetic keeps subnormals), and MUL.BF16X2 by ``scale * 2**112`` gives
+# ``e2m1 * scale * 2**-14`` exactly, the fp16 path's convention, with no F2F per element.
+_DEQUANT_SCALED_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 t, p, q, r;
+prmt.b32 t, $4, 0, 0x4140;
+shl.b32 p, t, 6;
+and.b32 p, p, 0x01C001C0;
+shl.b32 q, t, 12;
+and.b32 q, q, 0x80008000;
+or.b32 r, p, q;
+mul.rn.bf16x2 $0, r, $5;
+shl.b32 p, t, 2;
+and.b32 p, p, 0x01C001C0;
+shl.b32 q, t, 8;
+and.b32 q, q, 0x80008000;
+or.b32 r, p, q;
+mul.rn.bf16x2 $2, r, $5;
+prmt.b32 t, $4, 0, 0x4342;
+shl.b32 p, t, 6;
+and.b32 p, p, 0x01C001C0;
+shl.b32 q, t, 12;
+and.b32 q, q, 0x80008000;
+or.b32 r, p, q;
+mul.rn.bf16x2 $1, r, $6;
+shl.b32 p, t, 2;
+and.b32 p, p, 0x01C001C0;
+shl.b32 q, t, 8;
+and.b32 q, q, 0x80008000;
+or.b32 r, p, q;
+mul.rn.bf16x2 $3, r, $6;
+}
+""")
+
+
+@triton.jit
+def _dequant_elementwise_bf16(x, s32):
+    """Element-wise twin of the bf16 PTX, in fp32: the same bit placement one exponent
+    field wider (fp32 ``e2m1 * 2**-126``, code 1 on the fp32 subnormal 2**-127; the
+    interpreter flushes bf16 subnormals, fp32 ones it keeps), times ``scale * 2**112``.
+    Exact, so the bf16 result equals the PTX's."""
+    x32 = x.to(tl.uint32)
+    lo = (((x32 & 0x7) << 22) | ((x32 & 0x8) << 28)).to(tl.float32, bitcast=True)
+    hi = (((x32 & 0x70) << 18) | ((x32 & 0x80) << 24)).to(tl.float32, bitcast=True)
+    return (lo * s32).to(tl.bfloat16), (hi * s32).to(tl.bfloat16)
+
+
+@triton.jit
+def _dequant_scaled_bf16(x, s, ROWS: tl.constexpr, KB: tl.constexpr, USE_ASM: tl.constexpr):
+    """Like `_dequant_scaled` but straight to bf16 (``e2m1 * scale * 2**-14`` exactly)."""
+    KG: tl.constexpr = KB // 8
+    s32 = s.to(tl.float32) * 5.192296858534828e33  # 2**112, exact
+    if USE_ASM:
+        sb = tl.reshape(tl.broadcast_to(s32.to(tl.bfloat16)[:, :, None], (ROWS, KG, 8)), (ROWS, KB))
+        lo, hi = tl.inline_asm_elementwise(
+            _DEQUANT_SCALED_BF16_ASM,
+            "=r,=r,=r,=r,r,r,r",
+            [x, sb],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        sf = tl.reshape(tl.broadcast_to(s32[:, :, None], (ROWS, KG, 8)), (ROWS, KB))
+        lo, hi = _dequant_elementwise_bf16(x, sf)
+    return lo, hi
+
+
+@triton.jit
+def _dequant_elementwise(x, s16):
+    """The element-wise twin of the PTX: bytes and per-byte fp16 scales -> (lo, hi) fp16."""
+    x16 = x.to(tl.uint16)
+    lo = (((x16 & 0x7) << 9) | ((x16 & 0x8) << 12)).to(tl.float16, bitcast=True)
+    hi = (((x16 & 0x70) << 5) | ((x16 & 0x80) << 8)).to(tl.float16, bitcast=True)
+    return lo * s16, hi * s16
+
+
+@triton.jit
+def _dequant_scaled(x, s, ROWS: tl.constexpr, KB: tl.constexpr, USE_ASM: tl.constexpr):
+    """Packed bytes [ROWS, KB] + e4m3 scales [ROWS, KB // 8] -> (even K, odd K) fp16.
+
+    Each result is ``e2m1 * scale * 2**-14`` exactly. The scale of byte ``j`` is
+    ``s[:, j // 8]``, broadcast to one fp16 per byte so that the PTX applies it with
+    HMUL2 in the same pass as the nibble expansion.
+    """
+    KG: tl.constexpr = KB // 8
+    s16 = tl.reshape(tl.broadcast_to(s.to(tl.float16)[:, :, None], (ROWS, KG, 8)), (ROWS, KB))
+    if USE_ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            _DEQUANT_SCALED_ASM,
+            "=r,=r,=r,=r,r,r,r",
+            [x, s16],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        lo, hi = _dequant_elementwise(x, s16)
+    return lo, hi
+
+
+@triton.jit
+def _dequant_tile_kernel(
+    data_ptr,
+    scale_ptr,
+    out_ptr,
+    R,
+    K,
+    s_blk,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    PREPARED: tl.constexpr,
+    BF16: tl.constexpr,
+):
+    """out[r, k] = float32(dequantizer output) * 2**14 for one tile (tests the dequantizer).
+
+    The fp16 outputs are written as even/odd K columns so the stored matrix is in natural
+    K order; float32 and the 2**14 factor are exact.
+    """
+    KB: tl.constexpr = BLOCK_K // 2
+    KG: tl.constexpr = BLOCK_K // 16
+    pid_r = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    rr = rows % R
+    rb = pid_k * KB + tl.arange(0, KB)
+    rg = pid_k * KG + tl.arange(0, KG)
+    x = tl.load(data_ptr + rr[:, None].to(tl.int64) * (K // 2) + rb[None, :])
+    s_row = (rr // 128).to(tl.int64) * s_blk + (rr % 32) * 16 + ((rr % 128) // 32) * 4
+    s = tl.load(scale_ptr + s_row[:, None] + ((rg // 4) * 512 + rg % 4)[None, :])
+    if PREPARED:
+        x = _from_prepared(x, BLOCK_R, KB)
+    if BF16:
+        lo, hi = _dequant_scaled_bf16(x, s, BLOCK_R, KB, USE_ASM)
+    else:
+        lo, hi = _dequant_scaled(x, s, BLOCK_R, KB, USE_ASM)
+    base = out_ptr + rows[:, None].to(tl.int64) * K + 2 * rb[None, :]
+    mask = (rows < R)[:, None]
+    tl.store(base, lo.to(tl.float32) * 16384.0, mask=mask)
+    tl.store(base + 1, hi.to(tl.float32) * 16384.0, mask=mask)
+
+
+def dequantize_weight(
+    b_data: torch.Tensor, b_scale: torch.Tensor, prepared: bool = False, bf16: bool = False
+) -> torch.Tensor:
+    """``e2m1 * block scale`` as float32 ``[N, K]`` through the kernel's dequantizer.
+
+    For tests (interpreter: the element-wise twin) and the GPU check in
+    benchmarks/bench_w4a16.py (the PTX); no global scale is applied. K % 64 == 0.
+    """
+    rows, k = b_data.shape[0], b_data.shape[1] * 2
+    if k % 64:
+        raise ValueError(f"b_data: K must be a multiple of 64 here, got {k}")
+    out = torch.empty((rows, k), dtype=torch.float32, device=b_data.device)
+    grid = (triton.cdiv(rows, 16), k // 64)
+    _dequant_tile_kernel[grid](
+        b_data,
+        b_scale,
+        out,
+        rows,
+        k,
+        b_scale.shape[1] * 128,
+        BLOCK_R=16,
+        BLOCK_K=64,
+        USE_ASM=_USE_ASM,
+        PREPARED=prepared,
+        BF16=bf16,
+    )
+    return out
+
+
+# ---- the direct kernel ----------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["M", "N"])
+def _w4a16_kernel(
+    x_ptr,
+    b_ptr,
+    bs_ptr,
+    alpha_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    stride_on,
+    b_sblk,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    PREPARED: tl.constexpr,
+    BF16_NATIVE: tl.constexpr,
+):
+    KB: tl.constexpr = BLOCK_K // 2  # packed weight bytes per row of a K tile
+    KG: tl.constexpr = BLOCK_K // 16  # block scales per row of a K tile
+
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    # consecutive CTAs walk N: the token tile (small) stays hot in L2, weights stream
+    pid_n = pid % grid_n
+    pid_m = pid // grid_n
+
+    k_half = K // 2
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    kt0 = pid_k * per_split
+    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = offs_n % N  # wrapped rows: unmasked, in-bounds loads; never stored
+    rm = offs_m % M
+    rb = tl.arange(0, KB)
+    rg = tl.arange(0, KG)
+
+    w_ptrs = b_ptr + rn[:, None].to(tl.int64) * k_half + (kt0 * KB + rb)[None, :]
+    # 128x4 swizzle: (r // 128) * blk + (g // 4) * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + g % 4
+    s_row = (rn // 128).to(tl.int64) * b_sblk + (rn % 32) * 16 + ((rn % 128) // 32) * 4
+    s_ptrs = bs_ptr + s_row[:, None] + ((rg // 4) * 512 + rg % 4 + kt0 * (KG // 4) * 512)[None, :]
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (kt0 * BLOCK_K + rk)[None, :]
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kt in range(kt0, kt1):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            s = tl.load(s_ptrs)
+            xv = tl.load(x_ptrs)
+        else:
+            kmask = (kt * KB + rb) < k_half
+            w = tl.load(w_ptrs, mask=kmask[None, :], other=0)
+            s = tl.load(s_ptrs, mask=((kt * KG + rg) < K // 16)[None, :], other=0.0)
+            xv = tl.load(x_ptrs, mask=((kt * BLOCK_K + rk) < K)[None, :], other=0.0)
+        if PREPARED:
+            w = _from_prepared(w, BLOCK_N, KB)
+        if BF16_NATIVE:
+            w_lo, w_hi = _dequant_scaled_bf16(w, s, BLOCK_N, KB, USE_ASM)
+        else:
+            w_lo, w_hi = _dequant_scaled(w, s, BLOCK_N, KB, USE_ASM)
+        xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, KB, 2)))
+        acc = tl.dot(w_lo.to(xv.dtype), tl.trans(xe), acc)
+        acc = tl.dot(w_hi.to(xv.dtype), tl.trans(xo), acc)
+        w_ptrs += KB
+        s_ptrs += (KG // 4) * 512
+        x_ptrs += BLOCK_K
+
+    scale = tl.load(alpha_ptr) * 16384.0  # alpha * 2**14
+    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None] * stride_on
+    out_mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, (acc * scale).to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tile_elems: tl.constexpr = BLOCK_N * BLOCK_M
+        offs_t = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        ws_tile = ws_ptr + pid.to(tl.int64) * (SPLIT_K * tile_elems)
+        tl.store(ws_tile + pid_k * tile_elems + offs_t, acc)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for sp in tl.static_range(SPLIT_K):
+                total += tl.load(ws_tile + sp * tile_elems + offs_t, cache_modifier=".cg")
+            tl.store(out_ptrs, (total * scale).to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for next call
+
+
+def check_operands(operands: W4A16Operands, out: torch.Tensor) -> None:
+    """Raise with a clear message if operands or out do not fit the W4A16 contract."""
+    a, b, s, alpha = operands.a, operands.b_data, operands.b_scale, operands.alpha
+    if a.dtype not in ACT_DTYPES:
+        raise TypeError(f"a: expected bfloat16 or float16 activations, got {a.dtype}")
+    if b.dtype != torch.uint8:
+        raise TypeError(f"b_data: expected uint8, got {b.dtype}")
+    if s.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"b_scale: expected float8_e4m3fn, got {s.dtype}")
+    if alpha.dtype != torch.float32 or alpha.numel() != 1:
+        raise TypeError(
+            f"alpha: expected a one-element float32 tensor, got {alpha.dtype} "
+            f"with shape {tuple(alpha.shape)}"
+        )
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"a and b_data must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
+    m, k = a.shape
+    n = b.shape[0]
+    if k % 32:
+        raise ValueError(f"a: K must be a multiple of 32, got {k}")
+    if b.shape[1] * 2 != k:
+        raise ValueError(f"K mismatch: a {tuple(a.shape)} vs b_data {tuple(b.shape)}")
+    if a.stride(1) != 1 or not b.is_contiguous() or not s.is_contiguous():
+        raise ValueError("a must have unit stride along K; b_data and b_scale must be contiguous")
+    want = (-(-n // 128) * 128, -(-(k // 16) // 4) * 4)
+    if tuple(s.shape) != want:
+        raise ValueError(f"b_scale: expected swizzled shape {want}, got {tuple(s.shape)}")
+    devices = {a.device, b.device, s.device, alpha.device, out.device}
+    if len(devices) != 1:
+        raise ValueError(f"operands and out must be on one device, got {sorted(map(str, devices))}")
+    if tuple(out.shape) != (m, n):
+        raise ValueError(f"out: expected shape {(m, n)}, got {tuple(out.shape)}")
+    if out.dtype not in ACT_DTYPES:
+        raise TypeError(f"out: expected bfloat16 or float16, got {out.dtype}")
+
+
+@dataclass
+class W4A16Kernel:
+    """A built direct kernel: ``kernel(operands, out)``; ``out = alpha * a @ dequant(b).T``.
+
+    Owns the split-K workspace: one fp32 partial buffer and one int32 counter array per
+    (device, tile count), allocated (counters zeroed) on the first call that needs it
+    and reused after; the kernel resets every counter it uses, so no call writes a
+    memset. Run the first call outside CUDA-graph capture.
+    """
+
+    cfg: W4A16Config
+    _workspaces: dict = field(default_factory=dict, repr=False)
+    #: the Triton launch handle of the latest call (its ``asm`` holds PTX/cubin: the
+    #: benchmark counts SASS instructions per element from it)
+    compiled: object = field(default=None, repr=False)
+
+    def workspace(self, device: torch.device, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 partials, int32 counters) for ``tiles`` output tiles on ``device``."""
+        key = (str(device), tiles)
+        if key not in self._workspaces:
+            elems = tiles * self.cfg.split_k * self.cfg.block_n * self.cfg.block_m
+            log.debug("w4a16 split-K workspace: %d tiles, %d fp32 on %s", tiles, elems, device)
+            self._workspaces[key] = (
+                torch.empty(elems, dtype=torch.float32, device=device),
+                torch.zeros(tiles, dtype=torch.int32, device=device),
+            )
+        return self._workspaces[key]
+
+    def __call__(self, operands: W4A16Operands, out: torch.Tensor) -> None:
+        cfg = self.cfg
+        m, n, k = operands.m, operands.n, operands.k
+        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        if cfg.split_k > 1:
+            ws, cnt = self.workspace(out.device, tiles)
+        else:
+            ws = cnt = out  # unused by the SPLIT_K == 1 variant
+        self.compiled = _w4a16_kernel[(tiles, cfg.split_k)](
+            operands.a,
+            operands.b_data,
+            operands.b_scale,
+            operands.alpha,
+            out,
+            ws,
+            cnt,
+            m,
+            n,
+            k,
+            operands.a.stride(0),
+            out.stride(0),
+            out.stride(1),
+            operands.b_scale.shape[1] * 128,
+            BLOCK_N=cfg.block_n,
+            BLOCK_M=cfg.block_m,
+            BLOCK_K=cfg.block_k,
+            SPLIT_K=cfg.split_k,
+            EVEN_K=k % cfg.block_k == 0,
+            USE_ASM=_USE_ASM,
+            PREPARED=bool(operands.prepared),
+            BF16_NATIVE=cfg.bf16_dequant == "native" and operands.a.dtype == torch.bfloat16,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+
+
+# ---- the unpack path (large M) --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class W4A16UnpackKernel:
+    """Large-M kernel: unpack the weight once (alpha folded in) to the activation dtype,
+    then cuBLAS. ``block_r x block_k`` is the unpack pass's tile."""
+
+    block_r: int = 64
+    block_k: int = 128
+
+    def __call__(self, operands: W4A16Operands, out: torch.Tensor) -> None:
+        from .triton_sm90_unpack import unpack_nvfp4
+
+        a = operands.a
+        # the unpack pass reads natural order: a prepared weight is restored first (one
+        # extra pass over N*K/2 bytes; the unpack path is for large M, where it is small)
+        data = unprepare_weight(operands.b_data) if operands.prepared else operands.b_data
+        w = unpack_nvfp4(
+            data,
+            operands.b_scale,
+            self.block_r,
+            self.block_k,
+            dtype=a.dtype,
+            alpha=operands.alpha,
+        )
+        if out.dtype != a.dtype:
+            out.copy_(torch.mm(a, w.t()))
+        elif out.is_contiguous():
+            torch.mm(a, w.t(), out=out)
+        elif out.t().is_contiguous():
+            torch.mm(w, a.t(), out=out.t())  # column-major out: write out.T row-major
+        else:
+            out.copy_(torch.mm(a, w.t()))
+
+
+def build(cfg: W4A16Config) -> W4A16Kernel:
+    """A direct kernel object for `cfg` (Triton compiles on the first call)."""
+    return W4A16Kernel(cfg)
+
+
+def build_unpack(block_r: int, block_k: int) -> W4A16UnpackKernel:
+    """An unpack + cuBLAS kernel object."""
+    from .triton_sm90_unpack import BLOCK_K_CHOICES as UK
+    from .triton_sm90_unpack import BLOCK_R_CHOICES as UR
+
+    if block_r not in UR or block_k not in UK:
+        raise ValueError(f"block_r/block_k: expected one of {UR}/{UK}, got {block_r}/{block_k}")
+    return W4A16UnpackKernel(block_r, block_k)

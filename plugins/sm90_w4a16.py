@@ -1,0 +1,279 @@
+"""Plugin module (not registered yet): the Hopper W4A16 backend ``triton-sm90-w4a16``.
+
+W4A16 = dense bf16/fp16 activations ``x [M, K]`` times NVFP4 weights ``[N, K]``
+(`fp4_dispatch.backends.triton_sm90_w4a16`). The problem is read as ``Problem(m=M
+tokens, n=N weight rows, k=K, out_dtype)``; the activation dtype is the output dtype's
+family at call time (the kernel specializes on it). Two paths, one tactic type:
+
+- ``path="direct"``: the fused kernel; ``tile_n`` weight rows (64/128, the MMA's wide
+  side), ``tile_m`` tokens (16-64, the narrow side), ``tile_k``, ``split_k``, warps,
+  stages (tile_m 128 needs 8 warps). Offered for M <= `DIRECT_MAX_M`.
+- ``path="unpack"``: expand the weight once to the activation dtype (alpha folded in),
+  then cuBLAS; ``block_r`` x ``tile_k`` is the unpack tile, ``tile_m``/``tile_n`` are
+  nominal 128. Offered for M >= `UNPACK_MIN_M`.
+
+Orientation is the kernel's own (weights always on the wide side), so every tactic has
+``swap_ab=False``. ``operations = ("w4a16",)`` says which operation the backend serves;
+the core does not read it yet, so there is no entry point for this module yet.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from ..backend import Backend, Kernel, Support
+from ..device import DeviceInfo
+from ..tactics import Problem, Tactic
+from .sm90 import SMEM_LIMIT, _sm90_support
+
+if TYPE_CHECKING:
+    from ..backends.triton_sm90_w4a16 import W4A16Config
+
+TILE_M = (16, 32, 64, 128)
+TILE_N = (64, 128)
+TILE_K = (64, 128, 256)
+SPLIT_K = (1, 2, 4, 8, 16)
+WARPS = (4, 8)
+STAGES = (3, 4)
+BLOCK_R = (32, 64, 128)
+#: the direct kernel re-streams the whole weight per token tile: past this M the unpack
+#: path (one expansion, then cuBLAS) is cheaper (W4A4 measurement: RESULTS.md, "Hopper")
+DIRECT_MAX_M = 1024
+#: below this M the unpack pass alone costs about as much as the direct kernel
+UNPACK_MIN_M = 256
+
+
+class TritonSm90W4A16Tactic(Tactic):
+    """One variant of the W4A16 backend (see the module docstring for the knobs)."""
+
+    backend: Literal["triton-sm90-w4a16"] = "triton-sm90-w4a16"
+    path: Literal["direct", "unpack"] = "direct"
+    tile_m: Literal[16, 32, 64, 128] = 16
+    tile_n: Literal[64, 128] = 128
+    cluster_m: Literal[1] = 1
+    cluster_n: Literal[1] = 1
+    swap_ab: Literal[False] = False
+    tile_k: Literal[64, 128, 256] = 128
+    split_k: Literal[1, 2, 4, 8, 16] = 1
+    num_warps: Literal[4, 8] = 4
+    num_stages: Literal[3, 4] = 3
+    block_r: Literal[32, 64, 128] = 64
+
+    def kernel_config(self) -> W4A16Config:
+        """The direct kernel's compile-time config (direct path only)."""
+        from ..backends.triton_sm90_w4a16 import W4A16Config
+
+        return W4A16Config(
+            block_n=self.tile_n,
+            block_m=self.tile_m,
+            block_k=self.tile_k,
+            split_k=self.split_k,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def smem_bytes(tile_n: int, tile_m: int, tile_k: int, stages: int) -> int:
+    """Mirror of `triton_sm90_w4a16.smem_estimate` (kept here: no Triton import needed)."""
+    raw = tile_n * (tile_k // 2 + tile_k // 16) + tile_m * tile_k * 2
+    staged = tile_n * tile_k * 2 + tile_m * tile_k * 2
+    return max(stages * raw + staged, tile_n * tile_m * 4)
+
+
+def _why_invalid_direct(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -> str | None:
+    """Rules of the direct path: fitting tiles, register and shared-memory budgets, split-K
+    only while the grid is under two waves (at most four CTAs per SM, >= 2 K steps each)."""
+    if p.m > DIRECT_MAX_M:
+        return f"M={p.m} > {DIRECT_MAX_M}: the unpack path serves large M"
+    if t.block_r != 64:
+        return "block_r is an unpack knob (64 for direct tactics)"
+    if t.tile_m not in TILE_M or t.tile_m > max(16, _pow2_at_least(p.m)):
+        return f"tile_m={t.tile_m} does not fit M={p.m} (16..128, <= M padded to a power of 2)"
+    if t.tile_n > max(64, _pow2_at_least(p.n)):
+        return f"tile_n={t.tile_n} exceeds N={p.n}"
+    if t.tile_k > max(64, _pow2_at_least(p.k)):
+        return f"tile_k={t.tile_k} exceeds K={p.k}"
+    if t.tile_k == 256 and t.tile_m > 32:
+        return "tile_k=256 only with tile_m <= 32 (registers of the expanded weight tile)"
+    if t.num_warps == 8 and t.tile_n * t.tile_m < 128 * 32:
+        return "8 warps only for tiles of >= 128x32 outputs"
+    if t.tile_m == 128 and (t.num_warps != 8 or t.tile_n != 128 or t.tile_k > 128):
+        return "tile_m=128 only as 128x128 tiles, 8 warps, tile_k <= 128 (registers)"
+    if t.num_stages == 4 and t.tile_k == 256:
+        return "4 stages only with tile_k <= 128 (shared memory)"
+    if smem_bytes(t.tile_n, t.tile_m, t.tile_k, t.num_stages) > SMEM_LIMIT:
+        return "exceeds Hopper's 227 KiB of shared memory per CTA"
+    if t.split_k > 1:
+        tiles = -(-p.m // t.tile_m) * -(-p.n // t.tile_n)
+        k_steps = -(-p.k // t.tile_k)
+        if tiles >= 2 * device.sm_count:
+            return f"split-K only below two waves ({tiles} tiles)"
+        if tiles * t.split_k > 4 * device.sm_count:
+            return "split-K beyond four CTAs per SM"
+        if k_steps < 2 * t.split_k:
+            return f"split_k={t.split_k} leaves < 2 K steps per split ({k_steps} steps)"
+    return None
+
+
+def _why_invalid_unpack(t: TritonSm90W4A16Tactic, p: Problem) -> str | None:
+    """Rules of the unpack path: M >= UNPACK_MIN_M; direct-only knobs at their defaults."""
+    if p.m < UNPACK_MIN_M:
+        return f"M={p.m} < {UNPACK_MIN_M}: the direct kernel wins there"
+    defaults = (t.tile_m, t.tile_n, t.split_k, t.num_warps, t.num_stages)
+    if defaults != (128, 128, 1, 4, 3):
+        return "unpack tactics keep tile 128x128, split_k 1, 4 warps, 3 stages (nominal)"
+    if t.block_r * t.tile_k > 128 * 128:
+        return f"unpack tile {t.block_r}x{t.tile_k} exceeds 16384 elements"
+    if t.tile_k > max(64, _pow2_at_least(p.k)):
+        return f"tile_k={t.tile_k} exceeds K={p.k}"
+    return None
+
+
+def why_invalid(t: TritonSm90W4A16Tactic, problem: Problem, device: DeviceInfo) -> str | None:
+    """Why `t` is not offered for `problem` (M tokens, N weight rows), else None."""
+    if problem.k % 32:
+        return f"K={problem.k} must be a multiple of 32"
+    if t.path == "direct":
+        return _why_invalid_direct(t, problem, device)
+    return _why_invalid_unpack(t, problem)
+
+
+# Calibration (v0, NOT fitted: no W4A16 kernel had run on an H200 when this was written).
+# The W4A4 kernel's dequantizer ran at ~4.0e4 elements/SM/us in its fitted model
+# (plugins/sm90.py) at ~4.5 SASS instructions per element (sm_90 compile, Triton 3.9);
+# the W4A16 main loop compiles to ~5.5 per weight element (fp16 activations; 7.7 with
+# bf16), so the rate is scaled by 4.5 / 5.5. Other constants as in plugins/sm90.py.
+_DEQUANT_ELEMS_PER_SM_US = 4.0e4 * 4.5 / 5.5
+_STEP_US = 0.6  # per K step per CTA: one weight tile load's latency, overlapped by stages
+_CTAS_PER_SM = 2
+_BW_FRACTION = 0.85
+_LAUNCH_US = 4.0
+_IN_FLIGHT_BYTES = 16.0e6
+_SPLIT_REDUCE_US = 1.5
+#: wgmma efficiency by tile_m (its N side: tokens), as plugins/sm90.py's table
+_MMA_EFF = {16: 0.30, 32: 0.40, 64: 0.60, 128: 0.75}
+_UNPACK_GEMM_EFF = 1.05
+_UNPACK_LAUNCH_US = 7.0  # unpack + GEMM (no alpha pass)
+
+
+def w4a16_min_bytes(problem: Problem) -> float:
+    """Fewest bytes: bf16 activations, NVFP4 weights + scales, 2-byte output."""
+    m, n, k = problem.m, problem.n, problem.k
+    return m * k * 2.0 + n * k * (0.5 + 1.0 / 16) + 2.0 * m * n
+
+
+def _estimate_direct(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -> float:
+    """max(step latency, weight dequantization, MMA, memory) + launch + split reduction."""
+    tm, tn, tk, split = t.tile_m, t.tile_n, t.tile_k, t.split_k
+    m_tiles, n_tiles = -(-p.m // tm), -(-p.n // tn)
+    ctas = m_tiles * n_tiles * split
+    steps = math.ceil(p.k / split / tk)
+    per_sm = math.ceil(ctas / device.sm_count)
+    latency = math.ceil(per_sm / _CTAS_PER_SM) * steps * _STEP_US
+    dequant = per_sm * steps * tn * tk / _DEQUANT_ELEMS_PER_SM_US
+    mma_rate = device.bf16_tflops * 1e6 / device.sm_count * _MMA_EFF[tm]
+    mma = per_sm * steps * 2.0 * tm * tn * tk / mma_rate
+    # weights are re-read once per token tile; activations once per weight tile (L2)
+    weight_bytes = p.n * p.k * (0.5 + 1.0 / 16) * m_tiles
+    partial = 8.0 * ctas * tm * tn if split > 1 else 0.0
+    resident = min(ctas, device.sm_count * _CTAS_PER_SM)
+    in_flight = resident * t.num_stages * tn * tk / 2
+    bw = device.mem_bw_gbps * 1e3 * _BW_FRACTION * min(1.0, in_flight / _IN_FLIGHT_BYTES)
+    memory = (weight_bytes + p.m * p.k * 2.0 + 2.0 * p.m * p.n + partial) / bw
+    reduce = _SPLIT_REDUCE_US * math.log2(split)
+    return max(latency, dequant, mma, memory) + _LAUNCH_US + reduce
+
+
+def _estimate_unpack(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -> float:
+    """Unpack pass (weight only: N K (1/2 + 1/16 + 2) bytes) + cuBLAS GEMM + launches."""
+    bw = device.mem_bw_gbps * 1e3 * _BW_FRACTION
+    padded = (-(-p.n // t.block_r) * t.block_r * -(-p.k // t.tile_k) * t.tile_k) / (p.n * p.k)
+    unpack = p.n * p.k * (0.5 + 1.0 / 16 + 2.0) / bw * padded
+    gemm = max(
+        p.flops / (device.bf16_tflops * 1e6 * _UNPACK_GEMM_EFF),
+        ((p.m + p.n) * p.k * 2.0 + p.m * p.n * 2.0) / bw,
+    )
+    return unpack + gemm + _UNPACK_LAUNCH_US
+
+
+class TritonSm90W4A16Backend(Backend):
+    """Hopper W4A16: bf16/fp16 activations x NVFP4 weights (direct kernel or unpack)."""
+
+    name = "triton-sm90-w4a16"
+    family = "sm90"
+    version = "0"
+    tactic_type = TritonSm90W4A16Tactic
+    operations: ClassVar[tuple[str, ...]] = ("w4a16",)
+    diversity_axes = ("path", "split_k")
+
+    def supports(self, device: DeviceInfo) -> Support:
+        return _sm90_support(device)
+
+    def tactics(self, problem: Problem, device: DeviceInfo) -> Iterator[TritonSm90W4A16Tactic]:
+        for tm, tn, tk, split, warps, stages in itertools.product(
+            TILE_M, TILE_N, TILE_K, SPLIT_K, WARPS, STAGES
+        ):
+            t = _tactic("direct", tm, tn, tk, split, warps, stages, 64)
+            if why_invalid(t, problem, device) is None:
+                yield t
+        for br, tk in itertools.product(BLOCK_R, TILE_K):
+            t = _tactic("unpack", 128, 128, tk, 1, 4, 3, br)
+            if why_invalid(t, problem, device) is None:
+                yield t
+
+    def validate(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> str | None:
+        checked = TritonSm90W4A16Tactic.model_validate(tactic.model_dump())
+        return why_invalid(checked, problem, device)
+
+    def estimate_us(self, problem: Problem, device: DeviceInfo, tactic: Tactic) -> float | None:
+        """Microseconds on one microsecond scale for both paths (see the two helpers)."""
+        assert isinstance(tactic, TritonSm90W4A16Tactic)
+        if tactic.path == "direct":
+            return _estimate_direct(tactic, problem, device)
+        return _estimate_unpack(tactic, problem, device)
+
+    def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
+        assert isinstance(tactic, TritonSm90W4A16Tactic)
+        if tactic.path == "unpack":
+            return _unpack_kernel_for(tactic.block_r, tactic.tile_k)
+        return _kernel_for(tactic.kernel_config())
+
+
+@functools.cache
+def _tactic(
+    path: str, tm: int, tn: int, tk: int, split: int, warps: int, stages: int, br: int
+) -> TritonSm90W4A16Tactic:
+    """Cached tactic objects (the ranking memoizes validation by identity)."""
+    return TritonSm90W4A16Tactic(
+        path=path,
+        tile_m=tm,
+        tile_n=tn,
+        tile_k=tk,
+        split_k=split,
+        num_warps=warps,
+        num_stages=stages,
+        block_r=br,
+    )
+
+
+@functools.cache
+def _kernel_for(cfg: W4A16Config) -> Kernel:
+    """One kernel object per config: shapes share compiled code and the split-K workspace."""
+    from ..backends import triton_sm90_w4a16
+
+    return triton_sm90_w4a16.build(cfg)
+
+
+@functools.cache
+def _unpack_kernel_for(block_r: int, block_k: int) -> Kernel:
+    from ..backends import triton_sm90_w4a16
+
+    return triton_sm90_w4a16.build_unpack(block_r, block_k)

@@ -1,0 +1,288 @@
+"""Tests of the Hopper W4A16 backend: kernels under TRITON_INTERPRET=1, and the plugin.
+
+The interpreter runs the element-wise twin of the PTX dequantizer and fp16 activations
+(it mishandles bf16 operands of ``tl.dot``); bf16 and the PTX path are checked on the
+H200 by benchmarks/bench_w4a16.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import run_interpreted
+
+from fp4_dispatch.device import CPU, simulated
+from fp4_dispatch.plugins.sm90_w4a16 import (
+    DIRECT_MAX_M,
+    UNPACK_MIN_M,
+    TritonSm90W4A16Backend,
+    TritonSm90W4A16Tactic,
+    why_invalid,
+)
+from fp4_dispatch.tactics import Problem
+
+SM90 = simulated("sm90")
+
+# Shared by the interpreter scripts: operands with all 16 codes and e4m3 subnormal scales.
+_PRELUDE = r"""
+import json, sys
+import torch
+from fp4_dispatch.backends import triton_sm90_w4a16 as mod
+from fp4_dispatch.nvfp4 import Nvfp4Tensor, dequantize, quantize_nvfp4, swizzle_scales
+
+assert not mod._USE_ASM, "TRITON_INTERPRET was not honoured"
+
+
+def weights(n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = quantize_nvfp4(torch.randn(n, k, generator=g) * 3.0)
+    return q
+
+
+def operands(m, n, k, seed, dtype=torch.float16):
+    g = torch.Generator().manual_seed(seed + 7)
+    x = (torch.randn(m, k, generator=g) * 2.0).to(dtype)
+    q = weights(n, k, seed)
+    ops = mod.W4A16Operands(x, q.data, q.scale, q.global_scale.reshape(1))
+    ref = x.double() @ dequantize(q).double().T
+    return ops, ref
+
+
+def rel_err(out, ref):
+    # NaN if any element was left unwritten (the output is poisoned with NaN)
+    if not bool(torch.isfinite(out).all()):
+        return float("nan")
+    return float((out.double() - ref).norm() / ref.norm())
+"""
+
+_KERNEL_SCRIPT = (
+    _PRELUDE
+    + r"""
+results = []
+for m, n, k, cfg in json.loads(sys.argv[1]):
+    kernel = mod.build(mod.W4A16Config(**cfg))
+    ops, ref = operands(m, n, k, seed=m * 1000 + n + k)
+    out = torch.full((m, n), float("nan"), dtype=torch.float16)
+    mod.check_operands(ops, out)
+    kernel(ops, out)
+    out_t = torch.full((n, m), float("nan"), dtype=torch.float16)
+    kernel(ops, out_t.t())  # a transposed (column-major) out view
+    again = torch.full((m, n), float("nan"), dtype=torch.float16)
+    kernel(ops, again)  # split-K reuses its workspace: counters must have been reset
+    counters = sum(int(c.abs().sum()) for _, c in kernel._workspaces.values())
+    # the prepared byte order computes the same tensor, so the result is bit-identical
+    prep = mod.W4A16Operands(ops.a, mod.prepare_weight(ops.b_data), ops.b_scale, ops.alpha,
+                             prepared=True)
+    out_p = torch.full((m, n), float("nan"), dtype=torch.float16)
+    kernel(prep, out_p)
+    results.append([m, n, k, cfg, rel_err(out, ref), rel_err(out_t.t(), ref),
+                    bool(torch.equal(out, again)), counters, bool(torch.equal(out, out_p))])
+unpack = []
+for m, n, k in [(33, 72, 96), (3, 130, 256)]:
+    for dtype in (torch.float16, torch.bfloat16):
+        ops, ref = operands(m, n, k, seed=n + k, dtype=dtype)
+        kern = mod.build_unpack(32, 64)
+        out = torch.full((m, n), float("nan"), dtype=dtype)
+        kern(ops, out)
+        out_t = torch.full((n, m), float("nan"), dtype=dtype)
+        kern(ops, out_t.t())
+        prep = mod.W4A16Operands(ops.a, mod.prepare_weight(ops.b_data), ops.b_scale,
+                                 ops.alpha, prepared=True)
+        out_p = torch.full((m, n), float("nan"), dtype=dtype)
+        kern(prep, out_p)
+        unpack.append([m, n, k, str(dtype), rel_err(out, ref), rel_err(out_t.t(), ref),
+                       bool(torch.equal(out, out_p))])
+print(json.dumps({"direct": results, "unpack": unpack}))
+"""
+)
+
+# (m, n, k, W4A16Config kwargs): M in {1, 5, 16, 33}, ragged N, K in {32, 96, 256},
+# K tails (K not a multiple of block_k), split-K on and off
+CASES = [
+    (1, 40, 32, dict(block_n=64, block_m=16, block_k=64)),
+    (5, 72, 96, dict(block_n=64, block_m=16, block_k=64, split_k=2)),
+    (16, 130, 256, dict(block_n=128, block_m=16, block_k=128, split_k=2)),
+    (33, 20, 256, dict(block_n=64, block_m=32, block_k=64, split_k=3)),
+    (33, 72, 96, dict(block_n=64, block_m=64, block_k=128)),
+]
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted(_KERNEL_SCRIPT, CASES)
+
+
+def test_direct_kernel_matches_float64(interpreted):
+    rows = interpreted["direct"]
+    assert len(rows) == len(CASES)
+    for m, n, k, cfg, plain, transposed, _, _, _ in rows:
+        assert plain <= 1e-2, f"{m}x{n}x{k} {cfg}: rel err {plain}"
+        assert transposed <= 1e-2, f"{m}x{n}x{k} {cfg} (out.T): rel err {transposed}"
+
+
+def test_direct_kernel_is_deterministic_and_resets_split_k_counters(interpreted):
+    for m, n, k, cfg, _, _, same, counters, _ in interpreted["direct"]:
+        assert same, f"{m}x{n}x{k} {cfg}: two calls differ"
+        assert counters == 0, f"{m}x{n}x{k} {cfg}: counters left at {counters}"
+    split = [r for r in interpreted["direct"] if r[3].get("split_k", 1) > 1]
+    assert split, "no split-K case ran"
+
+
+def test_unpack_path_matches_float64(interpreted):
+    rows = interpreted["unpack"]
+    assert len(rows) == 4
+    for m, n, k, dtype, plain, transposed, _ in rows:
+        assert plain <= 1e-2, f"unpack {m}x{n}x{k} {dtype}: rel err {plain}"
+        assert transposed <= 1e-2, f"unpack {m}x{n}x{k} {dtype} (out.T): rel err {transposed}"
+
+
+def test_prepared_weights_give_identical_results(interpreted):
+    for m, n, k, cfg, *_, same in interpreted["direct"]:
+        assert same, f"direct {m}x{n}x{k} {cfg}: prepared layout changed the result"
+    for m, n, k, dtype, *_, same in interpreted["unpack"]:
+        assert same, f"unpack {m}x{n}x{k} {dtype}: prepared layout changed the result"
+
+
+_DEQUANT_SCRIPT = (
+    _PRELUDE
+    + r"""
+g = torch.Generator().manual_seed(5)
+rows, k = 40, 128
+# every byte value (so every code in both nibbles) appears, in random order per row
+data = torch.stack([torch.randperm(256, generator=g)[: k // 2] for _ in range(rows)])
+data = data.to(torch.uint8)
+# e4m3 scales: random bytes (no NaN 0x7F/0xFF), subnormals included
+raw = torch.randint(0, 0x7F, (rows, k // 16), generator=g, dtype=torch.uint8)
+raw |= torch.randint(0, 2, raw.shape, generator=g, dtype=torch.uint8) << 7
+lin = raw.view(torch.float8_e4m3fn)
+q = Nvfp4Tensor(data, swizzle_scales(lin), torch.tensor(0.37, dtype=torch.float32),
+                "swizzled", (rows, k))
+got = mod.dequantize_weight(q.data, q.scale) * q.global_scale
+got_p = mod.dequantize_weight(mod.prepare_weight(q.data), q.scale, prepared=True)
+got_b = mod.dequantize_weight(mod.prepare_weight(q.data), q.scale, prepared=True, bf16=True)
+want = dequantize(q)
+codes = sorted(set(int(b) & 15 for b in data.flatten()) | set(int(b) >> 4 for b in data.flatten()))
+print(json.dumps({"equal": bool(torch.equal(got, want)), "codes": codes,
+                  "prepared_equal": bool(torch.equal(got_p * q.global_scale, want)),
+                  "bf16_equal": bool(torch.equal(got_b * q.global_scale, want)),
+                  "subnormal_scales": int(((raw & 0x78) == 0).sum()),
+                  "mismatch": int((got != want).sum())}))
+"""
+)
+
+
+def test_dequantizer_twin_is_bit_exact():
+    res = run_interpreted(_DEQUANT_SCRIPT, [])
+    assert res["codes"] == list(range(16))
+    assert res["subnormal_scales"] > 0
+    assert res["equal"], f"{res['mismatch']} elements differ from nvfp4.dequantize"
+    assert res["prepared_equal"], "the prepared-layout dequantizer differs"
+    assert res["bf16_equal"], "the bf16 dequantizer's twin differs"
+
+
+def test_prepare_weight_round_trips_and_permutes_within_groups():
+    pytest.importorskip("triton")
+    from fp4_dispatch.backends.triton_sm90_w4a16 import prepare_weight, unprepare_weight
+
+    g = torch.Generator().manual_seed(2)
+    data = torch.randint(0, 256, (7, 48), generator=g, dtype=torch.uint8)
+    prep = prepare_weight(data)
+    assert prep.shape == data.shape and prep.dtype == torch.uint8
+    assert not torch.equal(prep, data)
+    assert torch.equal(unprepare_weight(prep), data)
+    # a permutation inside each 16-byte group: natural byte 8h + 2q + e -> 4q + 2h + e
+    ramp = torch.arange(16, dtype=torch.uint8).repeat(3, 2)
+    want = [8 * h + 2 * q + e for q in range(4) for h in range(2) for e in range(2)]
+    assert prepare_weight(ramp)[0, :16].tolist() == want
+    assert torch.equal(prepare_weight(ramp)[:, 16:], prepare_weight(ramp)[:, :16])
+    with pytest.raises(ValueError, match="K % 32"):
+        prepare_weight(torch.zeros(2, 24, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="uint8"):
+        unprepare_weight(torch.zeros(2, 16, dtype=torch.int16))
+
+
+# ---- in-process checks (no interpreter) -----------------------------------------------
+
+
+def test_config_and_operand_checks_name_the_problem():
+    pytest.importorskip("triton")
+    from fp4_dispatch.backends import triton_sm90_w4a16 as mod
+    from fp4_dispatch.nvfp4 import quantize_nvfp4
+
+    with pytest.raises(ValueError, match="block_n"):
+        mod.W4A16Config(block_n=32)
+    with pytest.raises(ValueError, match="split_k"):
+        mod.W4A16Config(split_k=0)
+    with pytest.raises(ValueError, match="bf16_dequant"):
+        mod.W4A16Config(bf16_dequant="fast")
+    q = quantize_nvfp4(torch.randn(8, 64))
+    alpha = q.global_scale.reshape(1)
+    ops = mod.W4A16Operands(torch.randn(4, 64).half(), q.data, q.scale, alpha)
+    mod.check_operands(ops, torch.empty(4, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out: expected shape"):
+        mod.check_operands(ops, torch.empty(8, 4, dtype=torch.float16))
+    with pytest.raises(TypeError, match="out: expected bfloat16 or float16"):
+        mod.check_operands(ops, torch.empty(4, 8, dtype=torch.float32))
+    bad = mod.W4A16Operands(torch.randn(4, 64), q.data, q.scale, alpha)
+    with pytest.raises(TypeError, match="a: expected bfloat16 or float16"):
+        mod.check_operands(bad, torch.empty(4, 8, dtype=torch.float16))
+    short = mod.W4A16Operands(torch.randn(4, 32).half(), q.data, q.scale, alpha)
+    with pytest.raises(ValueError, match="K mismatch"):
+        mod.check_operands(short, torch.empty(4, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="block_r"):
+        mod.build_unpack(48, 64)
+
+
+def test_supports_only_sm90():
+    b = TritonSm90W4A16Backend()
+    assert not b.supports(CPU)
+    assert not b.supports(simulated("sm100"))
+    assert b.operations == ("w4a16",)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 8192, 8192), (16, 5120, 5120), (64, 13824, 5120), (256, 10240, 8192), (4096, 8192, 8192),
+     (3, 100, 96)],
+)  # fmt: skip
+def test_tactics_are_valid_and_round_trip(m, n, k):
+    b = TritonSm90W4A16Backend()
+    p = Problem(m=m, n=n, k=k)
+    ts = list(b.tactics(p, SM90))
+    assert ts, f"no tactic for {p}"
+    assert len(ts) == len(set(ts))
+    for t in ts:
+        assert b.validate(t, p, SM90) is None
+        assert t.swap_ab is False
+        assert TritonSm90W4A16Tactic.model_validate_json(t.model_dump_json()) == t
+        est = b.estimate_us(p, SM90, t)
+        assert est is not None and est > 0
+    paths = {t.path for t in ts}
+    assert ("direct" in paths) == (m <= DIRECT_MAX_M)
+    assert ("unpack" in paths) == (m >= UNPACK_MIN_M)
+
+
+def test_estimate_picks_direct_for_decode_and_unpack_for_prefill():
+    b = TritonSm90W4A16Backend()
+    for m, want in ((1, "direct"), (16, "direct"), (4096, "unpack")):
+        p = Problem(m=m, n=8192, k=8192)
+        best = min(b.tactics(p, SM90), key=lambda t: b.estimate_us(p, SM90, t))
+        assert best.path == want, f"M={m}: picked {best}"
+    decode = Problem(m=1, n=8192, k=8192)
+    best = min(b.tactics(decode, SM90), key=lambda t: b.estimate_us(decode, SM90, t))
+    assert best.split_k > 1  # 64 weight tiles cannot fill 132 SMs without split-K
+
+
+def test_rules_reject_what_does_not_fit():
+    p = Problem(m=1, n=8192, k=8192)
+    big = TritonSm90W4A16Tactic(tile_m=64, tile_k=256)
+    assert "tile_m" in why_invalid(big, p, SM90)
+    t128 = TritonSm90W4A16Tactic(tile_m=128, num_warps=4)
+    assert why_invalid(t128, Problem(m=512, n=8192, k=8192), SM90) is not None
+    tall = TritonSm90W4A16Tactic(split_k=16, tile_k=256)
+    assert "K steps" in why_invalid(tall, Problem(m=1, n=1024, k=4096), SM90)
+    unpack = TritonSm90W4A16Tactic(path="unpack", tile_m=128, tile_n=128)
+    assert "direct kernel wins" in why_invalid(unpack, p, SM90)
+    assert "multiple of 32" in why_invalid(TritonSm90W4A16Tactic(), Problem(m=1, n=64, k=48), SM90)
+    with pytest.raises(ValueError):
+        TritonSm90W4A16Tactic(swap_ab=True)
