@@ -59,11 +59,11 @@ from bench_hopper import (
     time_graph,
 )
 
-from fp4_dispatch.backends import triton_sm90_w4a16 as w4
+from fp4_dispatch.backends.sm90 import gemm_w4a16 as w4
 from fp4_dispatch.device import detect, simulated
 from fp4_dispatch.nvfp4 import Nvfp4Tensor, dequantize
 from fp4_dispatch.plugins.sm90 import TritonSm90Backend, TritonSm90UnpackBackend
-from fp4_dispatch.plugins.sm90_w4a16 import (
+from fp4_dispatch.plugins.sm90.w4a16 import (
     TritonSm90W4A16Backend,
     TritonSm90W4A16Tactic,
     _kernel_for,

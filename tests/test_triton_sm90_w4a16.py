@@ -12,7 +12,7 @@ import torch
 from conftest import run_interpreted
 
 from fp4_dispatch.device import CPU, simulated
-from fp4_dispatch.plugins.sm90_w4a16 import (
+from fp4_dispatch.plugins.sm90.w4a16 import (
     DIRECT_MAX_M,
     UNPACK_MIN_M,
     TritonSm90W4A16Backend,
@@ -27,7 +27,7 @@ SM90 = simulated("sm90")
 _PRELUDE = r"""
 import json, sys
 import torch
-from fp4_dispatch.backends import triton_sm90_w4a16 as mod
+from fp4_dispatch.backends.sm90 import gemm_w4a16 as mod
 from fp4_dispatch.nvfp4 import Nvfp4Tensor, dequantize, quantize_nvfp4, swizzle_scales
 
 assert not mod._USE_ASM, "TRITON_INTERPRET was not honoured"
@@ -182,7 +182,7 @@ def test_dequantizer_twin_is_bit_exact():
 
 def test_prepare_weight_round_trips_and_permutes_within_groups():
     pytest.importorskip("triton")
-    from fp4_dispatch.backends.triton_sm90_w4a16 import prepare_weight, unprepare_weight
+    from fp4_dispatch.backends.sm90.gemm_w4a16 import prepare_weight, unprepare_weight
 
     g = torch.Generator().manual_seed(2)
     data = torch.randint(0, 256, (7, 48), generator=g, dtype=torch.uint8)
@@ -206,7 +206,7 @@ def test_prepare_weight_round_trips_and_permutes_within_groups():
 
 def test_config_and_operand_checks_name_the_problem():
     pytest.importorskip("triton")
-    from fp4_dispatch.backends import triton_sm90_w4a16 as mod
+    from fp4_dispatch.backends.sm90 import gemm_w4a16 as mod
     from fp4_dispatch.nvfp4 import quantize_nvfp4
 
     with pytest.raises(ValueError, match="block_n"):

@@ -14,12 +14,12 @@ Two paths (a tactic knob, ``path``):
   with fp32 accumulation. The output is written transposed through ``out``'s strides.
   Split-K for shapes with fewer tiles than SMs (deterministic, see below).
 - ``unpack`` (M >= ~1024): the weight is expanded once per call to the activation
-  dtype by the memory-bound unpack kernel of `triton_sm90_unpack` with alpha folded
+  dtype by the memory-bound unpack kernel of `gemm_unpack` with alpha folded
   into it, then cuBLAS (``torch.mm``) multiplies. No alpha pass over the output.
 
 Exactness of the direct path. A nibble placed as fp16 bits ``(n & 7) << 9 | (n & 8) << 12``
-is exactly ``e2m1(n) * 2**-14`` (see `triton_sm90`); times the e4m3 block scale in fp16
-it stays exact (at most 6 significant bits, no smaller than ``2**-24``). For bf16
+is exactly ``e2m1(n) * 2**-14`` (see `fp4_dispatch.backends.sm90.gemm_direct`); times the
+e4m3 block scale in fp16 it stays exact (at most 6 significant bits, no smaller than ``2**-24``). For bf16
 activations those fp16 values are cast to bf16, also exact (6 <= 8 bits, in range), and
 the dot is bf16 x bf16; for fp16 activations the dot is fp16 x fp16. The epilogue
 multiplies by ``alpha * 2**14``. So the direct path is ``x @ dequant(W).T`` with fp32
@@ -643,7 +643,7 @@ class W4A16Kernel:
             SPLIT_K=cfg.split_k,
             EVEN_K=k % cfg.block_k == 0,
             USE_ASM=_USE_ASM,
-            PREPARED=bool(operands.prepared),
+            PREPARED=bool(getattr(operands, "prepared", False)),
             BF16_NATIVE=cfg.bf16_dequant == "native" and operands.a.dtype == torch.bfloat16,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
@@ -662,12 +662,16 @@ class W4A16UnpackKernel:
     block_k: int = 128
 
     def __call__(self, operands: W4A16Operands, out: torch.Tensor) -> None:
-        from .triton_sm90_unpack import unpack_nvfp4
+        from fp4_dispatch.backends.sm90.gemm_unpack import unpack_nvfp4
 
         a = operands.a
         # the unpack pass reads natural order: a prepared weight is restored first (one
         # extra pass over N*K/2 bytes; the unpack path is for large M, where it is small)
-        data = unprepare_weight(operands.b_data) if operands.prepared else operands.b_data
+        data = (
+            unprepare_weight(operands.b_data)
+            if getattr(operands, "prepared", False)
+            else operands.b_data
+        )
         w = unpack_nvfp4(
             data,
             operands.b_scale,
@@ -693,8 +697,8 @@ def build(cfg: W4A16Config) -> W4A16Kernel:
 
 def build_unpack(block_r: int, block_k: int) -> W4A16UnpackKernel:
     """An unpack + cuBLAS kernel object."""
-    from .triton_sm90_unpack import BLOCK_K_CHOICES as UK
-    from .triton_sm90_unpack import BLOCK_R_CHOICES as UR
+    from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_K_CHOICES as UK
+    from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_R_CHOICES as UR
 
     if block_r not in UR or block_k not in UK:
         raise ValueError(f"block_r/block_k: expected one of {UR}/{UK}, got {block_r}/{block_k}")

@@ -1,7 +1,7 @@
 """Plugin module (not registered yet): the Hopper W4A16 backend ``triton-sm90-w4a16``.
 
 W4A16 = dense bf16/fp16 activations ``x [M, K]`` times NVFP4 weights ``[N, K]``
-(`fp4_dispatch.backends.triton_sm90_w4a16`). The problem is read as ``Problem(m=M
+(`fp4_dispatch.backends.sm90.gemm_w4a16`). The problem is read as ``Problem(m=M
 tokens, n=N weight rows, k=K, out_dtype)``; the activation dtype is the output dtype's
 family at call time (the kernel specializes on it). Two paths, one tactic type:
 
@@ -25,13 +25,13 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from ..backend import Backend, Kernel, Support
-from ..device import DeviceInfo
-from ..tactics import Problem, Tactic
-from .sm90 import SMEM_LIMIT, _sm90_support
+from fp4_dispatch.backend import Backend, Kernel, Support
+from fp4_dispatch.device import DeviceInfo
+from fp4_dispatch.plugins.sm90 import SMEM_LIMIT, _sm90_support
+from fp4_dispatch.tactics import Problem, Tactic
 
 if TYPE_CHECKING:
-    from ..backends.triton_sm90_w4a16 import W4A16Config
+    from fp4_dispatch.backends.sm90.gemm_w4a16 import W4A16Config
 
 TILE_M = (16, 32, 64, 128)
 TILE_N = (64, 128)
@@ -65,7 +65,7 @@ class TritonSm90W4A16Tactic(Tactic):
 
     def kernel_config(self) -> W4A16Config:
         """The direct kernel's compile-time config (direct path only)."""
-        from ..backends.triton_sm90_w4a16 import W4A16Config
+        from fp4_dispatch.backends.sm90.gemm_w4a16 import W4A16Config
 
         return W4A16Config(
             block_n=self.tile_n,
@@ -82,7 +82,7 @@ def _pow2_at_least(x: int) -> int:
 
 
 def smem_bytes(tile_n: int, tile_m: int, tile_k: int, stages: int) -> int:
-    """Mirror of `triton_sm90_w4a16.smem_estimate` (kept here: no Triton import needed)."""
+    """Mirror of `gemm_w4a16.smem_estimate` (kept here: no Triton import needed)."""
     raw = tile_n * (tile_k // 2 + tile_k // 16) + tile_m * tile_k * 2
     staged = tile_n * tile_k * 2 + tile_m * tile_k * 2
     return max(stages * raw + staged, tile_n * tile_m * 4)
@@ -209,7 +209,7 @@ class TritonSm90W4A16Backend(Backend):
 
     name = "triton-sm90-w4a16"
     family = "sm90"
-    version = "0"
+    version = "1"
     tactic_type = TritonSm90W4A16Tactic
     operations: ClassVar[tuple[str, ...]] = ("w4a16",)
     diversity_axes = ("path", "split_k")
@@ -267,13 +267,13 @@ def _tactic(
 @functools.cache
 def _kernel_for(cfg: W4A16Config) -> Kernel:
     """One kernel object per config: shapes share compiled code and the split-K workspace."""
-    from ..backends import triton_sm90_w4a16
+    from fp4_dispatch.backends.sm90 import gemm_w4a16
 
-    return triton_sm90_w4a16.build(cfg)
+    return gemm_w4a16.build(cfg)
 
 
 @functools.cache
 def _unpack_kernel_for(block_r: int, block_k: int) -> Kernel:
-    from ..backends import triton_sm90_w4a16
+    from fp4_dispatch.backends.sm90 import gemm_w4a16
 
-    return triton_sm90_w4a16.build_unpack(block_r, block_k)
+    return gemm_w4a16.build_unpack(block_r, block_k)
