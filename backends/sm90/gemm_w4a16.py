@@ -19,10 +19,10 @@ Two paths (a tactic knob, ``path``):
 
 Exactness of the direct path. A nibble placed as fp16 bits ``(n & 7) << 9 | (n & 8) << 12``
 is exactly ``e2m1(n) * 2**-14`` (see `fp4_dispatch.backends.sm90.gemm_direct`); times the
-e4m3 block scale in fp16 it stays exact (at most 6 significant bits, no smaller than ``2**-24``). For bf16
-activations those fp16 values are cast to bf16, also exact (6 <= 8 bits, in range), and
-the dot is bf16 x bf16; for fp16 activations the dot is fp16 x fp16. The epilogue
-multiplies by ``alpha * 2**14``. So the direct path is ``x @ dequant(W).T`` with fp32
+e4m3 block scale in fp16 it stays exact (at most 6 significant bits, no smaller than
+``2**-24``). For bf16 activations those fp16 values are cast to bf16, also exact (6 <= 8
+bits, in range), and the dot is bf16 x bf16; for fp16 activations the dot is fp16 x fp16.
+The epilogue multiplies by ``alpha * 2**14``. So the direct path is ``x @ dequant(W).T`` with fp32
 accumulation and one rounding at the store. The unpack path rounds each weight once
 (``e2m1 * scale * alpha`` to the activation dtype) before cuBLAS.
 
