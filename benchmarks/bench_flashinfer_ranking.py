@@ -40,8 +40,9 @@ from collections import Counter
 from pathlib import Path
 
 from fp4_dispatch.backends import flashinfer as fb
-from fp4_dispatch.device import DeviceInfo, simulated
+from fp4_dispatch.device import DeviceInfo
 from fp4_dispatch.plugins import flashinfer as fip
+from fp4_dispatch.profiles import simulated
 from fp4_dispatch.progress import progress
 from fp4_dispatch.ranking import shortlist
 from fp4_dispatch.tactics import Problem

@@ -60,7 +60,7 @@ from bench_hopper import (
 )
 
 from fp4_dispatch.backends.sm90 import gemm_w4a16 as w4
-from fp4_dispatch.device import detect, simulated
+from fp4_dispatch.device import detect
 from fp4_dispatch.nvfp4 import Nvfp4Tensor, dequantize
 from fp4_dispatch.plugins.sm90 import TritonSm90Backend, TritonSm90UnpackBackend
 from fp4_dispatch.plugins.sm90.w4a16 import (
@@ -70,6 +70,7 @@ from fp4_dispatch.plugins.sm90.w4a16 import (
     _unpack_kernel_for,
     w4a16_min_bytes,
 )
+from fp4_dispatch.profiles import simulated
 from fp4_dispatch.tactics import Problem
 
 MAIN_M = (1, 16, 64, 256, 4096)

@@ -6,6 +6,8 @@
 #   bash benchmarks/h200_batch.sh selection   # tuned/heuristic pick vs exhaustive
 #   bash benchmarks/h200_batch.sh heldout     # the same on other shapes (later fitted on)
 #   bash benchmarks/h200_batch.sh heldout2    # a third shape set, never fitted on
+#   bash benchmarks/h200_batch.sh hotpath     # GPU tests, fused quantize, capture, serving table
+#   bash benchmarks/h200_batch.sh w4a16       # W4A16 / W4A4 kernels vs bf16 and FP8
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
@@ -42,5 +44,19 @@ case "${1:-}" in
     timeout 300 python3 "$src/benchmarks/bench_selection.py" --time-limit 200 \
       --out "$OUT" --shapes $shapes 2>&1 | tee "$OUT/selection.log" | tail -32
     ;;
-  *) echo "usage: $0 serving|selection|heldout|heldout2" >&2; exit 2 ;;
+  hotpath)
+    cp -r "$src/tests" /tmp/fp4-tests
+    timeout 150 python3 -m pytest /tmp/fp4-tests/test_quantize_kernel.py \
+      /tmp/fp4-tests/test_nvfp4.py /tmp/fp4-tests/test_triton_sm90.py \
+      /tmp/fp4-tests/test_triton_sm90_w4a16.py -m gpu -q -p no:cacheprovider 2>&1 | tail -15
+    timeout 120 python3 "$src/benchmarks/bench_quantize.py" 2>&1 | tee "$OUT/quantize.log" | tail -25
+    timeout 150 python3 "$src/benchmarks/cuda_graph_check.py" --no-tune 2>&1 \
+      | tee "$OUT/cuda_graph.log" | grep -E "PASS|FAIL|SKIP"
+    timeout 200 python3 "$src/benchmarks/bench_serving.py" --out "$OUT" 2>&1 \
+      | tee "$OUT/serving.log" | tail -16
+    ;;
+  w4a16)
+    timeout 300 python3 "$src/benchmarks/bench_w4a16.py" 2>&1 | tee "$OUT/w4a16.log" | tail -50
+    ;;
+  *) echo "usage: $0 serving|selection|heldout|heldout2|hotpath|w4a16" >&2; exit 2 ;;
 esac

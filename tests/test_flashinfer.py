@@ -18,8 +18,8 @@ import textwrap
 import pytest
 from pydantic import ValidationError
 
-from fp4_dispatch.device import simulated
 from fp4_dispatch.plugins import flashinfer as fip
+from fp4_dispatch.profiles import simulated
 from fp4_dispatch.ranking import estimate_us, shortlist
 from fp4_dispatch.tactics import Problem
 

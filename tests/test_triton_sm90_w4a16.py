@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import run_interpreted
 
-from fp4_dispatch.device import CPU, simulated
+from fp4_dispatch.device import CPU
 from fp4_dispatch.plugins.sm90.w4a16 import (
     DIRECT_MAX_M,
     UNPACK_MIN_M,
@@ -19,6 +19,7 @@ from fp4_dispatch.plugins.sm90.w4a16 import (
     TritonSm90W4A16Tactic,
     why_invalid,
 )
+from fp4_dispatch.profiles import simulated
 from fp4_dispatch.tactics import Problem
 
 SM90 = simulated("sm90")
