@@ -144,15 +144,16 @@ class BoundLaunch:
                 else:
                     self._compiled[key] = compiled
                 return
-            try:
-                runner = self._runners[(key, grid)] = compiled[grid]
+            try:  # the compiled kernel's runner indexes grid[0..2]: pad to three dims
+                grid3 = (*grid, 1, 1)[:3]
+                runner = self._runners[(key, grid)] = compiled[grid3]
             except Exception as exc:  # an unexpected Triton API: keep the safe path
                 self.owner.disable_fast(f"{type(exc).__name__}: {exc}")
                 self._slow(grid, args)
                 return
         try:
             runner(*self._all_args(args))
-        except (TypeError, ValueError, SystemError) as exc:
+        except (TypeError, ValueError, IndexError, SystemError) as exc:
             # argument packing failed (before anything launched): another convention
             self.owner.disable_fast(f"{type(exc).__name__}: {exc}")
             self._slow(grid, args)
