@@ -51,6 +51,10 @@ class Scratch:
     def __len__(self) -> int:
         return len(self._buffers)
 
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every (buffer, counters) pair made so far (tests check the counters reset)."""
+        return list(self._buffers.values())
+
 
 def _make(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
     ws = torch.empty(floats, dtype=torch.float32, device=device)

@@ -111,10 +111,9 @@ def one_shape(d: Dispatcher, m: int, n: int, k: int, device, smoke: bool, tune: 
     q = Nvfp4Linear.from_linear(lin, dispatcher=d)
     with torch.inference_mode():
         y = q(x)
-        ref = (
-            dequantize(quantize_nvfp4(x)).double() @ q.dequantized_weight().double().T
-            + lin.bias.double()
-        )
+        row["linear_op"] = q.operation(x.device)  # "auto": W4A16 on Hopper, W4A4 on sm100+
+        xa = dequantize(quantize_nvfp4(x)) if row["linear_op"] == "w4a4" else x
+        ref = xa.double() @ q.dequantized_weight().double().T + lin.bias.double()
         row["linear_rel_err"] = relative_error(y, ref)
         row["linear_wall_us"] = eager_wall_us(lambda: q(x))
         row["bf16_linear_wall_us"] = eager_wall_us(lambda: lin(x))
@@ -135,14 +134,15 @@ def num(v: float | None, digits: int = 1) -> str:
 
 def table(rows: list[dict]) -> str:
     head = (
-        "| M | N x K | pick | quant GPU µs | quant wall µs | gemm wall µs | fp8 wall µs "
+        "| M | N x K | pick (W4A4) | Linear op | quant GPU µs | quant wall µs | gemm wall µs | fp8 wall µs "
         "| gemm GPU µs | bf16 GPU | fp8 GPU | Linear graph µs | bf16 Linear graph | graph ratio "
         "| Linear wall µs | bf16 Linear wall | wall ratio | rel err |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
-            f"| {r['m']} | {r['n']}x{r['k']} | {r['pick']} | {num(r['quant_gpu_us'], 2)} "
+            f"| {r['m']} | {r['n']}x{r['k']} | {r['pick']} | {r['linear_op']} "
+            f"| {num(r['quant_gpu_us'], 2)} "
             f"| {num(r['quant_wall_us'])} | {num(r['gemm_wall_us'])} | {num(r.get('fp8_wall_us'))} "
             f"| {num(r['gemm_gpu_us'])} | {num(r['bf16_gpu_us'])} | {num(r.get('fp8_gpu_us'))} "
             f"| {num(r['linear_gpu_us'])} | {num(r['bf16_linear_gpu_us'])} "

@@ -197,10 +197,16 @@ def check_op_capture(d: Dispatcher, m: int, n: int, k: int, timings: list) -> No
 
 @guarded("module capture")
 def check_module_capture(d: Dispatcher, m: int, n: int, k: int) -> None:
+    for activations in ("nvfp4", "bf16"):  # W4A4 and W4A16 (weight-only)
+        _module_capture(d, m, n, k, activations)
+
+
+def _module_capture(d: Dispatcher, m: int, n: int, k: int, activations: str) -> None:
     dev = torch.device(d.device.torch_device)
     torch.manual_seed(m + 1)
     lin = nn.Linear(k, n).to(device=dev, dtype=torch.bfloat16).requires_grad_(False)
-    mod = Nvfp4Linear.from_linear(lin, dispatcher=d)
+    mod = Nvfp4Linear.from_linear(lin, dispatcher=d, activations=activations)
+    name = f"Nvfp4Linear({activations}) capture M={m} N={n} K={k}"
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     with torch.no_grad():
         graph, y = capture(lambda: mod(x))
@@ -211,7 +217,8 @@ def check_module_capture(d: Dispatcher, m: int, n: int, k: int) -> None:
             graph.replay()
             torch.cuda.synchronize()
             got = y.clone()
-            xq = dequantize(quantize_nvfp4(fresh))
+            # W4A4 rounds the activation to NVFP4; W4A16 multiplies it as it is
+            xq = dequantize(quantize_nvfp4(fresh)) if activations == "nvfp4" else fresh
             ref = F.linear(xq.double(), mod.dequantized_weight().double(), lin.bias.double())
             err = rel(got, ref)
             eager = mod(fresh)
@@ -220,16 +227,12 @@ def check_module_capture(d: Dispatcher, m: int, n: int, k: int) -> None:
             if not (err < TOL and same and changed):
                 record(
                     "FAIL",
-                    f"Nvfp4Linear capture M={m} N={n} K={k}",
+                    name,
                     f"trial {trial}: rel err {err:.2e}, equal to eager {same}, changed {changed}",
                 )
                 return
             prev = got
-    record(
-        "PASS",
-        f"Nvfp4Linear capture M={m} N={n} K={k}",
-        "3 replays match F.linear(dq(q(x)), dq(W)) and eager",
-    )
+    record("PASS", name, "3 replays match F.linear(dq(q(x)) or x, dq(W)) and eager")
 
 
 @guarded("capture of a shape never run")

@@ -59,7 +59,7 @@ from typing import Any, Literal
 import torch
 
 from . import registry
-from .backend import Backend, GemmOperands, Support
+from .backend import Backend, DenseOperands, GemmOperands, Support
 from .device import DeviceInfo
 from .nvfp4 import quantize_nvfp4, reference_gemm
 from .profiles import profiles, resolve
@@ -380,11 +380,31 @@ def _sample(tactics: list[Tactic], samples: int, rng: random.Random) -> list[Tac
     return picked
 
 
+def _for_operations(problems: Sequence[Problem], backend: object) -> tuple[Problem, ...]:
+    """Each problem once per operation the backend serves (a problem that names an
+    operation the backend does not serve is asked in the backend's own operations)."""
+    ops = tuple(getattr(backend, "operations", ("w4a4",)) or ("w4a4",))
+    out: list[Problem] = []
+    for p in problems:
+        wanted = [p.operation] if p.operation in ops else list(ops)
+        for op in wanted:
+            q = p if p.operation == op else p.model_copy(update={"operation": op})
+            if q not in out:
+                out.append(q)
+    return tuple(out)
+
+
 def _operands(problem: Problem, device: torch.device, seed: int):
+    """Random operands of `problem` (either operation) and the float64 reference."""
     gen = torch.Generator().manual_seed(seed)
     a = torch.randn(problem.m, problem.k, generator=gen) * 3.0
     b = torch.randn(problem.n, problem.k, generator=gen) * 0.02
-    qa, qb = quantize_nvfp4(a.to(device)), quantize_nvfp4(b.to(device))
+    qb = quantize_nvfp4(b.to(device))
+    if problem.operation == "w4a16":  # dense activations in the output's 16-bit dtype
+        x = a.to(device=device, dtype=getattr(torch, problem.out_dtype))
+        ref = x.double().cpu() @ qb.dequantize().double().cpu().T
+        return DenseOperands(x, qb.data, qb.scale, qb.global_scale.reshape(1)), ref
+    qa = quantize_nvfp4(a.to(device))
     alpha = (qa.global_scale * qb.global_scale).reshape(1)
     ops = GemmOperands(qa.data, qa.scale, qb.data, qb.scale, alpha)
     return ops, reference_gemm(qa, qb)
@@ -418,7 +438,10 @@ def _run_one(
     dtype = getattr(torch, problem.out_dtype)
     out = torch.full((problem.m, problem.n), float("nan"), dtype=dtype, device=tdev)
     try:
-        launch(Candidate(b.name, b.family, t, 0.0, "conformance"), kernel, ops, out)
+        if isinstance(ops, DenseOperands):  # W4A16 kernels are never swapped
+            kernel(ops, out)
+        else:
+            launch(Candidate(b.name, b.family, t, 0.0, "conformance"), kernel, ops, out)
         if tdev.type == "cuda":
             torch.cuda.synchronize(tdev)
     except Exception as exc:  # recorded as a failure of the plugin
@@ -503,7 +526,7 @@ def check_backend(
     validity.
     """
     dev = device if isinstance(device, DeviceInfo) else _device(device, backend)
-    problems = DEFAULT_PROBLEMS if problems is None else tuple(problems)
+    problems = _for_operations(DEFAULT_PROBLEMS if problems is None else problems, backend)
     name = getattr(backend, "name", type(backend).__name__)
     report = report or ConformanceReport(str(name), dev.name)
     if not _check_definition(report, backend):
@@ -602,8 +625,9 @@ def _check_dispatcher(
         if row.status != "available":
             continue
         kept, ran = 0, None
-        for problem in problems:
-            sl = d.candidates(problem.m, problem.n, problem.k, problem.out_dtype)
+        mine_problems = _for_operations(problems, d.registry.backends[name])
+        for problem in mine_problems:
+            sl = d.candidates(problem.m, problem.n, problem.k, problem.out_dtype, problem.operation)
             if name in sl.skipped:
                 report.add(
                     "dispatcher",
@@ -620,7 +644,7 @@ def _check_dispatcher(
             "dispatcher",
             "shortlist",
             "PASS" if kept else "FAIL",
-            f"{kept} shortlisted candidates over {len(problems)} problems",
+            f"{kept} shortlisted candidates over {len(mine_problems)} problems",
             name,
         )
         if ran is not None:
@@ -634,7 +658,10 @@ def _check_dispatcher(
                 device=tdev,
             )
             try:
-                d.run_candidate(cand, ops, out)
+                if isinstance(ops, DenseOperands):
+                    d.kernel_for(cand, problem)(ops, out)
+                else:
+                    d.run_candidate(cand, ops, out)
                 got = out.double().cpu()
                 err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
             except Exception as exc:  # recorded as a failure of the plugin

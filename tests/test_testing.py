@@ -312,3 +312,28 @@ def test_pytest_plugin_mode_fixture_and_device_option(pytester):
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed") is None, result.stdout.str()
     assert outcomes.get("passed") == 4 and outcomes.get("skipped") == 5
+
+
+def test_a_weight_only_backend_is_checked_on_w4a16_problems():
+    """The kit hands a W4A16 backend dense activations (DenseOperands) and compares
+    against float64 of the unrounded activation; a kernel that ignores it fails."""
+    from fp4_dispatch.plugins.reference import ReferenceBackend
+    from fp4_dispatch.testing import check_backend
+
+    class DenseOnly(ReferenceBackend):
+        operations = ("w4a16",)
+
+    good = check_backend(DenseOnly(), device="cpu")
+    assert good.ok, good.summary(failures_only=True)
+    assert [c for c in good.of("numerics") if c.status == "PASS"]
+
+    class Zeros(DenseOnly):
+        def build(self, tactic, problem, device):
+            def kernel(ops, out):
+                assert type(ops).__name__ == "DenseOperands"
+                out.zero_()
+
+            return kernel
+
+    bad = check_backend(Zeros(), device="cpu")
+    assert [c for c in bad.failures if c.category == "numerics"], bad.summary()

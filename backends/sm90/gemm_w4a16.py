@@ -72,6 +72,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4_dispatch.backends.workspace import Scratch
+
 log = logging.getLogger(__name__)
 
 #: The packed PTX dequantizer on GPUs; the element-wise twin under TRITON_INTERPRET=1.
@@ -591,28 +593,21 @@ class W4A16Kernel:
     """A built direct kernel: ``kernel(operands, out)``; ``out = alpha * a @ dequant(b).T``.
 
     Owns the split-K workspace: one fp32 partial buffer and one int32 counter array per
-    (device, tile count), allocated (counters zeroed) on the first call that needs it
-    and reused after; the kernel resets every counter it uses, so no call writes a
-    memset. Run the first call outside CUDA-graph capture.
+    (device, tile count), made outside CUDA-graph pools on the first call that needs it
+    (`fp4_dispatch.backends.workspace`) and reused after; the kernel resets every
+    counter it uses, so no call writes a memset. Run the first call outside capture.
     """
 
     cfg: W4A16Config
-    _workspaces: dict = field(default_factory=dict, repr=False)
+    _scratch: Scratch = field(default_factory=Scratch, repr=False)
     #: the Triton launch handle of the latest call (its ``asm`` holds PTX/cubin: the
     #: benchmark counts SASS instructions per element from it)
     compiled: object = field(default=None, repr=False)
 
     def workspace(self, device: torch.device, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp32 partials, int32 counters) for ``tiles`` output tiles on ``device``."""
-        key = (str(device), tiles)
-        if key not in self._workspaces:
-            elems = tiles * self.cfg.split_k * self.cfg.block_n * self.cfg.block_m
-            log.debug("w4a16 split-K workspace: %d tiles, %d fp32 on %s", tiles, elems, device)
-            self._workspaces[key] = (
-                torch.empty(elems, dtype=torch.float32, device=device),
-                torch.zeros(tiles, dtype=torch.int32, device=device),
-            )
-        return self._workspaces[key]
+        elems = tiles * self.cfg.split_k * self.cfg.block_n * self.cfg.block_m
+        return self._scratch.get(device, elems, tiles)
 
     def __call__(self, operands: W4A16Operands, out: torch.Tensor) -> None:
         cfg = self.cfg
