@@ -134,9 +134,9 @@ def num(v: float | None, digits: int = 1) -> str:
 
 def table(rows: list[dict]) -> str:
     head = (
-        "| M | N x K | pick (W4A4) | Linear op | quant GPU µs | quant wall µs | gemm wall µs | fp8 wall µs "
-        "| gemm GPU µs | bf16 GPU | fp8 GPU | Linear graph µs | bf16 Linear graph | graph ratio "
-        "| Linear wall µs | bf16 Linear wall | wall ratio | rel err |"
+        "| M | N x K | pick (W4A4) | Linear op | quant GPU µs | quant wall µs | gemm wall µs "
+        "| fp8 wall µs | gemm GPU µs | bf16 GPU | fp8 GPU | Linear graph µs | bf16 Linear graph "
+        "| graph ratio | Linear wall µs | bf16 Linear wall | wall ratio | rel err |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
