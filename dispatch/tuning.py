@@ -346,13 +346,11 @@ def verify_candidate(
     Returns why it is wrong (build or run errors included), None when it is right. This
     is the check a cached winner gets on its first use in a process.
     """
-    from .dispatcher import launch as run_kernel
-
     try:
         kernel = kernel_for(cand, problem)
         inputs = make_inputs(problem, device, seed, copies=1)
         inputs.out.fill_(math.nan)
-        run_kernel(cand, kernel, inputs.copies[0], inputs.out)
+        run_kernel(kernel, inputs.copies[0], inputs.out, cand.tactic.swap_ab)
         _sync(device)
     except Exception as exc:  # a plugin's build or kernel failing: the answer is "wrong"
         return f"{type(exc).__name__}: {exc}"

@@ -6,7 +6,7 @@
 #
 # FP4_TEST_DIR: the work folder (default: a new temporary one, removed at exit);
 # FP4_TEST_KEEP=1: keep the work folder (its path is printed); FP4_TEST_EXTRAS: the extras
-# (default test,cute); PYTHON: the interpreter that makes the venv.
+# (default test,cute,flashinfer); PYTHON: the interpreter that makes the venv.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 if [ -n "${FP4_TEST_DIR:-}" ]; then
@@ -15,7 +15,7 @@ if [ -n "${FP4_TEST_DIR:-}" ]; then
 else
   work=$(mktemp -d -t fp4-dispatch-test.XXXXXX)
 fi
-extras=${FP4_TEST_EXTRAS:-test,cute}
+extras=${FP4_TEST_EXTRAS:-test,cute,flashinfer}
 py=${PYTHON:-python3}
 start=$SECONDS
 
