@@ -5,7 +5,7 @@ Targets (issue 3): enumerate + score + cap 2,000 candidates in <= 10 ms; ``selec
 
 Synthetic backends stand in for the Blackwell families (the real ones need the CuTe-DSL
 operator library to enumerate): three families with the tile / cluster / swap / knob
-grids of facts.md, ~2,000 valid tactics on a simulated sm107 device. Two enumeration
+grids of the FlashInfer SM107 measurements, ~2,000 valid tactics on a simulated sm107 device. Two enumeration
 styles are timed: tactic objects cached by the backend (as the built-in plugins do) and
 built fresh on every call (the worst case: pydantic construction and a cold validation
 memo for each).

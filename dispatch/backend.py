@@ -1,4 +1,4 @@
-"""The backend contract every plugin implements (see DESIGN.md, "The plugin contract").
+"""The backend contract every plugin implements (docs/ARCHITECTURE.md, "Adding a family").
 
 A backend is an object: a plugin constructs it and hands it to `register`. The
 dispatcher checks `isinstance(obj, Backend)`; anything else is recorded as a

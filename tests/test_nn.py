@@ -212,3 +212,18 @@ def test_auto_activations_follow_the_device():
     assert "activations=auto (cpu: w4a4)" in repr(mod)
     with pytest.raises(ValueError, match="activations"):
         Nvfp4Linear(64, 16, activations="fp8")
+
+
+@pytest.mark.parametrize("activations", ["nvfp4", "bf16"])
+def test_a_non_finite_input_poisons_only_its_own_row(layer, activations):
+    """As with a bf16 nn.Linear: NaN/inf in row 2 makes row 2 NaN, the others stay exact."""
+    mod = Nvfp4Linear.from_linear(layer, activations=activations)
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    clean = mod(x)
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[2, 17] = bad
+        out = mod(y)
+        assert not torch.isfinite(out[2]).any()
+        rows = [0, 1, 3, 4]  # W4A4: the dynamic scale is taken over finite values only
+        assert torch.equal(out[rows], clean[rows])
