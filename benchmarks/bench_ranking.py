@@ -5,10 +5,10 @@ Targets (issue 3): enumerate + score + cap 2,000 candidates in <= 10 ms; ``selec
 
 Synthetic backends stand in for the Blackwell families (the real ones need the CuTe-DSL
 operator library to enumerate): three families with the tile / cluster / swap / knob
-grids of the FlashInfer SM107 measurements, ~2,000 valid tactics on a simulated sm107 device. Two enumeration
-styles are timed: tactic objects cached by the backend (as the built-in plugins do) and
-built fresh on every call (the worst case: pydantic construction and a cold validation
-memo for each).
+grids of the FlashInfer SM107 measurements, ~2,000 valid tactics on a simulated sm107
+device. Two enumeration styles are timed: tactic objects cached by the backend (as the
+built-in plugins do) and built fresh on every call (the worst case: pydantic construction
+and a cold validation memo for each).
 
     python benchmarks/bench_ranking.py            # print the table
     python benchmarks/bench_ranking.py --record   # and write the Ranking section of RESULTS.md
