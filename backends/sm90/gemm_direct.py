@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from fp4_dispatch.backend import GemmOperands
+from fp4_dispatch.backends.triton_launch import CachedLauncher
 from fp4_dispatch.backends.workspace import Scratch
 
 log = logging.getLogger(__name__)
@@ -270,6 +271,9 @@ def _nvfp4_gemm_kernel(
             tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for next call
 
 
+_GEMM_LAUNCH = CachedLauncher(_nvfp4_gemm_kernel)
+
+
 class Nvfp4GemmKernel:
     """A built kernel: ``kernel(operands, out)``; ``out = alpha * A @ B.T``.
 
@@ -281,14 +285,20 @@ class Nvfp4GemmKernel:
 
     def __init__(self, cfg: KernelConfig) -> None:
         self.cfg = cfg
-        self._meta = {
+        meta = {
             "BLOCK_M": cfg.block_m,
             "BLOCK_N": cfg.block_n,
             "BLOCK_K": cfg.block_k,
             "GROUP_M": cfg.group_m,
             "SPLIT_K": cfg.split_k,
-            "num_warps": cfg.num_warps,
-            "num_stages": cfg.num_stages,
+            "USE_ASM": _USE_ASM,
+            "num_stages": cfg.num_stages,  # a launch option: part of the binding's key
+        }
+        # one binding per EVEN_K: after the first call of a specialization the compiled
+        # kernel is launched directly (`backends.triton_launch`), not via JITFunction.run
+        self._bound = {
+            even: _GEMM_LAUNCH.bind({**meta, "EVEN_K": even}, cfg.num_warps)
+            for even in (False, True)
         }
         self._scratch = Scratch()
 
@@ -310,25 +320,25 @@ class Nvfp4GemmKernel:
             ws, cnt = self._workspace(a.device, tiles)
         else:
             ws = cnt = out  # unused by the SPLIT_K == 1 variant
-        _nvfp4_gemm_kernel[(tiles, cfg.split_k)](
-            a,
-            operands.a_scale,
-            b,
-            operands.b_scale,
-            operands.alpha,
-            out,
-            ws,
-            cnt,
-            m,
-            n,
-            k,
-            out.stride(0),
-            out.stride(1),
-            operands.a_scale.shape[1] * 128,
-            operands.b_scale.shape[1] * 128,
-            EVEN_K=k % cfg.block_k == 0,
-            USE_ASM=_USE_ASM,
-            **self._meta,
+        self._bound[k % cfg.block_k == 0](
+            (tiles, cfg.split_k),
+            (
+                a,
+                operands.a_scale,
+                b,
+                operands.b_scale,
+                operands.alpha,
+                out,
+                ws,
+                cnt,
+                m,
+                n,
+                k,
+                out.stride(0),
+                out.stride(1),
+                operands.a_scale.shape[1] * 128,
+                operands.b_scale.shape[1] * 128,
+            ),
         )
 
 
