@@ -42,11 +42,13 @@ class _NoGradient(torch.autograd.Function):
     """Identity forward; a backward that says why there is no gradient (inference only)."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, y: torch.Tensor, *requesting: torch.Tensor) -> torch.Tensor:
+        # `requesting`: the tensors a gradient was asked for (the input, the bias), so
+        # that autograd routes their backward here
         return y.view_as(y)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
         raise RuntimeError(
             "Nvfp4Linear is inference-only: no gradient flows through its quantized GEMM "
             "(the input is rounded to NVFP4). Run it under torch.no_grad() or "
@@ -271,7 +273,8 @@ class Nvfp4Linear(nn.Module):
         if self.bias is not None:
             y = y.add_(self.bias) if self.bias.dtype == out_dtype else y + self.bias.to(out_dtype)
         if torch.is_grad_enabled() and (x.requires_grad or self._bias_wants_grad()):
-            y = _NoGradient.apply(y)
+            wanting = [t for t in (x, self.bias) if t is not None and t.requires_grad]
+            y = _NoGradient.apply(y, *wanting)
         return y.reshape(*lead, self.out_features)
 
     def _out_dtype(self, x: torch.Tensor) -> torch.dtype:

@@ -219,8 +219,9 @@ def test_cached_launcher_compiles_once_then_launches_directly(monkeypatch) -> No
     kinds = [c[0] for c in kernel.calls]
     assert kinds == ["slow", "direct", "direct", "slow"]
     assert kernel.calls[0][2:] == ((x, 17), {"BM": 8, "NB": 4}, 8)
-    assert kernel.calls[1][1] == (2, 1) and kernel.calls[1][2] == (x, 8, 17, 4)
-    assert kernel.calls[2][1] == (3, 1) and kernel.calls[2][2][2] == 18
+    # the compiled runner indexes grid[0..2]: the launcher pads the grid to three dims
+    assert kernel.calls[1][1] == (2, 1, 1) and kernel.calls[1][2] == (x, 8, 17, 4)
+    assert kernel.calls[2][1] == (3, 1, 1) and kernel.calls[2][2][2] == 18
 
 
 def test_cached_launcher_falls_back_when_the_convention_differs(monkeypatch, caplog) -> None:

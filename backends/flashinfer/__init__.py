@@ -42,6 +42,7 @@ import dataclasses
 import functools
 import importlib
 import logging
+import sys
 import threading
 import time
 import types
@@ -339,7 +340,9 @@ def compile_tactic(
     if hit is not None:
         return dataclasses.replace(hit, source="memory", seconds=0.0)
     t0 = time.perf_counter()
-    with _compile_context(device) as result:
+    # the DSL prints progress ("[DSL INFO] ...") on stdout, which would corrupt a caller's
+    # JSON output (`fp4-dispatch doctor --json`): send it to stderr
+    with _compile_context(device) as result, contextlib.redirect_stdout(sys.stderr):
         runner = _runner(device.cc, out_dtype)
         try:
             runner.forward(meta_inputs(m, n, k, out_dtype), tactic=tactic)
