@@ -72,6 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4_dispatch.backend import DenseOperands
 from fp4_dispatch.backends.workspace import Scratch
 
 log = logging.getLogger(__name__)
@@ -91,36 +92,14 @@ BLOCK_K_CHOICES = (64, 128, 256)
 ACT_DTYPES = (torch.float16, torch.bfloat16)
 
 
-@dataclass(frozen=True)
-class W4A16Operands:
-    """What a W4A16 kernel receives: ``out = alpha * a @ dequant(b).T``.
+@dataclass(frozen=True, slots=True)
+class W4A16Operands(DenseOperands):
+    """`fp4_dispatch.DenseOperands` plus ``prepared``: True when ``b_data`` is in the
+    `prepare_weight` byte order (the fragment-matched layout the direct kernel
+    dequantizes with fewer instructions). The dispatcher hands plain `DenseOperands`
+    (natural order); the kernels read ``prepared`` with a False default."""
 
-    - ``a``: bf16 or fp16 ``[M, K]`` activations with unit stride along K.
-    - ``b_data``: uint8 ``[N, K/2]`` contiguous (e2m1 pairs, low nibble = even k).
-    - ``b_scale``: float8_e4m3fn ``[ceil128(N), ceil4(K/16)]``, 128x4 swizzled storage.
-    - ``alpha``: float32 tensor of one element on the same device (the weight's global
-      scale); read by the kernel through its pointer, never on the host.
-    - ``prepared``: True when ``b_data`` is in the `prepare_weight` byte order (the
-      fragment-matched layout the direct kernel dequantizes with fewer instructions).
-    """
-
-    a: torch.Tensor
-    b_data: torch.Tensor
-    b_scale: torch.Tensor
-    alpha: torch.Tensor
     prepared: bool = False
-
-    @property
-    def m(self) -> int:
-        return self.a.shape[0]
-
-    @property
-    def n(self) -> int:
-        return self.b_data.shape[0]
-
-    @property
-    def k(self) -> int:
-        return self.a.shape[1]
 
 
 @dataclass(frozen=True)
