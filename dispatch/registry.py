@@ -320,7 +320,10 @@ def _load_one(
     finally:
         report.load_s = time.perf_counter() - start
         if report.load_s > SLOW_LOAD_S:
-            log.warning("plugin %r took %.1f s to load", report.name, report.load_s)
+            # a built-in's first import also pays for torch itself: not worth a warning
+            # on every command (list-backends still shows the time)
+            level = logging.INFO if report.builtin else logging.WARNING
+            log.log(level, "plugin %r took %.1f s to load", report.name, report.load_s)
     for b in backends or ():
         if disable is not None and b.name in disable:
             report.disabled_backends[b.name] = "listed in FP4_DISPATCH_DISABLE"
