@@ -79,7 +79,7 @@ def _passes_all_params() -> bool:
     path is used only where the convention is the one this module implements.
     """
     try:
-        import triton
+        import triton  # noqa: PLC0415 - optional: Triton
     except ImportError:
         return False
     parts = triton.__version__.split(".")

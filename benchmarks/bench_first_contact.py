@@ -78,9 +78,9 @@ def _best_ms(fn, runs: int) -> float:
 
 def gemm_vs_matmul(rows: list) -> None:
     os.environ["FP4_DISPATCH_PLUGINS"] = ""  # built-ins only: the reference on a CPU
-    import torch  # noqa: PLC0415 - lazy: the start-up rows must not pay for it
+    import torch
 
-    from fp4_dispatch import Dispatcher, quantize_nvfp4  # noqa: PLC0415 - lazy: as above
+    from fp4_dispatch import Dispatcher, quantize_nvfp4
 
     d = Dispatcher(device="cpu", cache=False)
     for m, n, k in ((1, 8192, 8192), (1024, 4096, 4096)):

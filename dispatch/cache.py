@@ -136,7 +136,7 @@ def default_path() -> Path:
     env = os.environ.get(ENV_PATH, "").strip()
     if env:
         return Path(env).expanduser()
-    import platformdirs
+    import platformdirs  # noqa: PLC0415 - lazy: start-up time
 
     return Path(platformdirs.user_cache_dir("fp4-dispatch")) / "tuning.json"
 

@@ -119,7 +119,7 @@ def _check(result: tuple) -> object:
 
 
 def _read_cuda_device(index: int) -> DeviceInfo:
-    from cuda.bindings import driver as drv
+    from cuda.bindings import driver as drv  # noqa: PLC0415 - optional: no driver, no import
 
     _check(drv.cuInit(0))
     count = _check(drv.cuDeviceGetCount())

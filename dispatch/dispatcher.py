@@ -33,6 +33,7 @@ from .guard import launch as guarded_launch
 from .nvfp4 import Nvfp4Tensor
 from .plans import Plan, PlanKey, plan_for
 from .profiles import resolve
+from .progress import progress as bar_of
 from .ranking import Candidate, Ranker, Shortlist
 from .tactics import Problem
 from .winners import BucketKey, TunedWinners
@@ -275,8 +276,6 @@ class Dispatcher:
         ``progress``: a progress bar (None: ``FP4_DISPATCH_PROGRESS``, else only on a
         terminal). ``timer``/``band``: see `fp4_dispatch.tuning.Tuner`.
         """
-        from .progress import progress as bar_of
-
         if out_dtype not in _tuning.OUT_DTYPES:
             raise ValueError(
                 f"out_dtype: expected one of {sorted(_tuning.OUT_DTYPES)}, got {out_dtype!r}"

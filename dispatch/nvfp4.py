@@ -502,7 +502,7 @@ def _kernel_quantizer() -> object:
     global _triton_quantize
     if _triton_quantize is None:
         try:
-            from .backends.quantize import quantize_checked
+            from .backends.quantize import quantize_checked  # noqa: PLC0415 - optional: Triton
         except ImportError as exc:  # triton is an optional dependency
             logger.info("Triton quantize kernel unavailable (%s); using the torch path", exc)
             _triton_quantize = False

@@ -7,6 +7,7 @@ The common geometric fields are what the shared cost model reads.
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
@@ -44,8 +45,6 @@ class Tactic(BaseModel):
 
     def canonical_json(self) -> str:
         """Stable text form used for tie-breaking and cache keys (sorted keys)."""
-        import json
-
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
 
 

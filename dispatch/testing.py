@@ -60,10 +60,13 @@ import torch
 
 from . import registry
 from .backend import Backend, DenseOperands, GemmOperands, Support
+from .buckets import m_bucket
 from .device import DeviceInfo
+from .dispatcher import Dispatcher, launch
 from .nvfp4 import quantize_nvfp4, reference_gemm
 from .profiles import profiles, resolve
 from .progress import progress
+from .ranking import Candidate
 from .tactics import Problem, Tactic
 
 log = logging.getLogger(__name__)
@@ -412,8 +415,6 @@ def _operands(problem: Problem, device: torch.device, seed: int):
 
 def _kernel_problem(problem: Problem, tactic: Tactic) -> Problem:
     """The problem `build` receives from the dispatcher: M bucketed, then swapped."""
-    from .ranking import m_bucket
-
     bucketed = problem.model_copy(update={"m": m_bucket(problem.m)})
     return bucketed.swapped() if tactic.swap_ab else bucketed
 
@@ -422,9 +423,6 @@ def _run_one(
     b: Backend, problem: Problem, t: Tactic, device: DeviceInfo, seed: int, tolerance: float
 ) -> tuple[Status, str, str]:
     """(status, message, category) for building and, if possible, running one tactic."""
-    from .dispatcher import launch
-    from .ranking import Candidate
-
     try:
         kernel = b.build(t, _kernel_problem(problem, t), device)
     except Exception as exc:  # recorded as a failure of the plugin
@@ -611,8 +609,6 @@ def _check_dispatcher(
     tolerance: float,
 ) -> None:
     """The real path: a Dispatcher lists, merges and runs the plugin's backends."""
-    from .dispatcher import Dispatcher
-
     d = Dispatcher(device=dev, strict=False)
     rows = {r.name: r for r in d.backends()}
     for name in names:
@@ -748,7 +744,7 @@ class PluginConformance:
             metafunc.parametrize("fp4_device", devices)
 
     def _report(self, device: str) -> ConformanceReport:
-        import pytest
+        import pytest  # noqa: PLC0415 - optional: only the pytest plugin needs it
 
         if not self.entry_point:
             pytest.fail(f"{type(self).__name__}.entry_point is not set")
@@ -763,7 +759,7 @@ class PluginConformance:
         return _REPORTS[key]
 
     def _expect(self, category: str, device: str) -> None:
-        import pytest
+        import pytest  # noqa: PLC0415 - optional: only the pytest plugin needs it
 
         report = self._report(device)
         checks = report.of(category)

@@ -66,6 +66,7 @@ import torch
 from .backend import GemmOperands, Kernel
 from .device import DeviceInfo
 from .guard import launch as run_kernel
+from .nvfp4 import BLOCK_SIZE, e2m1_to_float, quantize_nvfp4, unpack_e2m1, unswizzle_scales
 from .ranking import Candidate, Ranker, m_bucket
 from .tactics import Problem
 
@@ -291,8 +292,6 @@ def check_indices(m: int, n: int, k: int, device: torch.device, seed: int = 0):
 
 def _dequant_rows(data: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, k: int):
     """float64 ``dequant`` of the selected rows of one operand (swizzled scales)."""
-    from .nvfp4 import BLOCK_SIZE, e2m1_to_float, unpack_e2m1, unswizzle_scales
-
     total = data.shape[0]
     vals = e2m1_to_float(unpack_e2m1(data.index_select(0, rows))).to(torch.float64)
     lin = unswizzle_scales(scale, total, k).index_select(0, rows).to(torch.float64)
@@ -358,8 +357,6 @@ def verify_candidate(
 
 
 def _random_operand(rows: int, k: int, device: torch.device, gen: torch.Generator):
-    from .nvfp4 import quantize_nvfp4
-
     base_rows = min(rows, _BASE_ROWS)
     x = torch.randn(base_rows, k, generator=gen, device=device, dtype=torch.float32)
     q = quantize_nvfp4(x)

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, WrapValidator
 from . import tuning
 from .cache import CacheReadOnlyError, ImportReport, TuningCache
 from .device import DeviceInfo
-from .ranking import Candidate, m_bucket
+from .ranking import Candidate, estimate_us, m_bucket
 from .tactics import Problem
 from .version import __version__
 
@@ -185,8 +185,6 @@ class CacheEntry(BaseModel):
         cls, result: tuning.TuneResult, device: str, backend_version: str, env: dict[str, Any]
     ) -> CacheEntry:
         """The entry of a measured result with a winner (``device``: its fingerprint)."""
-        from . import __version__
-
         assert result.winner is not None
         w, p = result.winner, result.problem
 
@@ -315,8 +313,6 @@ class TunedWinners:
             raise StaleEntry(f"tactic is no longer valid for {problem}: {why}")
         est = _finite(entry.est_us)
         if est is None:
-            from .ranking import estimate_us
-
             est = estimate_us(problem, d.device, tactic)
         return Candidate(
             name, backend.family, tactic, float(est), f"tuned ({entry.us:.4g} us measured)"

@@ -73,6 +73,9 @@ import triton
 import triton.language as tl
 
 from fp4_dispatch.backend import DenseOperands
+from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_K_CHOICES as UK
+from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_R_CHOICES as UR
+from fp4_dispatch.backends.sm90.gemm_unpack import unpack_nvfp4
 from fp4_dispatch.backends.workspace import Scratch
 
 log = logging.getLogger(__name__)
@@ -636,8 +639,6 @@ class W4A16UnpackKernel:
     block_k: int = 128
 
     def __call__(self, operands: W4A16Operands, out: torch.Tensor) -> None:
-        from fp4_dispatch.backends.sm90.gemm_unpack import unpack_nvfp4
-
         a = operands.a
         # the unpack pass reads natural order: a prepared weight is restored first (one
         # extra pass over N*K/2 bytes; the unpack path is for large M, where it is small)
@@ -671,8 +672,6 @@ def build(cfg: W4A16Config) -> W4A16Kernel:
 
 def build_unpack(block_r: int, block_k: int) -> W4A16UnpackKernel:
     """An unpack + cuBLAS kernel object."""
-    from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_K_CHOICES as UK
-    from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_R_CHOICES as UR
 
     if block_r not in UR or block_k not in UK:
         raise ValueError(f"block_r/block_k: expected one of {UR}/{UK}, got {block_r}/{block_k}")

@@ -146,8 +146,8 @@ def _device_filter(spec: str | None) -> str | None:
     """A fingerprint for ``--device``: given as one, or the fingerprint of a device spec."""
     if spec is None or "|" in spec:
         return spec
-    from ..cache import device_fingerprint
-    from ..profiles import resolve
+    from ..cache import device_fingerprint  # noqa: PLC0415 - lazy: start-up time
+    from ..profiles import resolve  # noqa: PLC0415 - lazy: start-up time
 
     d = resolve(spec, None)
     return device_fingerprint(d.name, d.compute_capability, d.sm_count)
@@ -177,7 +177,7 @@ def _report_rows(report: ImportReport) -> list[tuple]:
 
 
 def import_(file: str, replace: bool, as_json: bool) -> int:
-    from ..dispatcher import Dispatcher
+    from ..dispatcher import Dispatcher  # noqa: PLC0415 - lazy: start-up time
 
     d = Dispatcher()
     try:

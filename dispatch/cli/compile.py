@@ -76,15 +76,15 @@ fp4-dispatch compile 1 8192 8192 --device sm103 --json""",
 @functools.cache
 def _backends() -> dict[str, Any]:
     """Backends of this worker process (loaded once per process)."""
-    from ..registry import load
+    from ..registry import load  # noqa: PLC0415 - lazy: start-up time
 
     return load(strict=False).backends
 
 
 def compile_one(backend: str, tactic_json: str, problem_json: str, device_json: str) -> dict:
     """Build one tactic in this (worker) process; a failure is returned, never raised."""
-    from ..device import DeviceInfo
-    from ..tactics import Problem
+    from ..device import DeviceInfo  # noqa: PLC0415 - lazy: start-up time
+    from ..tactics import Problem  # noqa: PLC0415 - lazy: start-up time
 
     t0 = time.perf_counter()
     result: dict[str, Any] = {"backend": backend, "tactic": tactic_json}
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             f"nothing to compile on {dev.name}: no ahead-of-time tactic in the shortlist"
             + (f" ({'; '.join(why)})" if why else "")
         )
-    from ..tactics import Problem
+    from ..tactics import Problem  # noqa: PLC0415 - lazy: start-up time
 
     problem = Problem(m=args.m, n=args.n, k=args.k, out_dtype=args.out_dtype).model_dump_json()
     jobs = max(1, min(args.jobs, len(todo)))  # at most; cached kernels need no worker

@@ -14,6 +14,7 @@ import torch
 
 from fp4_dispatch import __version__
 from fp4_dispatch.backend import Backend, Kernel, Support
+from fp4_dispatch.backends import reference
 from fp4_dispatch.device import DeviceInfo
 from fp4_dispatch.hookspecs import hookimpl
 from fp4_dispatch.tactics import Problem, Tactic
@@ -77,8 +78,6 @@ class ReferenceBackend(Backend):
         )
 
     def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
-        from fp4_dispatch.backends import reference
-
         assert isinstance(tactic, ReferenceTactic)
         fn = reference.gemm_dense if problem.operation == "w4a16" else reference.gemm
         return functools.partial(fn, compute_dtype=tactic.compute_dtype, k_chunk=tactic.k_chunk)

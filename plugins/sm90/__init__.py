@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Literal
 from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo, DeviceProfile
 from fp4_dispatch.hookspecs import hookimpl
+from fp4_dispatch.ranking import SWAP_NEUTRAL_ABOVE_M, SWAP_PENALTY, preferred_swap
 from fp4_dispatch.tactics import Problem, Tactic
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ class TritonSm90Tactic(Tactic):
     split_k: Literal[1, 2, 4, 8, 16] = 1
 
     def kernel_config(self) -> KernelConfig:
-        from fp4_dispatch.backends.sm90.gemm_direct import KernelConfig
+        from fp4_dispatch.backends.sm90.gemm_direct import KernelConfig  # noqa: PLC0415 - optional: Triton
 
         return KernelConfig(
             block_m=self.tile_m,
@@ -240,8 +241,6 @@ class TritonSm90Backend(Backend):
         Plus ``_SPLIT_REDUCE_US`` per doubling of split_k and the shared model's swap rule
         (x1.05 for the non-preferred orientation through M = 8192).
         """
-        from fp4_dispatch.ranking import SWAP_NEUTRAL_ABOVE_M, SWAP_PENALTY, preferred_swap
-
         assert isinstance(tactic, TritonSm90Tactic)
         p = problem.swapped() if tactic.swap_ab else problem
         tm, tn, tk, split = tactic.tile_m, tactic.tile_n, tactic.tile_k, tactic.split_k
@@ -388,7 +387,7 @@ def _unpack_tactic(block_r: int, block_k: int) -> Sm90UnpackTactic:
 
 @functools.cache
 def _unpack_kernel_for(block_r: int, block_k: int) -> UnpackGemmKernel:
-    from fp4_dispatch.backends.sm90 import gemm_unpack
+    from fp4_dispatch.backends.sm90 import gemm_unpack  # noqa: PLC0415 - optional: Triton
 
     return gemm_unpack.build(block_r, block_k)
 
@@ -431,7 +430,7 @@ def _triton_status() -> tuple[bool, str]:
 @functools.cache
 def _kernel_for(cfg: KernelConfig) -> Kernel:
     """One kernel object per config: buckets share compiled code and the workspace."""
-    from fp4_dispatch.backends.sm90 import gemm_direct
+    from fp4_dispatch.backends.sm90 import gemm_direct  # noqa: PLC0415 - optional: Triton
 
     return gemm_direct.build(cfg)
 

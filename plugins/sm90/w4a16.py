@@ -65,7 +65,7 @@ class TritonSm90W4A16Tactic(Tactic):
 
     def kernel_config(self) -> W4A16Config:
         """The direct kernel's compile-time config (direct path only)."""
-        from fp4_dispatch.backends.sm90.gemm_w4a16 import W4A16Config
+        from fp4_dispatch.backends.sm90.gemm_w4a16 import W4A16Config  # noqa: PLC0415 - optional: Triton
 
         return W4A16Config(
             block_n=self.tile_n,
@@ -267,13 +267,13 @@ def _tactic(
 @functools.cache
 def _kernel_for(cfg: W4A16Config) -> Kernel:
     """One kernel object per config: shapes share compiled code and the split-K workspace."""
-    from fp4_dispatch.backends.sm90 import gemm_w4a16
+    from fp4_dispatch.backends.sm90 import gemm_w4a16  # noqa: PLC0415 - optional: Triton
 
     return gemm_w4a16.build(cfg)
 
 
 @functools.cache
 def _unpack_kernel_for(block_r: int, block_k: int) -> Kernel:
-    from fp4_dispatch.backends.sm90 import gemm_w4a16
+    from fp4_dispatch.backends.sm90 import gemm_w4a16  # noqa: PLC0415 - optional: Triton
 
     return gemm_w4a16.build_unpack(block_r, block_k)
