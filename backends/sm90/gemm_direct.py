@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from fp4_dispatch.backend import GemmOperands
+from fp4_dispatch.backends.sm90.splitk import store_tile
 from fp4_dispatch.backends.triton_launch import CachedLauncher
 from fp4_dispatch.backends.workspace import Scratch
 
@@ -254,21 +255,8 @@ def _nvfp4_gemm_kernel(
     scale = tl.load(alpha_ptr) * 268435456.0  # alpha * 2**28
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
     out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, (acc * scale).to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tile_elems: tl.constexpr = BLOCK_M * BLOCK_N
-        offs_t = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        ws_tile = ws_ptr + pid.to(tl.int64) * (SPLIT_K * tile_elems)
-        tl.store(ws_tile + pid_k * tile_elems + offs_t, acc)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                total += tl.load(ws_tile + s * tile_elems + offs_t, cache_modifier=".cg")
-            tl.store(out_ptrs, (total * scale).to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for next call
+    store_tile(acc, scale, out_ptrs, out_mask, ws_ptr, cnt_ptr, pid, pid_k, BLOCK_M, BLOCK_N,
+               SPLIT_K)  # fmt: skip
 
 
 _GEMM_LAUNCH = CachedLauncher(_nvfp4_gemm_kernel)

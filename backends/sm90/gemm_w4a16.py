@@ -76,6 +76,7 @@ from fp4_dispatch.backend import DenseOperands
 from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_K_CHOICES as UK
 from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_R_CHOICES as UR
 from fp4_dispatch.backends.sm90.gemm_unpack import unpack_nvfp4
+from fp4_dispatch.backends.sm90.splitk import store_tile
 from fp4_dispatch.backends.workspace import Scratch
 
 log = logging.getLogger(__name__)
@@ -517,21 +518,8 @@ def _w4a16_kernel(
     scale = tl.load(alpha_ptr) * 16384.0  # alpha * 2**14
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None] * stride_on
     out_mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, (acc * scale).to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tile_elems: tl.constexpr = BLOCK_N * BLOCK_M
-        offs_t = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        ws_tile = ws_ptr + pid.to(tl.int64) * (SPLIT_K * tile_elems)
-        tl.store(ws_tile + pid_k * tile_elems + offs_t, acc)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for sp in tl.static_range(SPLIT_K):
-                total += tl.load(ws_tile + sp * tile_elems + offs_t, cache_modifier=".cg")
-            tl.store(out_ptrs, (total * scale).to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for next call
+    store_tile(acc, scale, out_ptrs, out_mask, ws_ptr, cnt_ptr, pid, pid_k, BLOCK_N, BLOCK_M,
+               SPLIT_K)  # fmt: skip
 
 
 def check_operands(operands: W4A16Operands, out: torch.Tensor) -> None:

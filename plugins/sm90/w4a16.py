@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo
-from fp4_dispatch.plugins.sm90 import SMEM_LIMIT, _sm90_support
+from fp4_dispatch.plugins.sm90 import SMEM_LIMIT, _pow2_at_least, _sm90_support
 from fp4_dispatch.tactics import Problem, Tactic
 
 if TYPE_CHECKING:
@@ -75,10 +75,6 @@ class TritonSm90W4A16Tactic(Tactic):
             num_warps=self.num_warps,
             num_stages=self.num_stages,
         )
-
-
-def _pow2_at_least(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 def smem_bytes(tile_n: int, tile_m: int, tile_k: int, stages: int) -> int:

@@ -1,0 +1,45 @@
+"""The split-K epilogue the sm90 GEMM kernels share (Triton).
+
+Each split stores its fp32 partial tile into the kept workspace
+(`fp4_dispatch.backends.workspace`), then bumps the tile's counter (acq_rel, after a CTA
+barrier); the split that arrives last sums the partials in fixed split order
+(deterministic), writes the output and resets the counter to zero, so the next call needs
+no memset. With one split the tile is stored directly.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def store_tile(
+    acc,
+    scale,
+    out_ptrs,
+    out_mask,
+    ws_ptr,
+    cnt_ptr,
+    pid,
+    pid_k,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    """Write ``acc * scale`` ([ROWS, COLS] fp32) to ``out_ptrs``, reducing over splits."""
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, (acc * scale).to(out_ptrs.dtype.element_ty), mask=out_mask)
+    else:
+        tile_elems: tl.constexpr = ROWS * COLS
+        offs_t = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+        ws_tile = ws_ptr + pid.to(tl.int64) * (SPLIT_K * tile_elems)
+        tl.store(ws_tile + pid_k * tile_elems + offs_t, acc)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((ROWS, COLS), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(ws_tile + s * tile_elems + offs_t, cache_modifier=".cg")
+            tl.store(out_ptrs, (total * scale).to(out_ptrs.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for next call
