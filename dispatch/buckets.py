@@ -1,14 +1,19 @@
 """The bucket policy: which problems share a tuned winner and a built kernel.
 
 M is bucketed to the next power of two, uncapped: a capped table (the old FlashInfer
-one stopped at 4096) sends a prefill of M = 100000 to the M = 4096 decision. N, K and
-the output dtype are exact.
+one stopped at 4096) sends a prefill of M = 100000 to the M = 4096 decision. N, K, the
+output dtype and the operation (``w4a4``: both operands NVFP4; ``w4a16``: dense
+activations) are exact: the two operations run different kernels, so they never share a
+winner.
 """
 
 from __future__ import annotations
 
-#: (N, K, M bucket, out dtype): the unit a tuned winner covers
-BucketKey = tuple[int, int, int, str]
+#: (N, K, M bucket, out dtype, operation): the unit a tuned winner covers
+BucketKey = tuple[int, int, int, str, str]
+
+#: what an entry or key without an operation means (everything tuned before W4A16 was)
+DEFAULT_OPERATION = "w4a4"
 
 
 def m_bucket(m: int) -> int:
@@ -18,6 +23,8 @@ def m_bucket(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
 
-def bucket_key(m: int, n: int, k: int, out_dtype: str) -> BucketKey:
-    """The bucket an exact (M, N, K, out dtype) falls into."""
-    return (n, k, m_bucket(m), out_dtype)
+def bucket_key(
+    m: int, n: int, k: int, out_dtype: str, operation: str = DEFAULT_OPERATION
+) -> BucketKey:
+    """The bucket an exact (M, N, K, out dtype, operation) falls into."""
+    return (n, k, m_bucket(m), out_dtype, operation)

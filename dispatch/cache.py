@@ -17,12 +17,13 @@ Format (``FORMAT_VERSION`` 1)::
      "entries": [entry, ...]}   # sorted by key
 
 One file may hold several devices: an entry's key is (``device`` fingerprint, ``n``,
-``k``, ``m_bucket``, ``out_dtype``), and the fingerprint's name, compute capability and
-SM count are in ``metadata.devices``. An entry also holds ``backend``,
-``backend_version``, ``family``, ``tactic`` (the tactic as JSON, with its ``backend``
-discriminator), ``us`` (measured), ``est_us``, ``runner_up``, ``timestamp`` and
-whatever else the tuner records (``env``: the environment it was measured in, see
-`fp4_dispatch.winners`); the cache only checks the key and required fields.
+``k``, ``m_bucket``, ``out_dtype``, ``operation`` - "w4a4" when absent), and the
+fingerprint's name, compute capability and SM count are in ``metadata.devices``. An
+entry also holds ``backend``, ``backend_version``, ``family``, ``tactic`` (the tactic
+as JSON, with its ``backend`` discriminator), ``us`` (measured), ``est_us``,
+``runner_up``, ``timestamp`` and whatever else the tuner records (``env``: the
+environment it was measured in, see `fp4_dispatch.winners`); the cache only checks the
+key and required fields.
 
 A file that is not JSON, is truncated, or has another ``format`` (or an older or
 non-integer ``format_version``) is moved aside to ``<path>.corrupt-<timestamp>`` with a
@@ -78,7 +79,10 @@ ENV_LOCK_TIMEOUT = "FP4_DISPATCH_CACHE_LOCK_TIMEOUT"
 #: temp files of this cache's writers: ``.<name>.<random>.tmp`` (see `TuningCache._write`)
 TMP_SUFFIX = ".tmp"
 
-KEY_FIELDS = ("device", "n", "k", "m_bucket", "out_dtype")
+KEY_FIELDS = ("device", "n", "k", "m_bucket", "out_dtype", "operation")
+#: key fields an entry may lack, and what it then means (an entry without ``operation``
+#: predates W4A16 tuning: it is a W4A4 winner)
+KEY_DEFAULTS: dict[str, Any] = {"operation": "w4a4"}
 #: field -> accepted types; an entry missing one (or of another type) is dropped
 REQUIRED: dict[str, tuple[type, ...]] = {
     "device": (str,),
@@ -92,7 +96,7 @@ REQUIRED: dict[str, tuple[type, ...]] = {
     "us": (int, float),
 }
 
-Key = tuple[str, int, int, int, str]
+Key = tuple[str, int, int, int, str, str]
 
 
 class CacheFormatError(ValueError):
@@ -148,7 +152,8 @@ def device_fingerprint(name: str, compute_capability: Any, sm_count: int) -> str
 
 
 def entry_key(entry: Mapping[str, Any]) -> Key:
-    return tuple(entry[f] for f in KEY_FIELDS)  # type: ignore[return-value]
+    return tuple(entry.get(f, KEY_DEFAULTS[f]) if f in KEY_DEFAULTS else entry[f]
+                 for f in KEY_FIELDS)  # type: ignore[return-value]  # fmt: skip
 
 
 def check_entry(entry: object) -> str | None:
@@ -161,6 +166,9 @@ def check_entry(entry: object) -> str | None:
         value = entry[name]
         if isinstance(value, bool) or not isinstance(value, types):
             return f"field {name!r} has type {type(value).__name__}"
+    for name in KEY_DEFAULTS:  # optional key fields: absent or a string
+        if name in entry and not isinstance(entry[name], str):
+            return f"field {name!r} has type {type(entry[name]).__name__}"
     return None
 
 

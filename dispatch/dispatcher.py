@@ -23,9 +23,10 @@ from typing import Literal
 import torch
 
 from . import checks, registry, torch_ops
+from . import distributed as _distributed
 from . import tuning as _tuning
 from .backend import Backend, GemmOperands, Kernel, kernel_problem
-from .buckets import m_bucket
+from .buckets import BucketKey, m_bucket
 from .cache import TuningCache, device_fingerprint
 from .device import DeviceInfo
 from .guard import Fault, Guard, PluginFault
@@ -36,7 +37,7 @@ from .profiles import resolve
 from .progress import progress as bar_of
 from .ranking import Candidate, Ranker, Shortlist
 from .tactics import Problem
-from .winners import BucketKey, TunedWinners
+from .winners import TunedWinners
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,8 @@ class Dispatcher:
         self.winners = TunedWinners(self, _tuning_cache(cache), verify_cache)
         self._untuned_logged: set[BucketKey] = set()
         self._autotune_depth = 0
+        #: (measure, group) of each active `autotuning` block, innermost last
+        self._autotune_opts: list[tuple[str, object]] = []
         self._autotuned: set[BucketKey] = set()
         self._capture_warned: set[BucketKey] = set()
 
@@ -234,7 +237,7 @@ class Dispatcher:
         is a valid one, else the heuristic pick (logged once per bucket). A (backend,
         tactic) that failed to build or run in this process is never selected."""
         checks.problem_dims(m, n, k)
-        tuned = self.winners.pick(m, n, k, out_dtype) if operation == "w4a4" else None
+        tuned = self.winners.pick(m, n, k, out_dtype, operation)
         if tuned is not None and (tuned.backend, tuned.tactic) not in self.guard.broken:
             return tuned
         pick = self.ranker.pick(m, n, k, out_dtype, operation)
@@ -260,6 +263,9 @@ class Dispatcher:
         shapes: Iterable[tuple[int, int, int]],
         *,
         out_dtype: str = "bfloat16",
+        operation: str = "w4a4",
+        measure: str = "graph",
+        group: object = None,
         force: bool = False,
         save: bool = True,
         progress: bool | None = None,
@@ -268,33 +274,47 @@ class Dispatcher:
     ) -> list[_tuning.TuneResult]:
         """Measure the shortlist of each shape's bucket and adopt the winners.
 
-        ``shapes``: (M, N, K) tuples; shapes of one bucket are tuned once. A bucket with
-        a valid cached winner is not measured again unless ``force`` (its result has
-        ``source == "cache"``). Winners are used by `gemm`/`select` from now on and, when
-        ``save``, merged into the tuning cache. A tactic that fails to build or run is
-        timed as infinity and listed in the result's ``failures``, never raised.
-        ``progress``: a progress bar (None: ``FP4_DISPATCH_PROGRESS``, else only on a
-        terminal). ``timer``/``band``: see `fp4_dispatch.tuning.Tuner`.
+        ``shapes``: (M, N, K) tuples; shapes of one bucket are tuned once. ``operation``:
+        "w4a4" (both operands NVFP4) or "w4a16" (dense activations). ``measure``: the
+        policy, "graph" (CUDA-graph replay, cold L2: graph-captured serving) or "eager"
+        (back-to-back launches); a CPU measures eagerly whatever is asked. A bucket with
+        a valid cached winner of the same policy is not measured again unless ``force``
+        (its result has ``source == "cache"``). The heuristic pick always races and is
+        replaced only by a winner faster in a paired check (`fp4_dispatch.tuning`).
+        Winners are used by `gemm`/`select` from now on and, when ``save``, merged into
+        the tuning cache. A tactic that fails to build or run is timed as infinity and
+        listed in the result's ``failures``, never raised. ``group``: a
+        ``torch.distributed`` process group whose ranks tune together, each measuring
+        its share; every rank adopts the same winners and only the group's rank 0 writes
+        the cache (`fp4_dispatch.distributed`; every rank must call with the same
+        shapes). ``progress``: a progress bar (None: ``FP4_DISPATCH_PROGRESS``, else only
+        on a terminal). ``timer``/``band``: see `fp4_dispatch.tuning.Tuner`.
         """
         if out_dtype not in _tuning.OUT_DTYPES:
             raise ValueError(
                 f"out_dtype: expected one of {sorted(_tuning.OUT_DTYPES)}, got {out_dtype!r}"
             )
-        tuner = _tuning.Tuner(self.device, self.kernel_for, self.ranker, timer=timer, band=band)
+        if operation not in ("w4a4", "w4a16"):
+            raise ValueError(f"operation: expected 'w4a4' or 'w4a16', got {operation!r}")
+        fleet = _distributed.fleet_of(group)
+        tuner = _tuning.Tuner(self.device, self.kernel_for, self.ranker, timer=timer, band=band,
+                              measure=measure)  # fmt: skip
         todo: list[Problem] = []
         results: dict[BucketKey, _tuning.TuneResult] = {}
         order: list[BucketKey] = []
         for shape in shapes:
             m, n, k = _shape(shape)
-            bkey = (n, k, m_bucket(m), out_dtype)
+            bkey = (n, k, m_bucket(m), out_dtype, operation)
             if bkey in order:
                 continue
             order.append(bkey)
-            hit = None if force else self.winners.cached_result(bkey, (m, n, k))
+            hit = None if force else self.winners.cached_result(bkey, (m, n, k), tuner.policy)
             if hit is not None:
                 results[bkey] = hit
             else:
-                todo.append(Problem(m=m, n=n, k=k, out_dtype=out_dtype))
+                todo.append(Problem(m=m, n=n, k=k, out_dtype=out_dtype, operation=operation))
+        if fleet is not None:
+            todo = self._fleet_todo(fleet, todo, results, order)
         shortlists = [
             self.ranker.shortlist(p.model_copy(update={"m": m_bucket(p.m)})).candidates
             for p in todo
@@ -304,58 +324,100 @@ class Dispatcher:
                     enable=progress) as bar:  # fmt: skip
             for p, sl in zip(todo, shortlists, strict=True):
                 bar.set_description_str(f"tuning M={p.m} N={p.n} K={p.k}")
-                result = tuner.tune(p, bar, sl)
-                results[(p.n, p.k, result.problem.m, p.out_dtype)] = result
-                self._adopt(result, save)
+                result = tuner.tune(p, bar, sl, fleet=fleet)
+                results[result.bucket] = result
+                self._adopt(result, save and (fleet is None or fleet.is_root))
+        if fleet is not None:
+            fleet.agree("the tuned picks", [_pick_of(results[b]) for b in order])
         return [results[b] for b in order]
+
+    def _fleet_todo(
+        self,
+        fleet: _distributed.Fleet,
+        todo: list[Problem],
+        results: dict[BucketKey, _tuning.TuneResult],
+        order: list[BucketKey],
+    ) -> list[Problem]:
+        """The buckets the whole group measures: those any rank lacks (in `order`), so
+        every rank runs the same collectives; a local cache hit of one is re-measured."""
+        fleet.agree("the shapes to tune", order)
+        mine = {(p.n, p.k, m_bucket(p.m), p.out_dtype, p.operation) for p in todo}
+        need = set().union(*fleet.gather(sorted(mine)))
+        problems = {(p.n, p.k, m_bucket(p.m), p.out_dtype, p.operation): p for p in todo}
+        out = []
+        for bkey in order:
+            if bkey not in need:
+                continue
+            hit = results.pop(bkey, None)
+            if bkey in problems:
+                out.append(problems[bkey])
+            else:  # a local hit another rank lacks: measure it with the group
+                assert hit is not None
+                m, n, k = hit.requested or (hit.problem.m, hit.problem.n, hit.problem.k)
+                out.append(Problem(m=m, n=n, k=k, out_dtype=bkey[3], operation=bkey[4]))
+        return out
 
     def _adopt(self, result: _tuning.TuneResult, save: bool) -> None:
         """Use a measured winner from now on (new plans for its bucket); maybe save it."""
-        p = result.problem
-        bkey = (p.n, p.k, p.m, p.out_dtype)
+        bkey = result.bucket
         self._autotuned.add(bkey)
         if result.winner is None:
             return
         self.winners.adopt(result, save)
         self._plans = {
             key: plan for key, plan in self._plans.items()
-            if (key[1], key[2], m_bucket(key[0]), key[3]) != bkey
+            if (key[1], key[2], m_bucket(key[0]), key[3], key[4]) != bkey
         }  # fmt: skip
 
     @contextlib.contextmanager
-    def autotuning(self) -> Iterator[Dispatcher]:
+    def autotuning(self, *, measure: str = "graph", group: object = None) -> Iterator[Dispatcher]:
         """While active, `gemm`/`mm_fp4` on a bucket with no tuned winner tunes it first.
 
-        The winner is used at once and saved to the cache. Inside CUDA-graph capture
+        The winner is used at once and saved to the cache. ``measure``: the policy of
+        `tune` ("graph" or "eager"). ``group``: a ``torch.distributed`` process group
+        tuning together (see `tune`): every rank must make the same calls in the same
+        order (as the ranks of a tensor-parallel model do), since each first call of a
+        bucket is a collective. Inside CUDA-graph capture
         (``torch.cuda.is_current_stream_capturing()``) nothing is tuned and nothing
         synchronizes: the cached or heuristic pick runs, with a warning once per bucket;
-        the bucket is tuned on its next call outside capture. Nests; not thread-safe.
+        the bucket is tuned on its next call outside capture. Nests (the innermost
+        block's options apply); not thread-safe.
         """
+        _tuning.policy_of(self.device, measure)  # raises for an unknown policy
+        if group is not None:
+            _distributed.Fleet(group)  # raises now for a bad group, not on a later call
         self._autotune_depth += 1
+        self._autotune_opts.append((measure, group))
         try:
             yield self
         finally:
+            self._autotune_opts.pop()
             self._autotune_depth -= 1
 
     def _capturing(self) -> bool:
         """Is the current CUDA stream being captured into a graph (never tune then)?"""
         return self.device.kind == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def _autotune(self, m: int, n: int, k: int, dtype: str) -> None:
-        bkey = (n, k, m_bucket(m), dtype)
+    def _autotune(self, m: int, n: int, k: int, dtype: str, operation: str = "w4a4") -> None:
+        bkey = (n, k, m_bucket(m), dtype, operation)
         if bkey in self._autotuned:
             return
-        if self.winners.bucket(bkey) is not None:
+        measure, group = self._autotune_opts[-1] if self._autotune_opts else ("graph", None)
+        # in a group every rank must reach `tune` (a collective), whatever its own cache
+        # holds: `tune` measures only buckets that some rank lacks
+        if group is None and self.winners.bucket(bkey) is not None:
             self._autotuned.add(bkey)
             return
         if self._capturing():
             if bkey not in self._capture_warned:
                 self._capture_warned.add(bkey)
-                log.warning("autotuning: N=%d K=%d M<=%d %s called inside CUDA-graph capture; "
-                            "not tuning now (heuristic or cached pick used)", *bkey)  # fmt: skip
+                log.warning("autotuning: N=%d K=%d M<=%d %s %s called inside CUDA-graph "
+                            "capture; not tuning now (heuristic or cached pick used)",
+                            *bkey)  # fmt: skip
             return
         self._autotuned.add(bkey)
-        self.tune([(m, n, k)], out_dtype=dtype)
+        self.tune([(m, n, k)], out_dtype=dtype, operation=operation, measure=measure,
+                  group=group)  # fmt: skip
 
     # ---- running --------------------------------------------------------------------
 
@@ -473,8 +535,8 @@ class Dispatcher:
         if torch_ops.stream_capturing():
             self._launch_captured(key, plan, args)
             return
-        if self._autotune_depth and key[4] == "w4a4":
-            self._autotune(*key[:4])
+        if self._autotune_depth:
+            self._autotune(*key)
             plan = self._plans.get(key)
         while True:
             if plan is None:
@@ -617,6 +679,13 @@ def _tuning_cache(cache: str | os.PathLike[str] | TuningCache | bool | None) -> 
     if cache is None or cache is True:
         return TuningCache()
     return cache if isinstance(cache, TuningCache) else TuningCache(cache)
+
+
+def _pick_of(result: _tuning.TuneResult) -> tuple:
+    """What ranks of a tuning group must agree on for one bucket (picklable, comparable)."""
+    w = result.winner
+    return (result.bucket, None if w is None else (w.backend, w.tactic.canonical_json()),
+            result.kept_default)  # fmt: skip
 
 
 def _shape(shape: object) -> tuple[int, int, int]:

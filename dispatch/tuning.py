@@ -18,21 +18,25 @@ graphs and a cold L2 (3648), and different winners in different processes from n
    failure (method ``wrong``, time infinity, ``error`` says why): a fast kernel that
    writes zeros, ignores ``out``'s strides on a swapped tactic or misses a tail tile
    is never adopted. Each candidate is checked once per bucket it is tuned for.
-3. **Timing** by a timer (injectable, see `Timer`):
+3. **Timing** by a timer (injectable, see `Timer`), under a measurement POLICY
+   (``measure``, recorded in each result and cache entry): tune the way the call will
+   run.
 
-   - CUDA (`CudaTimer`): a delay kernel (``torch.cuda._sleep``) is queued first so the
-     CPU has enqueued the work before the GPU reaches the start event (launch overhead
-     never times into the measurement); a single-launch probe between CUDA events picks
-     ``repeat`` so one replay lasts about ``target_replay_us``; ``repeat`` launches
-     cycling over rotating input copies are captured into a CUDA graph; the graph is
-     replayed ``replays`` times, each after a delay kernel, timed with CUDA events; the
-     samples are per-launch times (replay time / repeat). If capture fails the same loop
-     runs eagerly (method ``cuda-eager``, the reason in ``note``). A kernel longer than
-     ``target_replay_us`` has ``repeat = 1``: the probe is its first sample and
-     ``replays - 1`` more single launches (each on the next input copy, after a delay
-     kernel) complete it (method ``cuda-events``) - a graph of one launch adds nothing.
-   - CPU (`WallClockTimer`): ``time.perf_counter`` around ``repeat`` launches, a few
-     times.
+   - ``"graph"`` (the default; how graph-captured serving runs): CUDA-graph replays
+     with the L2 flushed before each call, the flushes timed alone and subtracted -
+     `fp4_dispatch.harness.gpu_clock`, the very clock of the benchmarks'
+     `~fp4_dispatch.harness.gpu_time_us`, so tuned and benchmarked times compare. If
+     capture fails the tactic is timed eagerly (method ``cuda-eager``, the reason in
+     ``note``).
+   - ``"eager"`` (a Python serving loop without graphs): back-to-back launches cycling
+     over rotating input copies, synchronised once at the end, host wall time per call
+     (`fp4_dispatch.harness.eager_clock`, = `~fp4_dispatch.harness.eager_wall_us`):
+     launch overhead counts, as it does for such a caller.
+   - CUDA (`CudaTimer`): a single-launch probe between CUDA events (behind a delay
+     kernel, so launch overhead never times into it) picks ``calls`` so one sample
+     lasts about ``target_replay_us``; then ``replays`` samples of the policy's clock.
+   - CPU (`WallClockTimer`): ``time.perf_counter`` around ``calls`` launches: eager by
+     nature, so a CPU result always records ``measure="eager"``.
    - Pruning: a tactic whose probe is over ``prune`` (1.5) x the best time measured so far
      is not measured further (method ``pruned``, its probe is its time). It cannot win:
      the noise band is far below 50%. Candidates are measured in rank order, so the
@@ -40,7 +44,9 @@ graphs and a cold L2 (3648), and different winners in different processes from n
 
    Inputs: random normal data quantized with `quantize_nvfp4` (non-zero, realistic
    exponent spread); ``n_copies = min(ceil(3 * L2 / input_bytes) + 1, max_repeat + 1)``
-   copies (bounded by `COPY_MEMORY_CAP`) so consecutive launches read cold data.
+   copies (bounded by `COPY_MEMORY_CAP`) so consecutive eager launches read cold data.
+   W4A16 problems (``Problem.operation``) get dense activations in the output dtype and
+   an NVFP4 weight; their reference is ``alpha * x @ dequant(W).T`` in float64.
 
 **Noise band.** Each measured tactic has several replay samples; its relative spread is
 ``(max - min) / median``. The band is the median of those spreads over the measured
@@ -49,10 +55,27 @@ one process cannot see: run-to-run clock and placement differences between proce
 **Winner**: among tactics within ``(1 + band) x best``, the first in the ranking's tie
 order ``(est_us, backend name, canonical tactic JSON)`` — a content order, so two
 processes whose measurements differ by noise pick the same tactic.
+
+**A tuned pick never loses to the default** (FlashInfer issue 3537: tuned tactics 2x
+slower than the default, frozen into CUDA graphs). The default is the heuristic pick (what
+an untuned call runs); it always races. A winner other than the default replaces it only
+when a PAIRED measurement says so: ``pairs`` (>= 5) alternating samples of the winner and
+the default on the same inputs under the same policy (the order flips every pair, so a
+drift of clocks or temperature hits both), and the median of the per-pair ratios
+``winner / default`` is below ``1 - band``. Otherwise the default is kept
+(``TuneResult.kept_default``; the ratio is recorded either way). A default that failed
+(build, run or check) cannot be kept: the winner is adopted without a pair.
+
+**Distributed** (``group=``, `fp4_dispatch.distributed`): each rank measures its share of
+the same shortlist, the measurements are all-gathered, every rank picks by the rule above
+on the same data, the paired check runs on the group's rank 0 and its decision is
+broadcast; the ranks then check they agree.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import math
 import statistics
@@ -63,8 +86,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from .backend import GemmOperands, Kernel
+from . import harness
+from .backend import DenseOperands, GemmOperands, Kernel
+from .buckets import BucketKey
 from .device import DeviceInfo
+from .distributed import Fleet, merge_shares
 from .guard import launch as run_kernel
 from .nvfp4 import BLOCK_SIZE, e2m1_to_float, quantize_nvfp4, unpack_e2m1, unswizzle_scales
 from .ranking import Candidate, Ranker, m_bucket
@@ -74,6 +100,14 @@ if TYPE_CHECKING:
     from .dispatcher import Dispatcher
 
 log = logging.getLogger(__name__)
+
+#: the measurement policies (module doc): CUDA-graph replay (cold L2) or eager launches
+MEASURES = ("graph", "eager")
+Measure = Literal["graph", "eager"]
+#: alternating (winner, default) samples of the never-loses check; 5 is the floor: the
+#: median of 5 ratios ignores up to two disturbed pairs
+PAIRS = 5
+MIN_PAIRS = 5
 
 NOISE_FLOOR = 0.02
 NOISE_CAP = 0.10
@@ -126,7 +160,9 @@ class Timing:
 
 Timer = Callable[[Candidate, Launch, float], Timing]
 """``timer(candidate, launch, best_us_so_far) -> Timing``; the tuner has already built
-the kernel and run one warm-up launch. Tests inject fake timers here."""
+the kernel and run one warm-up launch. Tests inject fake timers here. A timer may also
+have ``paired(candidates, launches, pairs) -> [(a_us, b_us), ...]`` for the never-loses
+check (`paired_samples`; without it the check alternates calls of the timer)."""
 
 
 @dataclass(frozen=True)
@@ -212,6 +248,22 @@ class TuneResult:
     measurements: list[Measurement] = field(default_factory=list)
     wall_s: float = 0.0
     requested: tuple[int, int, int] | None = None
+    #: the measurement policy the times were taken under ("graph" or "eager")
+    measure: str = "graph"
+    #: median of the per-pair ratios winner / default of the paired check (nan: none ran)
+    paired_ratio: float = math.nan
+    pairs: int = 0
+    #: the measured winner was not faster than the default beyond the band: default kept
+    kept_default: bool = False
+    #: the tactic that won the first pass but lost the paired check (when kept_default)
+    challenger: Candidate | None = None
+    #: why the adopted tactic is the one it is (the paired check's verdict), one line
+    decision: str = ""
+
+    @property
+    def bucket(self) -> BucketKey:
+        p = self.problem
+        return (p.n, p.k, p.m, p.out_dtype, p.operation)
 
     @property
     def failures(self) -> list[Measurement]:
@@ -243,6 +295,12 @@ class TuneResult:
             "heuristic_us": num(self.heuristic_us),
             "regret": num(self.regret),
             "noise_band": self.noise_band,
+            "measure": self.measure,
+            "paired_ratio": num(self.paired_ratio),
+            "pairs": self.pairs,
+            "kept_default": self.kept_default,
+            "challenger": cand(self.challenger),
+            "decision": self.decision,
             "wall_s": self.wall_s,
             "measured": len(self.measurements),
             "failures": [
@@ -264,7 +322,7 @@ class Inputs:
     columns, computed once (`check_output`) and shared by every candidate.
     """
 
-    copies: list[GemmOperands]
+    copies: list[GemmOperands] | list[DenseOperands]
     out: torch.Tensor
     bytes_per_copy: int
     reference: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -300,10 +358,16 @@ def _dequant_rows(data: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, k
     )
 
 
-def reference_output(operands: GemmOperands, rows: torch.Tensor, cols: torch.Tensor):
-    """``alpha * dequant(a)[rows] @ dequant(b)[cols].T`` in float64 (the operands' device)."""
+def reference_output(
+    operands: GemmOperands | DenseOperands, rows: torch.Tensor, cols: torch.Tensor
+):
+    """``alpha * dequant(a)[rows] @ dequant(b)[cols].T`` in float64 (the operands' device);
+    for W4A16 (`DenseOperands`) ``a`` is the dense activation itself."""
     k = operands.k
-    a = _dequant_rows(operands.a_data, operands.a_scale, rows, k)
+    if isinstance(operands, DenseOperands):
+        a = operands.a.index_select(0, rows).to(torch.float64)
+    else:
+        a = _dequant_rows(operands.a_data, operands.a_scale, rows, k)
     b = _dequant_rows(operands.b_data, operands.b_scale, cols, k)
     return (a @ b.T) * operands.alpha.to(torch.float64).reshape(())
 
@@ -316,7 +380,7 @@ def check_output(out: torch.Tensor, inputs: Inputs, seed: int = 0) -> str | None
     """
     if inputs.reference is None:
         ops = inputs.copies[0]
-        rows, cols = check_indices(ops.m, ops.n, ops.k, ops.a_data.device, seed)
+        rows, cols = check_indices(ops.m, ops.n, ops.k, ops.b_data.device, seed)
         inputs.reference = (rows, cols, reference_output(ops, rows, cols))
     rows, cols, ref = inputs.reference
     got = out.index_select(0, rows).index_select(1, cols).to(torch.float64)
@@ -378,7 +442,10 @@ def make_inputs(
     problem: Problem, device: DeviceInfo, seed: int = 0, copies: int | None = None
 ) -> Inputs:
     """Random non-zero NVFP4 operands for `problem` on `device`, in rotating copies
-    (`n_copies` of them unless ``copies`` says how many)."""
+    (`n_copies` of them unless ``copies`` says how many). W4A16 problems get
+    `make_dense_inputs`."""
+    if problem.operation == "w4a16":
+        return make_dense_inputs(problem, device, seed, copies)
     dev = torch.device(device.torch_device)
     gen = torch.Generator(device=dev)
     gen.manual_seed(seed)
@@ -397,108 +464,201 @@ def make_inputs(
     return Inputs(rotating, out, size)
 
 
+def make_dense_inputs(
+    problem: Problem, device: DeviceInfo, seed: int = 0, copies: int | None = None
+) -> Inputs:
+    """W4A16 inputs: dense random-normal activations ``[M, K]`` in the output dtype (what
+    `Dispatcher.gemm` defaults to) times an NVFP4 weight, in rotating copies."""
+    dev = torch.device(device.torch_device)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed)
+    dtype = OUT_DTYPES[problem.out_dtype]
+    a = torch.randn(problem.m, problem.k, generator=gen, device=dev).to(dtype)
+    b_data, b_scale, gb = _random_operand(problem.n, problem.k, dev, gen)
+    alpha = gb.reshape(1).to(torch.float32)
+    size = sum(t.numel() * t.element_size() for t in (a, b_data, b_scale))
+    count = n_copies(size, device.l2_bytes) if copies is None else max(1, copies)
+    rotating = [DenseOperands(a, b_data, b_scale, alpha)]
+    for _ in range(count - 1):
+        rotating.append(DenseOperands(a.clone(), b_data.clone(), b_scale.clone(), alpha))
+    out = torch.empty(problem.m, problem.n, dtype=dtype, device=dev)
+    return Inputs(rotating, out, size)
+
+
 # ---- timers ---------------------------------------------------------------------------
+
+
+Clock = Callable[[], float]
+"""One sample per call: microseconds per launch (`fp4_dispatch.harness` clocks)."""
+
+Pair = tuple[float, float]
 
 
 def _repeat_for(probe_us: float, target_us: float, max_repeat: int) -> int:
     return max(1, min(max_repeat, int(target_us / max(probe_us, 1e-3))))
 
 
+def alternate(clock_a: Clock, clock_b: Clock, pairs: int) -> list[Pair]:
+    """``pairs`` (a, b) samples taken alternately; the order flips every pair, so a slow
+    drift (clocks, temperature, a neighbour's load) lands on both sides alike."""
+    out = []
+    for i in range(pairs):
+        if i % 2 == 0:
+            a = clock_a()
+            b = clock_b()
+        else:
+            b = clock_b()
+            a = clock_a()
+        out.append((a, b))
+    return out
+
+
+def _check_measure(measure: str) -> str:
+    if measure not in MEASURES:
+        raise ValueError(f"measure: expected one of {list(MEASURES)}, got {measure!r}")
+    return measure
+
+
 @dataclass
 class CudaTimer:
-    """CUDA events around CUDA-graph replays, each after a delay kernel (module doc)."""
+    """Times CUDA launches under a measurement policy (module doc): ``measure="graph"``
+    through `fp4_dispatch.harness.gpu_clock` (graph replay, cold L2), ``"eager"``
+    through `fp4_dispatch.harness.eager_clock` (back-to-back launches, host wall time)."""
 
+    measure: Measure = "graph"
     replays: int = REPLAYS
     target_replay_us: float = TARGET_REPLAY_US
     max_repeat: int = MAX_REPEAT
     prune: float = PRUNE_FACTOR
     sleep_cycles: int = SLEEP_CYCLES
 
-    def _timed(self, body: Callable[[], None]) -> float:
-        """Microseconds of `body`'s GPU work, queued behind a delay kernel."""
+    def __post_init__(self) -> None:
+        _check_measure(self.measure)
+
+    def _probe(self, launch: Launch) -> float:
+        """Microseconds of one launch's GPU work, queued behind a delay kernel (so the
+        CPU has enqueued it before the GPU reaches the start event)."""
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(self.sleep_cycles)
         start.record()
-        body()
+        launch(1)
         end.record()
         end.synchronize()
         return start.elapsed_time(end) * 1e3
 
-    def _capture(self, graph: torch.cuda.CUDAGraph, loop: Callable[[], None]) -> None:
-        """Capture `loop` on a side stream. Not `torch.cuda.graph(...)`: on entry that
-        context synchronizes and empties the allocator cache (older torch versions also
-        ran ``gc.collect()``), a cost paid again per tactic."""
-        current = torch.cuda.current_stream()
-        side = torch.cuda.Stream(device=current.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            graph.capture_begin(capture_error_mode="thread_local")
+    def clock(self, candidate: Candidate | None, launch: Launch, calls: int):
+        """(clock, method, note) of `launch` under this policy, ``calls`` launches a sample."""
+        if self.measure == "graph":
             try:
-                loop()
-            except Exception:
-                try:
-                    graph.capture_end()
-                except RuntimeError as end_exc:  # the capture was invalidated: expected
-                    log.debug("capture_end after a failed capture: %r", end_exc)
-                raise
-            graph.capture_end()
-        current.wait_stream(side)
+                return harness.gpu_clock(lambda: launch(0), calls=calls), "cuda-graph", ""
+            except Exception as exc:  # not capturable: time eagerly and say so
+                torch.cuda.synchronize()
+                note = f"graph capture failed: {type(exc).__name__}: {exc}"
+                name = "-" if candidate is None else candidate.backend
+                log.info("%s: %s; timed eagerly", name, note)
+                return self._eager(launch, calls), "cuda-eager", note
+        return self._eager(launch, calls), "cuda-eager", ""
+
+    @staticmethod
+    def _eager(launch: Launch, calls: int) -> Clock:
+        copy = itertools.count()  # consecutive launches read other (cold) input copies
+        return harness.eager_clock(lambda: launch(next(copy)), calls=calls, warmup=1)
 
     def __call__(self, candidate: Candidate, launch: Launch, best_us: float) -> Timing:
-        probe = self._timed(lambda: launch(1))
+        probe = self._probe(launch)
         if math.isfinite(best_us) and probe > self.prune * best_us:
             return Timing((probe,), "pruned", f"probe {probe:.1f} us > {self.prune}x best")
-        repeat = _repeat_for(probe, self.target_replay_us, self.max_repeat)
-        if repeat == 1:  # a long kernel: nothing to replay; the delay hides the launch
-            more = [self._timed(lambda i=i: launch(2 + i)) for i in range(self.replays - 1)]
-            return Timing((probe, *more), "cuda-events")
+        calls = _repeat_for(probe, self.target_replay_us, self.max_repeat)
+        clock, method, note = self.clock(candidate, launch, calls)
+        return Timing(tuple(clock() for _ in range(self.replays)), method, note)
 
-        def loop() -> None:
-            for i in range(repeat):
-                launch(i)
-
-        method, note, body = "cuda-graph", "", loop
-        graph = torch.cuda.CUDAGraph()
-        try:
-            self._capture(graph, loop)
-            body = graph.replay
-        except Exception as exc:  # not capturable: time eagerly and say so
-            torch.cuda.synchronize()
-            method, note = "cuda-eager", f"graph capture failed: {type(exc).__name__}: {exc}"
-            log.info("%s %s: %s", candidate.backend, candidate.tactic.canonical_json(), note)
-        samples = tuple(self._timed(body) / repeat for _ in range(self.replays))
-        del graph
-        return Timing(samples, method, note)
+    def paired(
+        self, candidates: tuple[Candidate, Candidate], launches: tuple[Launch, Launch], pairs: int
+    ) -> list[Pair]:
+        """Alternating samples of two launches, same policy and ``calls`` (module doc)."""
+        calls = _repeat_for(min(self._probe(f) for f in launches), self.target_replay_us,
+                            self.max_repeat)  # fmt: skip
+        made = [self.clock(c, f, calls) for c, f in zip(candidates, launches, strict=True)]
+        if made[0][1] != made[1][1]:  # one could not be captured: compare both eagerly
+            made = [(self._eager(f, calls), "cuda-eager", "") for f in launches]
+        return alternate(made[0][0], made[1][0], pairs)
 
 
 @dataclass
 class WallClockTimer:
-    """``time.perf_counter`` around `repeat` launches (CPU backends)."""
+    """``time.perf_counter`` around ``calls`` launches (CPU backends): eager by nature."""
 
     replays: int = REPLAYS
     target_replay_us: float = 2000.0
     max_repeat: int = MAX_REPEAT
     prune: float = PRUNE_FACTOR
+    measure: Measure = "eager"
 
-    def __call__(self, candidate: Candidate, launch: Launch, best_us: float) -> Timing:
+    @staticmethod
+    def _probe(launch: Launch) -> float:
         t0 = time.perf_counter()
         launch(1)
-        probe = (time.perf_counter() - t0) * 1e6
+        return (time.perf_counter() - t0) * 1e6
+
+    @staticmethod
+    def clock(launch: Launch, calls: int) -> Clock:
+        copy = itertools.count()
+
+        def sample() -> float:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                launch(next(copy))
+            return (time.perf_counter() - t0) * 1e6 / calls
+
+        return sample
+
+    def __call__(self, candidate: Candidate, launch: Launch, best_us: float) -> Timing:
+        probe = self._probe(launch)
         if math.isfinite(best_us) and probe > self.prune * best_us:
             return Timing((probe,), "pruned", f"probe {probe:.1f} us > {self.prune}x best")
-        repeat = _repeat_for(probe, self.target_replay_us, self.max_repeat)
-        samples = []
-        for _ in range(self.replays):
-            t0 = time.perf_counter()
-            for i in range(repeat):
-                launch(i)
-            samples.append((time.perf_counter() - t0) * 1e6 / repeat)
-        return Timing(tuple(samples), "wall-clock")
+        clock = self.clock(launch, _repeat_for(probe, self.target_replay_us, self.max_repeat))
+        return Timing(tuple(clock() for _ in range(self.replays)), "wall-clock")
+
+    def paired(
+        self, candidates: tuple[Candidate, Candidate], launches: tuple[Launch, Launch], pairs: int
+    ) -> list[Pair]:
+        """Alternating samples of two launches with the same ``calls``."""
+        probe = min(self._probe(f) for f in launches)
+        calls = _repeat_for(probe, self.target_replay_us, self.max_repeat)
+        return alternate(self.clock(launches[0], calls), self.clock(launches[1], calls), pairs)
 
 
-def default_timer(device: DeviceInfo) -> Timer:
-    return CudaTimer() if device.kind == "cuda" else WallClockTimer()
+def default_timer(device: DeviceInfo, measure: str = "graph") -> Timer:
+    """`CudaTimer` under `measure` on CUDA devices; `WallClockTimer` (eager) elsewhere."""
+    _check_measure(measure)
+    return CudaTimer(measure=measure) if device.kind == "cuda" else WallClockTimer()  # type: ignore[arg-type]
+
+
+def policy_of(device: DeviceInfo, measure: str) -> str:
+    """The policy a result under `measure` really has on `device`: CPUs time eagerly."""
+    _check_measure(measure)
+    return measure if device.kind == "cuda" else "eager"
+
+
+def paired_samples(
+    timer: Timer,
+    candidates: tuple[Candidate, Candidate],
+    launches: tuple[Launch, Launch],
+    pairs: int,
+) -> list[Pair]:
+    """``pairs`` alternating (a, b) samples: the timer's own
+    ``paired(candidates, launches, pairs)`` when it has one (one setup, then alternate
+    samples), else alternate calls of the timer itself (each one a full measurement; its
+    median is the sample)."""
+    own = getattr(timer, "paired", None)
+    if callable(own):
+        return list(own(candidates, launches, pairs))
+
+    def clock(i: int) -> Clock:
+        return lambda: timer(candidates[i], launches[i], math.inf).us
+
+    return alternate(clock(0), clock(1), pairs)
 
 
 def _sync(device: DeviceInfo) -> None:
@@ -518,8 +678,11 @@ class Tuner:
     three from a dispatcher and keeps no reference to it. Adopting and caching the
     winner is the winner store's job (`fp4_dispatch.winners`).
 
-    ``timer``: defaults to `CudaTimer` on CUDA devices and `WallClockTimer` elsewhere.
-    ``band``: a fixed noise band instead of the measured one.
+    ``measure``: the measurement policy, "graph" (default) or "eager" (module doc); a
+    CPU device always measures eagerly. ``timer``: defaults to `CudaTimer` under
+    ``measure`` on CUDA devices and `WallClockTimer` elsewhere (an injected timer is
+    trusted to follow the policy it is told). ``band``: a fixed noise band instead of the
+    measured one. ``pairs``: samples of the paired never-loses check (>= `MIN_PAIRS`).
     """
 
     def __init__(
@@ -532,6 +695,8 @@ class Tuner:
         band: float | None = None,
         noise_floor: float = NOISE_FLOOR,
         seed: int = 0,
+        measure: str = "graph",
+        pairs: int = PAIRS,
     ) -> None:
         if not isinstance(device, DeviceInfo):  # a Dispatcher: take its three parts
             device, kernel_for, ranker = device.device, device.kernel_for, device.ranker
@@ -542,10 +707,15 @@ class Tuner:
                 f"{device.name} is simulated: tuning measures kernels, so it needs "
                 "the real device (use Dispatcher() on it)"
             )
+        if type(pairs) is not int or pairs < MIN_PAIRS:
+            raise ValueError(f"pairs: expected an int >= {MIN_PAIRS}, got {pairs!r}")
         self.device = device
         self.kernel_for = kernel_for
         self.ranker = ranker
-        self.timer = timer if timer is not None else default_timer(self.device)
+        #: the policy results record: what the timer measures on this device
+        self.policy = policy_of(device, measure)
+        self.timer = timer if timer is not None else default_timer(self.device, measure)
+        self.pairs = pairs
         self.band = band
         self.noise_floor = noise_floor
         self.seed = seed
@@ -563,10 +733,14 @@ class Tuner:
         ``deadline`` (a `time.monotonic` value): candidates not started by then are not
         measured (method ``skipped``, time infinity, reported in ``error``).
         """
-        if self.device.kind == "cuda":  # events, graphs and streams of the right GPU
-            with torch.cuda.device(torch.device(self.device.torch_device)):
-                return self._measure(problem, candidates, bar, inputs, deadline)
-        return self._measure(problem, candidates, bar, inputs, deadline)
+        with self._on_device():
+            return self._measure(problem, candidates, bar, inputs, deadline)
+
+    def _on_device(self) -> Any:
+        """Events, graphs and streams of the right GPU (nothing to do on a CPU)."""
+        if self.device.kind == "cuda":
+            return torch.cuda.device(torch.device(self.device.torch_device))
+        return contextlib.nullcontext()
 
     def _measure(
         self,
@@ -599,17 +773,10 @@ class Tuner:
     ) -> Measurement:
         name = f"{cand.backend} {cand.tactic.canonical_json()}"
         try:
-            kernel = self.kernel_for(cand, problem)
+            launch = self._launcher(problem, cand, inputs)
         except Exception as exc:  # a tactic that fails to build is timed as inf, reported
             return self._failed(cand, "build", exc, name)
-        copies, out = inputs.copies, inputs.out
-        n = len(copies)
-
-        swap = cand.tactic.swap_ab
-
-        def launch(i: int) -> None:
-            run_kernel(kernel, copies[i % n], out, swap)
-
+        out = inputs.out
         try:
             out.fill_(math.nan)  # an element the kernel does not write stays NaN
             launch(0)
@@ -631,6 +798,17 @@ class Tuner:
                                error=f"run: timer returned {us!r}", note=timing.note)  # fmt: skip
         return Measurement(cand, us, timing.method, timing.samples_us, note=timing.note)
 
+    def _launcher(self, problem: Problem, cand: Candidate, inputs: Inputs) -> Launch:
+        """``launch(i)``: `cand` built for `problem`, run on input copy ``i % copies``."""
+        kernel = self.kernel_for(cand, problem)
+        copies, out, swap = inputs.copies, inputs.out, cand.tactic.swap_ab
+        n = len(copies)
+
+        def launch(i: int) -> None:
+            run_kernel(kernel, copies[i % n], out, swap)
+
+        return launch
+
     @staticmethod
     def _failed(cand: Candidate, stage: str, exc: Exception, name: str) -> Measurement:
         error = f"{stage}: {type(exc).__name__}: {exc}"
@@ -638,25 +816,38 @@ class Tuner:
         return Measurement(cand, math.inf, "failed", error=error)
 
     def tune(
-        self, problem: Problem, bar: Any = None, shortlist: Sequence[Candidate] | None = None
+        self,
+        problem: Problem,
+        bar: Any = None,
+        shortlist: Sequence[Candidate] | None = None,
+        fleet: Fleet | None = None,
     ) -> TuneResult:
-        """Measure the shortlist of `problem`'s bucket (or the one given) and pick a winner."""
+        """Measure the shortlist of `problem`'s bucket (or the one given), pick a winner
+        and check it against the default in pairs (module doc). ``fleet``: the ranks that
+        tune this bucket together (`fp4_dispatch.distributed`); every rank returns the
+        same decision."""
         t0 = time.perf_counter()
         bucket = problem.model_copy(update={"m": m_bucket(problem.m)})
         if shortlist is None:
             shortlist = self.ranker.shortlist(bucket).candidates
-        heuristic = self.ranker.pick(bucket.m, bucket.n, bucket.k, bucket.out_dtype)
+        heuristic = self.ranker.pick(bucket.m, bucket.n, bucket.k, bucket.out_dtype,
+                                     bucket.operation)  # fmt: skip
         todo = list(shortlist)
-        if not any(_same(c, heuristic) for c in todo):  # always measure the heuristic pick
+        if not any(_same(c, heuristic) for c in todo):  # the default always races
             todo.append(heuristic)
-        measurements = self.measure(bucket, todo, bar)
+        inputs = self._inputs(bucket)
+        measurements = self._race(bucket, todo, bar, inputs, fleet)
         band = self.band if self.band is not None else noise_band(measurements, self.noise_floor)
-        winner, runner = pick_winner(measurements, band)
+        first, runner = pick_winner(measurements, band)
         heur = next(m for m in measurements if _same(m.candidate, heuristic))
+        verdict = self._verdict(bucket, first, heur, band, inputs, fleet)
+        winner = heur if verdict.kept_default else first
+        if verdict.kept_default:
+            runner = first
         result = TuneResult(
             problem=bucket,
             source="measured",
-            winner=None if winner is None else _tuned_candidate(winner),
+            winner=None if winner is None else _tuned_candidate(winner, verdict),
             winner_us=math.inf if winner is None else winner.us,
             heuristic=heuristic,
             heuristic_us=heur.us,
@@ -666,16 +857,145 @@ class Tuner:
             measurements=measurements,
             wall_s=time.perf_counter() - t0,
             requested=(problem.m, problem.n, problem.k),
+            measure=self.policy,
+            paired_ratio=verdict.ratio,
+            pairs=verdict.pairs,
+            kept_default=verdict.kept_default,
+            challenger=first.candidate if verdict.kept_default and first else None,
+            decision=verdict.decision,
         )
         if winner is None:
             log.warning("tuning %s: every tactic failed; the heuristic pick stays", bucket)
+        else:
+            log.info("tuning %s: %s", bucket, verdict.decision)
         return result
+
+    def _inputs(self, problem: Problem) -> Inputs:
+        """Graph timing flushes the L2 itself: two copies do (the probe reads the second);
+        eager timing rotates over `n_copies` so consecutive launches read cold data."""
+        copies = 2 if self.device.kind == "cuda" and self.policy == "graph" else None
+        with self._on_device():
+            return make_inputs(problem, self.device, self.seed, copies=copies)
+
+    def _race(
+        self,
+        problem: Problem,
+        todo: list[Candidate],
+        bar: Any,
+        inputs: Inputs,
+        fleet: Fleet | None,
+    ) -> list[Measurement]:
+        """Every candidate's measurement, in `todo` order: all measured here, or (with a
+        fleet) this rank's share measured here and the others' gathered."""
+        if fleet is None:
+            return self.measure(problem, todo, bar, inputs)
+        mine = fleet.share(len(todo))
+        local = self.measure(problem, [todo[i] for i in mine], bar, inputs)
+        if bar is not None:
+            bar.update(len(todo) - len(mine))  # the other ranks measured the rest
+        wire = [(i, (m.us, m.method, m.samples_us, m.error, m.note))
+                for i, m in zip(mine, local, strict=True)]  # fmt: skip
+        merged = merge_shares(fleet.gather(wire), len(todo))
+        return [
+            Measurement(c, us, method, tuple(samples), error, note)
+            for c, (us, method, samples, error, note) in zip(todo, merged, strict=True)
+        ]
+
+    def _verdict(
+        self,
+        problem: Problem,
+        first: Measurement | None,
+        default: Measurement,
+        band: float,
+        inputs: Inputs,
+        fleet: Fleet | None,
+    ) -> Verdict:
+        """Does the first-pass winner replace the default? (module doc). With a fleet the
+        group's rank 0 decides and every rank gets its verdict."""
+        if first is None:
+            return Verdict(False, math.nan, 0, "every tactic failed: the default stays untuned")
+        if _same(first.candidate, default.candidate):
+            return Verdict(False, math.nan, 0, "the default is the measured winner")
+        if not default.ok:
+            return Verdict(
+                False, math.nan, 0, f"the default failed ({default.error}): winner adopted unpaired"
+            )
+        if fleet is not None:
+            mine = self._paired(problem, first, default, band, inputs) if fleet.is_root else None
+            return fleet.broadcast(mine)
+        return self._paired(problem, first, default, band, inputs)
+
+    def _paired(
+        self,
+        problem: Problem,
+        first: Measurement,
+        default: Measurement,
+        band: float,
+        inputs: Inputs,
+    ) -> Verdict:
+        """`pairs` alternating samples of winner and default; adopt if the median ratio
+        is below ``1 - band``. A check that cannot run keeps the default (and says why)."""
+        cands = (first.candidate, default.candidate)
+        try:
+            with self._on_device():
+                launches = (
+                    self._launcher(problem, cands[0], inputs),
+                    self._launcher(problem, cands[1], inputs),
+                )
+                pairs = paired_samples(self.timer, cands, launches, self.pairs)
+                _sync(self.device)
+        except Exception as exc:  # a kernel or timer failing here: keep the default, say why
+            log.warning(
+                "tuning %s: paired check failed (%s: %s); default kept",
+                problem,
+                type(exc).__name__,
+                exc,
+            )
+            return Verdict(
+                True,
+                math.nan,
+                0,
+                f"paired check failed ({type(exc).__name__}: {exc}): default kept",
+            )
+        ratios = [a / b for a, b in pairs if a > 0 and b > 0 and math.isfinite(a / b)]
+        if not ratios:
+            return Verdict(True, math.nan, 0, "paired check gave no valid sample: default kept")
+        ratio = statistics.median(ratios)
+        if ratio < 1.0 - band:
+            return Verdict(
+                False,
+                ratio,
+                len(ratios),
+                f"adopted: paired ratio {ratio:.3f} < 1 - band {band:.3f}",
+            )
+        return Verdict(
+            True,
+            ratio,
+            len(ratios),
+            f"default kept: paired ratio {ratio:.3f} "
+            f">= 1 - band {band:.3f} (not faster beyond the noise)",
+        )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The never-loses check's outcome (picklable: broadcast to every rank of a fleet)."""
+
+    kept_default: bool
+    ratio: float
+    pairs: int
+    decision: str
 
 
 def _same(a: Candidate, b: Candidate) -> bool:
     return a.backend == b.backend and a.tactic == b.tactic
 
 
-def _tuned_candidate(m: Measurement) -> Candidate:
+def _tuned_candidate(m: Measurement, verdict: Verdict | None = None) -> Candidate:
     c = m.candidate
-    return Candidate(c.backend, c.family, c.tactic, c.est_us, f"tuned ({m.us:.4g} us measured)")
+    why = f"tuned ({m.us:.4g} us measured"
+    if verdict is not None and verdict.kept_default:
+        why += f"; default kept, paired ratio {verdict.ratio:.3f}"
+    elif verdict is not None and math.isfinite(verdict.ratio):
+        why += f"; paired ratio {verdict.ratio:.3f} vs default"
+    return Candidate(c.backend, c.family, c.tactic, c.est_us, why + ")")

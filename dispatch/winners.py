@@ -16,6 +16,14 @@ entry is ignored with one warning naming the cache file (the bucket runs untuned
 re-tuned under ``autotuning()``). Entries written before the environment was recorded
 have no ``env`` field: they are treated as stale ("no environment record"), never
 migrated, because nothing says which versions measured them.
+
+An entry also records its ``operation`` ("w4a4" | "w4a16"; an entry without one is
+"w4a4", all that was tuned before), its measurement policy ``measure`` ("graph" |
+"eager"; without one it is read from ``method``: "wall-clock" and "cuda-eager" are
+eager) and the never-loses check: ``kept_default`` (the measured winner was not faster
+than the heuristic default beyond the noise band in the paired check, so the default is
+the entry's tactic), ``paired_ratio`` (median winner / default of the pairs), ``pairs``,
+``decision`` (one line) and ``challenger`` (the tactic that lost the check).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, WrapValidator
 
 from . import tuning
+from .buckets import DEFAULT_OPERATION, BucketKey
 from .cache import CacheReadOnlyError, ImportReport, TuningCache
 from .device import DeviceInfo
 from .ranking import Candidate, estimate_us, m_bucket
@@ -46,9 +55,6 @@ if TYPE_CHECKING:
     from .dispatcher import Dispatcher
 
 log = logging.getLogger(__name__)
-
-#: (N, K, M bucket, out dtype): the unit a tuned winner covers
-BucketKey = tuple[int, int, int, str]
 
 ENV_VERIFY = "FP4_DISPATCH_VERIFY_CACHE"
 #: distribution name -> environment field: the packages whose version decides a
@@ -133,6 +139,10 @@ _OptStr = Annotated[str | None, WrapValidator(_or_none)]
 _OptInt = Annotated[int | None, WrapValidator(_or_none)]
 _OptFloat = Annotated[float | None, WrapValidator(_or_none)]
 _OptDict = Annotated[dict[str, Any] | None, WrapValidator(_or_none)]
+_OptBool = Annotated[bool | None, WrapValidator(_or_none)]
+
+#: ``method`` values of eager timings (entries that predate the ``measure`` field)
+_EAGER_METHODS = {"wall-clock", "cuda-eager"}
 
 
 class CacheEntry(BaseModel):
@@ -167,14 +177,34 @@ class CacheEntry(BaseModel):
     method: _OptStr = None
     timestamp: _OptStr = None
     env: _OptDict = None
+    operation: _OptStr = None
+    measure: _OptStr = None
+    kept_default: _OptBool = None
+    paired_ratio: _OptFloat = None
+    pairs: _OptInt = None
+    decision: _OptStr = None
+    challenger: _OptDict = None
+
+    @property
+    def op(self) -> str:
+        """The entry's operation: "w4a4" when it has none (written before W4A16 tuning)."""
+        return self.operation or DEFAULT_OPERATION
+
+    @property
+    def policy(self) -> str:
+        """The measurement policy: ``measure``, else read from ``method`` (older entries)."""
+        if self.measure in ("graph", "eager"):
+            return self.measure
+        return "eager" if self.method in _EAGER_METHODS else "graph"
 
     @property
     def bucket(self) -> BucketKey:
-        return (self.n, self.k, self.m_bucket, self.out_dtype)
+        return (self.n, self.k, self.m_bucket, self.out_dtype, self.op)
 
     @property
     def problem(self) -> Problem:
-        return Problem(m=self.m_bucket, n=self.n, k=self.k, out_dtype=self.out_dtype)
+        return Problem(m=self.m_bucket, n=self.n, k=self.k, out_dtype=self.out_dtype,
+                       operation=self.op)  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         """The file's form: unset optional fields left out."""
@@ -205,6 +235,11 @@ class CacheEntry(BaseModel):
             noise_band=result.noise_band, measured=len(result.measurements),
             failed=len(result.failures), method=method or "unknown",
             timestamp=time.strftime("%Y-%m-%dT%H:%M:%S%z"), env=env,
+            operation=p.operation, measure=result.measure,
+            kept_default=result.kept_default, paired_ratio=_finite(result.paired_ratio),
+            pairs=result.pairs, decision=result.decision or None,
+            challenger=ref(result.challenger, result.runner_up_us)
+            if result.kept_default else None,
         )  # fmt: skip
 
 
@@ -260,7 +295,7 @@ class TunedWinners:
         entry = self.entries().get(bkey)
         if entry is not None:
             if self.verify and self._d._capturing():  # cannot run a check inside capture
-                log.info("bucket N=%d K=%d M<=%d %s: cached winner not verified yet "
+                log.info("bucket N=%d K=%d M<=%d %s %s: cached winner not verified yet "
                          "(CUDA-graph capture); heuristic used", *bkey)  # fmt: skip
                 return None
             try:
@@ -269,7 +304,7 @@ class TunedWinners:
                     self._verify(cand, bkey)
             except StaleEntry as exc:
                 cand = None
-                log.warning("tuning cache %s: ignoring stale entry for N=%d K=%d M<=%d %s: %s",
+                log.warning("tuning cache %s: ignoring stale entry for N=%d K=%d M<=%d %s %s: %s",
                             self.cache.path if self.cache else "-", *bkey, exc)  # fmt: skip
         self._winners[bkey] = cand
         return cand
@@ -319,19 +354,24 @@ class TunedWinners:
         )
 
     def cached_result(
-        self, bkey: BucketKey, requested: tuple[int, int, int]
+        self, bkey: BucketKey, requested: tuple[int, int, int], measure: str | None = None
     ) -> tuning.TuneResult | None:
         """The result `Dispatcher.tune` returns for a bucket it need not measure: tuned in
-        this process, or a valid (re-validated, verified) cache entry; else None."""
+        this process, or a valid (re-validated, verified) cache entry; else None.
+
+        ``measure``: the policy asked for; a winner measured under another one is not a
+        hit (the bucket is re-measured the way it will run)."""
         cand = self.bucket(bkey)
         if cand is None:
             return None
         if bkey in self.results:
-            return self.results[bkey]
+            hit = self.results[bkey]
+            return hit if measure in (None, hit.measure) else None
         entry = self.entries().get(bkey)
-        if entry is None:
+        if entry is None or measure not in (None, entry.policy):
             return None
-        heuristic = self._d.ranker.pick(entry.m_bucket, entry.n, entry.k, entry.out_dtype)
+        heuristic = self._d.ranker.pick(entry.m_bucket, entry.n, entry.k, entry.out_dtype,
+                                        entry.op)  # fmt: skip
         h = entry.heuristic or {}
         same_pick = h.get("backend") == heuristic.backend and h.get(
             "tactic"
@@ -354,12 +394,17 @@ class TunedWinners:
             runner_up_us=num(ru_us),
             noise_band=entry.noise_band if entry.noise_band is not None else tuning.NOISE_FLOOR,
             requested=requested,
+            measure=entry.policy,
+            paired_ratio=num(entry.paired_ratio),
+            pairs=entry.pairs or 0,
+            kept_default=bool(entry.kept_default),
+            decision=entry.decision or "",
         )
 
     def _verify(self, cand: Candidate, bkey: BucketKey) -> None:
         """Run a cached winner once and compare with the reference; StaleEntry if wrong."""
-        n, k, bucket, dtype = bkey
-        problem = Problem(m=bucket, n=n, k=k, out_dtype=dtype)
+        n, k, bucket, dtype, op = bkey
+        problem = Problem(m=bucket, n=n, k=k, out_dtype=dtype, operation=op)
         why = tuning.verify_candidate(cand, self._d.kernel_for, problem, self._d.device)
         if why is not None:
             raise StaleEntry(f"cached winner {cand.backend} gives a wrong result: {why}")
@@ -388,16 +433,19 @@ class TunedWinners:
         self._winners = {b: c for b, c in self._winners.items() if b in self.results}
         return report
 
-    def pick(self, m: int, n: int, k: int, dtype: str) -> Candidate | None:
+    def pick(
+        self, m: int, n: int, k: int, dtype: str, operation: str = DEFAULT_OPERATION
+    ) -> Candidate | None:
         """The bucket's winner if it is also valid at this exact M (else None)."""
         bucket = m_bucket(m)
-        cand = self.bucket((n, k, bucket, dtype))
+        cand = self.bucket((n, k, bucket, dtype, operation))
         if cand is None or m == bucket:
             return cand
         d = self._d
         backend = d.registry.backends[cand.backend]
         try:
-            why = backend.validate(cand.tactic, Problem(m=m, n=n, k=k, out_dtype=dtype), d.device)
+            exact = Problem(m=m, n=n, k=k, out_dtype=dtype, operation=operation)
+            why = backend.validate(cand.tactic, exact, d.device)
         except Exception as exc:  # a raising check counts as "not valid here"
             why = f"validate() raised {type(exc).__name__}: {exc}"
         if why is not None:
@@ -408,8 +456,7 @@ class TunedWinners:
 
     def adopt(self, result: tuning.TuneResult, save: bool) -> None:
         """Use a measured winner from now on; merge it into the cache file when `save`."""
-        p = result.problem
-        bkey = (p.n, p.k, p.m, p.out_dtype)
+        bkey = result.bucket
         self._winners[bkey] = result.winner
         self.results[bkey] = result
         if save and self.cache is not None:

@@ -139,6 +139,7 @@ class FakeTimer:
         self.jitter = jitter
         self.rng = random.Random(seed)
         self.calls: list[tuple[str, int, int]] = []
+        self.pair_calls: list[tuple] = []
 
     def __call__(self, cand, launch, best_us) -> Timing:
         key = (cand.backend, cand.tactic.tile_m, cand.tactic.tile_n)
@@ -146,6 +147,13 @@ class FakeTimer:
         true = self.times.get(key, 1000.0)
         samples = tuple(true * (1 + self.rng.uniform(-self.jitter, self.jitter)) for _ in range(3))
         return Timing(samples, "fake")
+
+    def paired(self, cands, launches, pairs):
+        """The never-loses check's pairs (recorded apart from `calls`)."""
+        keys = [(c.backend, c.tactic.tile_m, c.tactic.tile_n) for c in cands]
+        self.pair_calls.append(tuple(keys))
+        return [tuple(self.times.get(key, 1000.0) * (1 + self.rng.uniform(-self.jitter,
+                self.jitter)) for key in keys) for _ in range(pairs)]  # fmt: skip
 
 
 M, N, K = 100, 256, 128  # bucket M=128: 8 tactics per backend, 16 in all
@@ -493,44 +501,24 @@ class _FakeEvent:
 
 @pytest.mark.parametrize("capture_fails", [False, True])
 def test_cuda_timer_control_flow(monkeypatch, capture_fails):
-    """Probe, prune, graph (or eager fallback), long-kernel path: with a fake CUDA API."""
-    import contextlib
-
+    """Probe, prune, the harness's graph clock (or the eager fallback): fake CUDA API."""
+    from fp4_dispatch import harness
     from fp4_dispatch.ranking import Candidate
     from fp4_dispatch.tuning import CudaTimer
 
-    replays: list[int] = []
+    graphs: list[int] = []  # ``calls`` of each gpu_clock asked for
 
-    ends: list[int] = []
-
-    class FakeGraph:
-        def capture_begin(self, capture_error_mode: str = "global") -> None:
-            assert capture_error_mode == "thread_local"
-
-        def capture_end(self) -> None:
-            ends.append(1)
-            if capture_fails:
-                raise RuntimeError("operation not permitted when stream is capturing")
-
-        def replay(self) -> None:
-            replays.append(1)
-
-    class FakeStream:
-        device = "cuda:0"
-
-        def __init__(self, device=None) -> None:
-            pass
-
-        def wait_stream(self, other) -> None:
-            return None
+    def fake_gpu_clock(fn, calls=20, cold_l2=True, device=None):
+        assert cold_l2  # the tuner's graph policy is the benchmarks' cold-L2 clock
+        if capture_fails:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        graphs.append(calls)
+        return lambda: 7.0
 
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
-    monkeypatch.setattr(torch.cuda, "current_stream", FakeStream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(harness, "gpu_clock", fake_gpu_clock)
     c = Candidate("fake-a", "f", FakeATactic(), 1.0, "score")
     copies: list[int] = []
 
@@ -544,21 +532,62 @@ def test_cuda_timer_control_flow(monkeypatch, capture_fails):
 
     copies.clear()
     t = timer(c, launch, best_us=math.inf)
-    if capture_fails:  # probe, the failed capture, then the loop eagerly once per replay
-        repeat = (len(copies) - 1) // 4
-        assert t.method == "cuda-eager" and "capturing" in t.note
-        assert copies == [1, *list(range(repeat)) * 4] and ends == [1]
-    else:  # probe, then one captured loop replayed 3 times
-        repeat = len(copies) - 1
-        assert t.method == "cuda-graph" and len(replays) == 3
-        assert copies == [1, *range(repeat)]  # captured launches rotate the copies
-    assert 2 <= repeat <= 10  # ~2000 us target / ~200+ us per launch
     assert len(t.samples_us) == 3
+    if capture_fails:  # probe, one warm-up, then 3 eager samples of `repeat` launches
+        repeat = (len(copies) - 2) // 3
+        assert t.method == "cuda-eager" and "capturing" in t.note
+        assert copies == [1, *range(1 + 3 * repeat)]  # eager launches rotate the copies
+        assert all(s > 100 for s in t.samples_us)  # host wall time of ~200 us launches
+    else:
+        (repeat,) = graphs
+        assert t.method == "cuda-graph" and t.samples_us == (7.0, 7.0, 7.0)
+        assert copies == [1]  # everything else ran inside the (fake) graph clock
+    assert 2 <= repeat <= 10  # ~2000 us target / ~200+ us per launch
 
+    eager = CudaTimer(measure="eager", replays=3, target_replay_us=2000.0)
     copies.clear()
-    long = CudaTimer(replays=3, target_replay_us=50.0)  # 200 us > target: repeat 1
-    t = long(c, launch, best_us=math.inf)
-    assert t.method == "cuda-events" and copies == [1, 2, 3] and len(t.samples_us) == 3
+    t = eager(c, launch, best_us=math.inf)
+    assert t.method == "cuda-eager" and t.note == "" and len(t.samples_us) == 3
+    with pytest.raises(ValueError, match="measure"):
+        CudaTimer(measure="lazy")
+
+
+def test_paired_samples_alternate_and_flip_order(monkeypatch):
+    """The check's samples alternate winner and default, flipping the order each pair."""
+    from fp4_dispatch.ranking import Candidate
+    from fp4_dispatch.tuning import WallClockTimer, alternate, paired_samples
+
+    order: list[str] = []
+    pairs = alternate(lambda: order.append("a") or 1.0, lambda: order.append("b") or 2.0, 4)
+    assert pairs == [(1.0, 2.0)] * 4 and "".join(order) == "abbaabba"
+
+    a = Candidate("fake-a", "f", FakeATactic(), 1.0, "score")
+    b = Candidate("fake-b", "f", FakeBTactic(), 2.0, "score")
+    seen: list[str] = []
+
+    def plain(cand, launch, best):  # no `paired` method: the timer itself is alternated
+        seen.append(cand.backend)
+        return Timing((10.0 if cand is a else 20.0,), "fake")
+
+    got = paired_samples(plain, (a, b), (lambda i: None, lambda i: None), 5)
+    assert got == [(10.0, 20.0)] * 5 and len(seen) == 10
+    ran: list[str] = []
+    wall = WallClockTimer(target_replay_us=10.0)
+    got = paired_samples(wall, (a, b), (lambda i: ran.append("a"), lambda i: ran.append("b")), 5)
+    assert len(got) == 5 and all(x > 0 and y > 0 for x, y in got)
+    assert ran.count("a") == ran.count("b")  # same number of launches for both
+
+
+def test_harness_eager_samples_and_clock():
+    """`eager_wall_us` keeps its signature; the samples form gives one value per block."""
+    from fp4_dispatch import harness
+
+    calls: list[int] = []
+    samples = harness.eager_wall_samples(lambda: calls.append(1), calls=7, warmup=2, replays=3)
+    assert len(samples) == 3 and len(calls) == 2 + 3 * 7 and all(s >= 0 for s in samples)
+    calls.clear()
+    assert harness.eager_wall_us(lambda: calls.append(1), calls=5, warmup=1) >= 0
+    assert len(calls) == 6
 
 
 # ---- CLI ----------------------------------------------------------------------------------
@@ -861,7 +890,8 @@ def test_cache_entry_model_is_lenient_and_keeps_unknown_fields():
            "us": 3, "runner_up": None, "heuristic": [1], "est_us": "fast", "timestamp": 7,
            "from_the_future": {"x": 1}}  # fmt: skip
     e = CacheEntry.model_validate(old)
-    assert e.bucket == (256, 128, 128, "bfloat16") and e.us == 3.0
+    assert e.bucket == (256, 128, 128, "bfloat16", "w4a4") and e.us == 3.0  # no op: w4a4
+    assert e.policy == "graph" and e.kept_default is None
     assert e.heuristic is None and e.est_us is None and e.timestamp is None and e.env is None
     out = e.to_json()
     assert out["from_the_future"] == {"x": 1} and "heuristic" not in out
@@ -880,6 +910,7 @@ def test_tuner_takes_parts_not_a_dispatcher(make_dispatcher):
     tuner = Tuner(d.device, kernel_for, d.ranker, timer=FakeTimer({("fake-a", 64, 64): 9.0}))
     assert not hasattr(tuner, "dispatcher")
     r = tuner.tune(Problem(m=M, n=N, k=K))
-    assert r.winner.tactic == FakeATactic(tile_m=64, tile_n=64) and len(built) == 16
+    assert r.winner.tactic == FakeATactic(tile_m=64, tile_n=64) and len(set(built[:16])) == 16
+    assert built[16:] == [r.winner.tactic, r.heuristic.tactic]  # the paired check's pair
     with pytest.raises(TypeError, match="kernel_for and ranker"):
         Tuner(d.device)
