@@ -1,7 +1,9 @@
 """``fp4-dispatch cache show [--json] | path | clear | export FILE | import FILE``.
 
 ``show --json`` prints ``{"path", "metadata", "entries": [...]}``, one entry per tuned
-problem bucket (device fingerprint, N, K, M bucket, output dtype). ``show`` displays
+problem bucket (device fingerprint, N, K, M bucket, output dtype, operation). The table
+shows each entry's measurement policy and its paired check against the default (ratio;
+"kept" when the default stayed). ``show`` displays
 whatever the loader accepts: optional fields may be missing or of odd types (shown as
 ``?``/``-``). ``export FILE [--device D]`` writes the entries (of one device: a
 fingerprint such as ``"NVIDIA H200|9.0|132"``, or a device spec such as ``cuda:0``) to
@@ -99,6 +101,23 @@ def _env(entry: Mapping[str, Any]) -> str:
     return " ".join(parts) or "-"
 
 
+def _vs_default(entry: Mapping[str, Any]) -> str:
+    """The paired check: ``0.812`` (adopted at that ratio), ``kept 0.990``, ``-`` (none)."""
+    ratio = _num(entry.get("paired_ratio"))
+    text = "" if ratio is None else f"{ratio:.3f}"
+    if entry.get("kept_default") is True:
+        return f"kept {text}".strip()
+    return text or "-"
+
+
+def _measure(entry: Mapping[str, Any]) -> str:
+    """The measurement policy; older entries without one: read from ``method``."""
+    measure = entry.get("measure")
+    if measure in ("graph", "eager"):
+        return measure
+    return "eager" if entry.get("method") in ("wall-clock", "cuda-eager") else "graph"
+
+
 def _row(e: Mapping[str, Any], devices: object) -> tuple:
     dev = _field(devices, e["device"])
     heur_us, us = _num(_field(e.get("heuristic"), "us")), _num(e["us"])
@@ -109,11 +128,14 @@ def _row(e: Mapping[str, Any], devices: object) -> tuple:
         e["k"],
         f"M<={e['m_bucket']}",
         e["out_dtype"],
+        e.get("operation") if isinstance(e.get("operation"), str) else "w4a4",
         f"{e['backend']} {e['backend_version']}",
         _knobs(e["tactic"]),
         _us(e["us"]),
         _us(_field(e.get("runner_up"), "us")),
         regret,
+        _vs_default(e),
+        _measure(e),
         _env(e),
         e.get("timestamp", "?"),
     )
@@ -136,8 +158,9 @@ def show(cache: TuningCache, as_json: bool) -> int:
     print(f"library {md.get('library_version', '?')}, torch {md.get('torch', '?')}, "
           f"updated {md.get('updated', '?')}\n")  # fmt: skip
     rows = [_row(e, md.get("devices")) for e in entries]
-    headers = ("device", "N", "K", "bucket", "dtype", "backend", "tactic", "µs",
-               "runner-up µs", "heuristic regret", "environment", "tuned at")  # fmt: skip
+    headers = ("device", "N", "K", "bucket", "dtype", "op", "backend", "tactic", "µs",
+               "runner-up µs", "heuristic regret", "vs default", "measure", "environment",
+               "tuned at")  # fmt: skip
     print(common.format_table(rows, headers))
     return 0
 

@@ -1,6 +1,8 @@
 """``fp4-dispatch explain M N K``: the capped shortlist, its scores, why each was kept.
 
-Shows the cut per family, so a family that loses every slot can never go unnoticed.
+Shows the cut per family, so a family that loses every slot can never go unnoticed, and
+the bucket's tuned entry when the cache has one: its tactic, measurement policy and the
+paired check against the default (ratio; whether the default was kept).
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from ..buckets import bucket_key
 from . import common
 
 if TYPE_CHECKING:
@@ -28,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "nothing: works for simulated devices.",
         examples="""fp4-dispatch explain 128 4096 4096
 fp4-dispatch explain 32768 4096 8192 --device sm107 --budget 16
-fp4-dispatch explain 1 8192 8192 --device sm90 --json""",
+fp4-dispatch explain 1 8192 8192 --device sm90 --json
+fp4-dispatch explain 16 4096 4096 --op w4a16""",
     )
     common.add_shape_args(p)
     common.add_device_args(p)
@@ -38,6 +42,12 @@ fp4-dispatch explain 1 8192 8192 --device sm90 --json""",
         default="bfloat16",
         choices=("bfloat16", "float16"),
         help="output dtype (default bfloat16)",
+    )
+    p.add_argument(
+        "--op",
+        default="w4a4",
+        choices=("w4a4", "w4a16"),
+        help="w4a4: both operands NVFP4 (default); w4a16: dense activations, NVFP4 weights",
     )
     common.add_json_arg(p)
     p.set_defaults(func=run)
@@ -119,16 +129,61 @@ def render(sl: Shortlist, sm_count: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def tuned_entry(dispatcher, m: int, n: int, k: int, dtype: str, op: str) -> dict | None:
+    """The bucket's cache entry as recorded (None: not tuned), with ``usable``/``stale``.
+
+    Read, never run: explain works on simulated devices, so a cached winner's output is
+    not verified here (the dispatcher does that on its first use)."""
+    winners = getattr(dispatcher, "winners", None)
+    if winners is None:
+        return None
+    from ..winners import StaleEntry  # noqa: PLC0415 - imports torch
+
+    entry = winners.entries().get(bucket_key(m, n, k, dtype, op))
+    if entry is None:
+        return None
+    row = entry.to_json()
+    row["measure"], row["operation"] = entry.policy, entry.op
+    try:
+        winners.validate(entry)
+        row["usable"], row["stale"] = True, None
+    except StaleEntry as exc:
+        row["usable"], row["stale"] = False, str(exc)
+    return row
+
+
+def render_tuned(row: dict | None) -> str:
+    """One paragraph: the tuned tactic, its policy, the paired check against the default."""
+    if row is None:
+        return "tuned: no cache entry for this bucket (an untuned call runs the heuristic pick)"
+    tactic = row.get("tactic", {})
+    knobs = " ".join(f"{key}={v}" for key, v in tactic.items() if key != "backend")
+    ratio = row.get("paired_ratio")
+    vs = "-" if not isinstance(ratio, (int, float)) else f"{ratio:.3f}"
+    verdict = "default kept" if row.get("kept_default") else "winner adopted"
+    lines = [
+        f"tuned: {row['backend']} {knobs}: {row['us']:.4g} µs (measure {row['measure']})",
+        f"  vs default: paired ratio {vs} over {row.get('pairs') or 0} pairs, {verdict}"
+        + (f" - {row['decision']}" if row.get("decision") else ""),
+    ]
+    if not row["usable"]:
+        lines.append(f"  stale here, not used: {row['stale']}")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     dispatcher = common.make_dispatcher(args, budget=args.budget)
-    sl = dispatcher.candidates(args.m, args.n, args.k, out_dtype=args.out_dtype)
+    sl = dispatcher.candidates(args.m, args.n, args.k, out_dtype=args.out_dtype,
+                               operation=args.op)  # fmt: skip
     faults = list(getattr(dispatcher, "faults", ()))
+    tuned = tuned_entry(dispatcher, args.m, args.n, args.k, args.out_dtype, args.op)
     if args.json:
-        common.emit_json({**sl.to_json(), "faults": [f.to_json() for f in faults]})
+        common.emit_json({**sl.to_json(), "tuned": tuned, "faults": [f.to_json() for f in faults]})
     else:
         device = getattr(dispatcher, "device", None)
         gpu = device is not None and device.compute_capability is not None
         print(render(sl, device.sm_count if gpu else None))
+        print("\n" + render_tuned(tuned))
         if not sl.candidates:
             print(_not_available(dispatcher))
         if faults:

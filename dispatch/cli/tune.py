@@ -1,8 +1,10 @@
 """``fp4-dispatch tune --shapes M,N,K ...``: measure each shape's shortlist, keep the winner.
 
 Prints a summary table per shape bucket: the winner and its time, the runner-up, the
-heuristic pick (what an untuned call runs) and its regret, and every tactic that failed
-(which one, what error). Winners are merged into the tuning cache.
+heuristic pick (what an untuned call runs) and its regret, the paired check against that
+default (median winner / default ratio; "kept" when the default stayed because the
+measured winner was not faster beyond the noise band), the measurement policy, and every
+tactic that failed (which one, what error). Winners are merged into the tuning cache.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "real device (a simulated one runs nothing); on a CPU it tunes the reference.",
         examples="""fp4-dispatch tune --shapes 1,4096,4096 128x4096x4096
 fp4-dispatch tune --shapes 16,8192,8192 --budget 8 --json
-fp4-dispatch tune --shapes 1,4096,4096 --force --no-save   # re-measure, keep nothing""",
+fp4-dispatch tune --shapes 1,4096,4096 --force --no-save   # re-measure, keep nothing
+fp4-dispatch tune --shapes 1,4096,4096 --op w4a16 --measure eager""",
     )
     p.add_argument(
         "--shapes",
@@ -42,6 +45,19 @@ fp4-dispatch tune --shapes 1,4096,4096 --force --no-save   # re-measure, keep no
     common.add_device_args(p)
     common.add_budget_arg(p, "tactics measured per shape")
     p.add_argument("--out-dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument(
+        "--op",
+        default="w4a4",
+        choices=("w4a4", "w4a16"),
+        help="w4a4: both operands NVFP4 (default); w4a16: dense activations, NVFP4 weights",
+    )
+    p.add_argument(
+        "--measure",
+        default="graph",
+        choices=("graph", "eager"),
+        help="graph: CUDA-graph replay, cold L2, as graph-captured serving runs (default); "
+        "eager: back-to-back launches, launch overhead included. A CPU measures eagerly",
+    )
     p.add_argument("--force", action="store_true", help="re-measure buckets already cached")
     p.add_argument("--no-save", action="store_true", help="do not write the tuning cache")
     p.add_argument(
@@ -72,6 +88,14 @@ def _us(x: float) -> str:
     return "-" if not math.isfinite(x) else f"{x:,.2f}"
 
 
+def _paired(r: TuneResult) -> str:
+    """``0.82`` (adopted at this paired ratio), ``kept 0.99`` (default kept), ``-``."""
+    ratio = "" if not math.isfinite(r.paired_ratio) else f"{r.paired_ratio:.3f}"
+    if r.kept_default:
+        return f"kept {ratio}".strip()
+    return ratio or "-"
+
+
 def render(results: list[TuneResult]) -> str:
     rows = []
     for r in results:
@@ -89,14 +113,23 @@ def render(results: list[TuneResult]) -> str:
                 _tactic(r.heuristic),
                 _us(r.heuristic_us),
                 "-" if not math.isfinite(regret) else f"{regret * 100:+.1f}%",
+                _paired(r),
                 f"{r.noise_band * 100:.1f}%",
+                r.measure,
                 len(r.failures),
                 r.source if r.source == "cache" else f"{r.wall_s:.2f}s",
             )
         )
     headers = ("shape", "bucket", "winner", "µs", "runner-up", "µs", "heuristic pick", "µs",
-               "regret", "band", "failed", "time")  # fmt: skip
+               "regret", "vs default", "band", "measure", "failed", "time")  # fmt: skip
     lines = [common.format_table(rows, headers)]
+    decided = [r for r in results if r.source == "measured" and r.decision]
+    if decided:
+        lines += ["", "winner vs default (paired check):"]
+        for r in decided:
+            p = r.problem
+            lines.append(f"  {'x'.join(str(v) for v in (r.requested or (p.m, p.n, p.k)))}: "
+                         f"{r.decision}")  # fmt: skip
     failures = [(r, m) for r in results for m in r.failures]
     if failures:
         lines += ["", "failed tactics (timed as infinity):"]
@@ -118,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
     results = d.tune(
         shapes,
         out_dtype=args.out_dtype,
+        operation=args.op,
+        measure=args.measure,
         force=args.force,
         save=not args.no_save,
         progress=False if args.no_progress else None,
@@ -130,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
     else:
         where = "not saved" if path is None else f"cache: {path}"
-        print(f"device: {d.device.name} ({d.device.kind}); budget {args.budget}; {where}\n")
+        print(f"device: {d.device.name} ({d.device.kind}); {args.op}; budget {args.budget}; "
+              f"{where}\n")  # fmt: skip
         print(render(results))
     return 0 if all(r.winner is not None for r in results) else 1
