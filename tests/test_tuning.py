@@ -914,3 +914,250 @@ def test_tuner_takes_parts_not_a_dispatcher(make_dispatcher):
     assert built[16:] == [r.winner.tactic, r.heuristic.tactic]  # the paired check's pair
     with pytest.raises(TypeError, match="kernel_for and ranker"):
         Tuner(d.device)
+
+
+# ---- a tuned pick never loses to the default ------------------------------------------------
+
+DEFAULT = ("fake-a", 128, 256)  # the heuristic pick of (M, N, K): the best estimate
+CHALLENGER = ("fake-b", 64, 32)
+
+
+class NoisyFirstPass(FakeTimer):
+    """The first pass sees ``first`` times (a lucky sample); the pairs see the truth."""
+
+    def __init__(self, first, true) -> None:
+        super().__init__(first)
+        self.true = true
+
+    def paired(self, cands, launches, pairs):
+        keys = [(c.backend, c.tactic.tile_m, c.tactic.tile_n) for c in cands]
+        self.pair_calls.append(tuple(keys))
+        return [tuple(self.true[key] for key in keys) for _ in range(pairs)]
+
+
+def _race(make_dispatcher, challenger_true_us: float, **kw):
+    d = make_dispatcher(**kw)
+    first = {DEFAULT: 100.0, CHALLENGER: 70.0}  # the first pass: 30% faster (noise)
+    timer = NoisyFirstPass(first, {DEFAULT: 100.0, CHALLENGER: challenger_true_us})
+    (r,) = d.tune([(M, N, K)], timer=timer, band=0.02, progress=False)
+    return d, r, timer
+
+
+def _key(c):
+    return (c.backend, c.tactic.tile_m, c.tactic.tile_n)
+
+
+def test_a_winner_within_the_band_keeps_the_default(make_dispatcher, tmp_path):
+    """1% faster in the paired check, 2% band: the default stays, and the entry says so."""
+    d, r, timer = _race(make_dispatcher, 99.0, cache=tmp_path / "kept.json")
+    assert timer.pair_calls == [(CHALLENGER, DEFAULT)]
+    assert r.kept_default and r.paired_ratio == pytest.approx(0.99) and r.pairs == 5
+    assert _key(r.winner) == DEFAULT and _key(r.challenger) == CHALLENGER
+    assert "default kept" in r.decision and "default kept" in r.winner.reason
+    assert _key(d.select(M, N, K)) == DEFAULT  # what runs is the default
+    (entry,) = TuningCache(tmp_path / "kept.json").entries()
+    assert entry["kept_default"] is True and entry["paired_ratio"] == pytest.approx(0.99)
+    assert entry["challenger"]["backend"] == "fake-b" and entry["measure"] == "eager"
+    out = r.to_json()
+    assert out["kept_default"] is True and out["paired_ratio"] == pytest.approx(0.99)
+    # a fresh process reads the decision back from the cache
+    (again,) = make_dispatcher(cache=tmp_path / "kept.json").tune([(M, N, K)], progress=False)
+    assert again.source == "cache" and again.kept_default
+    assert again.paired_ratio == pytest.approx(0.99)
+
+
+def test_a_winner_faster_beyond_the_band_is_adopted(make_dispatcher, tmp_path):
+    d, r, _ = _race(make_dispatcher, 80.0, cache=tmp_path / "won.json")
+    assert not r.kept_default and r.paired_ratio == pytest.approx(0.8)
+    assert _key(r.winner) == CHALLENGER and r.challenger is None
+    assert r.decision.startswith("adopted") and _key(d.select(M, N, K)) == CHALLENGER
+    (entry,) = TuningCache(tmp_path / "won.json").entries()
+    assert entry["kept_default"] is False and entry["backend"] == "fake-b"
+
+
+def test_a_failing_default_cannot_be_kept(make_dispatcher):
+    """The default fails to build: the winner is adopted without a pair."""
+    d = make_dispatcher(FakeA({(128, 256): "build"}), FakeB())
+    timer = NoisyFirstPass({CHALLENGER: 70.0}, {})
+    (r,) = d.tune([(M, N, K)], timer=timer, band=0.02, progress=False)
+    assert math.isinf(r.heuristic_us) and _key(r.heuristic) == DEFAULT
+    assert _key(r.winner) == CHALLENGER and not r.kept_default and r.pairs == 0
+    assert timer.pair_calls == [] and "default failed" in r.decision
+
+
+def test_the_pairs_alternate_a_plain_timer(make_dispatcher):
+    """A timer with no ``paired`` method: the check alternates its calls (5 pairs)."""
+
+    class Plain:
+        def __init__(self) -> None:
+            self.calls: list = []
+
+        def __call__(self, cand, launch, best):
+            key = _key(cand)
+            self.calls.append(key)
+            first = len(self.calls) <= 16  # the first pass over the 16 tactics
+            us = {DEFAULT: 100.0, CHALLENGER: 70.0 if first else 99.5}.get(key, 1000.0)
+            return Timing((us, us), "fake")
+
+    timer = Plain()
+    d = make_dispatcher()
+    (r,) = d.tune([(M, N, K)], timer=timer, band=0.02, progress=False)
+    assert r.kept_default and r.paired_ratio == pytest.approx(0.995)
+    assert sorted(timer.calls[16:]) == sorted([CHALLENGER, DEFAULT] * 5)
+
+
+def test_a_paired_check_that_fails_keeps_the_default(make_dispatcher, caplog):
+    class Broken(NoisyFirstPass):
+        def paired(self, cands, launches, pairs):
+            raise RuntimeError("the GPU fell off the bus (synthetic)")
+
+    d = make_dispatcher()
+    timer = Broken({DEFAULT: 100.0, CHALLENGER: 50.0}, {})
+    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.tuning"):
+        (r,) = d.tune([(M, N, K)], timer=timer, band=0.02, progress=False)
+    assert r.kept_default and _key(r.winner) == DEFAULT and math.isnan(r.paired_ratio)
+    assert "fell off the bus" in r.decision and "paired check failed" in caplog.text
+
+
+def test_the_default_as_winner_needs_no_pair(make_dispatcher):
+    timer = NoisyFirstPass({DEFAULT: 10.0}, {})
+    (r,) = make_dispatcher().tune([(M, N, K)], timer=timer, progress=False)
+    assert _key(r.winner) == DEFAULT and not r.kept_default and timer.pair_calls == []
+    assert r.decision == "the default is the measured winner"
+
+
+def test_pairs_below_the_floor_are_refused(make_dispatcher):
+    d = make_dispatcher()
+    with pytest.raises(ValueError, match="pairs"):
+        Tuner(d, pairs=3)
+
+
+# ---- the measurement policy -----------------------------------------------------------------
+
+
+def test_the_policy_is_recorded_and_a_cpu_measures_eagerly(make_dispatcher, tmp_path):
+    from fp4_dispatch.tuning import CudaTimer, default_timer, policy_of
+
+    path = tmp_path / "policy.json"
+    d = make_dispatcher(cache=path)
+    (r,) = d.tune([(M, N, K)], measure="graph", timer=FakeTimer({}), progress=False)
+    assert r.measure == "eager"  # WallClockTimer territory: eager by nature
+    assert TuningCache(path).entries()[0]["measure"] == "eager"
+    with pytest.raises(ValueError, match="measure"):
+        d.tune([(M, N, K)], measure="sometimes")
+    with pytest.raises(ValueError, match="measure"), d.autotuning(measure="sometimes"):
+        pass
+    gpu = d.device.model_copy(update={"kind": "cuda"})
+    assert policy_of(gpu, "graph") == "graph" and policy_of(gpu, "eager") == "eager"
+    timer = default_timer(gpu, "eager")
+    assert isinstance(timer, CudaTimer) and timer.measure == "eager"
+    assert default_timer(gpu).measure == "graph"
+
+
+def test_a_winner_of_another_policy_is_re_measured(make_dispatcher, tmp_path):
+    """A cached graph-policy winner is no hit for an eager tuning (and vice versa)."""
+    path = _tune_and_edit(make_dispatcher, tmp_path, lambda e: e.update(measure="graph"))
+    d = make_dispatcher(cache=path)
+    bkey = (N, K, 128, "bfloat16", "w4a4")
+    assert d.winners.cached_result(bkey, (M, N, K), "graph") is not None
+    assert d.winners.cached_result(bkey, (M, N, K), "eager") is None
+    timer = FakeTimer({})
+    (r,) = d.tune([(M, N, K)], timer=timer, progress=False)  # a CPU tunes eagerly
+    assert r.source == "measured" and len(timer.calls) == 16
+
+
+def test_entries_without_a_policy_read_it_from_the_method():
+    from fp4_dispatch.winners import CacheEntry
+
+    base = {"device": "cpu|-|1", "n": 256, "k": 128, "m_bucket": 128, "out_dtype": "bfloat16",
+            "backend": "fake-a", "backend_version": "1", "tactic": {"backend": "fake-a"},
+            "us": 3}  # fmt: skip
+    assert CacheEntry.model_validate({**base, "method": "wall-clock"}).policy == "eager"
+    assert CacheEntry.model_validate({**base, "method": "cuda-graph"}).policy == "graph"
+    assert CacheEntry.model_validate({**base, "measure": "eager"}).policy == "eager"
+    assert CacheEntry.model_validate({**base, "measure": 5}).policy == "graph"  # odd: ignored
+
+
+# ---- the operation ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def reference_only(monkeypatch, tmp_path):
+    monkeypatch.setenv("FP4_DISPATCH_PLUGINS", "")  # built-ins only: the reference on CPU
+    return Dispatcher(device="cpu", cache=tmp_path / "ops.json")
+
+
+def test_w4a16_is_tuned_and_cached_apart_from_w4a4(reference_only, tmp_path):
+    d = reference_only
+    (r16,) = d.tune([(16, 64, 128)], operation="w4a16", progress=False)
+    assert r16.problem.operation == "w4a16" and r16.winner.backend == "torch-reference"
+    assert r16.bucket == (64, 128, 16, "bfloat16", "w4a16")
+    assert d.select(16, 64, 128, operation="w4a16").reason.startswith("tuned")
+    assert d.select(16, 64, 128).reason == "heuristic top-1"  # w4a4: not tuned
+    (r4,) = d.tune([(16, 64, 128)], progress=False)
+    assert r4.problem.operation == "w4a4" and r4.source == "measured"
+    entries = TuningCache(tmp_path / "ops.json").entries()
+    assert sorted(e["operation"] for e in entries) == ["w4a16", "w4a4"]  # both kept
+    with pytest.raises(ValueError, match="operation"):
+        d.tune([(16, 64, 128)], operation="w8a8")
+
+
+def test_an_entry_without_an_operation_is_w4a4(make_dispatcher, tmp_path):
+    path = _tune_and_edit(make_dispatcher, tmp_path, lambda e: e.pop("operation"))
+    assert "operation" not in json.loads(path.read_text())["entries"][0]
+    d = make_dispatcher(cache=path)
+    assert d.select(M, N, K).reason.startswith("tuned")
+    assert d.winners.bucket((N, K, 128, "bfloat16", "w4a16")) is None
+
+
+def test_dense_inputs_and_their_check():
+    from fp4_dispatch.backend import DenseOperands
+    from fp4_dispatch.backends.reference import gemm_dense
+    from fp4_dispatch.device import CPU
+    from fp4_dispatch.tuning import check_output, make_inputs
+
+    inp = make_inputs(Problem(m=40, n=32, k=64, operation="w4a16"), CPU, copies=2)
+    ops = inp.copies[0]
+    assert isinstance(ops, DenseOperands) and ops.a.dtype == torch.bfloat16
+    assert ops.a.shape == (40, 64) and len(inp.copies) == 2
+    inp.out.fill_(math.nan)
+    gemm_dense(ops, inp.out, compute_dtype="float32", k_chunk=0)
+    assert check_output(inp.out, inp) is None
+    inp.out.zero_()
+    assert "relative error" in check_output(inp.out, inp)
+
+
+def test_autotuning_tunes_a_dense_call(reference_only):
+    d = reference_only
+    x = torch.randn(8, 128, dtype=torch.bfloat16)
+    from fp4_dispatch import quantize_nvfp4
+
+    qb = quantize_nvfp4(torch.randn(64, 128))
+    with d.autotuning(measure="eager"):
+        d.gemm(x, qb)
+    assert d.winners.bucket((64, 128, 8, "bfloat16", "w4a16")) is not None
+    assert d.winners.results[(64, 128, 8, "bfloat16", "w4a16")].measure == "eager"
+
+
+def test_cli_tune_op_and_measure_then_explain_and_show(capsys, monkeypatch, tmp_path):
+    from fp4_dispatch.cli import main
+
+    monkeypatch.setenv("FP4_DISPATCH_PLUGINS", "")
+    monkeypatch.setenv("FP4_DISPATCH_CACHE", str(tmp_path / "cli.json"))
+    args = ["tune", "--shapes", "16,64,256", "--device", "cpu", "--no-progress",
+            "--op", "w4a16", "--measure", "eager", "--json"]  # fmt: skip
+    assert main(args) == 0
+    (r,) = json.loads(capsys.readouterr().out)["results"]
+    assert r["problem"]["operation"] == "w4a16" and r["measure"] == "eager"
+    assert "paired_ratio" in r and r["kept_default"] in (True, False)
+    assert main(["explain", "16", "64", "256", "--device", "cpu", "--op", "w4a16"]) == 0
+    text = capsys.readouterr().out
+    assert "tuned: torch-reference" in text and "measure eager" in text and "vs default" in text
+    assert main(["explain", "16", "64", "256", "--device", "cpu"]) == 0
+    assert "no cache entry for this bucket" in capsys.readouterr().out  # w4a4: untuned
+    assert main(["explain", "16", "64", "256", "--device", "cpu", "--op", "w4a16", "--json"]) == 0
+    tuned = json.loads(capsys.readouterr().out)["tuned"]
+    assert tuned["operation"] == "w4a16" and tuned["usable"] is True
+    assert main(["cache", "show"]) == 0
+    text = capsys.readouterr().out
+    assert "w4a16" in text and "vs default" in text and "eager" in text
