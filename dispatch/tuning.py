@@ -34,7 +34,8 @@ graphs and a cold L2 (3648), and different winners in different processes from n
      launch overhead counts, as it does for such a caller.
    - CUDA (`CudaTimer`): a single-launch probe between CUDA events (behind a delay
      kernel, so launch overhead never times into it) picks ``calls`` so one sample
-     lasts about ``target_replay_us``; then ``replays`` samples of the policy's clock.
+     lasts about ``target_replay_us`` (at most `GRAPH_CALLS` per graph: the flushes
+     dominate short kernels); then ``replays`` samples of the policy's clock.
    - CPU (`WallClockTimer`): ``time.perf_counter`` around ``calls`` launches: eager by
      nature, so a CPU result always records ``measure="eager"``.
    - Pruning: a tactic whose probe is over ``prune`` (1.5) x the best time measured so far
@@ -115,6 +116,8 @@ PRUNE_FACTOR = 1.5
 #: one graph replay should last about this long (enough launches to average noise)
 TARGET_REPLAY_US = 1000.0
 MAX_REPEAT = 100
+#: calls per CUDA graph under the graph policy (`CudaTimer.graph_calls`)
+GRAPH_CALLS = 20
 REPLAYS = 3
 #: delay kernel before each timed region, in GPU clock cycles (~0.5 ms at 2 GHz)
 SLEEP_CYCLES = 1_000_000
@@ -531,6 +534,10 @@ class CudaTimer:
     max_repeat: int = MAX_REPEAT
     prune: float = PRUNE_FACTOR
     sleep_cycles: int = SLEEP_CYCLES
+    #: at most this many calls per graph (the benchmarks' `gpu_time_us` default): with
+    #: an L2 flush before each call the flush dominates short kernels, so more calls
+    #: cost time and add nothing to the average
+    graph_calls: int = GRAPH_CALLS
 
     def __post_init__(self) -> None:
         _check_measure(self.measure)
@@ -551,6 +558,7 @@ class CudaTimer:
         """(clock, method, note) of `launch` under this policy, ``calls`` launches a sample."""
         if self.measure == "graph":
             try:
+                calls = min(calls, self.graph_calls)
                 return harness.gpu_clock(lambda: launch(0), calls=calls), "cuda-graph", ""
             except Exception as exc:  # not capturable: time eagerly and say so
                 torch.cuda.synchronize()
