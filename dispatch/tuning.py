@@ -715,7 +715,9 @@ class Tuner:
                 f"{device.name} is simulated: tuning measures kernels, so it needs "
                 "the real device (use Dispatcher() on it)"
             )
-        if type(pairs) is not int or pairs < MIN_PAIRS:
+        if type(pairs) is not int:
+            raise TypeError(f"pairs: expected an int, got {type(pairs).__name__}")
+        if pairs < MIN_PAIRS:
             raise ValueError(f"pairs: expected an int >= {MIN_PAIRS}, got {pairs!r}")
         self.device = device
         self.kernel_for = kernel_for
@@ -897,6 +899,9 @@ class Tuner:
         fleet) this rank's share measured here and the others' gathered."""
         if fleet is None:
             return self.measure(problem, todo, bar, inputs)
+        # ranks with other backends or versions would split different lists: say so
+        fleet.agree(f"the shortlist of {problem}", [f"{c.backend} {c.tactic.canonical_json()}"
+                                                    for c in todo])  # fmt: skip
         mine = fleet.share(len(todo))
         local = self.measure(problem, [todo[i] for i in mine], bar, inputs)
         if bar is not None:
