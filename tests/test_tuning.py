@@ -1161,3 +1161,15 @@ def test_cli_tune_op_and_measure_then_explain_and_show(capsys, monkeypatch, tmp_
     assert main(["cache", "show"]) == 0
     text = capsys.readouterr().out
     assert "w4a16" in text and "vs default" in text and "eager" in text
+
+
+def test_explain_shows_a_kept_default(make_dispatcher, tmp_path, capsys):
+    from fp4_dispatch.cli.explain import render_tuned, tuned_entry
+
+    d, _, _ = _race(make_dispatcher, 99.0, cache=tmp_path / "kept.json")
+    row = tuned_entry(d, M, N, K, "bfloat16", "w4a4")
+    assert row["kept_default"] is True and row["usable"] is True
+    text = render_tuned(row)
+    assert "paired ratio 0.990 over 5 pairs, default kept" in text
+    assert "challenger that lost: fake-b" in text
+    assert tuned_entry(d, M, N, K, "bfloat16", "w4a16") is None

@@ -156,16 +156,25 @@ def render_tuned(row: dict | None) -> str:
     """One paragraph: the tuned tactic, its policy, the paired check against the default."""
     if row is None:
         return "tuned: no cache entry for this bucket (an untuned call runs the heuristic pick)"
-    tactic = row.get("tactic", {})
-    knobs = " ".join(f"{key}={v}" for key, v in tactic.items() if key != "backend")
-    ratio = row.get("paired_ratio")
-    vs = "-" if not isinstance(ratio, (int, float)) else f"{ratio:.3f}"
-    verdict = "default kept" if row.get("kept_default") else "winner adopted"
+    tactic = row.get("tactic") if isinstance(row.get("tactic"), dict) else {}
+    quiet = {"cluster_m": 1, "cluster_n": 1, "swap_ab": False}
+    shown = {k: v for k, v in tactic.items() if k not in ("backend", "tile_m", "tile_n")}
+    knobs = [f"{k}={v}" for k, v in sorted(shown.items()) if k not in quiet or quiet[k] != v]
+    tile = f"{tactic.get('tile_m', '?')}x{tactic.get('tile_n', '?')}"
+    ratio, pairs = row.get("paired_ratio"), row.get("pairs") or 0
+    if isinstance(ratio, (int, float)):
+        kept = "default kept" if row.get("kept_default") else "winner adopted"
+        check = f"paired ratio {ratio:.3f} over {pairs} pairs, {kept}"
+    else:
+        check = row.get("decision") or "no paired check recorded"
     lines = [
-        f"tuned: {row['backend']} {knobs}: {row['us']:.4g} µs (measure {row['measure']})",
-        f"  vs default: paired ratio {vs} over {row.get('pairs') or 0} pairs, {verdict}"
-        + (f" - {row['decision']}" if row.get("decision") else ""),
+        f"tuned: {row['backend']} {' '.join([tile, *knobs])}: {row['us']:.4g} µs "
+        f"(measure {row['measure']})",
+        f"  vs default: {check}",
     ]
+    if row.get("kept_default") and isinstance(row.get("challenger"), dict):
+        lines.append(f"  the challenger that lost: {row['challenger'].get('backend')} "
+                     f"{row['challenger'].get('tactic')}")  # fmt: skip
     if not row["usable"]:
         lines.append(f"  stale here, not used: {row['stale']}")
     return "\n".join(lines)
