@@ -4,7 +4,11 @@ One device call. Single process (``python benchmarks/bench_tuning_fleet.py``): f
 4 shapes, tune with ``measure="graph"`` (CUDA-graph replay, cold L2) and
 ``measure="eager"`` (back-to-back launches), each from scratch (``force``), and report
 the winner, the default (heuristic) pick, the paired ratio winner / default of the
-never-loses check, whether the default was kept, and the tuning wall time.
+never-loses check, whether the default was kept, and the tuning wall time (the first
+policy's includes compiling the shortlist). Then an independent check, outside the
+tuner: the adopted pick and the default timed again on fresh inputs with the harness
+(`gpu_time_us` for graph, `eager_wall_us` for eager); "check" is their ratio (<= 1 +
+band: the tuned pick does not lose).
 
 Under torchrun (``torchrun --nproc-per-node N benchmarks/bench_tuning_fleet.py``; NCCL
 on GPUs, one GPU per rank, gloo on CPU): every rank first tunes all shapes alone once
@@ -42,8 +46,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fp4_dispatch import Dispatcher
-from fp4_dispatch.tuning import default_timer
+from fp4_dispatch import Dispatcher, harness
+from fp4_dispatch.guard import launch as run_kernel
+from fp4_dispatch.tuning import default_timer, make_inputs
 
 #: decode, small batch, prefill chunk, prefill: (M, N, K) of a 70B-class layer
 SHAPES = ((1, 8192, 8192), (16, 28672, 8192), (256, 8192, 28672), (4096, 8192, 8192))
@@ -96,12 +101,38 @@ def _row(r, policy: str) -> dict:
     }
 
 
-def policies(d: Dispatcher, shapes) -> list[dict]:
-    """Each shape tuned from scratch under each policy (memory only)."""
+def check_ratio(d: Dispatcher, r, quick: bool) -> float | None:
+    """Adopted pick / default, timed again outside the tuner (fresh inputs, seed 1)."""
+    if r.winner is None:
+        return None
+    if _key(r.winner) == _key(r.heuristic):
+        return 1.0
+    p = r.problem
+    inputs = make_inputs(p, d.device, seed=1, copies=1)
+
+    def call(c):
+        kernel = d.kernel_for(c, p)
+        return lambda: run_kernel(kernel, inputs.copies[0], inputs.out, c.tactic.swap_ab)
+
+    fns = [call(r.winner), call(r.heuristic)]
+    if r.measure == "graph":
+        times = [harness.gpu_time_us(f) for f in fns]
+    else:
+        calls = 5 if quick else 200
+        times = [harness.eager_wall_us(f, calls=calls, warmup=2) for f in fns]
+    return times[0] / times[1] if times[1] > 0 else None
+
+
+def policies(d: Dispatcher, shapes, quick: bool) -> list[dict]:
+    """Each shape tuned from scratch under each policy (memory only), then checked."""
     rows = []
     for policy in POLICIES:
         for r in d.tune(shapes, measure=policy, force=True, save=False):
-            rows.append(_row(r, policy))
+            row = _row(r, policy)
+            row["check_ratio"] = check_ratio(d, r, quick)
+            row["check_ok"] = (row["check_ratio"] is None
+                               or row["check_ratio"] <= 1 + r.noise_band)  # fmt: skip
+            rows.append(row)
     return rows
 
 
@@ -162,7 +193,7 @@ def distributed(d: Dispatcher, shapes) -> dict:
 
 def _table(rows: list[dict]) -> str:
     head = (f"{'shape':>18} {'asked':>6} {'policy':>6} {'winner':>44} {'µs':>9} "
-            f"{'default µs':>10} {'paired':>7} {'kept':>5} {'wall s':>7}")  # fmt: skip
+            f"{'default µs':>10} {'paired':>7} {'kept':>5} {'check':>6} {'wall s':>7}")  # fmt: skip
     lines = [head]
     for r in rows:
         ratio = "-" if r["paired_ratio"] is None else f"{r['paired_ratio']:.3f}"
@@ -171,9 +202,11 @@ def _table(rows: list[dict]) -> str:
         shape = "x".join(str(v) for v in r["shape"])
         winner = r["winner_label"][:44]
         kept = "yes" if r["kept_default"] else "no"
+        check = "-" if r["check_ratio"] is None else f"{r['check_ratio']:.3f}"
+        check += "" if r["check_ok"] else "!"
         lines.append(
             f"{shape:>18} {r['policy_asked']:>6} {r['measure']:>6} {winner:>44} {us:>9} "
-            f"{dus:>10} {ratio:>7} {kept:>5} {r['wall_s']:>7.2f}"
+            f"{dus:>10} {ratio:>7} {kept:>5} {check:>6} {r['wall_s']:>7.2f}"
         )
     return "\n".join(lines)
 
@@ -227,7 +260,7 @@ def main() -> int:
         if grouped:
             report["distributed"] = distributed(d, shapes)
         else:
-            report["policies"] = policies(d, shapes)
+            report["policies"] = policies(d, shapes, args.quick)
     finally:
         if grouped:
             dist.destroy_process_group()
@@ -242,6 +275,9 @@ def main() -> int:
         print(_dist_table(report["distributed"]))
         return 0 if report["distributed"]["agree"] else 1
     print(_table(report["policies"]))
+    lost = [r for r in report["policies"] if not r["check_ok"]]
+    print(f"tuned pick slower than the default beyond the band (check '!'): {len(lost)} of "
+          f"{len(report['policies'])}")  # fmt: skip
     return 0
 
 
