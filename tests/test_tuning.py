@@ -526,7 +526,9 @@ def test_cuda_timer_control_flow(monkeypatch, capture_fails):
         copies.append(i)
         time.sleep(2e-4)
 
-    timer = CudaTimer(replays=3, target_replay_us=2000.0)
+    # 10 ms per sample / ~200 us per launch: ~40 calls (graphs cap them at 20); a loaded
+    # machine that stretches the 200 us sleep 5x still leaves repeat >= 2
+    timer = CudaTimer(replays=3, target_replay_us=10_000.0)
     assert timer(c, launch, best_us=1.0).method == "pruned"  # 200 us probe > 1.5 us
     assert copies == [1]
 
@@ -542,7 +544,7 @@ def test_cuda_timer_control_flow(monkeypatch, capture_fails):
         (repeat,) = graphs
         assert t.method == "cuda-graph" and t.samples_us == (7.0, 7.0, 7.0)
         assert copies == [1]  # everything else ran inside the (fake) graph clock
-    assert 2 <= repeat <= 10  # ~2000 us target / ~200+ us per launch
+    assert 2 <= repeat <= (50 if capture_fails else 20)
 
     eager = CudaTimer(measure="eager", replays=3, target_replay_us=2000.0)
     copies.clear()
