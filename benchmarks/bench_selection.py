@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -63,7 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=None, help="tuning budget (default: library)")
     p.add_argument("--max-tactics", type=int, default=200, help="exhaustive cap per shape")
     p.add_argument("--time-limit", type=float, default=270.0, help="seconds for everything")
-    p.add_argument("--workers", type=int, default=None, help="precompile processes (0: none)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="precompile processes (0: none; default: on CUDA, min(cpus - 1, 16))",
+    )
     p.add_argument("--shapes", nargs="*", default=None, metavar="M,N,K", help="override grid")
     p.add_argument("--out", default=os.environ.get("OUT", "out"), help="output folder")
     return p.parse_args(argv)
@@ -101,65 +105,25 @@ def sample(cands: list, cap: int) -> tuple[list, bool]:
 # ---- precompile (CUDA) --------------------------------------------------------------------
 
 
-def proxy_m(m: int) -> int:
-    """A smaller M with Triton's integer specialization of M (== 1, % 16 == 0) unchanged,
-    so precompiling M = 16384 does not spend seconds of GPU time per tactic."""
-    return 256 if m > 256 and m % 256 == 0 else m
-
-
-def _precompile_worker(job: tuple[str, list[tuple[tuple[int, int, int], list[str]]], float]):
-    """Build and run once each (shape, tactic) (M reduced by `proxy_m`): fills Triton's
-    disk cache in parallel, so the timed process only loads compiled kernels (a kernel
-    the proxy did not cover is compiled on first use there, which is slower, not wrong)."""
-    device, work, deadline = job
-    import torch
-
-    from fp4_dispatch.dispatcher import Dispatcher, launch
-    from fp4_dispatch.ranking import Candidate
+def precompile(d, plan: dict, workers: int, deadline_s: float) -> dict[str, Any]:
+    """Compile every planned (shape, tactic) in `workers` processes with the library's
+    shared implementation (`fp4_dispatch.precompile`: Triton ``warmup``, no launch), so
+    the timed code only loads kernels from Triton's disk cache."""
+    from fp4_dispatch import precompile as pc
     from fp4_dispatch.tactics import Problem
-    from fp4_dispatch.tuning import make_inputs
 
-    d = Dispatcher(device=device, cache=False)
-    failures: list[tuple[str, str, str]] = []
-    done = skipped = 0
-    for shape, tactic_jsons in work:
-        problem = Problem(m=proxy_m(shape[0]), n=shape[1], k=shape[2])
-        inputs = make_inputs(problem, d.device, copies=1)
+    pairs = []
+    for (m, n, k), tactic_jsons in plan.items():
         for tj in tactic_jsons:
-            if time.time() > deadline:
-                skipped += 1
-                continue
             raw = json.loads(tj)
             backend = d.registry.backends[raw["backend"]]
-            tactic = backend.tactic_type.model_validate(raw)
-            cand = Candidate(backend.name, backend.family, tactic, 0.0, "precompile")
-            try:
-                launch(cand, d.kernel_for(cand, problem), inputs.copies[0], inputs.out)
-                if d.device.kind == "cuda":
-                    torch.cuda.synchronize()
-                done += 1
-            except Exception as exc:  # reported by the parent, never fatal here
-                failures.append((str(shape), tj, f"{type(exc).__name__}: {str(exc)[:200]}"))
-        del inputs
-    return done, skipped, failures
-
-
-def precompile(device: str, plan: dict, workers: int, deadline: float) -> dict[str, Any]:
-    """Spread (shape, tactic) pairs over `workers` spawned processes, by tactic."""
-    tactics = sorted({tj for tjs in plan.values() for tj in tjs})
-    owner = {tj: i % workers for i, tj in enumerate(tactics)}
-    jobs = []
-    for w in range(workers):
-        work = [(shape, [tj for tj in tjs if owner[tj] == w]) for shape, tjs in plan.items()]
-        jobs.append((device, [x for x in work if x[1]], deadline))
-    t0 = time.time()
-    with mp.get_context("spawn").Pool(workers) as pool:
-        parts = pool.map(_precompile_worker, jobs)
-    done = sum(p[0] for p in parts)
-    skipped = sum(p[1] for p in parts)
-    failures = [f for p in parts for f in p[2]]
-    return {"seconds": time.time() - t0, "ran": done, "skipped_deadline": skipped,
-            "failures": failures, "distinct_tactics": len(tactics)}  # fmt: skip
+            pairs.append((backend, backend.tactic_type.model_validate(raw), Problem(m=m, n=n, k=k)))
+    jobs = pc.jobs_for(pairs)
+    report = pc.precompile(jobs, d.device, workers=workers, deadline_s=deadline_s)
+    return {"seconds": report.seconds, "ran": len(report.compiled),
+            "skipped_deadline": len(report.skipped), "distinct_kernels": len(jobs),
+            "failures": [(o.job.backend.name, o.job.tactic.canonical_json(), o.reason)
+                         for o in report.failed]}  # fmt: skip
 
 
 # ---- one shape --------------------------------------------------------------------------
@@ -366,11 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     workers = args.workers
     if workers is None:
-        workers = 0 if info.kind != "cuda" else max(1, min(12, (os.cpu_count() or 2) - 2))
+        from fp4_dispatch.precompile import default_workers
+
+        workers = 0 if info.kind != "cuda" else default_workers(10**6)
     if workers > 0:
         print(f"precompiling {sum(map(len, plan.values()))} (shape, tactic) pairs in "
               f"{workers} processes ...", flush=True)  # fmt: skip
-        meta["precompile"] = precompile(args.device, plan, workers, start + 0.45 * args.time_limit)
+        budget_s = start + 0.45 * args.time_limit - time.time()
+        meta["precompile"] = precompile(d, plan, workers, budget_s)
         pc = meta["precompile"]
         print(
             f"  {pc['ran']} ran, {len(pc['failures'])} failed, "

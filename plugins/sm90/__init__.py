@@ -266,6 +266,29 @@ class TritonSm90Backend(Backend):
         assert isinstance(tactic, TritonSm90Tactic)
         return _kernel_for(tactic.kernel_config())
 
+    def precompile(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> object:
+        """Compile (Triton ``warmup``, no launch) what `gemm` on a contiguous ``out`` runs.
+
+        `problem` is in the kernel's orientation: unswapped, ``out`` is [M, N] with
+        strides (N, 1); swapped, the kernel writes ``out.T`` of the caller's [N, M]
+        output, strides (1, M).
+        """
+        assert isinstance(tactic, TritonSm90Tactic)
+        kernel = self.build(tactic, problem, device)
+        import torch  # noqa: PLC0415 - start-up time: the plugin module imports without torch
+
+        p = problem
+        strides = (1, p.m) if tactic.swap_ab else (p.n, 1)
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[p.out_dtype]
+        return kernel.precompile(p.m, p.n, p.k, dtype, strides)  # type: ignore[attr-defined]
+
+    def precompile_key(self, tactic: Tactic, problem: Problem) -> tuple:
+        """The kernel does not specialize on its M or N (``do_not_specialize``); what is
+        left is K, the output dtype and the output's row stride, the caller's N."""
+        assert isinstance(tactic, TritonSm90Tactic)
+        caller_n = problem.m if tactic.swap_ab else problem.n
+        return (tactic, caller_n, problem.k, problem.out_dtype, problem.operation)
+
 
 # ---- triton-sm90-unpack: unpack once, cuBLAS bf16 ---------------------------------------
 
