@@ -342,6 +342,27 @@ for spec in json.loads(sys.argv[1]):
     out[spec["name"]] = {"new_by_precompile": after_precompile - before,
                          "new_by_real_args": len(cache) - after_precompile,
                          "type": type(compiled).__name__}
+# the unpack backend: a real call with Triton's launch turned into a compile-only run
+from fp4_dispatch.backends.sm90 import gemm_unpack
+from fp4_dispatch.plugins.sm90 import Sm90UnpackTactic, TritonSm90UnpackBackend
+
+ub, uk = TritonSm90UnpackBackend(), gemm_unpack.unpack_nvfp4_kernel
+ucache = uk.device_caches[0][0]
+run = uk.run
+uk.run = lambda *a, grid, warmup, **kw: run(*a, grid=grid, warmup=True, **kw)
+problem = Problem(m=256, n=384, k=512)
+tactic = Sm90UnpackTactic(block_r=32, block_k=128)
+ub.precompile(tactic, kernel_problem(problem, tactic), dev)
+after_precompile = len(ucache)
+kernel = ub.build(tactic, kernel_problem(problem, tactic), dev)
+a = torch.zeros(256, 256, dtype=torch.uint8)
+b = torch.zeros(384, 256, dtype=torch.uint8)
+sa = torch.zeros(256, 32, dtype=torch.float8_e4m3fn)
+sb = torch.zeros(384, 32, dtype=torch.float8_e4m3fn)
+launch(kernel, GemmOperands(a, sa, b, sb, torch.ones(1)), torch.empty(256, 384,
+       dtype=torch.bfloat16), False)
+out["unpack"] = {"new_by_precompile": after_precompile, "new_by_real_args":
+                 len(ucache) - after_precompile, "type": "CompiledKernel"}
 out["cache_files"] = len(os.listdir(os.environ["TRITON_CACHE_DIR"]))
 print(json.dumps(out))
 """
@@ -370,4 +391,7 @@ def test_triton_sm90_precompile_compiles_what_a_call_launches(tmp_path):
         row = got[case["name"]]
         assert row == {"new_by_precompile": 1, "new_by_real_args": 0,
                        "type": "CompiledKernel"}, got  # fmt: skip
+    # the unpack backend: A's and B's passes (one variant here: 256 and 384 rows are both
+    # multiples of 16), nothing left to compile for the call
+    assert got["unpack"]["new_by_precompile"] == 1 and got["unpack"]["new_by_real_args"] == 0
     assert got["cache_files"] >= 2  # on disk, where another process finds them

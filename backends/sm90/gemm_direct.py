@@ -343,7 +343,7 @@ class Nvfp4GemmKernel:
             ws, cnt = torch.float32, torch.int32
         else:
             ws = cnt = out_dtype
-        sblk = -(-(k // 16) // 4) * 128  # a_scale.shape[1] * 128 of the swizzled scales
+        sblk = -(-(k // 16) // 4) * 4 * 128  # a_scale.shape[1] * 128 of the swizzled scales
         fp4, e4m3 = torch.uint8, torch.float8_e4m3fn
         args = (fp4, e4m3, fp4, e4m3, torch.float32, out_dtype, ws, cnt, m, n, k,
                 out_strides[0], out_strides[1], sblk, sblk)  # fmt: skip

@@ -401,6 +401,26 @@ class TritonSm90UnpackBackend(Backend):
         assert isinstance(tactic, Sm90UnpackTactic)
         return _unpack_kernel_for(tactic.block_r, tactic.block_k)
 
+    def precompile(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> object:
+        """Compile (Triton ``warmup``, no launch) the two unpack passes of `problem` (A's M
+        rows and B's N rows, bf16 out); cuBLAS needs no compile. The arguments mirror
+        `gemm_unpack.unpack_nvfp4` with tensors given by their dtypes."""
+        assert isinstance(tactic, Sm90UnpackTactic)
+        import torch  # noqa: PLC0415 - start-up time: the plugin module imports without torch
+
+        from fp4_dispatch.backends.sm90 import gemm_unpack as gu  # noqa: PLC0415 - optional: Triton
+
+        br, bk, k = tactic.block_r, tactic.block_k, problem.k
+        s_blk = -(-(k // 16) // 4) * 4 * 128
+        for rows in dict.fromkeys((problem.m, problem.n)):
+            grid = (-(-rows // br), -(-k // bk))
+            gu.unpack_nvfp4_kernel.warmup(
+                torch.uint8, torch.uint8, torch.bfloat16, torch.bfloat16, rows, k, s_blk,
+                grid=grid, BLOCK_R=br, BLOCK_K=bk, HAS_ALPHA=False,
+                num_warps=gu._num_warps(br, bk),
+            )  # fmt: skip
+        return self.build(tactic, problem, device)
+
 
 @functools.cache
 def _unpack_tactic(block_r: int, block_k: int) -> Sm90UnpackTactic:
