@@ -20,12 +20,15 @@ ceil(K / split_k / tile_k)`` K tiles::
 their pipelined tiles). The features are the tactic's knobs in the kernel's orientation
 (``tile=16x256``, ``tile_k=128``, ``split_k=4``, ``group_m=8``, ``warps=8``) and
 ``swap=nonpreferred`` (the orientation the shared rule `preferred_swap` does not prefer,
-through M = 8192). A feature absent from the file has factor 1, so a tactic or a shape
-far from the data falls back to the roofline terms.
+through M = 8192); the tile, tile_k, split_k and swap factors also vary linearly in
+`log_m` (``name*logm``), so an efficiency measured at M = 32 and 256 is interpolated at
+M = 128, not copied. A feature absent from the file has factor 1, so a tactic or a
+shape far from the data falls back to the roofline terms.
 
 **triton-sm90-unpack**: unpack pass (bytes at ``bw_fraction``, padded tiles, a fixed
 cost per CTA) + bf16 GEMM (max of FLOPs at ``bf16 rate * gemm_eff`` and its bytes) +
-alpha pass + ``launch_us``, times ``exp(log_factor["block=RxK"])``.
+alpha pass + ``launch_us``, times ``exp(log_factor["block=RxK"] + log_factor["unpack*logm"]
+* log_m)``.
 """
 
 from __future__ import annotations
@@ -98,13 +101,29 @@ def direct_terms(problem: Problem, device: DeviceInfo, tactic: Tactic) -> dict[s
     }
 
 
-def direct_features(problem: Problem, tactic: Tactic) -> list[str]:
-    """Names of the fitted factors that apply to `tactic` on `problem` (module doc)."""
+def log_m(problem: Problem) -> float:
+    """The regime coordinate: ``(log2 M - 6) / 6`` of the caller's M (-1 at M = 1, 0 at
+    64, 1 at 4096), clamped to [-1, 1.5] so that shapes beyond the data extrapolate
+    no further than M = 32768."""
+    return min(1.5, max(-1.0, (math.log2(problem.m) - 6.0) / 6.0))
+
+
+def direct_features(problem: Problem, tactic: Tactic) -> dict[str, float]:
+    """The fitted factors that apply to `tactic` on `problem`, with their values (module
+    doc): an indicator per knob, and for the tile, tile_k, split_k and swap knobs a
+    second term ``name*logm`` whose value is `log_m` - an efficiency that changes
+    linearly in log M between the measured M (interpolated, not tabulated per M)."""
     t: Any = tactic
-    feats = [f"tile={t.tile_m}x{t.tile_n}", f"tile_k={t.tile_k}", f"split_k={t.split_k}",
-             f"group_m={t.group_m}", f"warps={t.num_warps}"]  # fmt: skip
+    u = log_m(problem)
+    feats: dict[str, float] = {}
+    for name in (f"tile={t.tile_m}x{t.tile_n}", f"tile_k={t.tile_k}", f"split_k={t.split_k}"):
+        feats[name] = 1.0
+        feats[f"{name}*logm"] = u
+    feats[f"group_m={t.group_m}"] = 1.0
+    feats[f"warps={t.num_warps}"] = 1.0
     if problem.m <= SWAP_NEUTRAL_ABOVE_M and t.swap_ab != preferred_swap(problem):
-        feats.append("swap=nonpreferred")
+        feats["swap=nonpreferred"] = 1.0
+        feats["swap=nonpreferred*logm"] = u
     return feats
 
 
@@ -121,9 +140,9 @@ def direct_base_us(x: dict[str, float], c: dict[str, Any]) -> float:
     return max(latency, dequant, mma, memory) + extra
 
 
-def factor(features: list[str], table: dict[str, float]) -> float:
-    """``exp(sum of table[f])`` over the features (absent: 0, i.e. factor 1)."""
-    return math.exp(sum(table.get(f, 0.0) for f in features))
+def factor(features: dict[str, float], table: dict[str, float]) -> float:
+    """``exp(sum of table[f] * value)`` over the features (absent from the table: factor 1)."""
+    return math.exp(sum(table.get(f, 0.0) * v for f, v in features.items()))
 
 
 def direct_us(
@@ -158,9 +177,10 @@ def unpack_terms(problem: Problem, device: DeviceInfo, tactic: Tactic) -> dict[s
     }
 
 
-def unpack_features(tactic: Tactic) -> list[str]:
+def unpack_features(problem: Problem, tactic: Tactic) -> dict[str, float]:
+    """An indicator per unpack tile, and ``unpack*logm`` (the path's efficiency in log M)."""
     t: Any = tactic
-    return [f"block={t.block_r}x{t.block_k}"]
+    return {f"block={t.block_r}x{t.block_k}": 1.0, "unpack*logm": log_m(problem)}
 
 
 def unpack_base_us(x: dict[str, float], c: dict[str, Any]) -> float:
@@ -176,4 +196,4 @@ def unpack_us(
     """Estimated microseconds of a triton-sm90-unpack tactic (module doc)."""
     c = constants()["unpack"] if c is None else c
     base = unpack_base_us(unpack_terms(problem, device, tactic), c)
-    return base * factor(unpack_features(tactic), c["log_factor"])
+    return base * factor(unpack_features(problem, tactic), c["log_factor"])
