@@ -70,7 +70,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--shapes", nargs="*", default=None, metavar="M,N,K", help="override grid")
     p.add_argument("--out", default=os.environ.get("OUT", "out"), help="output folder")
+    p.add_argument(
+        "--model-check",
+        default=None,
+        metavar="SELECTION_JSON",
+        help="no measuring: the held-out check of the installed cost model on a "
+        "selection file (benchmarks/fit_cost_model.py check), to $OUT/model_check.json",
+    )
     return p.parse_args(argv)
+
+
+def model_check(path: str, out: Path) -> int:
+    """The installed cost model's heuristic pick on a selection file's shapes (CPU only):
+    how many are within HEURISTIC_TARGET of the exhaustive best, and whether the file's
+    grid was held out from the model's fit."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fit_cost_model import check
+
+    res = check(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "model_check.json").write_text(json.dumps(res, indent=1))
+    print(f"grid N,K {res['grid_nk']} x M {res['grid_m']}: "
+          f"{'held out from' if res['held_out'] else 'OVERLAPS'} the model's fit "
+          f"({res['model'].get('nk')}); {res['summary']}")  # fmt: skip
+    return 0
+
+
+def grid_record(shapes: list[tuple[int, int, int]]) -> dict[str, Any]:
+    """Which grid this run measures, against the grid the installed sm90 model was fitted
+    on: when they are disjoint, the heuristic column is a held-out check."""
+    try:
+        from fp4_dispatch.plugins.sm90 import cost_model
+    except ImportError as exc:  # no sm90 plugin: nothing to compare with
+        return {"nk": sorted({(n, k) for _, n, k in shapes}), "model": f"unavailable: {exc}"}
+    fitted = cost_model.constants().get("fitted_on", {})
+    nk = sorted({(n, k) for _, n, k in shapes})
+    overlap = sorted(set(nk) & {tuple(x) for x in fitted.get("nk", [])})
+    return {"nk": nk, "m": sorted({m for m, _, _ in shapes}), "model_fitted_on": fitted,
+            "held_out_from_model": not overlap, "overlap": overlap}  # fmt: skip
 
 
 # ---- setup ------------------------------------------------------------------------------
@@ -289,6 +326,8 @@ def write(out: Path, rows: list[dict], meta: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.model_check:
+        return model_check(args.model_check, Path(args.out))
     start = time.time()
     # no new tactic is timed after this: the rest of the shape is reported as not timed
     args.deadline = time.monotonic() + args.time_limit
@@ -327,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d"),
         "total_s": 0.0,
+        "grid": grid_record(shapes),
     }
     workers = args.workers
     if workers is None:
