@@ -314,7 +314,8 @@ class Dispatcher:
                     unit="kernel", enable=progress) as bar:  # fmt: skip
             if jobs:
                 bar.set_description_str(f"compiling {len(jobs)} kernels")
-                _precompile.precompile(jobs, self.device, on_outcome=lambda _: bar.update(1))
+                _precompile.precompile(jobs, self.device, deadline_s=_precompile.TUNE_DEADLINE_S,
+                                       on_outcome=lambda _: bar.update(1))  # fmt: skip
             for p, sl in zip(todo, shortlists, strict=True):
                 bar.set_description_str(f"tuning M={p.m} N={p.n} K={p.k}")
                 result = tuner.tune(p, bar, sl)

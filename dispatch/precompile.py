@@ -65,6 +65,9 @@ MAX_WORKERS = 16
 IDLE_EXIT_S = 120.0
 #: how long to wait for a worker to come up before its jobs are given to others
 START_TIMEOUT_S = 120.0
+#: `Dispatcher.tune` stops waiting for compiles after this long (the rest compile on first
+#: use): a hung compiler must not hang tuning
+TUNE_DEADLINE_S = 300.0
 
 Status = Literal["compiled", "failed", "skipped"]
 
@@ -335,10 +338,7 @@ class _Pool:
                 for i in queue:
                     finish(i, Outcome(jobs[i], "skipped", "deadline: not started"))
                 queue.clear()
-                for w in self._workers:
-                    if w.busy is not None and w.busy[0] == batch:
-                        finish(w.busy[1], Outcome(jobs[w.busy[1]], "skipped",
-                                                  "deadline: still compiling"))  # fmt: skip
+                self._stop_busy(batch, jobs, finish)
                 break
             wait_for = [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
             timeout = None if deadline == math.inf else max(0.0, deadline - now)
@@ -363,6 +363,20 @@ class _Pool:
                 queue.clear()
             self._drop_stuck_starts(queue, count)
         return [results[i] for i in range(len(jobs))]
+
+    def _stop_busy(self, batch: int, jobs: Sequence[Job], finish) -> None:
+        """At the deadline: what is still compiling is skipped (compiled on first use) and
+        its worker stopped, so that a hung compile cannot hold a worker forever (Triton
+        writes its cache entries atomically: a stopped compile leaves nothing half made)."""
+        for w in list(self._workers):
+            if w.busy is None:
+                continue
+            if w.busy[0] == batch:
+                finish(w.busy[1], Outcome(jobs[w.busy[1]], "skipped", "deadline: still compiling"))
+            w.process.terminate()
+            w.process.join(timeout=2)
+            self._workers.remove(w)
+            w.conn.close()
 
     def _receive(self, w: _Worker, batch: int, jobs: Sequence[Job], finish) -> None:
         try:

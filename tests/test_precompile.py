@@ -152,6 +152,19 @@ def test_the_deadline_skips_what_has_not_started(mark):
     assert _markers(folder) == []
 
 
+def test_a_hung_compile_is_cut_at_the_deadline_and_its_worker_stopped(mark):
+    mod, folder = mark
+    t0 = time.perf_counter()
+    report = pc.precompile(_jobs(mod, folder, ["ok"], sleep_s=120), CPU, workers=1,
+                           deadline_s=3.0)  # fmt: skip
+    assert time.perf_counter() - t0 < 60
+    assert report.outcomes[0].status == "skipped", report.to_json()
+    assert "deadline" in report.outcomes[0].reason
+    assert _markers(folder) == []  # stopped before it finished
+    again = pc.precompile(_jobs(mod, folder, ["ok"], m=128), CPU, workers=1)
+    assert again.outcomes[0].status == "compiled" and len(_markers(folder)) == 1
+
+
 def test_zero_workers_compiles_nothing(mark):
     mod, folder = mark
     report = pc.precompile(_jobs(mod, folder, ["ok"]), CPU, workers=0)
