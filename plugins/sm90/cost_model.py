@@ -3,7 +3,9 @@
 Constants are data, not code: ``cost_model.json`` next to this module (shipped in the
 wheel), written by ``benchmarks/fit_cost_model.py`` from the selection benchmark's
 per-tactic measurements (it records which files and which device). This module only
-defines the documented function of (tactic, problem, device) they plug into.
+defines the documented function of (tactic, problem, device) they plug into. The file's
+``w4a16`` part holds the (not yet fitted) constants of the W4A16 backend's model
+(`fp4_dispatch.plugins.sm90.w4a16`).
 
 **triton-sm90** (direct kernel), in the kernel's orientation (M and N exchanged for a
 swapped tactic); per SM, ``per_sm = ceil(CTAs / SMs)`` CTAs each walk ``steps =
@@ -63,6 +65,9 @@ def load(path: Path) -> dict[str, Any]:
                    "mma_eff", "bw_fraction", "in_flight_bytes", "launch_us",
                    "split_reduce_us", "log_factor"),
         "unpack": ("gemm_eff", "bw_fraction", "cta_us", "launch_us", "log_factor"),
+        "w4a16": ("dequant_elems_per_sm_us", "step_us", "ctas_per_sm", "bw_fraction",
+                  "launch_us", "in_flight_bytes", "split_reduce_us", "mma_eff",
+                  "unpack_gemm_eff", "unpack_launch_us"),
     }  # fmt: skip
     for part, keys in need.items():
         missing = [k for k in keys if k not in data.get(part, {})]
