@@ -129,6 +129,17 @@ class BoundLaunch:
             full[slot] = value
         return full
 
+    def warmup(self, grid: tuple[int, ...], args: Sequence[object]) -> Any:
+        """Compile the specialization of `args` without launching (Triton's ``warmup``).
+
+        `args` as for a call; a tensor may be given as its ``torch.dtype`` (Triton's
+        placeholder, taken as 16-byte aligned like every fresh allocation). The binary
+        lands in Triton's on-disk cache, so a later first call - in any process - loads
+        it instead of compiling. Returns Triton's compiled kernel.
+        """
+        return self.owner.kernel.warmup(*args, grid=grid, **self.constexprs,
+                                        num_warps=self.num_warps)  # fmt: skip
+
     def __call__(self, grid: tuple[int, ...], args: Sequence[object]) -> None:
         if not self.owner.fast:
             self._slow(grid, args)

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -63,10 +62,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=None, help="tuning budget (default: library)")
     p.add_argument("--max-tactics", type=int, default=200, help="exhaustive cap per shape")
     p.add_argument("--time-limit", type=float, default=270.0, help="seconds for everything")
-    p.add_argument("--workers", type=int, default=None, help="precompile processes (0: none)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="precompile processes (0: none; default: on CUDA, min(cpus - 1, 16))",
+    )
     p.add_argument("--shapes", nargs="*", default=None, metavar="M,N,K", help="override grid")
     p.add_argument("--out", default=os.environ.get("OUT", "out"), help="output folder")
+    p.add_argument(
+        "--model-check",
+        default=None,
+        metavar="SELECTION_JSON",
+        help="no measuring: the held-out check of the installed cost model on a "
+        "selection file (benchmarks/fit_cost_model.py check), to $OUT/model_check.json",
+    )
     return p.parse_args(argv)
+
+
+def model_check(path: str, out: Path) -> int:
+    """The installed cost model's heuristic pick on a selection file's shapes (CPU only):
+    how many are within HEURISTIC_TARGET of the exhaustive best, and whether the file's
+    grid was held out from the model's fit."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fit_cost_model import check
+
+    res = check(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "model_check.json").write_text(json.dumps(res, indent=1))
+    print(f"grid N,K {res['grid_nk']} x M {res['grid_m']}: "
+          f"{'held out from' if res['held_out'] else 'OVERLAPS'} the model's fit "
+          f"({res['model'].get('nk')}); {res['summary']}")  # fmt: skip
+    return 0
+
+
+def grid_record(shapes: list[tuple[int, int, int]]) -> dict[str, Any]:
+    """Which grid this run measures, against the grid the installed sm90 model was fitted
+    on: when they are disjoint, the heuristic column is a held-out check."""
+    try:
+        from fp4_dispatch.plugins.sm90 import cost_model
+    except ImportError as exc:  # no sm90 plugin: nothing to compare with
+        return {"nk": sorted({(n, k) for _, n, k in shapes}), "model": f"unavailable: {exc}"}
+    fitted = cost_model.constants().get("fitted_on", {})
+    nk = sorted({(n, k) for _, n, k in shapes})
+    overlap = sorted(set(nk) & {tuple(x) for x in fitted.get("nk", [])})
+    return {"nk": nk, "m": sorted({m for m, _, _ in shapes}), "model_fitted_on": fitted,
+            "held_out_from_model": not overlap, "overlap": overlap}  # fmt: skip
 
 
 # ---- setup ------------------------------------------------------------------------------
@@ -101,65 +142,25 @@ def sample(cands: list, cap: int) -> tuple[list, bool]:
 # ---- precompile (CUDA) --------------------------------------------------------------------
 
 
-def proxy_m(m: int) -> int:
-    """A smaller M with Triton's integer specialization of M (== 1, % 16 == 0) unchanged,
-    so precompiling M = 16384 does not spend seconds of GPU time per tactic."""
-    return 256 if m > 256 and m % 256 == 0 else m
-
-
-def _precompile_worker(job: tuple[str, list[tuple[tuple[int, int, int], list[str]]], float]):
-    """Build and run once each (shape, tactic) (M reduced by `proxy_m`): fills Triton's
-    disk cache in parallel, so the timed process only loads compiled kernels (a kernel
-    the proxy did not cover is compiled on first use there, which is slower, not wrong)."""
-    device, work, deadline = job
-    import torch
-
-    from fp4_dispatch.dispatcher import Dispatcher, launch
-    from fp4_dispatch.ranking import Candidate
+def precompile(d, plan: dict, workers: int, deadline_s: float) -> dict[str, Any]:
+    """Compile every planned (shape, tactic) in `workers` processes with the library's
+    shared implementation (`fp4_dispatch.precompile`: Triton ``warmup``, no launch), so
+    the timed code only loads kernels from Triton's disk cache."""
+    from fp4_dispatch import precompile as pc
     from fp4_dispatch.tactics import Problem
-    from fp4_dispatch.tuning import make_inputs
 
-    d = Dispatcher(device=device, cache=False)
-    failures: list[tuple[str, str, str]] = []
-    done = skipped = 0
-    for shape, tactic_jsons in work:
-        problem = Problem(m=proxy_m(shape[0]), n=shape[1], k=shape[2])
-        inputs = make_inputs(problem, d.device, copies=1)
+    pairs = []
+    for (m, n, k), tactic_jsons in plan.items():
         for tj in tactic_jsons:
-            if time.time() > deadline:
-                skipped += 1
-                continue
             raw = json.loads(tj)
             backend = d.registry.backends[raw["backend"]]
-            tactic = backend.tactic_type.model_validate(raw)
-            cand = Candidate(backend.name, backend.family, tactic, 0.0, "precompile")
-            try:
-                launch(cand, d.kernel_for(cand, problem), inputs.copies[0], inputs.out)
-                if d.device.kind == "cuda":
-                    torch.cuda.synchronize()
-                done += 1
-            except Exception as exc:  # reported by the parent, never fatal here
-                failures.append((str(shape), tj, f"{type(exc).__name__}: {str(exc)[:200]}"))
-        del inputs
-    return done, skipped, failures
-
-
-def precompile(device: str, plan: dict, workers: int, deadline: float) -> dict[str, Any]:
-    """Spread (shape, tactic) pairs over `workers` spawned processes, by tactic."""
-    tactics = sorted({tj for tjs in plan.values() for tj in tjs})
-    owner = {tj: i % workers for i, tj in enumerate(tactics)}
-    jobs = []
-    for w in range(workers):
-        work = [(shape, [tj for tj in tjs if owner[tj] == w]) for shape, tjs in plan.items()]
-        jobs.append((device, [x for x in work if x[1]], deadline))
-    t0 = time.time()
-    with mp.get_context("spawn").Pool(workers) as pool:
-        parts = pool.map(_precompile_worker, jobs)
-    done = sum(p[0] for p in parts)
-    skipped = sum(p[1] for p in parts)
-    failures = [f for p in parts for f in p[2]]
-    return {"seconds": time.time() - t0, "ran": done, "skipped_deadline": skipped,
-            "failures": failures, "distinct_tactics": len(tactics)}  # fmt: skip
+            pairs.append((backend, backend.tactic_type.model_validate(raw), Problem(m=m, n=n, k=k)))
+    jobs = pc.jobs_for(pairs)
+    report = pc.precompile(jobs, d.device, workers=workers, deadline_s=deadline_s)
+    return {"seconds": report.seconds, "ran": len(report.compiled),
+            "skipped_deadline": len(report.skipped), "distinct_kernels": len(jobs),
+            "failures": [(o.job.backend.name, o.job.tactic.canonical_json(), o.reason)
+                         for o in report.failed]}  # fmt: skip
 
 
 # ---- one shape --------------------------------------------------------------------------
@@ -325,6 +326,8 @@ def write(out: Path, rows: list[dict], meta: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.model_check:
+        return model_check(args.model_check, Path(args.out))
     start = time.time()
     # no new tactic is timed after this: the rest of the shape is reported as not timed
     args.deadline = time.monotonic() + args.time_limit
@@ -363,14 +366,18 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d"),
         "total_s": 0.0,
+        "grid": grid_record(shapes),
     }
     workers = args.workers
     if workers is None:
-        workers = 0 if info.kind != "cuda" else max(1, min(12, (os.cpu_count() or 2) - 2))
+        from fp4_dispatch.precompile import default_workers
+
+        workers = 0 if info.kind != "cuda" else default_workers(10**6)
     if workers > 0:
         print(f"precompiling {sum(map(len, plan.values()))} (shape, tactic) pairs in "
               f"{workers} processes ...", flush=True)  # fmt: skip
-        meta["precompile"] = precompile(args.device, plan, workers, start + 0.45 * args.time_limit)
+        budget_s = start + 0.45 * args.time_limit - time.time()
+        meta["precompile"] = precompile(d, plan, workers, budget_s)
         pc = meta["precompile"]
         print(
             f"  {pc['ran']} ran, {len(pc['failures'])} failed, "

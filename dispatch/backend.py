@@ -8,7 +8,7 @@ failed registration.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -167,6 +167,25 @@ class Backend(abc.ABC):
 
         `problem` is in the kernel's orientation (already swapped when `tactic.swap_ab`).
         """
+
+    def precompile(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> object:
+        """Compile `tactic`'s kernel for `problem` without running it; returns the kernel.
+
+        Called in a worker process of `fp4_dispatch.precompile` before tuning, so that the
+        measuring process only loads compiled kernels from the on-disk caches. `problem`
+        is in the kernel's orientation, as for `build`. The default is `build` (enough
+        when build compiles and caches on disk, as the ahead-of-time families do); a
+        backend whose kernels compile on their first launch (Triton JIT) overrides it to
+        compile now, launching nothing. Raising is fine: the failure is reported.
+        """
+        return self.build(tactic, problem, device)
+
+    def precompile_key(self, tactic: Tactic, problem: Problem) -> Hashable:
+        """What the compiled binary of (`tactic`, `problem`) depends on: jobs with equal
+        keys are compiled once (`fp4_dispatch.precompile`). Default: the pair itself (one
+        binary per bucket); a backend whose kernel does not specialize on some size
+        leaves it out. `problem` is in the kernel's orientation."""
+        return (tactic, problem)
 
     def validate(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> str | None:
         """Why `tactic` is invalid for `problem` (None when valid).

@@ -24,6 +24,7 @@ import torch
 
 from . import checks, registry, torch_ops
 from . import distributed as _distributed
+from . import precompile as _precompile
 from . import tuning as _tuning
 from .backend import Backend, GemmOperands, Kernel, kernel_problem
 from .buckets import BucketKey, m_bucket
@@ -271,6 +272,7 @@ class Dispatcher:
         progress: bool | None = None,
         timer: _tuning.Timer | None = None,
         band: float | None = None,
+        precompile: bool | None = None,
     ) -> list[_tuning.TuneResult]:
         """Measure the shortlist of each shape's bucket and adopt the winners.
 
@@ -288,7 +290,10 @@ class Dispatcher:
         its share; every rank adopts the same winners and only the group's rank 0 writes
         the cache (`fp4_dispatch.distributed`; every rank must call with the same
         shapes). ``progress``: a progress bar (None: ``FP4_DISPATCH_PROGRESS``, else only
-        on a terminal). ``timer``/``band``: see `fp4_dispatch.tuning.Tuner`.
+        on a terminal). ``timer``/``band``: see `fp4_dispatch.tuning.Tuner`. ``precompile``
+        (default: on for CUDA devices): first compile the shortlists' kernels in parallel
+        worker processes (`fp4_dispatch.precompile`; skipped for kernels this process
+        already compiled); the one progress bar counts compiles and measurements.
         """
         if out_dtype not in _tuning.OUT_DTYPES:
             raise ValueError(
@@ -320,8 +325,17 @@ class Dispatcher:
             for p in todo
         ]
         total = sum(len(sl) for sl in shortlists)
-        with bar_of(range(total), total=total, desc="tuning", unit="tactic",
-                    enable=progress) as bar:  # fmt: skip
+        pairs = [(self.registry.backends[c.backend], c.tactic, p)
+                 for p, sl in zip(todo, shortlists, strict=True) for c in sl]  # fmt: skip
+        if precompile is None:
+            precompile = self.device.kind == "cuda"
+        jobs = _precompile.jobs_for(pairs) if precompile else []
+        with bar_of(range(total + len(jobs)), total=total + len(jobs), desc="tuning",
+                    unit="kernel", enable=progress) as bar:  # fmt: skip
+            if jobs:
+                bar.set_description_str(f"compiling {len(jobs)} kernels")
+                _precompile.precompile(jobs, self.device, deadline_s=_precompile.TUNE_DEADLINE_S,
+                                       on_outcome=lambda _: bar.update(1))  # fmt: skip
             for p, sl in zip(todo, shortlists, strict=True):
                 bar.set_description_str(f"tuning M={p.m} N={p.n} K={p.k}")
                 result = tuner.tune(p, bar, sl, fleet=fleet)
@@ -329,6 +343,7 @@ class Dispatcher:
                 self._adopt(result, save and (fleet is None or fleet.is_root))
         if fleet is not None:
             fleet.agree("the tuned picks", [_pick_of(results[b]) for b in order])
+        _precompile.mark_ready(_precompile.jobs_for(pairs))  # each one was built and launched
         return [results[b] for b in order]
 
     def _fleet_todo(

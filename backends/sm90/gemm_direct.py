@@ -329,6 +329,27 @@ class Nvfp4GemmKernel:
             ),
         )
 
+    def precompile(self, m: int, n: int, k: int, out_dtype: torch.dtype,
+                   out_strides: tuple[int, int]) -> object:  # fmt: skip
+        """Compile the variant that a call of these sizes would launch, launching nothing.
+
+        The arguments mirror `__call__` with each tensor given by its dtype (Triton
+        takes placeholders as 16-byte aligned, as every allocation is): the specialization
+        depends on K, the output strides and the dtypes, not on M or N
+        (``do_not_specialize``), so one compile serves every M of a problem.
+        """
+        cfg = self.cfg
+        if cfg.split_k > 1:
+            ws, cnt = torch.float32, torch.int32
+        else:
+            ws = cnt = out_dtype
+        sblk = -(-(k // 16) // 4) * 4 * 128  # a_scale.shape[1] * 128 of the swizzled scales
+        fp4, e4m3 = torch.uint8, torch.float8_e4m3fn
+        args = (fp4, e4m3, fp4, e4m3, torch.float32, out_dtype, ws, cnt, m, n, k,
+                out_strides[0], out_strides[1], sblk, sblk)  # fmt: skip
+        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        return self._bound[k % cfg.block_k == 0].warmup((tiles, cfg.split_k), args)
+
 
 def check_operands(operands: GemmOperands, out: torch.Tensor) -> None:
     """Raise with a clear message if operands or out do not fit this kernel's contract."""

@@ -3,22 +3,19 @@
 Works without a GPU: ``--device sm100|sm103|sm107`` compiles for that arch and SM count
 (CuTe-DSL compiles on a CPU). Each shortlisted tactic of a backend that declares
 ``compiles_ahead_of_time = True`` (the CuTe-DSL families, FlashInfer's fi-*) is built in
-its own process (spawned, ``--jobs`` at a time), so compiles run in parallel and one
-crashing compile cannot take the others down. Compiled kernels land in the on-disk
-kernel cache (``FP4_DISPATCH_KERNEL_CACHE``), so a later run on that device loads them
-(FlashInfer's fi-* kernels are compiled and checked, not stored on disk).
+a worker process (`fp4_dispatch.precompile`, spawned, ``--jobs`` of them), so compiles
+run in parallel and one crashing compile cannot take the others down. Compiled kernels
+land in the on-disk kernel cache (``FP4_DISPATCH_KERNEL_CACHE``), so a later run on
+that device loads them (FlashInfer's fi-* kernels are compiled and checked, not stored on disk).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
-import multiprocessing
 import os
 import time
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
 from .common import (
@@ -73,41 +70,6 @@ fp4-dispatch compile 1 8192 8192 --device sm103 --json""",
     p.set_defaults(func=run)
 
 
-@functools.cache
-def _backends() -> dict[str, Any]:
-    """Backends of this worker process (loaded once per process)."""
-    from ..registry import load  # noqa: PLC0415 - lazy: start-up time
-
-    return load(strict=False).backends
-
-
-def compile_one(backend: str, tactic_json: str, problem_json: str, device_json: str) -> dict:
-    """Build one tactic in this (worker) process; a failure is returned, never raised."""
-    from ..device import DeviceInfo  # noqa: PLC0415 - lazy: start-up time
-    from ..tactics import Problem  # noqa: PLC0415 - lazy: start-up time
-
-    t0 = time.perf_counter()
-    result: dict[str, Any] = {"backend": backend, "tactic": tactic_json}
-    try:
-        b = _backends()[backend]
-        tactic = b.tactic_type.model_validate_json(tactic_json)
-        problem = Problem.model_validate_json(problem_json)
-        device = DeviceInfo.model_validate_json(device_json)
-        kernel = b.build(tactic, problem.swapped() if tactic.swap_ab else problem, device)
-    except Exception as exc:  # reported per tactic by the parent; others keep compiling
-        result.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-    else:
-        compiled = getattr(kernel, "compiled", None)
-        result.update(
-            ok=True,
-            source=getattr(compiled, "source", "?"),
-            cubin_sm=getattr(compiled, "cubin_sm", None),
-            compile_s=getattr(compiled, "seconds", None),
-        )
-    result["seconds"] = time.perf_counter() - t0
-    return result
-
-
 def run(args: argparse.Namespace) -> int:
     d = make_dispatcher(args, budget=args.budget)
     shortlist = d.candidates(args.m, args.n, args.k, args.out_dtype)
@@ -135,8 +97,7 @@ def run(args: argparse.Namespace) -> int:
     missing = [i for i, r in enumerate(results) if r is None]
     if missing:
         jobs = max(1, min(args.jobs, len(missing)))
-        built = _compile_all([todo[i] for i in missing], problem, dev.model_dump_json(), jobs,
-                             not args.no_progress)  # fmt: skip
+        built = _compile_all(d, [todo[i] for i in missing], problem, jobs, not args.no_progress)
         for i, res in zip(missing, built, strict=True):
             results[i] = res
     return _report(todo, results, args.json, time.perf_counter())
@@ -149,6 +110,7 @@ def _from_cache(d, todo: list, problem_json: str) -> list[dict | None]:
     a small CPU); loading a cached kernel here costs ~0.05 s. Backends without a
     ``build_cached`` method, and kernels not in the cache, get None: the workers build them.
     """
+    from ..backend import kernel_problem  # noqa: PLC0415 - lazy: start-up time
     from ..tactics import Problem  # noqa: PLC0415 - lazy: start-up time
 
     problem = Problem.model_validate_json(problem_json)
@@ -159,8 +121,7 @@ def _from_cache(d, todo: list, problem_json: str) -> list[dict | None]:
         t0 = time.perf_counter()
         if loader is not None:
             try:
-                kernel = loader(c.tactic, problem.swapped() if c.tactic.swap_ab else problem,
-                                d.device)  # fmt: skip
+                kernel = loader(c.tactic, kernel_problem(problem, c.tactic), d.device)
             except Exception as exc:  # a broken cache entry: the worker compiles it afresh
                 log.info("%s: loading from the kernel cache failed (%r); compiling", c.backend,
                          exc)  # fmt: skip
@@ -176,33 +137,33 @@ def _from_cache(d, todo: list, problem_json: str) -> list[dict | None]:
     return out
 
 
-def _compile_all(todo: list, problem: str, device: str, jobs: int, bar_ok: bool) -> list[dict]:
-    """Compile `todo` in `jobs` spawned processes; a progress bar by the library's rules."""
+def _compile_all(d, todo: list, problem_json: str, jobs: int, bar_ok: bool) -> list[dict]:
+    """Compile `todo` in `jobs` worker processes (`fp4_dispatch.precompile`), one bar."""
+    from .. import precompile as pc  # noqa: PLC0415 - lazy: start-up time
+    from ..backend import kernel_problem  # noqa: PLC0415 - lazy: start-up time
     from ..progress import progress  # noqa: PLC0415 - lazy: start-up time
+    from ..tactics import Problem  # noqa: PLC0415 - lazy: start-up time
 
-    results: list[dict | None] = [None] * len(todo)
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        futures = {
-            pool.submit(compile_one, c.backend, c.tactic.model_dump_json(), problem, device): i
-            for i, c in enumerate(todo)
+    problem = Problem.model_validate_json(problem_json)
+    work = [pc.Job(d.registry.backends[c.backend], c.tactic, kernel_problem(problem, c.tactic))
+            for c in todo]  # fmt: skip
+    bar = progress(iter(()), total=len(work), desc="compile", unit="kernel",
+                   enable=None if bar_ok else False)  # fmt: skip
+    with bar:
+        report = pc.precompile(work, d.device, workers=jobs, on_outcome=lambda _: bar.update(1))
+    out = []
+    for cand, o in zip(todo, report.outcomes, strict=True):
+        res: dict[str, Any] = {
+            "backend": cand.backend,
+            "tactic": cand.tactic.model_dump_json(),
+            "ok": o.status == "compiled",
+            "seconds": o.seconds,
+            **o.details,
         }
-        bar = progress(
-            as_completed(futures),
-            total=len(todo),
-            desc="compile",
-            unit="kernel",
-            enable=None if bar_ok else False,
-        )
-        for fut in bar:
-            i = futures[fut]
-            try:
-                results[i] = fut.result()
-            except Exception as exc:  # the worker process itself died: report that tactic
-                results[i] = {"backend": todo[i].backend, "ok": False,
-                              "error": f"worker failed: {type(exc).__name__}: {exc}"}  # fmt: skip
-        bar.close()
-    return [r for r in results if r is not None]
+        if o.status != "compiled":
+            res["error"] = o.reason if o.status == "failed" else f"not compiled: {o.reason}"
+        out.append(res)
+    return out
 
 
 def _report(todo: list, results: list[dict], as_json: bool, _t: float) -> int:

@@ -24,14 +24,13 @@ import functools
 import importlib
 import importlib.util
 import itertools
-import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Literal
 
 from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo, DeviceProfile
 from fp4_dispatch.hookspecs import hookimpl
-from fp4_dispatch.ranking import SWAP_NEUTRAL_ABOVE_M, SWAP_PENALTY, preferred_swap
+from fp4_dispatch.plugins.sm90 import cost_model
 from fp4_dispatch.tactics import Problem, Tactic
 
 if TYPE_CHECKING:
@@ -159,22 +158,8 @@ def why_invalid(t: TritonSm90Tactic, problem: Problem, device: DeviceInfo) -> st
     return None
 
 
-# Calibration of `estimate_us` (v3): fitted to two H200 selection sweeps of 2026-11-30
-# (benchmarks/RESULTS.md, "Selection quality"; every valid tactic of 36 shapes timed) and
-# checked on a third set of shapes it was not fitted on. Each CTA step (one K tile)
-# costs at least a load-latency-bound `_STEP_US`, or its dequantization ALU work at
-# `_DEQUANT_ELEMS_PER_SM_US`, or its MMA time, whichever is largest.
-_DEQUANT_ELEMS_PER_SM_US = 4.0e4
-_STEP_US = 1.2
-_CTAS_PER_SM = 2  # resident CTAs that hide each other's step latency
-#: relative cost of an A-side element (register operand of the dot: 2-byte shared loads and
-#: byte repacking) against a B-side one (natural layout, staged to shared memory)
-_A_SIDE_COST = 1.5
-_MMA_EFF = {16: 0.30, 32: 0.40, 64: 0.60, 128: 0.75}  # by tile_m: mma.sync vs wgmma
-_BW_FRACTION = 0.85
-_LAUNCH_US = 4.0
-_IN_FLIGHT_BYTES = 16.0e6  # bytes in flight that saturate HBM (bandwidth x latency)
-_SPLIT_REDUCE_US = 2.0  # per doubling of split_k: the last CTA sums every partial
+# The cost model of both W4A4 backends (`estimate_us`) is `plugins/sm90/cost_model.py`;
+# its constants are data (`cost_model.json`, fitted by benchmarks/fit_cost_model.py).
 
 
 #: The H200: figures measured on one H200 (2026-11-30: device-to-device copy 4.25 TB/s,
@@ -231,40 +216,38 @@ class TritonSm90Backend(Backend):
         return why_invalid(checked, problem, device)
 
     def estimate_us(self, problem: Problem, device: DeviceInfo, tactic: Tactic) -> float | None:
-        """Microseconds, per SM: max(step latency, dequantize, MMA, memory) + launch + split.
-
-        Each CTA walks ``ceil(K / split / tile_k)`` steps; an SM holds ``ceil(CTAs / SMs)``
-        CTAs. Per SM: latency-bound steps (``_STEP_US`` each, ``_CTAS_PER_SM`` CTAs hide
-        each other), dequantization of ``(tile_m * _A_SIDE_COST + tile_n) * tile_k``
-        elements per step (the measured bottleneck), and tile MMAs at the bf16 rate times
-        an efficiency by tile_m; memory is NVFP4 bytes + output + split-K partials.
-        Plus ``_SPLIT_REDUCE_US`` per doubling of split_k and the shared model's swap rule
-        (x1.05 for the non-preferred orientation through M = 8192).
-        """
+        """Microseconds: a per-SM roofline of one CTA step (latency, dequantization, MMA,
+        memory) plus launch and split-K costs, times fitted per-knob efficiencies
+        (`fp4_dispatch.plugins.sm90.cost_model`, constants in ``cost_model.json``)."""
         assert isinstance(tactic, TritonSm90Tactic)
-        p = problem.swapped() if tactic.swap_ab else problem
-        tm, tn, tk, split = tactic.tile_m, tactic.tile_n, tactic.tile_k, tactic.split_k
-        ctas = -(-p.m // tm) * -(-p.n // tn) * split
-        steps = math.ceil(p.k / split / tk)
-        per_sm = math.ceil(ctas / device.sm_count)
-        latency = math.ceil(per_sm / _CTAS_PER_SM) * steps * _STEP_US
-        dequant = per_sm * steps * (tm * _A_SIDE_COST + tn) * tk / _DEQUANT_ELEMS_PER_SM_US
-        mma_rate = device.bf16_tflops * 1e6 / device.sm_count * _MMA_EFF[tm]
-        mma = per_sm * steps * 2.0 * tm * tn * tk / mma_rate
-        partial = 8.0 * ctas * tm * tn if split > 1 else 0.0
-        # bytes in flight (Little's law): resident CTAs x their pipelined fp4 tiles
-        resident = min(ctas, device.sm_count * _CTAS_PER_SM)
-        in_flight = resident * tactic.num_stages * (tm + tn) * tk / 2
-        bw = device.mem_bw_gbps * 1e3 * _BW_FRACTION * min(1.0, in_flight / _IN_FLIGHT_BYTES)
-        memory = (problem.min_bytes + partial) / bw
-        t = max(latency, dequant, mma, memory) + _LAUNCH_US + _SPLIT_REDUCE_US * math.log2(split)
-        if problem.m <= SWAP_NEUTRAL_ABOVE_M and tactic.swap_ab != preferred_swap(problem):
-            t *= SWAP_PENALTY
-        return t
+        return cost_model.direct_us(problem, device, tactic)
 
     def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
         assert isinstance(tactic, TritonSm90Tactic)
         return _kernel_for(tactic.kernel_config())
+
+    def precompile(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> object:
+        """Compile (Triton ``warmup``, no launch) what `gemm` on a contiguous ``out`` runs.
+
+        `problem` is in the kernel's orientation: unswapped, ``out`` is [M, N] with
+        strides (N, 1); swapped, the kernel writes ``out.T`` of the caller's [N, M]
+        output, strides (1, M).
+        """
+        assert isinstance(tactic, TritonSm90Tactic)
+        kernel = self.build(tactic, problem, device)
+        import torch  # noqa: PLC0415 - start-up time: the plugin module imports without torch
+
+        p = problem
+        strides = (1, p.m) if tactic.swap_ab else (p.n, 1)
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[p.out_dtype]
+        return kernel.precompile(p.m, p.n, p.k, dtype, strides)  # type: ignore[attr-defined]
+
+    def precompile_key(self, tactic: Tactic, problem: Problem) -> tuple:
+        """The kernel does not specialize on its M or N (``do_not_specialize``); what is
+        left is K, the output dtype and the output's row stride, the caller's N."""
+        assert isinstance(tactic, TritonSm90Tactic)
+        caller_n = problem.m if tactic.swap_ab else problem.n
+        return (tactic, caller_n, problem.k, problem.out_dtype, problem.operation)
 
 
 # ---- triton-sm90-unpack: unpack once, cuBLAS bf16 ---------------------------------------
@@ -311,18 +294,6 @@ def why_invalid_unpack(t: Sm90UnpackTactic, problem: Problem) -> str | None:
     return None
 
 
-# Calibration of the unpack estimate. cuBLAS bf16 measured 717-807 TFLOP/s on the H200
-# (benchmarks/RESULTS.md, "Hopper", bf16 column) whose DeviceInfo rate is 691, so the GEMM
-# runs at ~1.05x the table rate (conservative end); the memory passes at 85% of
-# mem_bw_gbps (the copy measured 4.18 TB/s of 4.25).
-_UNPACK_GEMM_EFF = 1.05
-_UNPACK_BW_FRACTION = 0.85
-#: fixed cost per unpack CTA (launch, index math), microseconds of one SM
-_UNPACK_CTA_US = 0.03
-#: four launches: two unpacks, the GEMM, the alpha pass
-_UNPACK_LAUNCH_US = 10.0
-
-
 class TritonSm90UnpackBackend(Backend):
     """Large-M Hopper backend: unpack NVFP4 to bf16 once per operand, then cuBLAS."""
 
@@ -346,37 +317,35 @@ class TritonSm90UnpackBackend(Backend):
         return why_invalid_unpack(checked, problem)
 
     def estimate_us(self, problem: Problem, device: DeviceInfo, tactic: Tactic) -> float | None:
-        """Microseconds: unpack pass + bf16 GEMM + alpha pass + launches.
-
-        - unpack: ``(M + N) * K * (1/2 + 1/16 + 2)`` bytes (fp4 + scales in, bf16 out) at
-          ``_UNPACK_BW_FRACTION`` of the bandwidth, times the padded-tile fraction, plus a
-          fixed cost per CTA spread over the SMs;
-        - GEMM: max(FLOPs at ``bf16_tflops * _UNPACK_GEMM_EFF``, bf16 operands in +
-          product out at the same bandwidth); product 2 bytes (bf16 out) or 4 (fp16 out,
-          kept in fp32);
-        - alpha pass: product in, 2-byte ``out`` written.
-        Same microsecond scale as the direct backend's model, so the two compete fairly.
-        """
+        """Microseconds: unpack pass + bf16 GEMM + alpha pass + launches, on the same
+        microsecond scale as the direct backend's model, so the two compete fairly
+        (`fp4_dispatch.plugins.sm90.cost_model`)."""
         assert isinstance(tactic, Sm90UnpackTactic)
-        m, n, k = problem.m, problem.n, problem.k
-        br, bk = tactic.block_r, tactic.block_k
-        bw = device.mem_bw_gbps * 1e3 * _UNPACK_BW_FRACTION  # bytes per microsecond
-        row_tiles = -(-m // br) + -(-n // br)
-        k_tiles = -(-k // bk)
-        padded = (row_tiles * br * k_tiles * bk) / ((m + n) * k)
-        unpack = (m + n) * k * (0.5 + 1.0 / 16 + 2.0) / bw * padded
-        unpack += row_tiles * k_tiles * _UNPACK_CTA_US / device.sm_count
-        prod_bytes = 2.0 if problem.out_dtype == "bfloat16" else 4.0
-        gemm = max(
-            problem.flops / (device.bf16_tflops * 1e6 * _UNPACK_GEMM_EFF),
-            ((m + n) * k * 2.0 + m * n * prod_bytes) / bw,
-        )
-        alpha = m * n * (prod_bytes + 2.0) / bw
-        return unpack + gemm + alpha + _UNPACK_LAUNCH_US
+        return cost_model.unpack_us(problem, device, tactic)
 
     def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
         assert isinstance(tactic, Sm90UnpackTactic)
         return _unpack_kernel_for(tactic.block_r, tactic.block_k)
+
+    def precompile(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> object:
+        """Compile (Triton ``warmup``, no launch) the two unpack passes of `problem` (A's M
+        rows and B's N rows, bf16 out); cuBLAS needs no compile. The arguments mirror
+        `gemm_unpack.unpack_nvfp4` with tensors given by their dtypes."""
+        assert isinstance(tactic, Sm90UnpackTactic)
+        import torch  # noqa: PLC0415 - start-up time: the plugin module imports without torch
+
+        from fp4_dispatch.backends.sm90 import gemm_unpack as gu  # noqa: PLC0415 - optional: Triton
+
+        br, bk, k = tactic.block_r, tactic.block_k, problem.k
+        s_blk = -(-(k // 16) // 4) * 4 * 128
+        for rows in dict.fromkeys((problem.m, problem.n)):
+            grid = (-(-rows // br), -(-k // bk))
+            gu.unpack_nvfp4_kernel.warmup(
+                torch.uint8, torch.uint8, torch.bfloat16, torch.bfloat16, rows, k, s_blk,
+                grid=grid, BLOCK_R=br, BLOCK_K=bk, HAS_ALPHA=False,
+                num_warps=gu._num_warps(br, bk),
+            )  # fmt: skip
+        return self.build(tactic, problem, device)
 
 
 @functools.cache

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo
-from fp4_dispatch.plugins.sm90 import SMEM_LIMIT, _pow2_at_least, _sm90_support
+from fp4_dispatch.plugins.sm90 import SMEM_LIMIT, _pow2_at_least, _sm90_support, cost_model
 from fp4_dispatch.tactics import Problem, Tactic
 
 if TYPE_CHECKING:
@@ -142,22 +142,18 @@ def why_invalid(t: TritonSm90W4A16Tactic, problem: Problem, device: DeviceInfo) 
     return _why_invalid_unpack(t, problem)
 
 
-# Calibration (v0, NOT fitted: no W4A16 kernel had run on an H200 when this was written).
-# The W4A4 kernel's dequantizer ran at ~4.0e4 elements/SM/us in its fitted model
-# (plugins/sm90.py) at ~4.5 SASS instructions per element (sm_90 compile, Triton 3.9);
-# the W4A16 main loop compiles to ~5.5 per weight element (fp16 activations; 7.7 with
-# bf16), so the rate is scaled by 4.5 / 5.5. Other constants as in plugins/sm90.py.
-_DEQUANT_ELEMS_PER_SM_US = 4.0e4 * 4.5 / 5.5
-_STEP_US = 0.6  # per K step per CTA: one weight tile load's latency, overlapped by stages
-_CTAS_PER_SM = 2
-_BW_FRACTION = 0.85
-_LAUNCH_US = 4.0
-_IN_FLIGHT_BYTES = 16.0e6
-_SPLIT_REDUCE_US = 1.5
-#: wgmma efficiency by tile_m (its N side: tokens), as plugins/sm90.py's table
-_MMA_EFF = {16: 0.30, 32: 0.40, 64: 0.60, 128: 0.75}
-_UNPACK_GEMM_EFF = 1.05
-_UNPACK_LAUNCH_US = 7.0  # unpack + GEMM (no alpha pass)
+# Calibration (v0, NOT fitted: no W4A16 kernel had run on an H200 when it was written):
+# the constants are the "w4a16" part of plugins/sm90/cost_model.json (`_c()`). The W4A4
+# kernel's dequantizer ran at ~4.0e4 elements/SM/us in its fitted model at ~4.5 SASS
+# instructions per element (sm_90 compile, Triton 3.9); the W4A16 main loop compiles to
+# ~5.5 per weight element (fp16 activations; 7.7 with bf16), so the rate is 4.0e4 x 4.5 /
+# 5.5. step_us: one weight tile load's latency per K step, overlapped by stages;
+# mma_eff: wgmma efficiency by tile_m (its N side: tokens); unpack_launch_us: unpack +
+# GEMM (no alpha pass). The others as in the W4A4 model.
+
+
+def _c() -> dict:
+    return cost_model.constants()["w4a16"]
 
 
 def w4a16_min_bytes(problem: Problem) -> float:
@@ -168,36 +164,38 @@ def w4a16_min_bytes(problem: Problem) -> float:
 
 def _estimate_direct(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -> float:
     """max(step latency, weight dequantization, MMA, memory) + launch + split reduction."""
+    c = _c()
     tm, tn, tk, split = t.tile_m, t.tile_n, t.tile_k, t.split_k
     m_tiles, n_tiles = -(-p.m // tm), -(-p.n // tn)
     ctas = m_tiles * n_tiles * split
     steps = math.ceil(p.k / split / tk)
     per_sm = math.ceil(ctas / device.sm_count)
-    latency = math.ceil(per_sm / _CTAS_PER_SM) * steps * _STEP_US
-    dequant = per_sm * steps * tn * tk / _DEQUANT_ELEMS_PER_SM_US
-    mma_rate = device.bf16_tflops * 1e6 / device.sm_count * _MMA_EFF[tm]
+    latency = math.ceil(per_sm / c["ctas_per_sm"]) * steps * c["step_us"]
+    dequant = per_sm * steps * tn * tk / c["dequant_elems_per_sm_us"]
+    mma_rate = device.bf16_tflops * 1e6 / device.sm_count * c["mma_eff"][str(tm)]
     mma = per_sm * steps * 2.0 * tm * tn * tk / mma_rate
     # weights are re-read once per token tile; activations once per weight tile (L2)
     weight_bytes = p.n * p.k * (0.5 + 1.0 / 16) * m_tiles
     partial = 8.0 * ctas * tm * tn if split > 1 else 0.0
-    resident = min(ctas, device.sm_count * _CTAS_PER_SM)
+    resident = min(ctas, device.sm_count * c["ctas_per_sm"])
     in_flight = resident * t.num_stages * tn * tk / 2
-    bw = device.mem_bw_gbps * 1e3 * _BW_FRACTION * min(1.0, in_flight / _IN_FLIGHT_BYTES)
+    bw = device.mem_bw_gbps * 1e3 * c["bw_fraction"] * min(1.0, in_flight / c["in_flight_bytes"])
     memory = (weight_bytes + p.m * p.k * 2.0 + 2.0 * p.m * p.n + partial) / bw
-    reduce = _SPLIT_REDUCE_US * math.log2(split)
-    return max(latency, dequant, mma, memory) + _LAUNCH_US + reduce
+    reduce = c["split_reduce_us"] * math.log2(split)
+    return max(latency, dequant, mma, memory) + c["launch_us"] + reduce
 
 
 def _estimate_unpack(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -> float:
     """Unpack pass (weight only: N K (1/2 + 1/16 + 2) bytes) + cuBLAS GEMM + launches."""
-    bw = device.mem_bw_gbps * 1e3 * _BW_FRACTION
+    c = _c()
+    bw = device.mem_bw_gbps * 1e3 * c["bw_fraction"]
     padded = (-(-p.n // t.block_r) * t.block_r * -(-p.k // t.tile_k) * t.tile_k) / (p.n * p.k)
     unpack = p.n * p.k * (0.5 + 1.0 / 16 + 2.0) / bw * padded
     gemm = max(
-        p.flops / (device.bf16_tflops * 1e6 * _UNPACK_GEMM_EFF),
+        p.flops / (device.bf16_tflops * 1e6 * c["unpack_gemm_eff"]),
         ((p.m + p.n) * p.k * 2.0 + p.m * p.n * 2.0) / bw,
     )
-    return unpack + gemm + _UNPACK_LAUNCH_US
+    return unpack + gemm + c["unpack_launch_us"]
 
 
 class TritonSm90W4A16Backend(Backend):

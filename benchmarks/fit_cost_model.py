@@ -1,0 +1,485 @@
+"""Fit the sm90 W4A4 cost model (plugins/sm90/cost_model.py) to measured tactic times.
+
+Input: one or more selection JSON files of ``benchmarks/bench_selection.py`` (every valid
+tactic of each shape timed; ``rows[*].all``: tactic, est_us, us, method - "pruned" rows
+carry a single-launch probe time). Output: ``plugins/sm90/cost_model.json`` (the
+constants the plugin loads) and the in-sample quality.
+
+Model (documented in the plugin module): a per-SM roofline of one CTA step times
+per-knob efficiency factors ``exp(sum log_factor[feature] * value)``. The factors are
+fitted here; the roofline constants are kept from the file (``--search`` also moves them,
+by coordinate search in log space). The objective, per shape, is the expected log-regret
+of a soft pick - a softmin over the estimates at temperature T picks tactic i with
+probability p_i, the loss is ``sum_i p_i log(us_i / best)`` - annealed from T = 0.2 to
+0.03 (log units) towards the hard pick the dispatcher makes; plus ``ALPHA`` x a weighted
+squared log error (weights ``exp(-log(us / best) / TAU)``, floor ``W_FLOOR``, pruned
+probes x0.5) that keeps the scale calibrated across the two backends, and a ridge
+penalty (``RIDGE``) that pulls rare knobs to factor 1 (the roofline). Adam on numpy, no
+scipy (not on the device). A regression-only fit ranked worse (14/24 in-sample): what
+decides a pick is the order of the near-best tactics, not the mean error. Absolute
+times shift when a kernel changes (e.g. a new dequantizer); the selection loss reads only
+ratios within a shape, so the fit is of relative structure.
+
+Quality is counted the way the dispatcher picks (`Ranker.pick`: lowest estimate of the
+M bucket, ties by backend and tactic JSON): a shape is a hit when the pick's measured time
+is within ``HIT`` (1.15) x the best measured. In-sample, leave-one-(N, K)-out and
+leave-one-M-out (factors re-fitted per fold); the figures are written into the file.
+
+Usage::
+
+    # fit on the training grid, write the plugin's data file, print the in-sample quality
+    python benchmarks/fit_cost_model.py benchmarks/data/sm90_w4a4_train.json
+
+    # the held-out check (the CURRENT installed model, never fitted on this file)
+    python benchmarks/fit_cost_model.py --check benchmarks/data/sm90_w4a4_heldout.json
+
+    # a small copy of a selection file (only what the fit and the check read)
+    python benchmarks/fit_cost_model.py --slim selection.json benchmarks/data/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HIT = 1.15
+#: calibration weights: exp(-log(us / best) / TAU), at least W_FLOOR; pruned probes x0.5
+TAU = 0.25
+W_FLOOR = 0.05
+PRUNED_WEIGHT = 0.5
+#: weight of the calibration term and of the ridge penalty against the selection loss
+ALPHA = 0.05
+RIDGE = 0.2
+#: (softmin temperature in log units, Adam iterations): annealed towards a hard pick
+SCHEDULE = ((0.2, 300), (0.1, 300), (0.05, 300), (0.03, 300))
+SEARCH_SCHEDULE = ((0.03, 60),)
+LEARNING_RATE = 0.01
+#: H200 peak bandwidth the selection files' estimates were made with (GB/s): the
+#: driver's memory clock x bus width; recovered from the files' own est_us to 1e-4
+H200_MEM_BW_GBPS = 4814.4
+DIRECT_KNOBS = ("step_us", "a_side_cost", "dequant_elems_per_sm_us", "bw_fraction",
+                "in_flight_bytes", "launch_us", "split_reduce_us")  # fmt: skip
+UNPACK_KNOBS = ("gemm_eff", "bw_fraction", "cta_us", "launch_us")
+
+
+# ---- data ----------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    backend: str
+    tactic: Any
+    us: float
+    pruned: bool
+
+
+@dataclass
+class Shape:
+    m: int
+    n: int
+    k: int
+    rows: list[Row]
+    source: str
+
+    @property
+    def best_us(self) -> float:
+        return min(r.us for r in self.rows)
+
+
+def backends() -> dict[str, Any]:
+    from fp4_dispatch.plugins.sm90 import TritonSm90Backend, TritonSm90UnpackBackend
+
+    return {b.name: b for b in (TritonSm90Backend(), TritonSm90UnpackBackend())}
+
+
+def load_shapes(paths: list[str]) -> list[Shape]:
+    """Every timed shape of the files (failed and untimed tactics dropped)."""
+    bs = backends()
+    shapes = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        for row in data["rows"]:
+            if "skipped" in row:
+                continue
+            rows = []
+            for x in row["all"]:
+                if x["us"] is None or x["method"] == "skipped":
+                    continue
+                b = bs[x["tactic"]["backend"]]
+                rows.append(Row(b.name, b.tactic_type.model_validate(x["tactic"]), float(x["us"]),
+                                x["method"] == "pruned"))  # fmt: skip
+            if rows:
+                shapes.append(Shape(*row["shape"], rows, str(path)))
+    return shapes
+
+
+def device(mem_bw_gbps: float = H200_MEM_BW_GBPS):
+    from fp4_dispatch.plugins.sm90 import PROFILE
+
+    return PROFILE.device.model_copy(update={"mem_bw_gbps": mem_bw_gbps, "name": "H200"})
+
+
+def slim(src: str, dst: str) -> None:
+    """Keep what the fit and the check read: meta, shapes, and per tactic (tactic, us,
+    method); the tactic's default-valued fields are dropped."""
+    data = json.loads(Path(src).read_text())
+    rows = []
+    for r in data["rows"]:
+        if "skipped" in r:
+            rows.append({"shape": r["shape"], "skipped": r["skipped"]})
+            continue
+        rows.append({"shape": r["shape"], "best_us": r["best_us"],
+                     "all": [{"tactic": x["tactic"], "us": x["us"], "method": x["method"]}
+                             for x in r["all"]]})  # fmt: skip
+    meta = {k: v for k, v in data["meta"].items() if k != "precompile"}
+    Path(dst).write_text(json.dumps({"meta": meta, "rows": rows}, separators=(",", ":")) + "\n")
+
+
+# ---- the model, vectorized -------------------------------------------------------------
+
+
+class Design:
+    """Per-row constant-free terms (from the plugin's own functions) as numpy arrays."""
+
+    def __init__(self, shapes: list[Shape], dev) -> None:
+        from fp4_dispatch.plugins.sm90 import cost_model as cm
+        from fp4_dispatch.tactics import Problem
+
+        self.shapes, self.dev = shapes, dev
+        terms: dict[str, list[dict]] = {"direct": [], "unpack": []}
+        feats: list[dict[str, float]] = []
+        self.kind, self.shape_of, self.logus, self.w = [], [], [], []
+        for si, s in enumerate(shapes):
+            p = Problem(m=s.m, n=s.n, k=s.k)  # train M are buckets; else: see check()
+            best = s.best_us
+            for r in s.rows:
+                if r.backend == "triton-sm90":
+                    terms["direct"].append(cm.direct_terms(p, dev, r.tactic))
+                    feats.append({"d:" + f: v for f, v in cm.direct_features(p, r.tactic).items()})
+                    self.kind.append(0)
+                else:
+                    terms["unpack"].append(cm.unpack_terms(p, dev, r.tactic))
+                    feats.append({"u:" + f: v for f, v in cm.unpack_features(p, r.tactic).items()})
+                    self.kind.append(1)
+                self.shape_of.append(si)
+                self.logus.append(math.log(r.us))
+                w = max(W_FLOOR, math.exp(-math.log(r.us / best) / TAU))
+                self.w.append(w * (PRUNED_WEIGHT if r.pruned else 1.0))
+        self.kind, self.shape_of = np.array(self.kind), np.array(self.shape_of)
+        #: first row of each shape (rows are grouped by shape) and log(us / best)
+        self.starts = np.flatnonzero(np.r_[True, np.diff(self.shape_of) != 0])
+        self.gap = np.array(self.logus) - np.log([shapes[i].best_us for i in self.shape_of])
+        self.logus, self.w = np.array(self.logus), np.array(self.w)
+        self.d = {k: np.array([t[k] for t in terms["direct"]]) for k in terms["direct"][0]}
+        self.u = {k: np.array([t[k] for t in terms["unpack"]]) for k in terms["unpack"][0]}
+        self.names = sorted({f for fs in feats for f in fs})
+        col = {f: i for i, f in enumerate(self.names)}
+        self.x = np.zeros((len(feats), len(self.names)))
+        for i, fs in enumerate(feats):
+            for f, v in fs.items():
+                self.x[i, col[f]] = v
+
+    def base(self, c: dict[str, Any]) -> np.ndarray:
+        """Log of the roofline part of every row (vectorized `direct_base_us`/`unpack_base_us`)."""
+        cd, cu, d, u = c["direct"], c["unpack"], self.d, self.u
+        cps = cd["ctas_per_sm"]
+        latency = np.ceil(d["per_sm"] / cps) * d["steps"] * cd["step_us"]
+        dequant = (d["a_elems"] * cd["a_side_cost"] + d["b_elems"]) / cd["dequant_elems_per_sm_us"]
+        eff = np.array([cd["mma_eff"][str(int(t))] for t in d["tile_m"]])
+        mma = d["mma_flop"] / (d["sm_flops_us"] * eff)
+        resident = np.minimum(d["ctas"], d["sms"] * cps)
+        fill = np.minimum(1.0, resident * d["tile_bytes"] / cd["in_flight_bytes"])
+        memory = d["bytes"] / (d["bw_us"] * cd["bw_fraction"] * fill)
+        extra = cd["launch_us"] + cd["split_reduce_us"] * d["log2_split"]
+        direct = np.maximum.reduce([latency, dequant, mma, memory]) + extra
+        bw = u["bw_us"] * cu["bw_fraction"]
+        unpack = (u["unpack_bytes"] / bw + u["ctas_per_sm"] * cu["cta_us"]
+                  + np.maximum(u["flop"] / (u["flops_us"] * cu["gemm_eff"]), u["gemm_bytes"] / bw)
+                  + u["alpha_bytes"] / bw + cu["launch_us"])  # fmt: skip
+        out = np.empty(len(self.kind))
+        out[self.kind == 0] = np.log(direct)
+        out[self.kind == 1] = np.log(unpack)
+        return out
+
+    def objective(self, theta: np.ndarray, logbase: np.ndarray, temp: float):
+        """(loss, gradient in theta): expected log-regret of a soft pick + calibration.
+
+        Per shape, a softmin over the estimates (temperature `temp` in log units) picks
+        tactic i with probability p_i; the selection loss is sum_i p_i log(us_i / best).
+        ``ALPHA`` x the weighted squared log error keeps the scale calibrated (the direct
+        and unpack paths compete on it) and ``RIDGE`` pulls factors towards 1.
+        """
+        le = logbase + self.x @ theta
+        z = -le / temp
+        seg, starts = self.shape_of, self.starts
+        p = np.exp(z - np.maximum.reduceat(z, starts)[seg])
+        p /= np.add.reduceat(p, starts)[seg]
+        regret = np.add.reduceat(p * self.gap, starts)
+        coef = p * (self.gap - regret[seg]) * (-1.0 / temp)
+        err = le - self.logus
+        loss = regret.sum() + ALPHA * np.sum(self.w * err**2) + RIDGE * theta @ theta
+        grad = coef @ self.x + 2 * ALPHA * (self.w * err) @ self.x + 2 * RIDGE * theta
+        return float(loss), grad
+
+    def solve(self, logbase: np.ndarray, theta0: np.ndarray | None = None,
+              schedule=SCHEDULE) -> np.ndarray:  # fmt: skip
+        """Factors minimizing `objective`: Adam, temperature annealed over `schedule`."""
+        theta = np.zeros(len(self.names)) if theta0 is None else theta0.copy()
+        for temp, iters in schedule:
+            m1, m2 = np.zeros_like(theta), np.zeros_like(theta)
+            for it in range(1, iters + 1):
+                _, g = self.objective(theta, logbase, temp)
+                m1 = 0.9 * m1 + 0.1 * g
+                m2 = 0.999 * m2 + 0.001 * g * g
+                theta -= LEARNING_RATE * (m1 / (1 - 0.9**it)) / (np.sqrt(m2 / (1 - 0.999**it))
+                                                                 + 1e-8)  # fmt: skip
+        return theta
+
+
+def _knobs() -> list[tuple[str, str]]:
+    out = [("direct", k) for k in DIRECT_KNOBS] + [("unpack", k) for k in UNPACK_KNOBS]
+    return out + [("direct", f"mma_eff.{t}") for t in ("16", "32", "64", "128")]
+
+
+def _get(c, part, knob):
+    if knob.startswith("mma_eff."):
+        return c[part]["mma_eff"][knob.split(".")[1]]
+    return c[part][knob]
+
+
+def _set(c, part, knob, value):
+    c = json.loads(json.dumps(c))
+    if knob.startswith("mma_eff."):
+        c[part]["mma_eff"][knob.split(".")[1]] = value
+    else:
+        c[part][knob] = value
+    return c
+
+
+def fit(design: Design, c0: dict[str, Any], search: bool = True, log=print):
+    """Factors by `Design.solve`; with `search`, the roofline constants by coordinate
+    search in log space (steps x2, x1.41, x1.19), each trial scored by the objective at
+    the final temperature after re-fitting the factors from the current ones."""
+    c = json.loads(json.dumps(c0))
+    theta = design.solve(design.base(c))
+    final = SCHEDULE[-1][0]
+    best, _ = design.objective(theta, design.base(c), final)
+    if search:
+        for step in (math.log(2.0), math.log(2.0) / 2, math.log(2.0) / 4):
+            improved = True
+            while improved:
+                improved = False
+                for part, knob in _knobs():
+                    for sign in (1, -1):
+                        value = _get(c, part, knob) * math.exp(sign * step)
+                        if knob in ("bw_fraction", "gemm_eff") or knob.startswith("mma_eff."):
+                            value = min(value, 1.5)
+                        trial = _set(c, part, knob, value)
+                        logbase = design.base(trial)
+                        th = design.solve(logbase, theta, SEARCH_SCHEDULE)
+                        loss, _ = design.objective(th, logbase, final)
+                        if loss < best - 1e-6:
+                            c, best, theta, improved = trial, loss, th, True
+                            log(f"  {part}.{knob} -> {value:.4g} (loss {loss:.4f})")
+        theta = design.solve(design.base(c), theta)
+        best, _ = design.objective(theta, design.base(c), final)
+    tables: dict[str, dict[str, float]] = {"direct": {}, "unpack": {}}
+    for name, value in zip(design.names, theta, strict=True):
+        if abs(value) >= 5e-5:
+            tables["direct" if name.startswith("d:") else "unpack"][name[2:]] = round(
+                float(value), 4
+            )
+    c["direct"]["log_factor"], c["unpack"]["log_factor"] = tables["direct"], tables["unpack"]
+    return c, best
+
+
+def consistent(design: Design, c: dict[str, Any]) -> None:
+    """The vectorized model the fit optimized equals the plugin's own `direct_us` /
+    `unpack_us` on every row (else the file would not mean what was fitted)."""
+    from fp4_dispatch.plugins.sm90 import cost_model as cm
+    from fp4_dispatch.tactics import Problem
+
+    col = {f: i for i, f in enumerate(design.names)}
+    theta = np.zeros(len(design.names))
+    for part, prefix in (("direct", "d:"), ("unpack", "u:")):
+        for f, v in c[part]["log_factor"].items():
+            theta[col[prefix + f]] = v
+    fitted = design.base(c) + design.x @ theta
+    i = 0
+    for s in design.shapes:
+        p = Problem(m=s.m, n=s.n, k=s.k)
+        for r in s.rows:
+            if r.backend == "triton-sm90":
+                us = cm.direct_us(p, design.dev, r.tactic, c["direct"])
+            else:
+                us = cm.unpack_us(p, design.dev, r.tactic, c["unpack"])
+            if abs(math.log(us) - fitted[i]) > 1e-6:
+                raise RuntimeError(f"fit and plugin disagree on {s.m}x{s.n}x{s.k} "
+                                   f"{r.tactic}: {math.exp(fitted[i])} vs {us} us")  # fmt: skip
+            i += 1
+
+
+# ---- picks -------------------------------------------------------------------------------
+
+
+def picks(shapes: list[Shape], dev, c: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Per shape: the dispatcher's heuristic pick with constants `c` (None: the installed
+    file) among the backends' tactics, and its measured time against the best."""
+    from fp4_dispatch.guard import Guard
+    from fp4_dispatch.plugins.sm90 import cost_model as cm
+    from fp4_dispatch.ranking import Ranker
+
+    bs = backends()
+    saved = cm.constants
+    if c is not None:
+        cm.constants = lambda: c  # the ranker calls the plugin's estimate_us
+    try:
+        ranker = Ranker(list(bs.values()), dev, 32, guard=Guard())
+        out = []
+        for s in shapes:
+            pick = ranker.pick(s.m, s.n, s.k)
+            times = {(r.backend, r.tactic): r.us for r in s.rows}
+            us = times.get((pick.backend, pick.tactic), math.nan)
+            out.append({"shape": [s.m, s.n, s.k], "pick_us": us, "best_us": s.best_us,
+                        "ratio": us / s.best_us, "pick": f"{pick.backend} {pick.tactic}",
+                        "measured": (pick.backend, pick.tactic) in times})  # fmt: skip
+        return out
+    finally:
+        cm.constants = saved
+
+
+def quality(rows: list[dict[str, Any]]) -> str:
+    ratios = [r["ratio"] for r in rows if math.isfinite(r["ratio"])]
+    hits = sum(x <= HIT for x in ratios)
+    geo = statistics.geometric_mean(ratios) if ratios else math.nan
+    missing = sum(not r["measured"] for r in rows)
+    return (f"{hits}/{len(rows)} shapes within {HIT - 1:.0%} of the best (geomean "
+            f"{geo:.3f}, worst {max(ratios, default=math.nan):.3f})"
+            + (f"; {missing} picks not in the measured set" if missing else ""))  # fmt: skip
+
+
+def cross_validate(shapes: list[Shape], c: dict[str, Any], dev, key) -> list[dict[str, Any]]:
+    """Leave one group out (`key`: shape -> group): factors re-fitted on the others (the
+    roofline constants of `c` kept), picks on the group."""
+    out: list[dict[str, Any]] = []
+    for g in sorted({key(s) for s in shapes}):
+        train = Design([s for s in shapes if key(s) != g], dev)
+        fold, _ = fit(train, c, search=False)
+        out += picks([s for s in shapes if key(s) == g], dev, fold)
+    return out
+
+
+# ---- held-out check ------------------------------------------------------------------
+
+
+def check(
+    path: str, mem_bw_gbps: float = H200_MEM_BW_GBPS, model: str | None = None
+) -> dict[str, Any]:
+    """The held-out check: the installed model's (or `model` file's) heuristic pick on
+    shapes it was never fitted on (every measured tactic re-estimated by the plugin)."""
+    from fp4_dispatch.plugins.sm90 import cost_model as cm
+
+    shapes = load_shapes([path])
+    c = None if model is None else cm.load(Path(model))
+    rows = picks(shapes, device(mem_bw_gbps), c)
+    fitted_on = (cm.constants() if c is None else c).get("fitted_on", {})
+    meta = json.loads(Path(path).read_text())["meta"]
+    overlap = sorted({(s.n, s.k) for s in shapes}
+                     & {tuple(x) for x in fitted_on.get("nk", [])})  # fmt: skip
+    return {"file": str(path), "grid_nk": sorted({(s.n, s.k) for s in shapes}),
+            "grid_m": sorted({s.m for s in shapes}), "held_out": not overlap,
+            "overlap_with_fit": overlap, "model": fitted_on, "measured_on": meta.get("device"),
+            "summary": quality(rows), "hits": sum(r["ratio"] <= HIT for r in rows),
+            "shapes": len(rows), "rows": rows}  # fmt: skip
+
+
+# ---- main --------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    global RIDGE, ALPHA
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("train", nargs="*", help="selection JSON files to fit on")
+    ap.add_argument("--out", default=None, help="data file (default: the plugin's)")
+    ap.add_argument("--check", default=None, help="held-out selection JSON: check only")
+    ap.add_argument(
+        "--model", default=None, help="with --check: this model file, not the installed one"
+    )
+    ap.add_argument("--slim", nargs=2, metavar=("SRC", "DST"), help="write a small copy")
+    ap.add_argument("--mem-bw", type=float, default=H200_MEM_BW_GBPS, help="GB/s of the GPU")
+    ap.add_argument("--no-cv", action="store_true", help="skip the cross-validation")
+    ap.add_argument(
+        "--search",
+        action="store_true",
+        help="also search the roofline constants (default: keep the file's)",
+    )
+    ap.add_argument("--ridge", type=float, default=RIDGE, help="ridge weight on the factors")
+    ap.add_argument("--alpha", type=float, default=ALPHA, help="calibration weight")
+    args = ap.parse_args(argv)
+    RIDGE, ALPHA = args.ridge, args.alpha
+    if args.slim:
+        slim(*args.slim)
+        return 0
+    if args.check:
+        res = check(args.check, args.mem_bw, args.model)
+        for r in res["rows"]:
+            print(f"  {r['shape']}: pick x{r['ratio']:.3f} ({r['pick_us']:.1f} / "
+                  f"{r['best_us']:.1f} us) {r['pick']}")  # fmt: skip
+        print(f"held-out grid N,K {res['grid_nk']} x M {res['grid_m']} "
+              f"({'never fitted on' if res['held_out'] else 'OVERLAPS the fit'}): "
+              f"{res['summary']}")  # fmt: skip
+        return 0
+    if not args.train:
+        ap.error("give training files (or --check / --slim)")
+    from fp4_dispatch.plugins.sm90 import cost_model as cm
+
+    out = Path(args.out) if args.out else cm.MODEL_FILE
+    dev = device(args.mem_bw)
+    shapes = load_shapes(args.train)
+    design = Design(shapes, dev)
+    c0 = cm.load(cm.MODEL_FILE)
+    before = quality(picks(shapes, dev, c0))
+    t0 = time.time()
+    c, loss = fit(design, c0, search=args.search)
+    consistent(design, c)
+    after = picks(shapes, dev, c)
+    c["version"] = int(c0.get("version", 3)) + 1
+    c["note"] = (
+        "fitted by benchmarks/fit_cost_model.py: roofline constants by coordinate "
+        "search, log_factor by weighted ridge least squares (module doc)"
+    )
+    c["fitted_on"] = {"files": [Path(p).name for p in args.train],
+                      "nk": sorted({(s.n, s.k) for s in shapes}),
+                      "m": sorted({s.m for s in shapes}), "rows": len(design.kind),
+                      "device": "H200 (132 SMs)", "mem_bw_gbps": args.mem_bw,
+                      "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+    c["in_sample"] = quality(after)
+    if not args.no_cv:
+        c["leave_one_nk_out"] = quality(cross_validate(shapes, c, dev, lambda s: (s.n, s.k)))
+        c["leave_one_m_out"] = quality(cross_validate(shapes, c, dev, lambda s: s.m))
+    out.write_text(json.dumps(c, indent=1) + "\n")
+    print(f"fitted in {time.time() - t0:.0f} s on {len(shapes)} shapes, {len(design.kind)} "
+          f"tactics; weighted loss {loss:.2f}")  # fmt: skip
+    print(f"in-sample before (the file's previous constants): {before}")
+    print(f"in-sample after: {c['in_sample']}")
+    if "leave_one_nk_out" in c:
+        print(f"leave one (N, K) out (factors re-fitted): {c['leave_one_nk_out']}")
+        print(f"leave one M out (factors re-fitted): {c['leave_one_m_out']}")
+    for r in after:
+        if r["ratio"] > HIT:
+            print(f"  miss {r['shape']}: x{r['ratio']:.3f} {r['pick']}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
