@@ -109,23 +109,46 @@ def _e4m3(v):
 
 
 @triton.jit
-def _e2m1_codes(y):
-    """e2m1 codes of fp32 y: nearest, ties to even, saturating at 6; zero and NaN -> 0.
+def _ceil_f32(b, STRICT: tl.constexpr):
+    """The smallest float32 ``>= b`` (``> b`` when STRICT) of non-negative float64 ``b``."""
+    f = b.to(tl.float32)  # round to nearest
+    fb = f.to(tl.float64)
+    up = (fb < b) | (fb == b) if STRICT else fb < b
+    return tl.where(up, (f.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True), f)
 
-    The magnitude code is the number of midpoints |y| passes (0.25, 0.75, 1.25, 1.75,
-    2.5, 3.5, 5; ``>`` where the lower code is even, ``>=`` where it is odd: ties to
-    even). The midpoints are sorted, so a 3-level binary search over them gives the
-    count bit by bit: 3 compares and 4 selects an element instead of 7 compares and 7
-    adds (this kernel is close to compute-bound at large M).
+
+@triton.jit
+def _e2m1_bounds(d):
+    """The seven float32 thresholds T_i of a block with divisor ``d`` (float32 > 0):
+    ``fl(|x| / d)`` passes e2m1 midpoint i exactly when ``|x| >= T_i``.
+
+    ``c_i * d`` is exact in float64 (25-bit c_i times a 24-bit d), so T_i is exactly
+    the first float32 on the passing side of the real boundary (`_BOUNDS`): comparing
+    ``|x|`` with T_i is the reference's division and comparison, bit for bit, with no
+    per-element division.
     """
-    a = tl.abs(y)
-    b2 = a >= 1.75  # midpoint 3 (odd lower code: >=)
-    b1 = a >= tl.where(b2, 3.5, 0.75)  # midpoint 5 or 1 (odd: >=)
-    t0 = tl.where(b2, tl.where(b1, 5.0, 2.5), tl.where(b1, 1.25, 0.25))
-    b0 = a > t0  # midpoint 6, 4, 2 or 0 (even lower code: >)
+    d64 = d.to(tl.float64)
+    t0 = _ceil_f32(d64 * 0.25000001490116119384765625, True)  # 0.25 + 2**-26: >
+    t1 = _ceil_f32(d64 * 0.749999970197677612304687500, False)  # 0.75 - 2**-25: >=
+    t2 = _ceil_f32(d64 * 1.25000005960464477539062500, True)  # 1.25 + 2**-24: >
+    t3 = _ceil_f32(d64 * 1.74999994039535522460937500, False)  # 1.75 - 2**-24: >=
+    t4 = _ceil_f32(d64 * 2.50000011920928955078125000, True)  # 2.5 + 2**-23: >
+    t5 = _ceil_f32(d64 * 3.49999988079071044921875000, False)  # 3.5 - 2**-23: >=
+    t6 = _ceil_f32(d64 * 5.00000023841857910156250000, True)  # 5 + 2**-22: >
+    return t0, t1, t2, t3, t4, t5, t6
+
+
+@triton.jit
+def _e2m1_from_bounds(a, neg, t0, t1, t2, t3, t4, t5, t6):
+    """e2m1 code of magnitude ``a`` (sign ``neg``) against per-block thresholds
+    ``[BM, NB, 1]``: the number of thresholds passed, as a 3-level binary search over
+    the sorted thresholds (3 compares and 3 selects an element instead of 7 + 7);
+    a zero magnitude code never carries the sign (no -0, code 8). NaN passes none."""
+    b2 = a >= t3
+    b1 = a >= tl.where(b2, t5, t1)
+    b0 = a >= tl.where(b2, tl.where(b1, t6, t4), tl.where(b1, t2, t0))
     mag = b2.to(tl.int32) * 4 + b1.to(tl.int32) * 2 + b0.to(tl.int32)
-    # negative and a nonzero code <=> y < -0.25 (the first midpoint); NaN: neither
-    return mag | tl.where(y < -0.25, 8, 0)
+    return mag | tl.where(neg & (mag != 0), 8, 0)
 
 
 @triton.jit
@@ -151,12 +174,13 @@ def _quantize_store(
     SWIZZLED: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
 ):  # fmt: skip
     """Quantize a loaded ``[BM, NB, 16]`` tile with decode scale g and store it."""
-    ax = tl.abs(xb)
-    # |x| * 0 is 0 for finite x and NaN for NaN/inf, and a sum keeps a NaN: one fma an
-    # element flags the non-finite blocks. Their bamax is meaningless (max drops NaN,
-    # keeps inf) and unused: their scale byte becomes 0x7F and their codes 0.
-    bad = tl.sum(ax * 0.0, 2) != 0.0
-    bamax = tl.max(ax, 2)
+    # |x| as int32 bits: positive floats order like their bits, and every NaN/inf has
+    # bits above FLT_MAX's, so one integer max per block gives both the block amax and
+    # whether the block holds a non-finite value (scale byte 0x7F and codes 0 then)
+    abits = xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    bmax = tl.max(abits, 2)
+    bad = bmax > 0x7F7FFFFF
+    bamax = tl.where(bad, 0, bmax).to(tl.float32, bitcast=True)
     gb = tl.full(bamax.shape, 1.0, tl.float32) * g
     v = tl.math.div_rn(tl.math.div_rn(bamax, tl.full(bamax.shape, 6.0, tl.float32)), gb)
     v = tl.minimum(v, 448.0)
@@ -164,11 +188,19 @@ def _quantize_store(
     sbyte = tl.where(bad, 0x7F, sbyte)
     denom = s * gb
     ok = (denom > 0.0) & (bad == 0)
-    # Unusable blocks divide by +inf: finite / inf = ±0 and NaN or inf / inf = NaN, both
-    # code 0, so no per-element select is needed for "codes 0".
-    inf = tl.full(denom.shape, 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
-    safe = tl.where(ok, denom, inf)
-    codes = _e2m1_codes(tl.math.div_rn(xb, tl.broadcast_to(safe[:, :, None], xb.shape)))
+    # unusable blocks (zero or underflowed scale, non-finite values): NaN thresholds,
+    # which no magnitude passes, so their codes are 0
+    nan = tl.full(denom.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    t0, t1, t2, t3, t4, t5, t6 = _e2m1_bounds(tl.where(ok, denom, 1.0))
+    t0 = tl.where(ok, t0, nan)[:, :, None]
+    t1 = tl.where(ok, t1, nan)[:, :, None]
+    t2 = tl.where(ok, t2, nan)[:, :, None]
+    t3 = tl.where(ok, t3, nan)[:, :, None]
+    t4 = tl.where(ok, t4, nan)[:, :, None]
+    t5 = tl.where(ok, t5, nan)[:, :, None]
+    t6 = tl.where(ok, t6, nan)[:, :, None]
+    codes = _e2m1_from_bounds(abits.to(tl.float32, bitcast=True), xb < 0.0,
+                              t0, t1, t2, t3, t4, t5, t6)  # fmt: skip
     lo, hi = tl.split(tl.reshape(codes, [BM, NB, 8, 2]))
     packed = (lo | (hi << 4)).to(tl.uint8)
 

@@ -28,6 +28,41 @@ DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MID = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
 
 
+def near_ties(m, k, g, gen):
+    # Blocks whose first element fixes a random e4m3 scale s (d = s * g in float32),
+    # the other 15 the float32 values 0..2 ulps around t * d for the midpoints t: the
+    # quotients straddle every rounding boundary of round_to_e2m1.
+    x = torch.zeros(m, k)
+    sbytes = torch.randint(0x08, 0x7F, (m, k // 16), generator=gen, dtype=torch.uint8)
+    s = sbytes.view(torch.float8_e4m3fn).to(torch.float32)
+    x[:, 0::16] = 6.0 * s * g
+    ref = quantize_nvfp4(x, g, "linear").scale.to(torch.float32)
+    d = (ref * torch.tensor(g, dtype=torch.float32)).repeat_interleave(16, 1)
+    t = torch.tensor(MID)[torch.arange(k) % 7]
+    v = t * d
+    steps = torch.randint(-2, 3, (m, k), generator=gen)
+    for _ in range(2):
+        v = torch.where(steps > 0, torch.nextafter(v, torch.tensor(float("inf"))), v)
+        v = torch.where(steps < 0, torch.nextafter(v, torch.tensor(0.0)), v)
+        steps = steps - steps.sign()
+    sign = torch.where(torch.rand(m, k, generator=gen) < 0.5, -1.0, 1.0)
+    keep = torch.arange(k) % 16 == 0
+    return torch.where(keep, x, sign * v)
+
+
+def at_midpoint(x, q):
+    # how many quotients x / d are exactly an e2m1 midpoint or one float32 from one
+    lin = q.with_layout("linear")
+    d = (lin.scale.to(torch.float32) * lin.global_scale).repeat_interleave(16, 1)
+    y = (x.to(torch.float32) / d).abs()
+    n = 0
+    for t in MID:
+        t = torch.tensor(t)
+        for v in (torch.nextafter(t, torch.tensor(0.0)), t, torch.nextafter(t, t * 2)):
+            n += int((y == v).sum())
+    return n
+
+
 def make(c):
     m, k, kind = c["m"], c["k"], c["kind"]
     gen = torch.Generator().manual_seed(c["seed"])
@@ -56,6 +91,8 @@ def make(c):
         x[r, 3] = float("nan")
         x[r, min(20, k - 1)] = float("inf")
         x[r, k - 1] = float("-inf")
+    elif kind == "neartie":  # |x| / d within 2 ulps of every e2m1 midpoint, any d
+        x = near_ties(m, k, float(c["g"]), gen)
     x = x.to(DT[c["dtype"]])
     if c.get("strided"):
         wide = torch.zeros(m, k + 48, dtype=x.dtype)
@@ -85,6 +122,7 @@ for tile in (None, 256):
                 "shape": list(s.shape) == list(q.scale.shape),
                 "g": torch.equal(g, q.global_scale),
                 "nan_blocks": int((q.scale.view(torch.uint8) == 0x7F).sum()),
+                "at_midpoint": at_midpoint(x, q),
             }
         )
 print(json.dumps(out))
@@ -123,9 +161,15 @@ def _cases() -> list[dict]:
         ("negzero", None),
         ("nonfinite", None),
         ("nonfinite", "0.25"),
+        ("neartie", 1.0),
+        ("neartie", "0.37"),
+        ("neartie", 3.1e-5),
     ):
         for layout in ("swizzled", "linear"):
             cases.append({"kind": kind, "m": 3, "k": 64, "dtype": "fp32", "layout": layout, "g": g})
+    for g in (0.37, "2.9e-3"):
+        cases.append({"kind": "neartie", "m": 33, "k": 512, "dtype": "fp32",
+                      "layout": "linear", "g": g})  # fmt: skip
     cases.append({"kind": "nonfinite", "m": 5, "k": 48, "dtype": "bf16", "layout": "swizzled",
                   "g": None, "strided": True})  # fmt: skip
     for i, c in enumerate(cases):
@@ -152,6 +196,15 @@ def test_non_finite_cases_hit_the_nan_block_rule(results: list[dict]) -> None:
     nonfinite = [r for r in results if r["case"]["kind"] == "nonfinite"]
     assert nonfinite and all(r["nan_blocks"] >= 2 for r in nonfinite)
     assert all(r["nan_blocks"] == 0 for r in results if r["case"]["kind"] != "nonfinite")
+
+
+def test_near_tie_cases_straddle_the_midpoints(results: list[dict]) -> None:
+    """The near-tie inputs really put quotients on and next to every rounding boundary
+    (so byte equality covered the kernel's division-free threshold comparisons)."""
+    near = [r for r in results if r["case"]["kind"] == "neartie"]
+    assert near and all(r["at_midpoint"] >= 7 for r in near)
+    big = [r for r in near if r["case"]["m"] == 33]
+    assert big and all(r["at_midpoint"] >= 1000 for r in big)
 
 
 def test_specialization_key_separates_what_triton_specializes_on() -> None:
