@@ -74,12 +74,19 @@ def _g_from_amax(amax):
 
 
 @triton.jit
-def _load_blocks(x_ptr, stride_xm, row0, col0, M, K, BM: tl.constexpr, NB: tl.constexpr):
-    """``[BM, NB, 16]`` float32 tile at (row0, col0); out-of-range elements are 0."""
+def _load_blocks(
+    x_ptr, stride_xm, row0, col0, M, K, BM: tl.constexpr, NB: tl.constexpr,
+    EVEN: tl.constexpr = False,
+):  # fmt: skip
+    """``[BM, NB, 16]`` float32 tile at (row0, col0); out-of-range elements are 0.
+    EVEN: the tile is known to be in range (no masks: they cost registers and, kept
+    alive until the stores, predicate-packing instructions)."""
     rows = row0 + tl.arange(0, BM)
     cols = col0 + tl.arange(0, NB)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-    mask = (rows < M)[:, None, None] & (cols < K)
     ptrs = x_ptr + rows.to(tl.int64)[:, None, None] * stride_xm + cols
+    if EVEN:
+        return tl.load(ptrs).to(tl.float32)
+    mask = (rows < M)[:, None, None] & (cols < K)
     return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
@@ -139,16 +146,43 @@ def _e2m1_bounds(d):
 
 
 @triton.jit
-def _e2m1_from_bounds(a, neg, t0, t1, t2, t3, t4, t5, t6):
-    """e2m1 code of magnitude ``a`` (sign ``neg``) against per-block thresholds
-    ``[BM, NB, 1]``: the number of thresholds passed, as a 3-level binary search over
-    the sorted thresholds (3 compares and 3 selects an element instead of 7 + 7);
-    a zero magnitude code never carries the sign (no -0, code 8). NaN passes none."""
-    b2 = a >= t3
-    b1 = a >= tl.where(b2, t5, t1)
-    b0 = a >= tl.where(b2, tl.where(b1, t6, t4), tl.where(b1, t2, t0))
-    mag = b2.to(tl.int32) * 4 + b1.to(tl.int32) * 2 + b0.to(tl.int32)
-    return mag | tl.where(neg & (mag != 0), 8, 0)
+def _bits_or_none(t, ok):
+    """Threshold ``t`` ``[BM, NB]`` as int32 bits ``[BM, NB, 1]``, INT32_MIN where not ok."""
+    return tl.where(ok, t.to(tl.int32, bitcast=True), -2147483648)[:, :, None]
+
+
+@triton.jit
+def _below(a, t):
+    """-1 where ``a < t`` else 0, for int32 float bits ``a`` in [0, 2**31) and ``t`` in
+    [0, 0x7F800001] or INT32_MIN (below nothing: ``a - INT32_MIN`` wraps negative).
+
+    An arithmetic shift of a wrapping difference, never a boolean: Triton emits one
+    operation over the whole tile at a time, so a boolean an element stays alive across
+    the next operations, and sm90 has 7 predicate registers - the rest are packed into
+    bit masks at 2 instructions each (seen in the SASS of an earlier version)."""
+    return (a - t) >> 31
+
+
+@triton.jit
+def _pick(hi, x, below):
+    """``x ^ hi`` is the other candidate: ``lo`` where below is -1, else ``hi``."""
+    return hi ^ (x & below)
+
+
+@triton.jit
+def _e2m1_from_bounds(a, sign8, t0, t1, t2, t3, t4, t5, t6):
+    """e2m1 code of ``|x|``'s int32 bits ``a`` (``sign8``: 8 for a negative x, else 0)
+    against a block's threshold bits ``[BM, NB, 1]`` (`_e2m1_bounds`; INT32_MIN in
+    blocks that get codes 0): the number of thresholds passed, found by a 3-level
+    binary search over the sorted thresholds in integer arithmetic. A zero magnitude
+    code never carries the sign (no -0, code 8)."""
+    l3 = _below(a, t3)
+    l1 = _below(a, _pick(t5, t5 ^ t1, l3))
+    w_lo = _pick(t2, t2 ^ t0, l1)
+    w_hi = _pick(t6, t6 ^ t4, l1)
+    l0 = _below(a, _pick(w_hi, w_hi ^ w_lo, l3))
+    mag = 7 + 4 * l3 + 2 * l1 + l0
+    return mag | (sign8 & ((0 - mag) >> 31))
 
 
 @triton.jit
@@ -171,7 +205,7 @@ def _scale_offsets(rows, kb, KB, NUM_K_TILES, SWIZZLED: tl.constexpr):
 @triton.jit
 def _quantize_store(
     xb, g, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES,
-    SWIZZLED: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
+    SWIZZLED: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     """Quantize a loaded ``[BM, NB, 16]`` tile with decode scale g and store it."""
     # |x| as int32 bits: positive floats order like their bits, and every NaN/inf has
@@ -188,19 +222,20 @@ def _quantize_store(
     sbyte = tl.where(bad, 0x7F, sbyte)
     denom = s * gb
     ok = (denom > 0.0) & (bad == 0)
-    # unusable blocks (zero or underflowed scale, non-finite values): NaN thresholds,
-    # which no magnitude passes, so their codes are 0
-    nan = tl.full(denom.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    # thresholds as int32 bits (non-negative floats order like their bits); unusable
+    # blocks (zero or underflowed scale, non-finite values) get INT32_MIN, which no
+    # magnitude passes, so their codes are 0
     t0, t1, t2, t3, t4, t5, t6 = _e2m1_bounds(tl.where(ok, denom, 1.0))
-    t0 = tl.where(ok, t0, nan)[:, :, None]
-    t1 = tl.where(ok, t1, nan)[:, :, None]
-    t2 = tl.where(ok, t2, nan)[:, :, None]
-    t3 = tl.where(ok, t3, nan)[:, :, None]
-    t4 = tl.where(ok, t4, nan)[:, :, None]
-    t5 = tl.where(ok, t5, nan)[:, :, None]
-    t6 = tl.where(ok, t6, nan)[:, :, None]
-    codes = _e2m1_from_bounds(abits.to(tl.float32, bitcast=True), xb < 0.0,
-                              t0, t1, t2, t3, t4, t5, t6)  # fmt: skip
+    t0 = _bits_or_none(t0, ok)
+    t1 = _bits_or_none(t1, ok)
+    t2 = _bits_or_none(t2, ok)
+    t3 = _bits_or_none(t3, ok)
+    t4 = _bits_or_none(t4, ok)
+    t5 = _bits_or_none(t5, ok)
+    t6 = _bits_or_none(t6, ok)
+    # the sign as an integer (8 or 0), not a boolean (see `_below`)
+    sign8 = (xb.to(tl.int32, bitcast=True) >> 28) & 8
+    codes = _e2m1_from_bounds(abits, sign8, t0, t1, t2, t3, t4, t5, t6)
     lo, hi = tl.split(tl.reshape(codes, [BM, NB, 8, 2]))
     packed = (lo | (hi << 4)).to(tl.uint8)
 
@@ -209,7 +244,10 @@ def _quantize_store(
     half_k = K // 2
     dcols = col0 // 2 + tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
     dptrs = data_ptr + rows.to(tl.int64)[:, None, None] * half_k + dcols
-    tl.store(dptrs, packed, mask=rmask[:, None, None] & (dcols < half_k))
+    if EVEN:
+        tl.store(dptrs, packed)
+    else:
+        tl.store(dptrs, packed, mask=rmask[:, None, None] & (dcols < half_k))
 
     kb = col0 // 16 + tl.arange(0, NB)
     KB = K // 16
@@ -218,7 +256,10 @@ def _quantize_store(
     else:
         kmask = kb < KB
     off = _scale_offsets(rows.to(tl.int64)[:, None], kb[None, :], KB, NUM_K_TILES, SWIZZLED)
-    tl.store(scale_ptr + off, sbyte.to(tl.uint8), mask=rmask[:, None] & kmask[None, :])
+    if EVEN:  # in range: K % BK == 0 with BK a multiple of 64 pads no scale column
+        tl.store(scale_ptr + off, sbyte.to(tl.uint8))
+    else:
+        tl.store(scale_ptr + off, sbyte.to(tl.uint8), mask=rmask[:, None] & kmask[None, :])
 
 
 @triton.jit
@@ -239,12 +280,13 @@ def _nvfp4_quantize_kernel(
     M, K, M_PAD, NUM_K_TILES,
     G_MODE: tl.constexpr, SWIZZLED: tl.constexpr,
     BM: tl.constexpr, NB: tl.constexpr, PART_BLOCK: tl.constexpr,
+    FM: tl.constexpr, FNB: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     row0 = pid_m * BM
     col0 = pid_k * NB * 16
-    xb = _load_blocks(x_ptr, stride_xm, row0, col0, M, K, BM, NB)
+    xb = _load_blocks(x_ptr, stride_xm, row0, col0, M, K, BM, NB, EVEN)
     if G_MODE == 0:
         g = tl.load(g_ptr)
     elif G_MODE == 1:
@@ -253,11 +295,13 @@ def _nvfp4_quantize_kernel(
         pidx = tl.arange(0, PART_BLOCK)
         parts = tl.load(part_ptr + pidx, mask=pidx < n_part, other=0.0)
         g = _g_from_amax(tl.max(parts, 0))
-    else:
-        g = _g_from_amax(_finite_amax(xb))
+    else:  # small tensor: every program reduces all of it (one [FM, FNB*16] load)
+        g = _g_from_amax(_finite_amax(_load_blocks(x_ptr, stride_xm, 0, 0, M, K, FM, FNB)))
     if (pid_m == 0) & (pid_k == 0):
         tl.store(g_out_ptr, g)
-    _quantize_store(xb, g, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES, SWIZZLED, BM, NB)
+    _quantize_store(
+        xb, g, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES, SWIZZLED, BM, NB, EVEN
+    )
     if SWIZZLED:  # noqa: SIM102 (static constexpr branch around a runtime one)
         if pid_m == tl.num_programs(0) - 1:
             _zero_row_padding(scale_ptr, col0, M, M_PAD, NUM_K_TILES, NB)
@@ -319,7 +363,8 @@ def _tile(m: int, k: int, elems: int, max_bk: int) -> tuple[int, int]:
 
 
 def _fused_tile(m: int, k: int) -> tuple[int, int] | None:
-    """The one tile covering all of ``[m, k]`` when it is small enough to fuse amax."""
+    """The one tile covering all of ``[m, k]`` when it is small enough that every program
+    can reduce the whole tensor itself (one load, from L2 after the first program)."""
     bm, bk = _next_pow2(m), max(64, _next_pow2(k))
     return (bm, bk) if bm * bk <= min(_FUSED_ELEMS, 2 * _TILE_ELEMS) else None
 
@@ -330,7 +375,7 @@ def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
     m_pad = -(-m // 128) * 128 if swizzled else m
     scale_shape = (m_pad, num_k_tiles * 4) if swizzled else (m, kb)
     fused = _fused_tile(m, k) if kind == "dynamic" else None
-    bm, bk = fused or _tile(m, k, _TILE_ELEMS, min(_MAX_BK, _TILE_ELEMS))
+    bm, bk = _tile(m, k, _TILE_ELEMS, min(_MAX_BK, _TILE_ELEMS))
     grid = (-(-m // bm), -(-k // bk))
     g_mode = {"tensor": _G_PTR, "value": _G_VALUE}.get(kind, _G_PARTIALS)
     amax_grid = None
@@ -343,9 +388,11 @@ def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
             gm = max(1, min(grid[0], _MAX_PARTIALS // gk))
             amax_grid = (gm, gk)
             part_block = _next_pow2(gm * gk)
-    num_warps = 8 if bm * bk >= 8192 else 4
+    fm, fk = fused or (1, 16)
+    num_warps = 8 if max(bm * bk, fm * fk // 2) >= 8192 else 4
     meta = {"G_MODE": g_mode, "SWIZZLED": swizzled, "BM": bm, "NB": bk // 16,
-            "PART_BLOCK": part_block}  # fmt: skip
+            "PART_BLOCK": part_block, "FM": fm, "FNB": fk // 16,
+            "EVEN": m % bm == 0 and k % bk == 0}  # fmt: skip
     launch = _quant_launch.bind(meta, num_warps)
     amax_launch = None
     if amax_grid is not None:

@@ -167,9 +167,10 @@ def _cases() -> list[dict]:
     ):
         for layout in ("swizzled", "linear"):
             cases.append({"kind": kind, "m": 3, "k": 64, "dtype": "fp32", "layout": layout, "g": g})
-    for g in (0.37, "2.9e-3"):
-        cases.append({"kind": "neartie", "m": 33, "k": 512, "dtype": "fp32",
-                      "layout": "linear", "g": g})  # fmt: skip
+    for g, m, layout in ((0.37, 33, "linear"), ("2.9e-3", 33, "linear"), (1.0, 32, "swizzled")):
+        # M = 32: whole tiles (the kernel's unmasked EVEN variant)
+        cases.append({"kind": "neartie", "m": m, "k": 512, "dtype": "fp32",
+                      "layout": layout, "g": g})  # fmt: skip
     cases.append({"kind": "nonfinite", "m": 5, "k": 48, "dtype": "bf16", "layout": "swizzled",
                   "g": None, "strided": True})  # fmt: skip
     for i, c in enumerate(cases):
@@ -203,7 +204,7 @@ def test_near_tie_cases_straddle_the_midpoints(results: list[dict]) -> None:
     (so byte equality covered the kernel's division-free threshold comparisons)."""
     near = [r for r in results if r["case"]["kind"] == "neartie"]
     assert near and all(r["at_midpoint"] >= 7 for r in near)
-    big = [r for r in near if r["case"]["m"] == 33]
+    big = [r for r in near if r["case"]["m"] >= 32]
     assert big and all(r["at_midpoint"] >= 1000 for r in big)
 
 
@@ -306,7 +307,8 @@ def test_kernel_compiles_for_hopper_and_blackwell_with_16_byte_loads(arch: int, 
         "g_ptr": "*fp32", "g_value": "fp32", "g_out_ptr": "*fp32", "part_ptr": "*fp32",
         "n_part": "i32", "M": "i32", "K": "i32", "M_PAD": "i32", "NUM_K_TILES": "i32",
     }  # fmt: skip
-    consts = {"G_MODE": g_mode, "SWIZZLED": True, "BM": 8, "NB": 64, "PART_BLOCK": 1}
+    consts = {"G_MODE": g_mode, "SWIZZLED": True, "BM": 8, "NB": 64, "PART_BLOCK": 1,
+              "FM": 8, "FNB": 64, "EVEN": False}  # fmt: skip
     aligned = ("x_ptr", "stride_xm", "data_ptr", "scale_ptr", "g_ptr", "g_out_ptr", "K")
     src = ASTSource(
         fn=kernel,
