@@ -251,15 +251,16 @@ def _quantize_store(
 
     kb = col0 // 16 + tl.arange(0, NB)
     KB = K // 16
+    scale_bytes = scale_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)  # e4m3 bit patterns
     if SWIZZLED:  # noqa: SIM108 (a static branch on a constexpr, clearer in jit code)
         kmask = kb < NUM_K_TILES * 4  # column padding is written (zero: masked loads)
     else:
         kmask = kb < KB
     off = _scale_offsets(rows.to(tl.int64)[:, None], kb[None, :], KB, NUM_K_TILES, SWIZZLED)
     if EVEN:  # in range: K % BK == 0 with BK a multiple of 64 pads no scale column
-        tl.store(scale_ptr + off, sbyte.to(tl.uint8))
+        tl.store(scale_bytes + off, sbyte.to(tl.uint8))
     else:
-        tl.store(scale_ptr + off, sbyte.to(tl.uint8), mask=rmask[:, None] & kmask[None, :])
+        tl.store(scale_bytes + off, sbyte.to(tl.uint8), mask=rmask[:, None] & kmask[None, :])
 
 
 @triton.jit
@@ -271,7 +272,11 @@ def _zero_row_padding(scale_ptr, col0, M, M_PAD, NUM_K_TILES, NB: tl.constexpr):
         rows = r0 + tl.arange(0, 32)
         off = _scale_offsets(rows.to(tl.int64)[:, None], kb[None, :], 0, NUM_K_TILES, True)
         zeros = tl.zeros([32, NB], tl.uint8)
-        tl.store(scale_ptr + off, zeros, mask=(rows < M_PAD)[:, None] & kmask[None, :])
+        tl.store(
+            scale_ptr.to(tl.pointer_type(tl.uint8), bitcast=True) + off,
+            zeros,
+            mask=(rows < M_PAD)[:, None] & kmask[None, :],
+        )
 
 
 @triton.jit
@@ -341,6 +346,7 @@ class _Plan:
     scale_shape: tuple[int, int]
     amax_grid: tuple[int, int] | None
     part_block: int
+    n_part: int
     launch: BoundLaunch
     amax_launch: BoundLaunch | None
 
@@ -399,7 +405,7 @@ def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
         amax_launch = _amax_launch.bind({"BM": bm, "NB": bk // 16}, num_warps)
     return _Plan(
         grid, bm, bk // 16, num_warps, g_mode, m_pad, num_k_tiles, scale_shape, amax_grid,
-        part_block, launch, amax_launch,
+        part_block, amax_grid[0] * amax_grid[1] if amax_grid else 0, launch, amax_launch,
     )  # fmt: skip
 
 
@@ -464,34 +470,42 @@ def quantize_checked(
 def _quantize(
     x: torch.Tensor, global_scale: torch.Tensor | float | None, layout: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hot path: one plan look-up, the three outputs, one or two launches.
+
+    The launch key (`BoundLaunch.launch_keyed`) is what can vary for a fixed plan: the
+    input's dtype, alignment and row stride, and the alignment of a given scale tensor
+    (the outputs are fresh caching-allocator blocks, always 16-byte aligned).
+    """
     m, k = x.shape
-    if isinstance(global_scale, torch.Tensor):
-        kind = "tensor"
-    elif global_scale is None:
+    if global_scale is None:
         kind = "dynamic"
+    elif isinstance(global_scale, torch.Tensor):
+        kind = "tensor"
     else:
         kind = "value"
-    swizzled = layout == "swizzled"
-    pkey = (m, k, swizzled, kind)
+    pkey = (m, k, layout, kind)
     plan = _plans.get(pkey)
     if plan is None:
-        plan = _plans[pkey] = _make_plan(m, k, swizzled, kind)
+        plan = _plans[pkey] = _make_plan(m, k, layout == "swizzled", kind)
     dev = x.device
     data = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
-    scale = torch.empty(plan.scale_shape, dtype=torch.uint8, device=dev)
+    scale = torch.empty(plan.scale_shape, dtype=torch.float8_e4m3fn, device=dev)
     g_out = torch.empty((), dtype=torch.float32, device=dev)
-    g_ptr, g_value, parts, n_part = x, 1.0, x, 0
+    stride = x.stride(0)
+    key = (x.dtype, x.data_ptr() % 16, stride)
+    g_ptr, g_value, parts = x, 1.0, x
     if kind == "tensor":
-        g_ptr = global_scale.reshape(())
+        g_ptr = global_scale  # one element: the kernel loads it through its data pointer
+        key = (*key, global_scale.data_ptr() % 16)
     elif kind == "value":
         g_value = float(global_scale)
     elif plan.amax_grid is not None:
-        n_part = plan.amax_grid[0] * plan.amax_grid[1]
-        parts = torch.empty((n_part,), dtype=torch.float32, device=dev)
-        plan.amax_launch(plan.amax_grid, (x, x.stride(0), parts, m, k))
-    plan.launch(
+        parts = torch.empty((plan.n_part,), dtype=torch.float32, device=dev)
+        plan.amax_launch.launch_keyed(key, plan.amax_grid, (x, stride, parts, m, k))
+    plan.launch.launch_keyed(
+        key,
         plan.grid,
-        (x, x.stride(0), data, scale, g_ptr, g_value, g_out, parts, n_part, m, k,
+        (x, stride, data, scale, g_ptr, g_value, g_out, parts, plan.n_part, m, k,
          plan.m_pad, plan.num_k_tiles),
     )  # fmt: skip
-    return data, scale.view(torch.float8_e4m3fn), g_out
+    return data, scale, g_out
