@@ -56,6 +56,8 @@ _MAX_BK = 1024
 #: Largest single tile of the fused dynamic-scale launch (amax and quantize in one
 #: program, no second kernel): 16K elements is 64 fp32 registers a thread at 8 warps.
 _FUSED_ELEMS = 16384
+#: Warps per program; None: 8 for 8K-element tiles and more, else 4 (benchmarks sweep it)
+_NUM_WARPS: int | None = None
 #: Upper bound on partial maxima of the dynamic scale (each quantize program reads all).
 _MAX_PARTIALS = 256
 #: Rows of zero scales stored per step in the swizzled row padding.
@@ -395,7 +397,7 @@ def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
             amax_grid = (gm, gk)
             part_block = _next_pow2(gm * gk)
     fm, fk = fused or (1, 16)
-    num_warps = 8 if max(bm * bk, fm * fk // 2) >= 8192 else 4
+    num_warps = _NUM_WARPS or (8 if max(bm * bk, fm * fk // 2) >= 8192 else 4)
     meta = {"G_MODE": g_mode, "SWIZZLED": swizzled, "BM": bm, "NB": bk // 16,
             "PART_BLOCK": part_block, "FM": fm, "FNB": fk // 16,
             "EVEN": m % bm == 0 and k % bk == 0}  # fmt: skip
