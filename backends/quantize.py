@@ -48,11 +48,16 @@ __all__ = ["quantize_checked", "quantize_triton"]
 
 #: fp32 max: ``|v| <= FLT_MAX`` is False exactly for NaN and ±inf.
 _FLT_MAX = 3.4028234663852886e38
-#: Elements per program (16 KiB of bf16: enough bytes in flight per SM at 2+ programs).
-_TILE_ELEMS = 8192
-#: Widest K tile of the multi-program grid: a decode row of K=8192 spreads over 8
-#: programs (8 SMs load in parallel) instead of one.
-_MAX_BK = 1024
+#: Elements per program: 4096 (32 a thread at 4 warps; ~126 registers, 4 programs an
+#: SM). Measured on the H200 (RESULTS.md, issue 11 run 2 sweep): at 4096x8192 given
+#: scale 59.9 µs against 69.9 µs for 8192 and 103-143 µs for 16K-32K elements.
+_TILE_ELEMS = 4096
+#: Widest K tile of the multi-program grid: a decode row of K=8192 spreads over 16
+#: programs (16 SMs load in parallel): 2.5 µs at 1x8192 against 3.6 µs for 1024.
+_MAX_BK = 512
+#: Elements a partial-amax program loads per step (its own, larger tile: each program
+#: loops over many row tiles, so more bytes in flight per step is what it needs)
+_AMAX_ELEMS = 16384
 #: Largest single tile of the fused dynamic-scale launch (amax and quantize in one
 #: program, no second kernel): 16K elements is 64 fp32 registers a thread at 8 warps.
 _FUSED_ELEMS = 16384
@@ -393,7 +398,8 @@ def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
             g_mode = _G_FUSED
         else:
             gk = grid[1]
-            gm = max(1, min(grid[0], _MAX_PARTIALS // gk))
+            bm_amax = max(1, min(_next_pow2(m), _AMAX_ELEMS // bk))
+            gm = max(1, min(-(-m // bm_amax), _MAX_PARTIALS // gk))
             amax_grid = (gm, gk)
             part_block = _next_pow2(gm * gk)
     fm, fk = fused or (1, 16)
@@ -404,7 +410,8 @@ def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
     launch = _quant_launch.bind(meta, num_warps)
     amax_launch = None
     if amax_grid is not None:
-        amax_launch = _amax_launch.bind({"BM": bm, "NB": bk // 16}, num_warps)
+        warps = 8 if bm_amax * bk >= 8192 else 4
+        amax_launch = _amax_launch.bind({"BM": bm_amax, "NB": bk // 16}, warps)
     return _Plan(
         grid, bm, bk // 16, num_warps, g_mode, m_pad, num_k_tiles, scale_shape, amax_grid,
         part_block, amax_grid[0] * amax_grid[1] if amax_grid else 0, launch, amax_launch,

@@ -4,7 +4,7 @@ The kernel runs under TRITON_INTERPRET=1 in a subprocess (`run_interpreted`); th
 reference is `quantize_nvfp4` on the CPU (the torch path: `quantize_blocks` +
 `swizzle_scales`), which tests/test_nvfp4.py checks against an independent slow
 reference. Every case is run twice: with the default tile size and with a tiny one
-(`_TILE_ELEMS = 256`) so that small inputs still exercise many programs, several K
+(`_TILE_ELEMS = _AMAX_ELEMS = 256`) so that small inputs still exercise many programs, several K
 tiles, the partial-amax kernel and the swizzled row/column padding of the last tiles.
 """
 
@@ -104,7 +104,7 @@ def make(c):
 out = []
 for tile in (None, 256):
     if tile:
-        kq._TILE_ELEMS = tile
+        kq._TILE_ELEMS = kq._AMAX_ELEMS = tile
         kq._plans.clear()
     for c in json.loads(sys.argv[1]):
         x = make(c)
@@ -276,6 +276,29 @@ def test_cached_launcher_compiles_once_then_launches_directly(monkeypatch) -> No
     # the compiled runner indexes grid[0..2]: the launcher pads the grid to three dims
     assert kernel.calls[1][1] == (2, 1, 1) and kernel.calls[1][2] == (x, 8, 17, 4)
     assert kernel.calls[2][1] == (3, 1, 1) and kernel.calls[2][2][2] == 18
+
+
+class _TrailingKernel(_FakeKernel):
+    """Constexprs after every runtime parameter, like the project's kernels."""
+
+    arg_names = ("x", "n", "BM", "NB")
+
+
+def test_launch_keyed_reuses_the_runner_of_its_key(monkeypatch) -> None:
+    kernel = _TrailingKernel()
+    bound = _fast_launcher(kernel, monkeypatch).bind({"BM": 8, "NB": 4})
+    x = torch.zeros(32)
+    bound.launch_keyed("a", (2,), (x, 17))  # compiles through kernel[grid]
+    bound.launch_keyed("a", (2,), (x, 17))  # ordinary direct path, runner remembered
+    bound.launch_keyed("a", (2,), (x, 18))  # the key's runner: no specialization key
+    bound.launch_keyed("b", (2,), (x, 16))  # a new key (16 % 16 == 0): compiles
+    bound.launch_keyed("a", (3,), (x, 17))  # same key, new grid: its own runner
+    kinds = [c[0] for c in kernel.calls]
+    assert kinds == ["slow", "direct", "direct", "slow", "direct"]
+    # trailing constexprs are appended as they are (runtime args first)
+    assert kernel.calls[2][1] == (2, 1, 1) and kernel.calls[2][2] == (x, 18, 8, 4)
+    assert kernel.calls[4][1] == (3, 1, 1)
+    assert set(bound._keyed) == {("a", (2,)), ("a", (3,))}
 
 
 def test_cached_launcher_falls_back_when_the_convention_differs(monkeypatch, caplog) -> None:
