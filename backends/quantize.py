@@ -9,26 +9,42 @@ the linear ``[M, K/16]`` layout.
 
 Launches: a given global scale (a one-element float32 device tensor, or a Python float
 baked in as a kernel argument) is ONE launch. The dynamic scale (``amax / (6 * 448)``
-over the finite values) is one launch when the whole tensor fits one program's tile
-(decode rows up to 8192 elements: the program reduces its own registers), otherwise a
-small partial-amax kernel (at most `_MAX_PARTIALS` partial maxima, no memset: every slot
-is written) followed by the quantize kernel, whose programs each reduce the partials.
+over the finite values) is one launch when the whole tensor has at most
+`_FUSED_ELEMS` elements (decode rows up to K = 16384: every program of the grid
+reduces the whole small tensor itself, one load, then quantizes its own tile),
+otherwise a partial-amax kernel (at most `_MAX_PARTIALS` partial maxima, no memset:
+every slot is written) followed by the quantize kernel, whose programs each reduce the
+partials. Host side, a call is one plan look-up, the three output allocations and
+`BoundLaunch.launch_keyed` (no specialization key, no argument re-binding).
 
 Bit-exactness with the reference (the tests compare bytes):
-- every fp32 division is ``tl.math.div_rn`` (Triton's ``/`` is approximate on GPU),
-  and ``block_amax / 6 / g`` divides twice as the reference does;
-- the e4m3 rounding is integer arithmetic on the fp32 bits (round to nearest even on
-  3 mantissa bits for normals, ``round-half-even(v * 2**9)`` for subnormals), so it
-  does not depend on how a Triton version lowers the float8 cast;
-- e2m1 codes come from the same midpoint comparisons as `round_to_e2m1` (``>`` at
-  midpoints whose lower code is even, ``>=`` otherwise: ties to even), as a binary
-  search over the sorted midpoints; a zero magnitude gets code 0, never -0 (code 8);
+- the block scale: ``block_amax / 6 / g`` divides twice with ``tl.math.div_rn`` as the
+  reference does (Triton's ``/`` is approximate on GPU); the e4m3 rounding is integer
+  arithmetic on the fp32 bits (round to nearest even on 3 mantissa bits for normals,
+  ``round-half-even(v * 2**9)`` for subnormals), independent of how a Triton version
+  lowers the float8 cast;
+- the e2m1 codes need no per-element division. The reference rounds the float32
+  quotient ``q = fl(|x| / d)`` (``d = scale * g``) against the midpoints t (0.25, 0.75,
+  ... 5; ``>`` where the lower code is even, ``>=`` where it is odd: ties to even).
+  ``fl(q) >= t`` holds exactly when ``|x| / d`` reaches the real midpoint between t and
+  its float32 neighbour below, ``fl(q) > t`` when it passes the one above (a quotient
+  of two float32 values is never such a midpoint), so each block gets seven float32
+  thresholds: those boundaries times d, exact in float64 (25-bit times 24-bit), rounded
+  up to float32 (`_e2m1_bounds`). Comparing ``|x|`` with them is the reference's
+  division and comparison, bit for bit; a code is a 3-level binary search of ``|x|``'s
+  int32 bits against the thresholds' (`_e2m1_from_bounds`), in wrapping integer
+  arithmetic rather than booleans (see `_below` for why). A zero magnitude gets code
+  0, never -0 (code 8);
 - non-finite semantics (`fp4_dispatch.nvfp4` docstring): a 16-element block holding
-  NaN/inf gets scale byte 0x7F and codes 0; the dynamic amax ignores non-finite values.
+  NaN/inf gets scale byte 0x7F and codes 0 (its thresholds pass nothing); the dynamic
+  amax ignores non-finite values. The block amax and the non-finite flag are one
+  integer max over ``|x|``'s bits (every NaN/inf is above FLT_MAX's bits).
 
 Tiles: a program handles ``[BM, BK]`` elements loaded as ``[BM, BK/16, 16]`` (16
 contiguous elements per block, so a thread's loads are 16-byte vectors and the block
-reduction stays within a thread/warp), ~8192 elements per program (16 KiB of bf16).
+reduction stays within a thread/warp), `_TILE_ELEMS` elements per program (4096: the
+H200 sweep in benchmarks/RESULTS.md); whole tiles (``EVEN``) are loaded and stored
+without masks.
 """
 
 from __future__ import annotations
@@ -58,8 +74,8 @@ _MAX_BK = 512
 #: Elements a partial-amax program loads per step (its own, larger tile: each program
 #: loops over many row tiles, so more bytes in flight per step is what it needs)
 _AMAX_ELEMS = 16384
-#: Largest single tile of the fused dynamic-scale launch (amax and quantize in one
-#: program, no second kernel): 16K elements is 64 fp32 registers a thread at 8 warps.
+#: Largest tensor of the one-launch dynamic scale, where every program first reduces the
+#: whole tensor (one load; 16K elements is 64 fp32 registers a thread at 8 warps)
 _FUSED_ELEMS = 16384
 #: Warps per program; None: 8 for 8K-element tiles and more, else 4 (benchmarks sweep it)
 _NUM_WARPS: int | None = None
