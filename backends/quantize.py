@@ -9,26 +9,42 @@ the linear ``[M, K/16]`` layout.
 
 Launches: a given global scale (a one-element float32 device tensor, or a Python float
 baked in as a kernel argument) is ONE launch. The dynamic scale (``amax / (6 * 448)``
-over the finite values) is one launch when the whole tensor fits one program's tile
-(decode rows up to 8192 elements: the program reduces its own registers), otherwise a
-small partial-amax kernel (at most `_MAX_PARTIALS` partial maxima, no memset: every slot
-is written) followed by the quantize kernel, whose programs each reduce the partials.
+over the finite values) is one launch when the whole tensor has at most
+`_FUSED_ELEMS` elements (decode rows up to K = 16384: every program of the grid
+reduces the whole small tensor itself, one load, then quantizes its own tile),
+otherwise a partial-amax kernel (at most `_MAX_PARTIALS` partial maxima, no memset:
+every slot is written) followed by the quantize kernel, whose programs each reduce the
+partials. Host side, a call is one plan look-up, the three output allocations and
+`BoundLaunch.launch_keyed` (no specialization key, no argument re-binding).
 
 Bit-exactness with the reference (the tests compare bytes):
-- every fp32 division is ``tl.math.div_rn`` (Triton's ``/`` is approximate on GPU),
-  and ``block_amax / 6 / g`` divides twice as the reference does;
-- the e4m3 rounding is integer arithmetic on the fp32 bits (round to nearest even on
-  3 mantissa bits for normals, ``round-half-even(v * 2**9)`` for subnormals), so it
-  does not depend on how a Triton version lowers the float8 cast;
-- e2m1 codes come from the same midpoint comparisons as `round_to_e2m1` (``>`` at
-  midpoints whose lower code is even, ``>=`` otherwise: ties to even), as a binary
-  search over the sorted midpoints; a zero magnitude gets code 0, never -0 (code 8);
+- the block scale: ``block_amax / 6 / g`` divides twice with ``tl.math.div_rn`` as the
+  reference does (Triton's ``/`` is approximate on GPU); the e4m3 rounding is integer
+  arithmetic on the fp32 bits (round to nearest even on 3 mantissa bits for normals,
+  ``round-half-even(v * 2**9)`` for subnormals), independent of how a Triton version
+  lowers the float8 cast;
+- the e2m1 codes need no per-element division. The reference rounds the float32
+  quotient ``q = fl(|x| / d)`` (``d = scale * g``) against the midpoints t (0.25, 0.75,
+  ... 5; ``>`` where the lower code is even, ``>=`` where it is odd: ties to even).
+  ``fl(q) >= t`` holds exactly when ``|x| / d`` reaches the real midpoint between t and
+  its float32 neighbour below, ``fl(q) > t`` when it passes the one above (a quotient
+  of two float32 values is never such a midpoint), so each block gets seven float32
+  thresholds: those boundaries times d, exact in float64 (25-bit times 24-bit), rounded
+  up to float32 (`_e2m1_bounds`). Comparing ``|x|`` with them is the reference's
+  division and comparison, bit for bit; a code is a 3-level binary search of ``|x|``'s
+  int32 bits against the thresholds' (`_e2m1_from_bounds`), in wrapping integer
+  arithmetic rather than booleans (see `_below` for why). A zero magnitude gets code
+  0, never -0 (code 8);
 - non-finite semantics (`fp4_dispatch.nvfp4` docstring): a 16-element block holding
-  NaN/inf gets scale byte 0x7F and codes 0; the dynamic amax ignores non-finite values.
+  NaN/inf gets scale byte 0x7F and codes 0 (its thresholds pass nothing); the dynamic
+  amax ignores non-finite values. The block amax and the non-finite flag are one
+  integer max over ``|x|``'s bits (every NaN/inf is above FLT_MAX's bits).
 
 Tiles: a program handles ``[BM, BK]`` elements loaded as ``[BM, BK/16, 16]`` (16
 contiguous elements per block, so a thread's loads are 16-byte vectors and the block
-reduction stays within a thread/warp), ~8192 elements per program (16 KiB of bf16).
+reduction stays within a thread/warp), `_TILE_ELEMS` elements per program (4096: the
+H200 sweep in benchmarks/RESULTS.md); whole tiles (``EVEN``) are loaded and stored
+without masks.
 """
 
 from __future__ import annotations
@@ -48,14 +64,21 @@ __all__ = ["quantize_checked", "quantize_triton"]
 
 #: fp32 max: ``|v| <= FLT_MAX`` is False exactly for NaN and ±inf.
 _FLT_MAX = 3.4028234663852886e38
-#: Elements per program (16 KiB of bf16: enough bytes in flight per SM at 2+ programs).
-_TILE_ELEMS = 8192
-#: Widest K tile of the multi-program grid: a decode row of K=8192 spreads over 8
-#: programs (8 SMs load in parallel) instead of one.
-_MAX_BK = 1024
-#: Largest single tile of the fused dynamic-scale launch (amax and quantize in one
-#: program, no second kernel): 16K elements is 64 fp32 registers a thread at 8 warps.
+#: Elements per program: 4096 (32 a thread at 4 warps; ~126 registers, 4 programs an
+#: SM). Measured on the H200 (RESULTS.md, issue 11 run 2 sweep): at 4096x8192 given
+#: scale 59.9 µs against 69.9 µs for 8192 and 103-143 µs for 16K-32K elements.
+_TILE_ELEMS = 4096
+#: Widest K tile of the multi-program grid: a decode row of K=8192 spreads over 16
+#: programs (16 SMs load in parallel): 2.5 µs at 1x8192 against 3.6 µs for 1024.
+_MAX_BK = 512
+#: Elements a partial-amax program loads per step (its own, larger tile: each program
+#: loops over many row tiles, so more bytes in flight per step is what it needs)
+_AMAX_ELEMS = 16384
+#: Largest tensor of the one-launch dynamic scale, where every program first reduces the
+#: whole tensor (one load; 16K elements is 64 fp32 registers a thread at 8 warps)
 _FUSED_ELEMS = 16384
+#: Warps per program; None: 8 for 8K-element tiles and more, else 4 (benchmarks sweep it)
+_NUM_WARPS: int | None = None
 #: Upper bound on partial maxima of the dynamic scale (each quantize program reads all).
 _MAX_PARTIALS = 256
 #: Rows of zero scales stored per step in the swizzled row padding.
@@ -74,12 +97,19 @@ def _g_from_amax(amax):
 
 
 @triton.jit
-def _load_blocks(x_ptr, stride_xm, row0, col0, M, K, BM: tl.constexpr, NB: tl.constexpr):
-    """``[BM, NB, 16]`` float32 tile at (row0, col0); out-of-range elements are 0."""
+def _load_blocks(
+    x_ptr, stride_xm, row0, col0, M, K, BM: tl.constexpr, NB: tl.constexpr,
+    EVEN: tl.constexpr = False,
+):  # fmt: skip
+    """``[BM, NB, 16]`` float32 tile at (row0, col0); out-of-range elements are 0.
+    EVEN: the tile is known to be in range (no masks: they cost registers and, kept
+    alive until the stores, predicate-packing instructions)."""
     rows = row0 + tl.arange(0, BM)
     cols = col0 + tl.arange(0, NB)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-    mask = (rows < M)[:, None, None] & (cols < K)
     ptrs = x_ptr + rows.to(tl.int64)[:, None, None] * stride_xm + cols
+    if EVEN:
+        return tl.load(ptrs).to(tl.float32)
+    mask = (rows < M)[:, None, None] & (cols < K)
     return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
@@ -109,23 +139,73 @@ def _e4m3(v):
 
 
 @triton.jit
-def _e2m1_codes(y):
-    """e2m1 codes of fp32 y: nearest, ties to even, saturating at 6; zero and NaN -> 0.
+def _ceil_f32(b, STRICT: tl.constexpr):
+    """The smallest float32 ``>= b`` (``> b`` when STRICT) of non-negative float64 ``b``."""
+    f = b.to(tl.float32)  # round to nearest
+    fb = f.to(tl.float64)
+    up = (fb < b) | (fb == b) if STRICT else fb < b
+    return tl.where(up, (f.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True), f)
 
-    The magnitude code is the number of midpoints |y| passes (0.25, 0.75, 1.25, 1.75,
-    2.5, 3.5, 5; ``>`` where the lower code is even, ``>=`` where it is odd: ties to
-    even). The midpoints are sorted, so a 3-level binary search over them gives the
-    count bit by bit: 3 compares and 4 selects an element instead of 7 compares and 7
-    adds (this kernel is close to compute-bound at large M).
+
+@triton.jit
+def _e2m1_bounds(d):
+    """The seven float32 thresholds T_i of a block with divisor ``d`` (float32 > 0):
+    ``fl(|x| / d)`` passes e2m1 midpoint i exactly when ``|x| >= T_i``.
+
+    ``c_i * d`` is exact in float64 (25-bit c_i times a 24-bit d), so T_i is exactly
+    the first float32 on the passing side of the real boundary (`_BOUNDS`): comparing
+    ``|x|`` with T_i is the reference's division and comparison, bit for bit, with no
+    per-element division.
     """
-    a = tl.abs(y)
-    b2 = a >= 1.75  # midpoint 3 (odd lower code: >=)
-    b1 = a >= tl.where(b2, 3.5, 0.75)  # midpoint 5 or 1 (odd: >=)
-    t0 = tl.where(b2, tl.where(b1, 5.0, 2.5), tl.where(b1, 1.25, 0.25))
-    b0 = a > t0  # midpoint 6, 4, 2 or 0 (even lower code: >)
-    mag = b2.to(tl.int32) * 4 + b1.to(tl.int32) * 2 + b0.to(tl.int32)
-    # negative and a nonzero code <=> y < -0.25 (the first midpoint); NaN: neither
-    return mag | tl.where(y < -0.25, 8, 0)
+    d64 = d.to(tl.float64)
+    t0 = _ceil_f32(d64 * 0.25000001490116119384765625, True)  # 0.25 + 2**-26: >
+    t1 = _ceil_f32(d64 * 0.749999970197677612304687500, False)  # 0.75 - 2**-25: >=
+    t2 = _ceil_f32(d64 * 1.25000005960464477539062500, True)  # 1.25 + 2**-24: >
+    t3 = _ceil_f32(d64 * 1.74999994039535522460937500, False)  # 1.75 - 2**-24: >=
+    t4 = _ceil_f32(d64 * 2.50000011920928955078125000, True)  # 2.5 + 2**-23: >
+    t5 = _ceil_f32(d64 * 3.49999988079071044921875000, False)  # 3.5 - 2**-23: >=
+    t6 = _ceil_f32(d64 * 5.00000023841857910156250000, True)  # 5 + 2**-22: >
+    return t0, t1, t2, t3, t4, t5, t6
+
+
+@triton.jit
+def _bits_or_none(t, ok):
+    """Threshold ``t`` ``[BM, NB]`` as int32 bits ``[BM, NB, 1]``, INT32_MIN where not ok."""
+    return tl.where(ok, t.to(tl.int32, bitcast=True), -2147483648)[:, :, None]
+
+
+@triton.jit
+def _below(a, t):
+    """-1 where ``a < t`` else 0, for int32 float bits ``a`` in [0, 2**31) and ``t`` in
+    [0, 0x7F800001] or INT32_MIN (below nothing: ``a - INT32_MIN`` wraps negative).
+
+    An arithmetic shift of a wrapping difference, never a boolean: Triton emits one
+    operation over the whole tile at a time, so a boolean an element stays alive across
+    the next operations, and sm90 has 7 predicate registers - the rest are packed into
+    bit masks at 2 instructions each (seen in the SASS of an earlier version)."""
+    return (a - t) >> 31
+
+
+@triton.jit
+def _pick(hi, x, below):
+    """``x ^ hi`` is the other candidate: ``lo`` where below is -1, else ``hi``."""
+    return hi ^ (x & below)
+
+
+@triton.jit
+def _e2m1_from_bounds(a, sign8, t0, t1, t2, t3, t4, t5, t6):
+    """e2m1 code of ``|x|``'s int32 bits ``a`` (``sign8``: 8 for a negative x, else 0)
+    against a block's threshold bits ``[BM, NB, 1]`` (`_e2m1_bounds`; INT32_MIN in
+    blocks that get codes 0): the number of thresholds passed, found by a 3-level
+    binary search over the sorted thresholds in integer arithmetic. A zero magnitude
+    code never carries the sign (no -0, code 8)."""
+    l3 = _below(a, t3)
+    l1 = _below(a, _pick(t5, t5 ^ t1, l3))
+    w_lo = _pick(t2, t2 ^ t0, l1)
+    w_hi = _pick(t6, t6 ^ t4, l1)
+    l0 = _below(a, _pick(w_hi, w_hi ^ w_lo, l3))
+    mag = 7 + 4 * l3 + 2 * l1 + l0
+    return mag | (sign8 & ((0 - mag) >> 31))
 
 
 @triton.jit
@@ -148,15 +228,16 @@ def _scale_offsets(rows, kb, KB, NUM_K_TILES, SWIZZLED: tl.constexpr):
 @triton.jit
 def _quantize_store(
     xb, g, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES,
-    SWIZZLED: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
+    SWIZZLED: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     """Quantize a loaded ``[BM, NB, 16]`` tile with decode scale g and store it."""
-    ax = tl.abs(xb)
-    # |x| * 0 is 0 for finite x and NaN for NaN/inf, and a sum keeps a NaN: one fma an
-    # element flags the non-finite blocks. Their bamax is meaningless (max drops NaN,
-    # keeps inf) and unused: their scale byte becomes 0x7F and their codes 0.
-    bad = tl.sum(ax * 0.0, 2) != 0.0
-    bamax = tl.max(ax, 2)
+    # |x| as int32 bits: positive floats order like their bits, and every NaN/inf has
+    # bits above FLT_MAX's, so one integer max per block gives both the block amax and
+    # whether the block holds a non-finite value (scale byte 0x7F and codes 0 then)
+    abits = xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    bmax = tl.max(abits, 2)
+    bad = bmax > 0x7F7FFFFF
+    bamax = tl.where(bad, 0, bmax).to(tl.float32, bitcast=True)
     gb = tl.full(bamax.shape, 1.0, tl.float32) * g
     v = tl.math.div_rn(tl.math.div_rn(bamax, tl.full(bamax.shape, 6.0, tl.float32)), gb)
     v = tl.minimum(v, 448.0)
@@ -164,11 +245,20 @@ def _quantize_store(
     sbyte = tl.where(bad, 0x7F, sbyte)
     denom = s * gb
     ok = (denom > 0.0) & (bad == 0)
-    # Unusable blocks divide by +inf: finite / inf = ±0 and NaN or inf / inf = NaN, both
-    # code 0, so no per-element select is needed for "codes 0".
-    inf = tl.full(denom.shape, 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
-    safe = tl.where(ok, denom, inf)
-    codes = _e2m1_codes(tl.math.div_rn(xb, tl.broadcast_to(safe[:, :, None], xb.shape)))
+    # thresholds as int32 bits (non-negative floats order like their bits); unusable
+    # blocks (zero or underflowed scale, non-finite values) get INT32_MIN, which no
+    # magnitude passes, so their codes are 0
+    t0, t1, t2, t3, t4, t5, t6 = _e2m1_bounds(tl.where(ok, denom, 1.0))
+    t0 = _bits_or_none(t0, ok)
+    t1 = _bits_or_none(t1, ok)
+    t2 = _bits_or_none(t2, ok)
+    t3 = _bits_or_none(t3, ok)
+    t4 = _bits_or_none(t4, ok)
+    t5 = _bits_or_none(t5, ok)
+    t6 = _bits_or_none(t6, ok)
+    # the sign as an integer (8 or 0), not a boolean (see `_below`)
+    sign8 = (xb.to(tl.int32, bitcast=True) >> 28) & 8
+    codes = _e2m1_from_bounds(abits, sign8, t0, t1, t2, t3, t4, t5, t6)
     lo, hi = tl.split(tl.reshape(codes, [BM, NB, 8, 2]))
     packed = (lo | (hi << 4)).to(tl.uint8)
 
@@ -177,16 +267,23 @@ def _quantize_store(
     half_k = K // 2
     dcols = col0 // 2 + tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
     dptrs = data_ptr + rows.to(tl.int64)[:, None, None] * half_k + dcols
-    tl.store(dptrs, packed, mask=rmask[:, None, None] & (dcols < half_k))
+    if EVEN:
+        tl.store(dptrs, packed)
+    else:
+        tl.store(dptrs, packed, mask=rmask[:, None, None] & (dcols < half_k))
 
     kb = col0 // 16 + tl.arange(0, NB)
     KB = K // 16
+    scale_bytes = scale_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)  # e4m3 bit patterns
     if SWIZZLED:  # noqa: SIM108 (a static branch on a constexpr, clearer in jit code)
         kmask = kb < NUM_K_TILES * 4  # column padding is written (zero: masked loads)
     else:
         kmask = kb < KB
     off = _scale_offsets(rows.to(tl.int64)[:, None], kb[None, :], KB, NUM_K_TILES, SWIZZLED)
-    tl.store(scale_ptr + off, sbyte.to(tl.uint8), mask=rmask[:, None] & kmask[None, :])
+    if EVEN:  # in range: K % BK == 0 with BK a multiple of 64 pads no scale column
+        tl.store(scale_bytes + off, sbyte.to(tl.uint8))
+    else:
+        tl.store(scale_bytes + off, sbyte.to(tl.uint8), mask=rmask[:, None] & kmask[None, :])
 
 
 @triton.jit
@@ -198,7 +295,11 @@ def _zero_row_padding(scale_ptr, col0, M, M_PAD, NUM_K_TILES, NB: tl.constexpr):
         rows = r0 + tl.arange(0, 32)
         off = _scale_offsets(rows.to(tl.int64)[:, None], kb[None, :], 0, NUM_K_TILES, True)
         zeros = tl.zeros([32, NB], tl.uint8)
-        tl.store(scale_ptr + off, zeros, mask=(rows < M_PAD)[:, None] & kmask[None, :])
+        tl.store(
+            scale_ptr.to(tl.pointer_type(tl.uint8), bitcast=True) + off,
+            zeros,
+            mask=(rows < M_PAD)[:, None] & kmask[None, :],
+        )
 
 
 @triton.jit
@@ -207,12 +308,13 @@ def _nvfp4_quantize_kernel(
     M, K, M_PAD, NUM_K_TILES,
     G_MODE: tl.constexpr, SWIZZLED: tl.constexpr,
     BM: tl.constexpr, NB: tl.constexpr, PART_BLOCK: tl.constexpr,
+    FM: tl.constexpr, FNB: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     row0 = pid_m * BM
     col0 = pid_k * NB * 16
-    xb = _load_blocks(x_ptr, stride_xm, row0, col0, M, K, BM, NB)
+    xb = _load_blocks(x_ptr, stride_xm, row0, col0, M, K, BM, NB, EVEN)
     if G_MODE == 0:
         g = tl.load(g_ptr)
     elif G_MODE == 1:
@@ -221,11 +323,13 @@ def _nvfp4_quantize_kernel(
         pidx = tl.arange(0, PART_BLOCK)
         parts = tl.load(part_ptr + pidx, mask=pidx < n_part, other=0.0)
         g = _g_from_amax(tl.max(parts, 0))
-    else:
-        g = _g_from_amax(_finite_amax(xb))
+    else:  # small tensor: every program reduces all of it (one [FM, FNB*16] load)
+        g = _g_from_amax(_finite_amax(_load_blocks(x_ptr, stride_xm, 0, 0, M, K, FM, FNB)))
     if (pid_m == 0) & (pid_k == 0):
         tl.store(g_out_ptr, g)
-    _quantize_store(xb, g, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES, SWIZZLED, BM, NB)
+    _quantize_store(
+        xb, g, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES, SWIZZLED, BM, NB, EVEN
+    )
     if SWIZZLED:  # noqa: SIM102 (static constexpr branch around a runtime one)
         if pid_m == tl.num_programs(0) - 1:
             _zero_row_padding(scale_ptr, col0, M, M_PAD, NUM_K_TILES, NB)
@@ -265,6 +369,7 @@ class _Plan:
     scale_shape: tuple[int, int]
     amax_grid: tuple[int, int] | None
     part_block: int
+    n_part: int
     launch: BoundLaunch
     amax_launch: BoundLaunch | None
 
@@ -287,7 +392,8 @@ def _tile(m: int, k: int, elems: int, max_bk: int) -> tuple[int, int]:
 
 
 def _fused_tile(m: int, k: int) -> tuple[int, int] | None:
-    """The one tile covering all of ``[m, k]`` when it is small enough to fuse amax."""
+    """The one tile covering all of ``[m, k]`` when it is small enough that every program
+    can reduce the whole tensor itself (one load, from L2 after the first program)."""
     bm, bk = _next_pow2(m), max(64, _next_pow2(k))
     return (bm, bk) if bm * bk <= min(_FUSED_ELEMS, 2 * _TILE_ELEMS) else None
 
@@ -298,7 +404,7 @@ def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
     m_pad = -(-m // 128) * 128 if swizzled else m
     scale_shape = (m_pad, num_k_tiles * 4) if swizzled else (m, kb)
     fused = _fused_tile(m, k) if kind == "dynamic" else None
-    bm, bk = fused or _tile(m, k, _TILE_ELEMS, min(_MAX_BK, _TILE_ELEMS))
+    bm, bk = _tile(m, k, _TILE_ELEMS, min(_MAX_BK, _TILE_ELEMS))
     grid = (-(-m // bm), -(-k // bk))
     g_mode = {"tensor": _G_PTR, "value": _G_VALUE}.get(kind, _G_PARTIALS)
     amax_grid = None
@@ -308,19 +414,23 @@ def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
             g_mode = _G_FUSED
         else:
             gk = grid[1]
-            gm = max(1, min(grid[0], _MAX_PARTIALS // gk))
+            bm_amax = max(1, min(_next_pow2(m), _AMAX_ELEMS // bk))
+            gm = max(1, min(-(-m // bm_amax), _MAX_PARTIALS // gk))
             amax_grid = (gm, gk)
             part_block = _next_pow2(gm * gk)
-    num_warps = 8 if bm * bk >= 8192 else 4
+    fm, fk = fused or (1, 16)
+    num_warps = _NUM_WARPS or (8 if max(bm * bk, fm * fk // 2) >= 8192 else 4)
     meta = {"G_MODE": g_mode, "SWIZZLED": swizzled, "BM": bm, "NB": bk // 16,
-            "PART_BLOCK": part_block}  # fmt: skip
+            "PART_BLOCK": part_block, "FM": fm, "FNB": fk // 16,
+            "EVEN": m % bm == 0 and k % bk == 0}  # fmt: skip
     launch = _quant_launch.bind(meta, num_warps)
     amax_launch = None
     if amax_grid is not None:
-        amax_launch = _amax_launch.bind({"BM": bm, "NB": bk // 16}, num_warps)
+        warps = 8 if bm_amax * bk >= 8192 else 4
+        amax_launch = _amax_launch.bind({"BM": bm_amax, "NB": bk // 16}, warps)
     return _Plan(
         grid, bm, bk // 16, num_warps, g_mode, m_pad, num_k_tiles, scale_shape, amax_grid,
-        part_block, launch, amax_launch,
+        part_block, amax_grid[0] * amax_grid[1] if amax_grid else 0, launch, amax_launch,
     )  # fmt: skip
 
 
@@ -385,34 +495,42 @@ def quantize_checked(
 def _quantize(
     x: torch.Tensor, global_scale: torch.Tensor | float | None, layout: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hot path: one plan look-up, the three outputs, one or two launches.
+
+    The launch key (`BoundLaunch.launch_keyed`) is what can vary for a fixed plan: the
+    input's dtype, alignment and row stride, and the alignment of a given scale tensor
+    (the outputs are fresh caching-allocator blocks, always 16-byte aligned).
+    """
     m, k = x.shape
-    if isinstance(global_scale, torch.Tensor):
-        kind = "tensor"
-    elif global_scale is None:
+    if global_scale is None:
         kind = "dynamic"
+    elif isinstance(global_scale, torch.Tensor):
+        kind = "tensor"
     else:
         kind = "value"
-    swizzled = layout == "swizzled"
-    pkey = (m, k, swizzled, kind)
+    pkey = (m, k, layout, kind)
     plan = _plans.get(pkey)
     if plan is None:
-        plan = _plans[pkey] = _make_plan(m, k, swizzled, kind)
+        plan = _plans[pkey] = _make_plan(m, k, layout == "swizzled", kind)
     dev = x.device
     data = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
-    scale = torch.empty(plan.scale_shape, dtype=torch.uint8, device=dev)
+    scale = torch.empty(plan.scale_shape, dtype=torch.float8_e4m3fn, device=dev)
     g_out = torch.empty((), dtype=torch.float32, device=dev)
-    g_ptr, g_value, parts, n_part = x, 1.0, x, 0
+    stride = x.stride(0)
+    key = (x.dtype, x.data_ptr() % 16, stride)
+    g_ptr, g_value, parts = x, 1.0, x
     if kind == "tensor":
-        g_ptr = global_scale.reshape(())
+        g_ptr = global_scale  # one element: the kernel loads it through its data pointer
+        key = (*key, global_scale.data_ptr() % 16)
     elif kind == "value":
         g_value = float(global_scale)
     elif plan.amax_grid is not None:
-        n_part = plan.amax_grid[0] * plan.amax_grid[1]
-        parts = torch.empty((n_part,), dtype=torch.float32, device=dev)
-        plan.amax_launch(plan.amax_grid, (x, x.stride(0), parts, m, k))
-    plan.launch(
+        parts = torch.empty((plan.n_part,), dtype=torch.float32, device=dev)
+        plan.amax_launch.launch_keyed(key, plan.amax_grid, (x, stride, parts, m, k))
+    plan.launch.launch_keyed(
+        key,
         plan.grid,
-        (x, x.stride(0), data, scale, g_ptr, g_value, g_out, parts, n_part, m, k,
+        (x, stride, data, scale, g_ptr, g_value, g_out, parts, plan.n_part, m, k,
          plan.m_pad, plan.num_k_tiles),
     )  # fmt: skip
-    return data, scale.view(torch.float8_e4m3fn), g_out
+    return data, scale, g_out

@@ -119,9 +119,19 @@ class BoundLaunch:
         self._slots = [i for i, n in enumerate(names) if n not in constexprs]
         self._compiled: dict[Hashable, Any] = {}
         self._runners: dict[tuple[Hashable, tuple[int, ...]], Any] = {}
+        #: caller key -> runner (`launch_keyed`)
+        self._keyed: dict[Hashable, Any] = {}
+        #: the constexpr values when every constexpr follows every runtime parameter
+        #: (then all parameters are ``(*runtime, *tail)``: no per-call list building)
+        trailing = self._slots == list(range(len(self._slots)))
+        self._tail = tuple(self._template[len(self._slots) :]) if trailing else None
+        #: the compiled kernel of the latest compiling call (its ``asm``: PTX, cubin)
+        self.last_compiled: Any = None
 
     def _slow(self, grid: tuple[int, ...], args: Sequence[object]) -> Any:
-        return self.owner.kernel[grid](*args, **self.constexprs, num_warps=self.num_warps)
+        compiled = self.owner.kernel[grid](*args, **self.constexprs, num_warps=self.num_warps)
+        self.last_compiled = compiled
+        return compiled
 
     def _all_args(self, args: Sequence[object]) -> list[object]:
         full = list(self._template)
@@ -162,12 +172,40 @@ class BoundLaunch:
                 self.owner.disable_fast(f"{type(exc).__name__}: {exc}")
                 self._slow(grid, args)
                 return
+        self._launch(runner, grid, args)
+
+    def _launch(self, runner: Any, grid: tuple[int, ...], args: Sequence[object]) -> bool:
+        """Run the compiled kernel's runner; False (and the safe path) if that failed."""
         try:
-            runner(*self._all_args(args))
+            if self._tail is None:
+                runner(*self._all_args(args))
+            else:
+                runner(*args, *self._tail)
         except (TypeError, ValueError, IndexError, SystemError) as exc:
             # argument packing failed (before anything launched): another convention
             self.owner.disable_fast(f"{type(exc).__name__}: {exc}")
             self._slow(grid, args)
+            return False
+        return True
+
+    def launch_keyed(self, key: Hashable, grid: tuple[int, ...], args: Sequence[object]) -> None:
+        """`__call__` for callers that know their specialization: ``key`` must differ
+        whenever `specialization_key` of ``args`` (or the device) could differ between
+        calls with that grid (e.g. the dtype, alignment and strides of the tensors a user
+        passes, for a plan whose other arguments are fixed). A known key skips the
+        specialization key and both cache look-ups: one dict get and the launch.
+        """
+        runner = self._keyed.get((key, grid))
+        if runner is not None:
+            if self._launch(runner, grid, args):
+                return
+            self._keyed.clear()
+            return
+        self(grid, args)
+        if self.owner.fast:  # remember the runner the ordinary path chose, if any
+            full = self._runners.get(((specialization_key(args), _device_index()), grid))
+            if full is not None:
+                self._keyed[(key, grid)] = full
 
 
 class CachedLauncher:

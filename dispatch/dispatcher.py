@@ -619,7 +619,7 @@ class Dispatcher:
             return self._gemm_dense(qa, qb, out_dtype, out)
         qa = checks.nvfp4_operand("qa", qa)
         out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
-        checks.out_dtype_name(out_dtype)
+        dtype = checks.out_dtype_name(out_dtype)
         checks.k_dims(qa.k, qb.k)
         device = self.check_device("qa", qa.data)
         if qb.data.device != device:
@@ -628,7 +628,12 @@ class Dispatcher:
         alpha = (qa.global_scale * qb.global_scale).reshape(1)
         if out is not None:
             out = checks.out_tensor(out, qa.rows, qb.rows, out_dtype, device)
-        return torch_ops.run(self, qa.data, qa.scale, qb.data, qb.scale, alpha, out_dtype, out)
+        if torch.compiler.is_compiling():
+            return torch_ops.run(self, qa.data, qa.scale, qb.data, qb.scale, alpha, out_dtype, out)
+        if out is None:  # eagerly: straight to the plan (checked here, once)
+            out = torch.empty((qa.rows, qb.rows), dtype=out_dtype, device=device)
+        self.run_checked(qa.data, qa.scale, qb.data, qb.scale, alpha, out, dtype)
+        return out
 
     def _gemm_dense(
         self,
@@ -639,7 +644,7 @@ class Dispatcher:
     ) -> torch.Tensor:
         a = checks.dense_activation("qa", a)
         out_dtype = a.dtype if out_dtype is None else out_dtype
-        checks.out_dtype_name(out_dtype)
+        dtype = checks.out_dtype_name(out_dtype)
         checks.k_dims(a.shape[1], qb.k)
         device = self.check_device("qa", a)
         if qb.data.device != device:
@@ -648,7 +653,12 @@ class Dispatcher:
         if out is not None:
             out = checks.out_tensor(out, a.shape[0], qb.rows, out_dtype, device)
         alpha = qb.global_scale.reshape(1)  # a view: no kernel launch
-        return torch_ops.run_w4a16(self, a, qb.data, qb.scale, alpha, out_dtype, out)
+        if torch.compiler.is_compiling():
+            return torch_ops.run_w4a16(self, a, qb.data, qb.scale, alpha, out_dtype, out)
+        if out is None:
+            out = torch.empty((a.shape[0], qb.rows), dtype=out_dtype, device=device)
+        self.run_dense(a, qb.data, qb.scale, alpha, out, dtype)
+        return out
 
     def mm_fp4(
         self,

@@ -246,35 +246,45 @@ def not_warm(device_name: str, key: PlanKey, why: str) -> CaptureNotWarmError:
 
 def _op_impl(
     did: int,
-    a_data: torch.Tensor,
-    a_scale: torch.Tensor,
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
     b_data: torch.Tensor,
     b_scale: torch.Tensor,
     alpha: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
-    """The ops' body: check the plain-tensor operands (the op is public), then execute."""
-    a_data = checks.fp4_data("a_data", a_data)
+    """Every GEMM op's body: check the plain-tensor operands (the ops are public), then
+    run. ``a_scale`` None: W4A16 (``a`` dense bf16/fp16 ``[M, K]``), else W4A4 (``a``
+    the packed ``[M, K/2]`` activation with its swizzled scales)."""
+    dense = a_scale is None
+    a_name = "a" if dense else "a_data"
+    if dense:
+        a = checks.dense_activation("a", a)
+        k_a = a.shape[1]
+    else:
+        a = checks.fp4_data("a_data", a)
+        k_a = a.shape[1] * 2
     b_data = checks.fp4_data("b_data", b_data)
-    m, n = a_data.shape[0], b_data.shape[0]
-    k = checks.k_dims(a_data.shape[1] * 2, b_data.shape[1] * 2, ("a_data", "b_data"))
+    m, n = a.shape[0], b_data.shape[0]
+    k = checks.k_dims(k_a, b_data.shape[1] * 2, (a_name, "b_data"))
     dtype = checks.out_dtype_name(out.dtype)
     if tuple(out.shape) != (m, n):
         raise ValueError(f"out: expected shape {(m, n)}, got {tuple(out.shape)}")
-    if not (a_data.is_contiguous() and b_data.is_contiguous()):
+    if dense and not b_data.is_contiguous():
+        raise ValueError("b_data: expected a contiguous [N, K/2] tensor")
+    if not dense and not (a.is_contiguous() and b_data.is_contiguous()):
         raise ValueError("a_data and b_data: expected contiguous [rows, K/2] tensors")
-    d = get_dispatcher(did, a_data.device)
-    device = d.check_device("a_data", a_data)
+    d = get_dispatcher(did, a.device)
+    device = d.check_device(a_name, a)
+    if dense:
+        checks.same_device(device, b_data=b_data, b_scale=b_scale, out=out)
+        sb = checks.swizzled_scale("b_scale", b_scale, n, k)
+        d.run_dense(a, b_data, sb, checks.alpha_tensor(alpha, device), out, dtype)
+        return
     checks.same_device(device, a_scale=a_scale, b_data=b_data, b_scale=b_scale, out=out)
-    d.run_checked(
-        a_data,
-        checks.swizzled_scale("a_scale", a_scale, m, k),
-        b_data,
-        checks.swizzled_scale("b_scale", b_scale, n, k),
-        checks.alpha_tensor(alpha, device),
-        out,
-        dtype,
-    )
+    sa = checks.swizzled_scale("a_scale", a_scale, m, k)
+    sb = checks.swizzled_scale("b_scale", b_scale, n, k)
+    d.run_checked(a, sa, b_data, sb, checks.alpha_tensor(alpha, device), out, dtype)
 
 
 @torch.library.custom_op("fp4_dispatch::gemm", mutates_args=())
@@ -315,31 +325,6 @@ def _gemm_out_fake(a_data, a_scale, b_data, b_scale, alpha, out, dispatcher=DEFA
     return None
 
 
-def _dense_impl(
-    did: int,
-    a: torch.Tensor,
-    b_data: torch.Tensor,
-    b_scale: torch.Tensor,
-    alpha: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    """The W4A16 op's body: check the plain-tensor operands (the op is public), then run."""
-    a = checks.dense_activation("a", a)
-    b_data = checks.fp4_data("b_data", b_data)
-    m, n = a.shape[0], b_data.shape[0]
-    k = checks.k_dims(a.shape[1], b_data.shape[1] * 2, ("a", "b_data"))
-    dtype = checks.out_dtype_name(out.dtype)
-    if tuple(out.shape) != (m, n):
-        raise ValueError(f"out: expected shape {(m, n)}, got {tuple(out.shape)}")
-    if not b_data.is_contiguous():
-        raise ValueError("b_data: expected a contiguous [N, K/2] tensor")
-    d = get_dispatcher(did, a.device)
-    device = d.check_device("a", a)
-    checks.same_device(device, b_data=b_data, b_scale=b_scale, out=out)
-    sb = checks.swizzled_scale("b_scale", b_scale, n, k)
-    d.run_dense(a, b_data, sb, checks.alpha_tensor(alpha, device), out, dtype)
-
-
 @torch.library.custom_op("fp4_dispatch::gemm_w4a16", mutates_args=())
 def _gemm_w4a16_op(
     a: torch.Tensor,
@@ -350,7 +335,7 @@ def _gemm_w4a16_op(
     dispatcher: int = DEFAULT,
 ) -> torch.Tensor:
     out = torch.empty((a.shape[0], b_data.shape[0]), dtype=out_dtype, device=a.device)
-    _dense_impl(dispatcher, a, b_data, b_scale, alpha, out)
+    _op_impl(dispatcher, a, None, b_data, b_scale, alpha, out)
     return out
 
 

@@ -4,7 +4,7 @@ The kernel runs under TRITON_INTERPRET=1 in a subprocess (`run_interpreted`); th
 reference is `quantize_nvfp4` on the CPU (the torch path: `quantize_blocks` +
 `swizzle_scales`), which tests/test_nvfp4.py checks against an independent slow
 reference. Every case is run twice: with the default tile size and with a tiny one
-(`_TILE_ELEMS = 256`) so that small inputs still exercise many programs, several K
+(`_TILE_ELEMS = _AMAX_ELEMS = 256`) so that small inputs still exercise many programs, several K
 tiles, the partial-amax kernel and the swizzled row/column padding of the last tiles.
 """
 
@@ -26,6 +26,41 @@ from fp4_dispatch.nvfp4 import quantize_nvfp4
 
 DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MID = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+
+
+def near_ties(m, k, g, gen):
+    # Blocks whose first element fixes a random e4m3 scale s (d = s * g in float32),
+    # the other 15 the float32 values 0..2 ulps around t * d for the midpoints t: the
+    # quotients straddle every rounding boundary of round_to_e2m1.
+    x = torch.zeros(m, k)
+    sbytes = torch.randint(0x08, 0x7F, (m, k // 16), generator=gen, dtype=torch.uint8)
+    s = sbytes.view(torch.float8_e4m3fn).to(torch.float32)
+    x[:, 0::16] = 6.0 * s * g
+    ref = quantize_nvfp4(x, g, "linear").scale.to(torch.float32)
+    d = (ref * torch.tensor(g, dtype=torch.float32)).repeat_interleave(16, 1)
+    t = torch.tensor(MID)[torch.arange(k) % 7]
+    v = t * d
+    steps = torch.randint(-2, 3, (m, k), generator=gen)
+    for _ in range(2):
+        v = torch.where(steps > 0, torch.nextafter(v, torch.tensor(float("inf"))), v)
+        v = torch.where(steps < 0, torch.nextafter(v, torch.tensor(0.0)), v)
+        steps = steps - steps.sign()
+    sign = torch.where(torch.rand(m, k, generator=gen) < 0.5, -1.0, 1.0)
+    keep = torch.arange(k) % 16 == 0
+    return torch.where(keep, x, sign * v)
+
+
+def at_midpoint(x, q):
+    # how many quotients x / d are exactly an e2m1 midpoint or one float32 from one
+    lin = q.with_layout("linear")
+    d = (lin.scale.to(torch.float32) * lin.global_scale).repeat_interleave(16, 1)
+    y = (x.to(torch.float32) / d).abs()
+    n = 0
+    for t in MID:
+        t = torch.tensor(t)
+        for v in (torch.nextafter(t, torch.tensor(0.0)), t, torch.nextafter(t, t * 2)):
+            n += int((y == v).sum())
+    return n
 
 
 def make(c):
@@ -56,6 +91,8 @@ def make(c):
         x[r, 3] = float("nan")
         x[r, min(20, k - 1)] = float("inf")
         x[r, k - 1] = float("-inf")
+    elif kind == "neartie":  # |x| / d within 2 ulps of every e2m1 midpoint, any d
+        x = near_ties(m, k, float(c["g"]), gen)
     x = x.to(DT[c["dtype"]])
     if c.get("strided"):
         wide = torch.zeros(m, k + 48, dtype=x.dtype)
@@ -67,7 +104,7 @@ def make(c):
 out = []
 for tile in (None, 256):
     if tile:
-        kq._TILE_ELEMS = tile
+        kq._TILE_ELEMS = kq._AMAX_ELEMS = tile
         kq._plans.clear()
     for c in json.loads(sys.argv[1]):
         x = make(c)
@@ -85,6 +122,7 @@ for tile in (None, 256):
                 "shape": list(s.shape) == list(q.scale.shape),
                 "g": torch.equal(g, q.global_scale),
                 "nan_blocks": int((q.scale.view(torch.uint8) == 0x7F).sum()),
+                "at_midpoint": at_midpoint(x, q),
             }
         )
 print(json.dumps(out))
@@ -123,9 +161,16 @@ def _cases() -> list[dict]:
         ("negzero", None),
         ("nonfinite", None),
         ("nonfinite", "0.25"),
+        ("neartie", 1.0),
+        ("neartie", "0.37"),
+        ("neartie", 3.1e-5),
     ):
         for layout in ("swizzled", "linear"):
             cases.append({"kind": kind, "m": 3, "k": 64, "dtype": "fp32", "layout": layout, "g": g})
+    for g, m, layout in ((0.37, 33, "linear"), ("2.9e-3", 33, "linear"), (1.0, 32, "swizzled")):
+        # M = 32: whole tiles (the kernel's unmasked EVEN variant)
+        cases.append({"kind": "neartie", "m": m, "k": 512, "dtype": "fp32",
+                      "layout": layout, "g": g})  # fmt: skip
     cases.append({"kind": "nonfinite", "m": 5, "k": 48, "dtype": "bf16", "layout": "swizzled",
                   "g": None, "strided": True})  # fmt: skip
     for i, c in enumerate(cases):
@@ -152,6 +197,15 @@ def test_non_finite_cases_hit_the_nan_block_rule(results: list[dict]) -> None:
     nonfinite = [r for r in results if r["case"]["kind"] == "nonfinite"]
     assert nonfinite and all(r["nan_blocks"] >= 2 for r in nonfinite)
     assert all(r["nan_blocks"] == 0 for r in results if r["case"]["kind"] != "nonfinite")
+
+
+def test_near_tie_cases_straddle_the_midpoints(results: list[dict]) -> None:
+    """The near-tie inputs really put quotients on and next to every rounding boundary
+    (so byte equality covered the kernel's division-free threshold comparisons)."""
+    near = [r for r in results if r["case"]["kind"] == "neartie"]
+    assert near and all(r["at_midpoint"] >= 7 for r in near)
+    big = [r for r in near if r["case"]["m"] >= 32]
+    assert big and all(r["at_midpoint"] >= 1000 for r in big)
 
 
 def test_specialization_key_separates_what_triton_specializes_on() -> None:
@@ -224,6 +278,29 @@ def test_cached_launcher_compiles_once_then_launches_directly(monkeypatch) -> No
     assert kernel.calls[2][1] == (3, 1, 1) and kernel.calls[2][2][2] == 18
 
 
+class _TrailingKernel(_FakeKernel):
+    """Constexprs after every runtime parameter, like the project's kernels."""
+
+    arg_names = ("x", "n", "BM", "NB")
+
+
+def test_launch_keyed_reuses_the_runner_of_its_key(monkeypatch) -> None:
+    kernel = _TrailingKernel()
+    bound = _fast_launcher(kernel, monkeypatch).bind({"BM": 8, "NB": 4})
+    x = torch.zeros(32)
+    bound.launch_keyed("a", (2,), (x, 17))  # compiles through kernel[grid]
+    bound.launch_keyed("a", (2,), (x, 17))  # ordinary direct path, runner remembered
+    bound.launch_keyed("a", (2,), (x, 18))  # the key's runner: no specialization key
+    bound.launch_keyed("b", (2,), (x, 16))  # a new key (16 % 16 == 0): compiles
+    bound.launch_keyed("a", (3,), (x, 17))  # same key, new grid: its own runner
+    kinds = [c[0] for c in kernel.calls]
+    assert kinds == ["slow", "direct", "direct", "slow", "direct"]
+    # trailing constexprs are appended as they are (runtime args first)
+    assert kernel.calls[2][1] == (2, 1, 1) and kernel.calls[2][2] == (x, 18, 8, 4)
+    assert kernel.calls[4][1] == (3, 1, 1)
+    assert set(bound._keyed) == {("a", (2,)), ("a", (3,))}
+
+
 def test_cached_launcher_falls_back_when_the_convention_differs(monkeypatch, caplog) -> None:
     kernel = _FakeKernel(fail_direct=True)
     launcher = _fast_launcher(kernel, monkeypatch)
@@ -253,7 +330,8 @@ def test_kernel_compiles_for_hopper_and_blackwell_with_16_byte_loads(arch: int, 
         "g_ptr": "*fp32", "g_value": "fp32", "g_out_ptr": "*fp32", "part_ptr": "*fp32",
         "n_part": "i32", "M": "i32", "K": "i32", "M_PAD": "i32", "NUM_K_TILES": "i32",
     }  # fmt: skip
-    consts = {"G_MODE": g_mode, "SWIZZLED": True, "BM": 8, "NB": 64, "PART_BLOCK": 1}
+    consts = {"G_MODE": g_mode, "SWIZZLED": True, "BM": 8, "NB": 64, "PART_BLOCK": 1,
+              "FM": 8, "FNB": 64, "EVEN": False}  # fmt: skip
     aligned = ("x_ptr", "stride_xm", "data_ptr", "scale_ptr", "g_ptr", "g_out_ptr", "K")
     src = ASTSource(
         fn=kernel,

@@ -306,3 +306,45 @@ def test_progress_switch(monkeypatch, env, explicit, expect):
     off = not sys.stderr.isatty() if expect is None else not expect  # tqdm's rule for None
     assert bar.disable is off
     assert list(bar) == [0, 1, 2]
+
+
+# ---- the eager hot path ----------------------------------------------------------------
+
+
+def test_linear_eager_path_takes_strided_inputs_and_follows_a_changed_mode(dispatcher):
+    """`Nvfp4Linear`'s eager forward (no reshape for 2-D inputs, cached activation mode)
+    computes what the general path does: a transposed 2-D input gives the contiguous
+    input's output, and setting ``activations`` after a forward switches the operation."""
+    from fp4_dispatch.nn import Nvfp4Linear
+
+    gen = torch.Generator().manual_seed(5)
+    lin = torch.nn.Linear(64, 48, dtype=torch.bfloat16)
+    layer = Nvfp4Linear.from_linear(lin, dispatcher=dispatcher, activations="bf16")
+    x = torch.randn(64, 3, generator=gen).to(torch.bfloat16).t()  # strides (1, 3)
+    assert x.stride(1) != 1
+    with torch.no_grad():
+        dense = layer(x)
+        assert torch.equal(dense, layer(x.contiguous()))
+        layer.activations = "nvfp4"
+        quantized = layer(x)
+        ref = Nvfp4Linear.from_linear(lin, dispatcher=dispatcher, activations="nvfp4")
+    assert torch.equal(quantized, ref(x.contiguous()))
+    assert not torch.equal(quantized, dense)  # the activation is rounded now
+
+
+def test_linear_alpha_view_follows_its_buffer(dispatcher):
+    """The cached W4A16 alpha view sees an in-place load and a replaced buffer."""
+    from fp4_dispatch.nn import Nvfp4Linear
+
+    layer = Nvfp4Linear.from_linear(torch.nn.Linear(64, 32), dispatcher=dispatcher,
+                                    activations="bf16")  # fmt: skip
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y1 = layer(x)
+        layer.weight_global_scale.mul_(2.0)  # in place: the view sees it
+        y2 = layer(x)
+        layer.weight_global_scale = layer.weight_global_scale / 4.0  # a new buffer object
+        y3 = layer(x)
+    bias = layer.bias.to(y1.dtype)
+    torch.testing.assert_close(y2 - bias, 2 * (y1 - bias), rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(y3 - bias, 0.5 * (y1 - bias), rtol=2e-2, atol=1e-2)

@@ -77,6 +77,7 @@ from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_K_CHOICES as UK
 from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_R_CHOICES as UR
 from fp4_dispatch.backends.sm90.gemm_unpack import unpack_nvfp4
 from fp4_dispatch.backends.sm90.splitk import store_tile
+from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher
 from fp4_dispatch.backends.workspace import Scratch
 
 log = logging.getLogger(__name__)
@@ -573,6 +574,8 @@ class W4A16Kernel:
     #: the Triton launch handle of the latest call (its ``asm`` holds PTX/cubin: the
     #: benchmark counts SASS instructions per element from it)
     compiled: object = field(default=None, repr=False)
+    #: (EVEN_K, PREPARED, BF16_NATIVE) -> cached launcher binding
+    _bound: dict = field(default_factory=dict, repr=False)
 
     def workspace(self, device: torch.device, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp32 partials, int32 counters) for ``tiles`` output tiles on ``device``."""
@@ -587,32 +590,34 @@ class W4A16Kernel:
             ws, cnt = self.workspace(out.device, tiles)
         else:
             ws = cnt = out  # unused by the SPLIT_K == 1 variant
-        self.compiled = _w4a16_kernel[(tiles, cfg.split_k)](
-            operands.a,
-            operands.b_data,
-            operands.b_scale,
-            operands.alpha,
-            out,
-            ws,
-            cnt,
-            m,
-            n,
-            k,
-            operands.a.stride(0),
-            out.stride(0),
-            out.stride(1),
-            operands.b_scale.shape[1] * 128,
-            BLOCK_N=cfg.block_n,
-            BLOCK_M=cfg.block_m,
-            BLOCK_K=cfg.block_k,
-            SPLIT_K=cfg.split_k,
-            EVEN_K=k % cfg.block_k == 0,
-            USE_ASM=_USE_ASM,
-            PREPARED=bool(getattr(operands, "prepared", False)),
-            BF16_NATIVE=cfg.bf16_dequant == "native" and operands.a.dtype == torch.bfloat16,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
+        bound = self._launch(operands, k)
+        bound(
+            (tiles, cfg.split_k),
+            (operands.a, operands.b_data, operands.b_scale, operands.alpha, out, ws, cnt,
+             m, n, k, operands.a.stride(0), out.stride(0), out.stride(1),
+             operands.b_scale.shape[1] * 128),
+        )  # fmt: skip
+        self.compiled = bound.last_compiled
+
+    def _launch(self, operands: W4A16Operands, k: int) -> BoundLaunch:
+        """The cached launcher binding of this call's constexprs (`backends.triton_launch`:
+        after the first call of a specialization the compiled kernel is launched
+        directly, not through ``JITFunction.run``)."""
+        cfg = self.cfg
+        prepared = bool(getattr(operands, "prepared", False))
+        native = cfg.bf16_dequant == "native" and operands.a.dtype == torch.bfloat16
+        key = (k % cfg.block_k == 0, prepared, native)
+        bound = self._bound.get(key)
+        if bound is None:
+            meta = {"BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k,
+                    "SPLIT_K": cfg.split_k, "EVEN_K": key[0], "USE_ASM": _USE_ASM,
+                    "PREPARED": prepared, "BF16_NATIVE": native,
+                    "num_stages": cfg.num_stages}  # fmt: skip
+            bound = self._bound[key] = _W4A16_LAUNCH.bind(meta, cfg.num_warps)
+        return bound
+
+
+_W4A16_LAUNCH = CachedLauncher(_w4a16_kernel)
 
 
 # ---- the unpack path (large M) --------------------------------------------------------
