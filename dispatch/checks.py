@@ -12,7 +12,10 @@ import torch
 from .nvfp4 import Nvfp4Tensor, swizzled_scale_shape
 
 FP4_DATA_DTYPES = (torch.uint8, getattr(torch, "float4_e2m1fn_x2", torch.uint8))
-OUT_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+#: the one home of the output dtypes: ``Problem.out_dtype`` name -> torch dtype ...
+TORCH_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+#: ... and back (torch dtype -> name), for checking what a caller passed
+OUT_DTYPES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 def out_dtype_name(out_dtype: object) -> str:

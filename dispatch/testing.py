@@ -58,15 +58,13 @@ from typing import Any, Literal
 
 import torch
 
-from . import registry
-from .backend import Backend, DenseOperands, GemmOperands, Support
-from .buckets import m_bucket
+from . import harness, registry
+from .backend import Backend, DenseOperands, Support, kernel_problem
 from .device import DeviceInfo
-from .dispatcher import Dispatcher, launch
-from .nvfp4 import quantize_nvfp4, reference_gemm
+from .dispatcher import Dispatcher
+from .guard import launch
 from .profiles import profiles, resolve
 from .progress import progress
-from .ranking import Candidate
 from .tactics import Problem, Tactic
 
 log = logging.getLogger(__name__)
@@ -397,34 +395,12 @@ def _for_operations(problems: Sequence[Problem], backend: object) -> tuple[Probl
     return tuple(out)
 
 
-def _operands(problem: Problem, device: torch.device, seed: int):
-    """Random operands of `problem` (either operation) and the float64 reference."""
-    gen = torch.Generator().manual_seed(seed)
-    a = torch.randn(problem.m, problem.k, generator=gen) * 3.0
-    b = torch.randn(problem.n, problem.k, generator=gen) * 0.02
-    qb = quantize_nvfp4(b.to(device))
-    if problem.operation == "w4a16":  # dense activations in the output's 16-bit dtype
-        x = a.to(device=device, dtype=getattr(torch, problem.out_dtype))
-        ref = x.double().cpu() @ qb.dequantize().double().cpu().T
-        return DenseOperands(x, qb.data, qb.scale, qb.global_scale.reshape(1)), ref
-    qa = quantize_nvfp4(a.to(device))
-    alpha = (qa.global_scale * qb.global_scale).reshape(1)
-    ops = GemmOperands(qa.data, qa.scale, qb.data, qb.scale, alpha)
-    return ops, reference_gemm(qa, qb)
-
-
-def _kernel_problem(problem: Problem, tactic: Tactic) -> Problem:
-    """The problem `build` receives from the dispatcher: M bucketed, then swapped."""
-    bucketed = problem.model_copy(update={"m": m_bucket(problem.m)})
-    return bucketed.swapped() if tactic.swap_ab else bucketed
-
-
 def _run_one(
     b: Backend, problem: Problem, t: Tactic, device: DeviceInfo, seed: int, tolerance: float
 ) -> tuple[Status, str, str]:
     """(status, message, category) for building and, if possible, running one tactic."""
     try:
-        kernel = b.build(t, _kernel_problem(problem, t), device)
+        kernel = b.build(t, kernel_problem(problem, t), device)
     except Exception as exc:  # recorded as a failure of the plugin
         return "FAIL", f"build() raised {_err(exc)}", "build"
     if not callable(kernel):
@@ -432,25 +408,21 @@ def _run_one(
     if device.is_simulated:
         return "PASS", "built (simulated device: not run)", "build"
     tdev = torch.device(device.torch_device)
-    ops, ref = _operands(problem, tdev, seed)
-    dtype = getattr(torch, problem.out_dtype)
+    ops, ref = harness.random_operands(problem, tdev, seed)
+    dtype = harness.OUT_DTYPES[problem.out_dtype]
     out = torch.full((problem.m, problem.n), float("nan"), dtype=dtype, device=tdev)
     try:
         if isinstance(ops, DenseOperands):  # W4A16 kernels are never swapped
             kernel(ops, out)
         else:
-            launch(Candidate(b.name, b.family, t, 0.0, "conformance"), kernel, ops, out)
+            launch(kernel, ops, out, t.swap_ab)
         if tdev.type == "cuda":
             torch.cuda.synchronize(tdev)
     except Exception as exc:  # recorded as a failure of the plugin
         return "FAIL", f"kernel raised {_err(exc)}", "numerics"
-    got = out.double().cpu()
-    unwritten = int(got.isnan().sum())
-    if unwritten:
-        return "FAIL", f"{unwritten} of {got.numel()} output elements not written (NaN)", "numerics"
-    err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
-    if not err < tolerance:
-        return "FAIL", f"relative error {err:.3g} >= {tolerance}", "numerics"
+    err, why = harness.compare(out, ref, tolerance)
+    if why:
+        return "FAIL", why, "numerics"
     return "PASS", f"relative error {err:.2e}", "numerics"
 
 
@@ -646,29 +618,24 @@ def _check_dispatcher(
         if ran is not None:
             problem, cand = ran
             tdev = torch.device(dev.torch_device)
-            ops, ref = _operands(problem, tdev, 12345)
-            out = torch.full(
-                (problem.m, problem.n),
-                float("nan"),
-                dtype=getattr(torch, problem.out_dtype),
-                device=tdev,
-            )
+            ops, ref = harness.random_operands(problem, tdev, 12345)
+            dtype = harness.OUT_DTYPES[problem.out_dtype]
+            out = torch.full((problem.m, problem.n), float("nan"), dtype=dtype, device=tdev)
             try:
                 if isinstance(ops, DenseOperands):
                     d.kernel_for(cand, problem)(ops, out)
                 else:
                     d.run_candidate(cand, ops, out)
-                got = out.double().cpu()
-                err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
             except Exception as exc:  # recorded as a failure of the plugin
                 report.add("dispatcher", "run", "FAIL", f"run_candidate raised {_err(exc)}", name)
                 continue
-            ok = err < tolerance  # NaN never passes
+            err, why = harness.compare(out, ref, tolerance)
             report.add(
                 "dispatcher",
                 "run",
-                "PASS" if ok else "FAIL",
-                f"top candidate {_json_of(cand.tactic)} at M={problem.m}: relative error {err:.2e}",
+                "FAIL" if why else "PASS",
+                f"top candidate {_json_of(cand.tactic)} at M={problem.m}: "
+                + (why or f"relative error {err:.2e}"),
                 name,
             )
 
