@@ -1,7 +1,7 @@
 """One measurement harness: how this project times GPU work and checks a result.
 
 Why one: the tuner, the benchmarks and the CLI must report numbers that compare. Users
-run two ways, so there are two clocks:
+run two ways, so there are two clocks, plus one for the host's cold paths:
 
 - `gpu_time_us`: GPU time per call with a COLD L2, measured in CUDA-graph replays (no
   launch gaps). Each call in the graph is preceded by an L2 flush (a write over twice the
@@ -10,6 +10,8 @@ run two ways, so there are two clocks:
 - `eager_wall_us`: host wall time per call when calls are issued back to back and the
   device is synchronised once at the end - what a Python serving loop without CUDA graphs
   pays, launch overhead included (a fast kernel behind 50 µs of Python is slow).
+- `call_wall_us`: host wall time of single calls, each timed on its own after an untimed
+  reset - first-sight costs (a cold memo, a subprocess) that a loop would average away.
 
 `time_us` picks between them by device (`gpu_time_us` on CUDA, wall time elsewhere), so
 a benchmark's ``--smoke``/``--device cpu`` mode runs the same code path on a CPU.
@@ -94,6 +96,31 @@ def eager_wall_us(fn: Callable[[], object], calls: int = 200, warmup: int = 20) 
         fn()
     _sync()
     return (time.perf_counter() - t0) / calls * 1e6
+
+
+def call_wall_us(
+    fn: Callable[[], object],
+    runs: int = 3,
+    before: Callable[[], object] | None = None,
+    best: bool = False,
+) -> float:
+    """Host wall microseconds of one call of `fn`, each of `runs` calls timed on its own
+    after ``before()`` (untimed; e.g. clearing a memo, so every call is a first sight);
+    the median, or the minimum with ``best`` (a shared machine only ever adds time).
+
+    For first-contact and cold-path costs (a subprocess, a cold ranking) that
+    `eager_wall_us`'s back-to-back loop would average away. The device is synchronised
+    after each call, so GPU work `fn` queued is counted.
+    """
+    samples = []
+    for _ in range(max(1, runs)):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return min(samples) if best else statistics.median(samples)
 
 
 def _sync() -> None:
