@@ -162,3 +162,16 @@ def out_tensor(
     if not out.is_contiguous():
         raise ValueError("out: expected a contiguous tensor")
     return out
+
+
+def tune_shape(shape: object) -> tuple[int, int, int]:
+    """One (M, N, K) of `Dispatcher.tune`'s ``shapes``, checked; ValueError names it."""
+    try:
+        m, n, k = shape  # type: ignore[misc]
+    except (TypeError, ValueError):
+        raise ValueError(f"shapes: expected (M, N, K) tuples, got {shape!r}") from None
+    try:
+        problem_dims(m, n, k)
+    except ValueError as exc:
+        raise ValueError(f"shapes: {exc} in {shape!r}") from None
+    return m, n, k
