@@ -55,7 +55,7 @@ from fp4_dispatch.plugins.sm90 import (
     _unpack_kernel_for,
 )
 from fp4_dispatch.profiles import simulated
-from fp4_dispatch.tactics import Problem
+from fp4_dispatch.tactics import Problem, tactic_label
 
 BENCH_MS = (1, 16, 128, 1024, 4096, 16384)
 BENCH_NK = ((8192, 8192), (28672, 8192), (8192, 28672))
@@ -336,21 +336,13 @@ def bench_shape(
 
 
 def short(tj: str | None) -> str:
+    """A table cell for a tactic's JSON: `fp4_dispatch.tactics.tactic_label`, prefixed
+    ``unpack`` for the unpack + cuBLAS backend (the direct kernel's is bare)."""
     if not tj:
         return "-"
-    d = json.loads(tj)
-    if d.get("backend") == TritonSm90UnpackBackend.name:
-        return f"unpack r{d['block_r']} k{d['block_k']}"
-    if d.get("backend", "triton-sm90") != "triton-sm90":
-        return d["backend"]
-    s = f"{d['tile_m']}x{d['tile_n']}x{d['tile_k']} w{d['num_warps']} s{d['num_stages']}"
-    if d["group_m"] > 1:
-        s += f" g{d['group_m']}"
-    if d["split_k"] > 1:
-        s += f" sk{d['split_k']}"
-    if d["swap_ab"]:
-        s += " swap"
-    return s
+    t = parse_tactic(tj)
+    prefix = "unpack " if t.backend == TritonSm90UnpackBackend.name else ""
+    return prefix + tactic_label(t)
 
 
 def table(results: list[ShapeResult]) -> str:

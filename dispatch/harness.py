@@ -226,7 +226,7 @@ def _random_operand(rows: int, k: int, device: torch.device, gen: torch.Generato
     if rows > base_rows:  # repeat whole 128-row scale blocks: the swizzle is row-block major
         reps = -(-rows // base_rows)
         data = data.repeat(reps, 1)[:rows].contiguous()
-        scale = scale.repeat(reps, 1)[: -(-rows // 128) * 128].contiguous()
+        scale = scale.repeat(reps, 1)[: swizzled_scale_shape(rows, k)[0]].contiguous()
     return data, scale, q.global_scale
 
 

@@ -13,9 +13,6 @@ from . import common
 if TYPE_CHECKING:
     from ..ranking import Candidate, Shortlist
 
-#: fields every tactic has; the rest are shown compactly as family-specific knobs
-_COMMON = ("backend", "tile_m", "tile_n", "cluster_m", "cluster_n", "swap_ab")
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = common.add_command(
@@ -44,23 +41,10 @@ fp4-dispatch explain 1 8192 8192 --device sm90 --json""",
 
 
 def _extra(c: Candidate) -> str:
-    """Family-specific fields as ``name=value`` (bools on/off; ``x_m``/``x_n`` as ``x=MxN``)."""
-    fields = {k: v for k, v in c.tactic.model_dump(mode="json").items() if k not in _COMMON}
-    parts = []
-    for key, value in fields.items():
-        if key.endswith("_n") and f"{key[:-2]}_m" in fields:
-            continue  # shown with its _m partner
-        if key.endswith("_m") and f"{key[:-2]}_n" in fields:
-            parts.append(f"{key[:-2]}={value}x{fields[key[:-2] + '_n']}")
-            continue
-        if isinstance(value, bool):
-            value = "on" if value else "off"
-        parts.append(f"{key}={value}")
-    return " ".join(parts) or "-"
+    """Family-specific fields (`fp4_dispatch.tactics.tactic_knobs`), "-" when none."""
+    from ..tactics import tactic_knobs  # noqa: PLC0415 - lazy: start-up time (--help)
 
-
-def _us(value: float) -> str:
-    return f"{value:,.2f}" if value < 1e6 else f"{value:.3e}"
+    return tactic_knobs(c.tactic) or "-"
 
 
 def render(sl: Shortlist, sm_count: int | None = None) -> str:
@@ -88,7 +72,7 @@ def render(sl: Shortlist, sm_count: int | None = None) -> str:
                     f"{t.cluster_m}x{t.cluster_n}",
                     "swap" if t.swap_ab else "-",
                     _extra(c),
-                    _us(c.est_us),
+                    common.us(c.est_us),
                     rel,
                     c.reason,
                 )
