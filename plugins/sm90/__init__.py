@@ -102,6 +102,27 @@ def smem_bytes(tile_m: int, tile_n: int, tile_k: int, stages: int) -> int:
     return max(stages * raw + dequant, tile_m * tile_n * 4)
 
 
+def smem_rule(smem: int) -> str | None:
+    """Why a CTA needing `smem` bytes of shared memory cannot run on Hopper, else None
+    (every sm90 kernel's rule: W4A4 direct and W4A16 direct)."""
+    return "exceeds Hopper's 227 KiB of shared memory per CTA" if smem > SMEM_LIMIT else None
+
+
+def split_k_rule(split_k: int, tiles: int, k_steps: int, sm_count: int) -> str | None:
+    """Why `split_k` is not offered for a grid of `tiles` output tiles and `k_steps` K
+    steps, else None: split-K only while the grid is under two waves, at most four CTAs
+    per SM, each split keeping >= 2 K steps (the sm90 kernels' shared rule)."""
+    if split_k <= 1:
+        return None
+    if tiles >= 2 * sm_count:
+        return f"split-K only below two waves ({tiles} tiles)"
+    if tiles * split_k > 4 * sm_count:
+        return "split-K beyond four CTAs per SM"
+    if k_steps < 2 * split_k:
+        return f"split_k={split_k} leaves < 2 K steps per split ({k_steps} steps)"
+    return None
+
+
 def _tile_choices(dim: int, options: tuple[int, ...]) -> tuple[int, ...]:
     """Tiles from the padded dimension down to 64 (or the padded dimension if smaller)."""
     top = max(16, _pow2_at_least(dim))
@@ -141,22 +162,14 @@ def why_invalid(t: TritonSm90Tactic, problem: Problem, device: DeviceInfo) -> st
         return "8 warps only for tiles of >= 128x128 outputs"
     if t.num_warps == 4 and outputs > 128 * 128:
         return "tiles of more than 128x128 outputs need 8 warps"
-    if smem_bytes(t.tile_m, t.tile_n, t.tile_k, t.num_stages) > SMEM_LIMIT:
-        return "exceeds Hopper's 227 KiB of shared memory per CTA"
+    why = smem_rule(smem_bytes(t.tile_m, t.tile_n, t.tile_k, t.num_stages))
+    if why:
+        return why
     grid_m = -(-m // t.tile_m)
     grid_n = -(-n // t.tile_n)
     if t.group_m > 1 and (grid_m < 16 or grid_n < 2):
         return "a group-M raster only with >= 16 row tiles and >= 2 column tiles"
-    if t.split_k > 1:
-        tiles = grid_m * grid_n
-        k_steps = -(-k // t.tile_k)
-        if tiles >= 2 * device.sm_count:
-            return f"split-K only below two waves ({tiles} tiles)"
-        if tiles * t.split_k > 4 * device.sm_count:
-            return "split-K beyond four CTAs per SM"
-        if k_steps < 2 * t.split_k:
-            return f"split_k={t.split_k} leaves < 2 K steps per split ({k_steps} steps)"
-    return None
+    return split_k_rule(t.split_k, grid_m * grid_n, -(-k // t.tile_k), device.sm_count)
 
 
 # Calibration of `estimate_us` (v3): fitted to two H200 selection sweeps of 2026-11-30
