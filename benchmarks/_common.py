@@ -43,12 +43,7 @@ def out_dir(folder: str | os.PathLike[str] | None = None) -> Path | None:
 
 def write_json(name: str, obj: object, folder: str | os.PathLike[str] | None = None) -> Path | None:
     """Write `obj` as ``<folder or $OUT>/<name>`` (indented; non-JSON values as str)."""
-    where = out_dir(folder)
-    if where is None:
-        return None
-    path = where / name
-    path.write_text(json.dumps(obj, indent=1, default=str))
-    return path
+    return write_text(name, json.dumps(obj, indent=1, default=str), folder)
 
 
 def write_text(name: str, text: str, folder: str | os.PathLike[str] | None = None) -> Path | None:

@@ -122,17 +122,8 @@ def cpu_smoke() -> None:
 # ---- CUDA --------------------------------------------------------------------------------------
 
 
-def capture(fn):
-    """Warm `fn` on a side stream (as PyTorch recommends), then capture it; (graph, output)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
+#: warm `fn` on a side stream (as PyTorch recommends), then capture it; (graph, output)
+capture = harness.capture
 
 
 @guarded("op capture")

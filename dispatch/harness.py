@@ -31,6 +31,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -47,6 +48,8 @@ from .nvfp4 import (
     unswizzle_scales,
 )
 from .tactics import Problem
+
+T = TypeVar("T")
 
 #: GPU time samples (graph replays) per measurement
 REPLAYS = 5
@@ -132,17 +135,19 @@ def _l2_bytes(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).L2_cache_size)
 
 
-def _capture(body: Callable[[], None]) -> torch.cuda.CUDAGraph:
+def capture(body: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`body` run once on a side stream (allocator, lazy init), then captured into a CUDA
+    graph; (the graph, what the captured call returned: its static output)."""
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        body()  # warm-up on the capture stream (allocator, lazy init)
+        body()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
-        body()
-    return graph
+        out = body()
+    return graph, out
 
 
 def _replay_us(graph: torch.cuda.CUDAGraph) -> float:
@@ -180,8 +185,8 @@ def gpu_time_us(
         for _ in range(calls):
             flush.fill_(1.0)
 
-    g_fn = _capture(with_fn)
-    g_flush = _capture(flushes_only) if cold_l2 else None
+    g_fn, _ = capture(with_fn)
+    g_flush = capture(flushes_only)[0] if cold_l2 else None
     samples = []
     for _ in range(replays):
         t = _replay_us(g_fn)

@@ -26,7 +26,7 @@ import importlib.util
 import itertools
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo, DeviceProfile
@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from fp4_dispatch.backends.sm90.gemm_unpack import UnpackGemmKernel
 
 INSTALL_HINT = "pip install fp4-dispatch[triton]"
+#: a Triton kernel's config class (gemm_direct.KernelConfig, gemm_w4a16.W4A16Config)
+C = TypeVar("C")
 #: shared memory one CTA may use on Hopper (227 KiB)
 SMEM_LIMIT = 232448
 
@@ -76,15 +78,22 @@ class TritonSm90Tactic(Tactic):
     def kernel_config(self) -> KernelConfig:
         from fp4_dispatch.backends.sm90.gemm_direct import KernelConfig  # noqa: PLC0415 - optional: Triton
 
-        return KernelConfig(
-            block_m=self.tile_m,
-            block_n=self.tile_n,
-            block_k=self.tile_k,
-            group_m=self.group_m,
-            split_k=self.split_k,
-            num_warps=self.num_warps,
-            num_stages=self.num_stages,
-        )
+        return triton_config(KernelConfig, self, group_m=self.group_m)
+
+
+def triton_config(config_cls: type[C], t: Tactic, **extra: int) -> C:
+    """A Triton kernel's compile-time config from a tactic's fields (tile_* -> block_*,
+    split_k, num_warps, num_stages; `extra` for a kernel's own): the W4A4 direct and the
+    W4A16 direct kernels' configs are built the same way."""
+    return config_cls(
+        block_m=t.tile_m,
+        block_n=t.tile_n,
+        block_k=t.tile_k,
+        split_k=t.split_k,
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+        **extra,
+    )
 
 
 def _pow2_at_least(x: int) -> int:

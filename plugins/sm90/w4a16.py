@@ -27,7 +27,13 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo
-from fp4_dispatch.plugins.sm90 import _pow2_at_least, _sm90_support, smem_rule, split_k_rule
+from fp4_dispatch.plugins.sm90 import (
+    _pow2_at_least,
+    _sm90_support,
+    smem_rule,
+    split_k_rule,
+    triton_config,
+)
 from fp4_dispatch.tactics import Problem, Tactic
 
 if TYPE_CHECKING:
@@ -67,14 +73,7 @@ class TritonSm90W4A16Tactic(Tactic):
         """The direct kernel's compile-time config (direct path only)."""
         from fp4_dispatch.backends.sm90.gemm_w4a16 import W4A16Config  # noqa: PLC0415 - optional: Triton
 
-        return W4A16Config(
-            block_n=self.tile_n,
-            block_m=self.tile_m,
-            block_k=self.tile_k,
-            split_k=self.split_k,
-            num_warps=self.num_warps,
-            num_stages=self.num_stages,
-        )
+        return triton_config(W4A16Config, self)
 
 
 def smem_bytes(tile_n: int, tile_m: int, tile_k: int, stages: int) -> int:
