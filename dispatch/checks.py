@@ -1,4 +1,4 @@
-"""Argument checks for the public GEMM calls.
+"""Argument checks for the public calls, and the one home of the output dtypes they accept.
 
 Every check raises before anything is written, with a message naming the argument,
 what was expected and what came. TypeError for wrong types/dtypes, ValueError for

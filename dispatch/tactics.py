@@ -1,4 +1,4 @@
-"""Tactic specs and problems: the typed values that cross every boundary.
+"""Tactic specs and problems: the typed values that cross every boundary (and their labels).
 
 A tactic is one concrete kernel configuration. Each backend subclasses `Tactic`,
 narrows `backend` to a `Literal` (the discriminator) and adds its own typed knobs.

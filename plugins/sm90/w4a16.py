@@ -136,9 +136,9 @@ def why_invalid(t: TritonSm90W4A16Tactic, problem: Problem, device: DeviceInfo) 
 
 # Calibration (v0, NOT fitted: no W4A16 kernel had run on an H200 when this was written).
 # The W4A4 kernel's dequantizer ran at ~4.0e4 elements/SM/us in its fitted model
-# (plugins/sm90.py) at ~4.5 SASS instructions per element (sm_90 compile, Triton 3.9);
+# (plugins/sm90/__init__.py) at ~4.5 SASS instructions per element (sm_90 compile, Triton 3.9);
 # the W4A16 main loop compiles to ~5.5 per weight element (fp16 activations; 7.7 with
-# bf16), so the rate is scaled by 4.5 / 5.5. Other constants as in plugins/sm90.py.
+# bf16), so the rate is scaled by 4.5 / 5.5. Other constants as in plugins/sm90/__init__.py.
 _DEQUANT_ELEMS_PER_SM_US = 4.0e4 * 4.5 / 5.5
 _STEP_US = 0.6  # per K step per CTA: one weight tile load's latency, overlapped by stages
 _CTAS_PER_SM = 2
@@ -146,7 +146,7 @@ _BW_FRACTION = 0.85
 _LAUNCH_US = 4.0
 _IN_FLIGHT_BYTES = 16.0e6
 _SPLIT_REDUCE_US = 1.5
-#: wgmma efficiency by tile_m (its N side: tokens), as plugins/sm90.py's table
+#: wgmma efficiency by tile_m (its N side: tokens), as plugins/sm90/__init__.py's table
 _MMA_EFF = {16: 0.30, 32: 0.40, 64: 0.60, 128: 0.75}
 _UNPACK_GEMM_EFF = 1.05
 _UNPACK_LAUNCH_US = 7.0  # unpack + GEMM (no alpha pass)
