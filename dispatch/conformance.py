@@ -21,6 +21,7 @@ import torch
 
 from . import harness, registry
 from .backend import Backend, DenseOperands, Support, kernel_problem
+from .candidates import Candidate
 from .conformance_report import ConformanceReport, Status
 from .device import DeviceInfo
 from .dispatcher import Dispatcher
@@ -452,52 +453,67 @@ def _check_dispatcher(
         report.add("dispatcher", "status", "PASS", f"{row.status}: {row.reason}", name)
         if row.status != "available":
             continue
-        kept, ran = 0, None
-        mine_problems = _for_operations(problems, d.registry.backends[name])
-        for problem in mine_problems:
-            sl = d.candidates(problem.m, problem.n, problem.k, problem.out_dtype, problem.operation)
-            if name in sl.skipped:
-                report.add(
-                    "dispatcher",
-                    "merge",
-                    "FAIL",
-                    f"M={problem.m} N={problem.n} K={problem.k}: {sl.skipped[name]}",
-                    name,
-                )
-            mine = [c for c in sl.candidates if c.backend == name]
-            kept += len(mine)
-            if mine and ran is None and not dev.is_simulated:
-                ran = (problem, mine[0])
-        report.add(
-            "dispatcher",
-            "shortlist",
-            "PASS" if kept else "FAIL",
-            f"{kept} shortlisted candidates over {len(mine_problems)} problems",
-            name,
-        )
-        if ran is not None:
-            problem, cand = ran
-            tdev = torch.device(dev.torch_device)
-            ops, ref = harness.random_operands(problem, tdev, 12345)
-            dtype = harness.OUT_DTYPES[problem.out_dtype]
-            out = torch.full((problem.m, problem.n), float("nan"), dtype=dtype, device=tdev)
-            try:
-                if isinstance(ops, DenseOperands):
-                    d.kernel_for(cand, problem)(ops, out)
-                else:
-                    d.run_candidate(cand, ops, out)
-            except Exception as exc:  # recorded as a failure of the plugin
-                report.add("dispatcher", "run", "FAIL", f"run_candidate raised {_err(exc)}", name)
-                continue
-            err, why = harness.compare(out, ref, tolerance)
-            report.add(
-                "dispatcher",
-                "run",
-                "FAIL" if why else "PASS",
-                f"top candidate {_json_of(cand.tactic)} at M={problem.m}: "
-                + (why or f"relative error {err:.2e}"),
-                name,
-            )
+        first = _check_merged(report, d, name, problems)
+        if first is not None and not dev.is_simulated:
+            _check_top_runs(report, d, name, *first, tolerance)
+
+
+def _check_merged(
+    report: ConformanceReport, d: Dispatcher, name: str, problems: Sequence[Problem]
+) -> tuple[Problem, Candidate] | None:
+    """The dispatcher's shortlists keep the backend's tactics (none dropped by the
+    merge); returns the first problem it has a shortlisted candidate for, and that one."""
+    kept, first = 0, None
+    mine_problems = _for_operations(problems, d.registry.backends[name])
+    for problem in mine_problems:
+        sl = d.candidates(problem.m, problem.n, problem.k, problem.out_dtype, problem.operation)
+        if name in sl.skipped:
+            where = f"M={problem.m} N={problem.n} K={problem.k}"
+            report.add("dispatcher", "merge", "FAIL", f"{where}: {sl.skipped[name]}", name)
+        mine = [c for c in sl.candidates if c.backend == name]
+        kept += len(mine)
+        if mine and first is None:
+            first = (problem, mine[0])
+    report.add(
+        "dispatcher",
+        "shortlist",
+        "PASS" if kept else "FAIL",
+        f"{kept} shortlisted candidates over {len(mine_problems)} problems",
+        name,
+    )
+    return first
+
+
+def _check_top_runs(
+    report: ConformanceReport,
+    d: Dispatcher,
+    name: str,
+    problem: Problem,
+    cand: Candidate,
+    tolerance: float,
+) -> None:
+    """The shortlisted candidate runs through the dispatcher and matches the reference."""
+    tdev = torch.device(d.device.torch_device)
+    ops, ref = harness.random_operands(problem, tdev, 12345)
+    dtype = harness.OUT_DTYPES[problem.out_dtype]
+    out = torch.full((problem.m, problem.n), float("nan"), dtype=dtype, device=tdev)
+    try:
+        if isinstance(ops, DenseOperands):
+            d.kernel_for(cand, problem)(ops, out)
+        else:
+            d.run_candidate(cand, ops, out)
+    except Exception as exc:  # recorded as a failure of the plugin
+        report.add("dispatcher", "run", "FAIL", f"run_candidate raised {_err(exc)}", name)
+        return
+    err, why = harness.compare(out, ref, tolerance)
+    report.add(
+        "dispatcher",
+        "run",
+        "FAIL" if why else "PASS",
+        f"top candidate {_json_of(cand.tactic)} at M={problem.m}: "
+        + (why or f"relative error {err:.2e}"),
+        name,
+    )
 
 
 def check_plugin(

@@ -45,53 +45,62 @@ def backend_rows(
     reg: registry.Registry, status: Mapping[str, tuple[Status, str]]
 ) -> list[BackendStatus]:
     """Every backend of `reg` with its (status, reason) on the device, then every plugin
-    that failed, was disabled or registered nothing, as rows."""
+    that failed, was disabled or registered nothing, as rows (plugins in load order)."""
     rows = []
     for report in reg.plugins:
-        for name in report.backends:
-            b = reg.backends[name]
-            state, reason = status[name]
-            faults = tuple(f for f in reg.faults if f.backend == name)
-            rows.append(
-                BackendStatus(
-                    name, b.family, report.origin, b.version, state, reason, report.name,
-                    faults=faults, load_s=report.load_s,
-                )
-            )  # fmt: skip
-        for name, why in report.disabled_backends.items():
-            rows.append(
-                BackendStatus(
-                    name, "?", report.origin, report.version, "disabled", why, report.name,
-                    load_s=report.load_s,
-                )
-            )  # fmt: skip
-        if report.status == "loaded" and not report.backends and not report.disabled_backends:
-            rows.append(
-                BackendStatus(
-                    f"<{report.name}>", "?", report.origin, report.version, "empty",
-                    "the plugin's hook registered no backend", report.name,
-                    load_s=report.load_s,
-                )
-            )  # fmt: skip
-        for err in report.errors:
-            rows.append(
-                BackendStatus(
-                    name=f"<{report.name}>",
-                    family="?",
-                    origin=report.origin,
-                    version=report.version,
-                    status="failed",
-                    reason=f"{err.stage}: {err.error_type}: {err.message}",
-                    plugin=report.name,
-                    error=err,
-                    load_s=report.load_s,
-                )
+        rows += _backend_rows(reg, report, status)
+        rows += _plugin_rows(report)
+    return rows
+
+
+def _backend_rows(
+    reg: registry.Registry, report: registry.PluginReport, status: Mapping[str, tuple[Status, str]]
+) -> list[BackendStatus]:
+    """The backends one plugin registered (with their faults), then those it had disabled."""
+    rows = []
+    for name in report.backends:
+        b = reg.backends[name]
+        state, reason = status[name]
+        faults = tuple(f for f in reg.faults if f.backend == name)
+        rows.append(
+            BackendStatus(
+                name, b.family, report.origin, b.version, state, reason, report.name,
+                faults=faults, load_s=report.load_s,
             )
-        if report.status == "disabled":
-            rows.append(
-                BackendStatus(
-                    f"<{report.name}>", "?", report.origin, report.version,
-                    "disabled", report.reason, report.name,
-                )
-            )  # fmt: skip
+        )  # fmt: skip
+    for name, why in report.disabled_backends.items():
+        rows.append(
+            BackendStatus(
+                name, "?", report.origin, report.version, "disabled", why, report.name,
+                load_s=report.load_s,
+            )
+        )  # fmt: skip
+    return rows
+
+
+def _plugin_rows(report: registry.PluginReport) -> list[BackendStatus]:
+    """Rows for a plugin as a whole: it registered nothing, failed to load, or is disabled."""
+    rows = []
+    who = f"<{report.name}>"
+    if report.status == "loaded" and not report.backends and not report.disabled_backends:
+        rows.append(
+            BackendStatus(
+                who, "?", report.origin, report.version, "empty",
+                "the plugin's hook registered no backend", report.name, load_s=report.load_s,
+            )
+        )  # fmt: skip
+    for err in report.errors:
+        rows.append(
+            BackendStatus(
+                who, "?", report.origin, report.version, "failed",
+                f"{err.stage}: {err.error_type}: {err.message}", report.name, error=err,
+                load_s=report.load_s,
+            )
+        )  # fmt: skip
+    if report.status == "disabled":
+        rows.append(
+            BackendStatus(
+                who, "?", report.origin, report.version, "disabled", report.reason, report.name
+            )
+        )
     return rows
