@@ -135,7 +135,7 @@ def _compile_worker(args) -> list[tuple[str, str]]:
     gen.manual_seed(1)
     m, n, k = 64, 256, 1024
     ops = make_operands(m, n, k, device, gen)
-    ref = harness.reference_output(ops).cpu()
+    ref = harness.reference_output(ops)
     failures = []
     for tj in tactic_jsons:
         t = parse_tactic(tj)
