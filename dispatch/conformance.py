@@ -339,6 +339,28 @@ def _device(device: str, backend: object) -> DeviceInfo:
     return resolve(device)
 
 
+def _tactics_per_problem(
+    report: ConformanceReport, backend: Backend, problems: Sequence[Problem], dev: DeviceInfo
+) -> list[tuple[Problem, list[Tactic]]]:
+    """(problem, its tactics) for each problem `tactics()` answered; a FAIL when no
+    problem got any tactic (the dispatcher would never pick the backend)."""
+    per_problem = []
+    for problem in problems:
+        got = _tactics_for(report, backend, problem, dev)
+        if got is not None:
+            per_problem.append((problem, got))
+    if per_problem and not any(ts for _, ts in per_problem):
+        report.add(
+            "tactics",
+            "any",
+            "FAIL",
+            "no valid tactic for any sample problem: the dispatcher would never pick "
+            "this backend (pass problems= it supports)",
+            backend.name,
+        )
+    return per_problem
+
+
 def check_backend(
     backend: Backend,
     device: str | DeviceInfo = "cpu",
@@ -371,21 +393,8 @@ def check_backend(
                 cat, "all", "SKIP", f"not supported on {dev.name}: {support.reason}", backend.name
             )
         return report
-    per_problem = []
-    for problem in problems:
-        got = _tactics_for(report, backend, problem, dev)
-        if got is not None:
-            per_problem.append((problem, got))
+    per_problem = _tactics_per_problem(report, backend, problems, dev)
     pairs = [(p, t) for p, ts in per_problem for t in ts]
-    if not pairs and per_problem:
-        report.add(
-            "tactics",
-            "any",
-            "FAIL",
-            "no valid tactic for any sample problem: the dispatcher would never pick "
-            "this backend (pass problems= it supports)",
-            backend.name,
-        )
     _check_estimates(report, backend, pairs, dev)
     distinct = list(dict.fromkeys(t for _, t in pairs))
     if distinct:

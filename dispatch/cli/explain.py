@@ -56,44 +56,10 @@ def render(sl: Shortlist, sm_count: int | None = None) -> str:
         f"explain M={p.m} N={p.n} K={p.k} ({p.out_dtype}) on {sl.device}{sms}",
         f"kept {len(sl.candidates)} of {sl.total} valid tactics (budget {sl.budget}{floor})",
         "",
+        _ranked(sl),
     ]
-    if sl.candidates:
-        best = sl.candidates[0].est_us
-        rows = []
-        for i, c in enumerate(sl.candidates, 1):
-            t = c.tactic
-            rel = f"+{(c.est_us / best - 1) * 100:.1f}%" if best > 0 and i > 1 else ""
-            rows.append(
-                (
-                    i,
-                    c.backend,
-                    c.family,
-                    f"{t.tile_m}x{t.tile_n}",
-                    f"{t.cluster_m}x{t.cluster_n}",
-                    "swap" if t.swap_ab else "-",
-                    _extra(c),
-                    common.us(c.est_us),
-                    rel,
-                    c.reason,
-                )
-            )
-        headers = ("#", "backend", "family", "tile", "cluster", "swap", "knobs", "est µs",
-                   "vs #1", "kept because")  # fmt: skip
-        lines.append(common.format_table(rows, headers))
-    else:
-        lines.append("no candidates: no available backend offers a valid tactic for this shape")
     if sl.cut:
-        kept: dict[str, int] = {}
-        for c in sl.candidates:
-            kept[c.family] = kept.get(c.family, 0) + 1
-        rows = [(fam, kept.get(fam, 0), cut, kept.get(fam, 0) + cut) for fam, cut in sl.cut.items()]
-        lines += ["", "per family:", common.format_table(rows, ("family", "kept", "cut", "valid"))]
-        starved = [fam for fam, _, _, _ in rows if kept.get(fam, 0) == 0]
-        if starved:
-            lines.append(
-                f"note: budget {sl.budget} is below the number of families; "
-                f"no slot for: {', '.join(starved)}"
-            )
+        lines += _per_family(sl)
     if sl.skipped:
         lines += ["", "skipped backends:"]
         lines += [f"  {name}: {why}" for name, why in sorted(sl.skipped.items())]
@@ -101,6 +67,39 @@ def render(sl: Shortlist, sm_count: int | None = None) -> str:
         lines += ["", "warnings:"]
         lines += [f"  {w}" for w in sl.warnings]
     return "\n".join(lines)
+
+
+def _ranked(sl: Shortlist) -> str:
+    """The ranked table of the kept candidates (estimate relative to the first)."""
+    if not sl.candidates:
+        return "no candidates: no available backend offers a valid tactic for this shape"
+    best = sl.candidates[0].est_us
+    rows = []
+    for i, c in enumerate(sl.candidates, 1):
+        t = c.tactic
+        rel = f"+{(c.est_us / best - 1) * 100:.1f}%" if best > 0 and i > 1 else ""
+        rows.append((i, c.backend, c.family, f"{t.tile_m}x{t.tile_n}",
+                     f"{t.cluster_m}x{t.cluster_n}", "swap" if t.swap_ab else "-", _extra(c),
+                     common.us(c.est_us), rel, c.reason))  # fmt: skip
+    headers = ("#", "backend", "family", "tile", "cluster", "swap", "knobs", "est µs",
+               "vs #1", "kept because")  # fmt: skip
+    return common.format_table(rows, headers)
+
+
+def _per_family(sl: Shortlist) -> list[str]:
+    """Kept / cut / valid per family, and a note naming the families left without a slot."""
+    kept: dict[str, int] = {}
+    for c in sl.candidates:
+        kept[c.family] = kept.get(c.family, 0) + 1
+    rows = [(fam, kept.get(fam, 0), cut, kept.get(fam, 0) + cut) for fam, cut in sl.cut.items()]
+    lines = ["", "per family:", common.format_table(rows, ("family", "kept", "cut", "valid"))]
+    starved = [fam for fam, _, _, _ in rows if kept.get(fam, 0) == 0]
+    if starved:
+        lines.append(
+            f"note: budget {sl.budget} is below the number of families; "
+            f"no slot for: {', '.join(starved)}"
+        )
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
