@@ -21,7 +21,6 @@ when set. Times are the minimum of a few runs (the machine may be shared).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -31,19 +30,23 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import markdown_table, write_json
+
+from fp4_dispatch import harness
+
 ROOT = Path(__file__).resolve().parent.parent
 EXE = shutil.which("fp4-dispatch") or str(Path(sys.executable).parent / "fp4-dispatch")
 ENV = {**os.environ, "FP4_DISPATCH_PROGRESS": "0"}
 
 
 def wall(cmd: list[str], runs: int = 3, env: dict | None = None) -> float:
-    """Minimum wall time (s) of `runs` runs of `cmd`; raises if it fails."""
-    best = float("inf")
-    for _ in range(runs):
-        t0 = time.perf_counter()
+    """Minimum wall time (s) of `runs` runs of `cmd` (`harness.call_wall_us`); raises if
+    it fails."""
+
+    def run() -> None:
         subprocess.run(cmd, check=True, capture_output=True, env=env or ENV)
-        best = min(best, time.perf_counter() - t0)
-    return best
+
+    return harness.call_wall_us(run, runs, best=True) / 1e6
 
 
 def startup(rows: list) -> None:
@@ -68,12 +71,8 @@ def compile_warm(rows: list) -> None:
 
 
 def _best_ms(fn, runs: int) -> float:
-    best = float("inf")
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+    """Minimum host wall ms of `runs` single calls (`harness.call_wall_us`)."""
+    return harness.call_wall_us(fn, runs, best=True) / 1e3
 
 
 def gemm_vs_matmul(rows: list) -> None:
@@ -87,9 +86,7 @@ def gemm_vs_matmul(rows: list) -> None:
         runs = 5 if m == 1 else 3
         x, w = torch.randn(m, k), torch.randn(n, k)
         qa, qb = quantize_nvfp4(x), quantize_nvfp4(w)
-        t0 = time.perf_counter()
-        d.gemm(qa, qb)
-        first = (time.perf_counter() - t0) * 1e3
+        first = _best_ms(lambda qa=qa, qb=qb: d.gemm(qa, qb), 1)
         steady = _best_ms(lambda qa=qa, qb=qb: d.gemm(qa, qb), runs)
         xb, wb = x.bfloat16(), w.bfloat16()
         bf16 = _best_ms(lambda xb=xb, wb=wb: xb @ wb.T, runs)
@@ -125,19 +122,13 @@ def main() -> int:
         compile_warm(rows)
     readme_tuning(rows)
     gemm_vs_matmul(rows)
-    width = max(len(r[0]) for r in rows)
-    print(f"{'measurement':<{width}}  {'value':>12}  target")
-    for name, value, target in rows:
-        shown = f"{value:.2f}" if isinstance(value, float) else str(value)
-        verdict = (
-            "" if target is None else f"<= {target:g}  " + ("ok" if value <= target else "MISSED")
-        )
-        print(f"{name:<{width}}  {shown:>12}  {verdict}")
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, "first_contact.json").write_text(
-            json.dumps([{"name": n, "value": v, "target": t} for n, v, t in rows], indent=1)
-        )
+    table = [
+        (name, f"{value:.2f}" if isinstance(value, float) else str(value),
+         "" if target is None else f"<= {target:g} " + ("ok" if value <= target else "MISSED"))
+        for name, value, target in rows
+    ]  # fmt: skip
+    print(markdown_table(("measurement", "value", "target"), table, "lrl"))
+    write_json("first_contact.json", [{"name": n, "value": v, "target": t} for n, v, t in rows])
     return 0
 
 

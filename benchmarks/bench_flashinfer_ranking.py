@@ -31,14 +31,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
-import os
-import statistics
-import time
 from collections import Counter
-from pathlib import Path
 
+from _common import markdown_table, record_section, write_json
+
+from fp4_dispatch import harness
 from fp4_dispatch.backends import flashinfer as fb
 from fp4_dispatch.device import DeviceInfo
 from fp4_dispatch.plugins import flashinfer as fip
@@ -60,12 +58,8 @@ def _family(fi: tuple) -> str:
 
 
 def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    """Median host wall ms of single calls (`harness.call_wall_us`)."""
+    return harness.call_wall_us(fn, repeats) / 1e3
 
 
 def _swaps(values) -> str:
@@ -76,9 +70,9 @@ def _swaps(values) -> str:
 def one(dev: DeviceInfo, m: int, n: int, k: int, repeats: int) -> dict:
     """One problem on one device: both shortlists and their timings."""
     cc, sms = dev.cc, dev.sm_count
-    t0 = time.perf_counter()
-    valid = fb.valid_tactics(m, n, k, "bfloat16", cc, sms)
-    enum_ms = (time.perf_counter() - t0) * 1e3
+    got: dict = {}
+    enum_ms = _median_ms(lambda: got.update(v=fb.valid_tactics(m, n, k, "bfloat16", cc, sms)), 1)
+    valid = got["v"]
     own = fb.flashinfer_shortlist(m, n, k, "bfloat16", cc, sms)
     import flashinfer.gemm.gemm_base as gb
 
@@ -125,21 +119,19 @@ def _per_family(row: dict, which: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| device | M | N x K | FlashInfer kept/valid per family | ours kept/valid | "
-            "FI starves | swap valid / FI / ours | filled FI / ours | rank ms FI / ours | "
-            "enum ms |")  # fmt: skip
-    lines = [head, "|" + "---|" * 10]
-    for r in rows:
-        dev = "SM100" if r["sm_count"] == 148 else "SM107"
-        starved = ", ".join(r["starved_flashinfer"]) or "-"
-        lines.append(
-            f"| {dev} | {r['m']} | {r['n']}x{r['k']} | {_per_family(r, 'flashinfer')} | "
-            f"{_per_family(r, 'ours')} | {starved} | {r['swap_valid']} / "
-            f"{r['swap_flashinfer']} / {r['swap_ours']} | {r['filled_flashinfer']} / "
-            f"{r['filled_ours']} | {r['rank_ms_flashinfer']:.2f} / {r['rank_ms_ours']:.2f} | "
-            f"{r['enumerate_ms']:.1f} |"
-        )
-    return "\n".join(lines)
+    headers = ("device", "M", "N x K", "FlashInfer kept/valid per family", "ours kept/valid",
+               "FI starves", "swap valid / FI / ours", "filled FI / ours", "rank ms FI / ours",
+               "enum ms")  # fmt: skip
+    cells = [
+        ("SM100" if r["sm_count"] == 148 else "SM107", r["m"], f"{r['n']}x{r['k']}",
+         _per_family(r, "flashinfer"), _per_family(r, "ours"),
+         ", ".join(r["starved_flashinfer"]) or "-",
+         f"{r['swap_valid']} / {r['swap_flashinfer']} / {r['swap_ours']}",
+         f"{r['filled_flashinfer']} / {r['filled_ours']}",
+         f"{r['rank_ms_flashinfer']:.2f} / {r['rank_ms_ours']:.2f}", f"{r['enumerate_ms']:.1f}")
+        for r in rows
+    ]  # fmt: skip
+    return markdown_table(headers, cells)
 
 
 def summary(rows: list[dict]) -> str:
@@ -170,21 +162,6 @@ def summary(rows: list[dict]) -> str:
     ])  # fmt: skip
 
 
-def record(text: str, path: Path) -> None:
-    """Replace (or add) this benchmark's section of RESULTS.md, leaving the others alone."""
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    lines = old.splitlines()
-    start = next((i for i, ln in enumerate(lines) if ln.strip() == HEADING), None)
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n"
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
-                   len(lines))  # fmt: skip
-        new = "\n".join([*lines[:start], *text.rstrip("\n").splitlines(), "", *lines[end:]])
-        new = new.rstrip("\n") + "\n"
-    path.write_text(new)
-
-
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -197,9 +174,7 @@ def main() -> None:
     rows = run(args.repeats)
     text = table(rows) + "\n\n" + summary(rows)
     print(text)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, "bench_flashinfer_ranking.json").write_text(json.dumps(rows, indent=1))
+    write_json("bench_flashinfer_ranking.json", rows)
     if args.record:
         date = datetime.date.today().isoformat()
         body = "\n".join([
@@ -215,7 +190,7 @@ def main() -> None:
             f"{args.repeats}; enum ms: FlashInfer's runner enumeration (its rules), cold.", "",
             text,
         ])  # fmt: skip
-        record(body, Path(__file__).resolve().parent / "RESULTS.md")
+        record_section(body, HEADING)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 The sm90 family has two backends: ``triton-sm90`` (direct: reads NVFP4 in the GEMM
 kernel) and ``triton-sm90-unpack`` (unpack each operand once to bf16, then cuBLAS; only
-offered for M >= 256). For each shape it times, side by side, with CUDA-graph replay over
-rotating input copies larger than L2 (cold cache) and random non-zero data:
+offered for M >= 256). For each shape it times, side by side, with the project's one GPU
+clock (`fp4_dispatch.harness.gpu_time_us`: CUDA-graph replay, L2 flushed before each
+call, the tuner's clock too) on random non-zero stress data (`harness.stress_operands`):
 
 - ``best``: every tactic both backends enumerate (both orientations), the fastest;
 - ``direct``: the fastest ``triton-sm90`` tactic; ``unpack+cuBLAS``: the fastest
@@ -31,7 +32,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -40,10 +40,12 @@ if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
+from _common import markdown_table, num, ratio, write_json, write_text
 
+from fp4_dispatch import harness
 from fp4_dispatch.backend import GemmOperands
+from fp4_dispatch.backend import launch as launch_kernel
 from fp4_dispatch.device import DeviceInfo, detect
-from fp4_dispatch.nvfp4 import e2m1_to_float, swizzled_scale_shape, unpack_e2m1, unswizzle_scales
 from fp4_dispatch.plugins.sm90 import (
     Sm90UnpackTactic,
     TritonSm90Backend,
@@ -53,57 +55,25 @@ from fp4_dispatch.plugins.sm90 import (
     _unpack_kernel_for,
 )
 from fp4_dispatch.profiles import simulated
-from fp4_dispatch.tactics import Problem
+from fp4_dispatch.tactics import Problem, tactic_label
 
 BENCH_MS = (1, 16, 128, 1024, 4096, 16384)
 BENCH_NK = ((8192, 8192), (28672, 8192), (8192, 28672))
 SMOKE_SHAPES = ((1, 96, 256), (16, 64, 128), (40, 48, 192), (260, 40, 96))
 
 
-# ---- operands -------------------------------------------------------------------------
+# ---- operands, launch, timing: the harness's -------------------------------------------
 
-
-def random_nvfp4(rows: int, k: int, device: torch.device, gen: torch.Generator):
-    """Random packed e2m1 bytes (all 16 codes) and swizzled e4m3 scales, NaN in padding.
-
-    Scales are log-uniform over [2**-9, 2**6] (e4m3 subnormals included), so a kernel
-    that flushed fp16 subnormals or misread the swizzle would be caught. Padding rows and
-    columns of the scale tensor hold e4m3 NaN (0x7F): a kernel must never use them.
-    """
-    data = torch.randint(0, 256, (rows, k // 2), dtype=torch.uint8, device=device, generator=gen)
-    rp, kp = swizzled_scale_shape(rows, k)
-    expo = torch.rand((rp, kp), device=device, generator=gen) * 15.0 - 9.0
-    lin = torch.exp2(expo).to(torch.float8_e4m3fn).view(torch.uint8)
-    lin[rows:, :] = 0x7F
-    lin[:, k // 16 :] = 0x7F
-    # swizzle the full padded [rp, kp] array (a permutation, padding included)
-    tiled = lin.view(rp // 128, 4, 32, kp // 4, 4).permute(0, 3, 2, 1, 4)
-    scale = tiled.contiguous().view(rp, kp).view(torch.float8_e4m3fn)
-    return data, scale
-
-
-def dequant(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``e2m1 * block scale`` as `dtype` (exact in fp16/bf16/fp32/fp64), on data's device."""
-    rows, k = data.shape[0], data.shape[1] * 2
-    vals = e2m1_to_float(unpack_e2m1(data)).to(dtype).view(rows, k // 16, 16)
-    sc = unswizzle_scales(scale, rows, k).to(dtype)
-    return (vals * sc.unsqueeze(-1)).view(rows, k)
-
-
-def make_operands(m: int, n: int, k: int, device: torch.device, gen: torch.Generator):
-    a_data, a_scale = random_nvfp4(m, k, device, gen)
-    b_data, b_scale = random_nvfp4(n, k, device, gen)
-    # alpha keeps outputs in a comfortable range for fp16/bf16 (|out| ~ 1)
-    alpha = torch.tensor([1.0 / (60.0 * math.sqrt(k))], dtype=torch.float32, device=device)
-    return GemmOperands(a_data, a_scale, b_data, b_scale, alpha)
+#: the stress operands (all 16 e2m1 codes, log-uniform scales, NaN in the scale padding)
+random_nvfp4 = harness.stress_nvfp4
+make_operands = harness.stress_operands
+dequant = harness.dequant
 
 
 def launch(kernel, swap: bool, ops: GemmOperands, out: torch.Tensor) -> None:
-    """What the dispatcher does for a tactic: swap operands and write out.T when swap_ab."""
-    if swap:
-        kernel(ops.swapped(), out.t())
-    else:
-        kernel(ops, out)
+    """The contract's swap convention (`fp4_dispatch.backend.launch`), in this script's
+    argument order (bench_w4a16 imports it too)."""
+    launch_kernel(kernel, ops, out, swap)
 
 
 def tactic_kernel(t: TritonSm90Tactic | Sm90UnpackTactic):
@@ -126,71 +96,28 @@ def variant_key(t: TritonSm90Tactic | Sm90UnpackTactic) -> tuple:
     return (t.kernel_config(), t.swap_ab)
 
 
-# ---- timing ---------------------------------------------------------------------------
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def time_graph(calls, device: torch.device, flops: float) -> float:
-    """Median microseconds per call: CUDA graph of `reps` calls over rotating copies.
-
-    `calls[i]()` runs on input copy i. Falls back to wall-clock on CPU (smoke runs).
-    """
-    for c in calls:
-        c()
-    sync(device)
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for c in calls:
-            c()
-        return (time.perf_counter() - t0) / len(calls) * 1e6
-    reps = 40 if flops < 5e10 else (10 if flops < 1e12 else 3)
-    reps = max(reps, len(calls))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for r in range(reps):
-            calls[r % len(calls)]()
-    g.replay()
-    sync(device)
-    times = []
-    for _ in range(5 if flops < 1e12 else 3):
-        e0 = torch.cuda.Event(enable_timing=True)
-        e1 = torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / reps)
-    del g
-    return statistics.median(times)
+    """Microseconds per call of ``calls[0]``: `harness.time_us` (CUDA graph, L2 flushed
+    before each call; wall time on a CPU). The flush makes rotating input copies
+    unnecessary: only the first of `calls` is timed (the list form is kept for
+    bench_w4a16). Fewer calls per graph for long kernels (> 1 TFLOP)."""
+    return harness.time_us(calls[0], device, calls=20 if flops < 1e12 else 4)
 
 
 def time_eager(call, device: torch.device, iters: int = 5) -> float:
-    call()
-    sync(device)
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            e0 = torch.cuda.Event(enable_timing=True)
-            e1 = torch.cuda.Event(enable_timing=True)
-            e0.record()
-            call()
-            e1.record()
-            e1.synchronize()
-            times.append(e0.elapsed_time(e1) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+    """Host wall microseconds per eager call, back to back (`harness.eager_wall_us`)."""
+    return harness.eager_wall_us(call, calls=iters, warmup=1)
 
 
 def n_copies(bytes_per_copy: float, l2_bytes: int) -> int:
-    """Input copies so that one rotation overflows L2 three times (cold cache)."""
-    return max(2, min(8, math.ceil(3 * l2_bytes / max(bytes_per_copy, 1))))
+    """Input copies a timing needs: one, since the harness flushes L2 before each call
+    (kept so that callers building copy lists still run)."""
+    return 1
 
 
 # ---- precompile (parallel) --------------------------------------------------------------
@@ -208,10 +135,7 @@ def _compile_worker(args) -> list[tuple[str, str]]:
     gen.manual_seed(1)
     m, n, k = 64, 256, 1024
     ops = make_operands(m, n, k, device, gen)
-    ref = (
-        dequant(ops.a_data, ops.a_scale, torch.float64)
-        @ dequant(ops.b_data, ops.b_scale, torch.float64).T
-    ) * float(ops.alpha)
+    ref = harness.reference_output(ops)
     failures = []
     for tj in tactic_jsons:
         t = parse_tactic(tj)
@@ -219,9 +143,9 @@ def _compile_worker(args) -> list[tuple[str, str]]:
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
             launch(tactic_kernel(t), t.swap_ab, ops, out)
             sync(device)
-            err = float((out.double() - ref).norm() / ref.norm())
-            if not err < 1e-2:
-                failures.append((tj, f"proxy rel err {err:.3g}"))
+            _, why = harness.compare(out, ref, harness.CHECK_RTOL)
+            if why:
+                failures.append((tj, f"proxy: {why}"))
         except Exception as exc:  # recorded and reported by the caller, never fatal here
             failures.append((tj, f"{type(exc).__name__}: {str(exc)[:300]}"))
     return failures
@@ -253,12 +177,12 @@ def measure_floors(device: torch.device) -> dict[str, float]:
         return {"copy_gbps": 4250.0, "bf16_tflops": 691.0, "measured": False}
     n = 1 << 30
     bufs = [torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255) for _ in range(2)]
-    us = time_eager(lambda: bufs[1].copy_(bufs[0]), device, iters=10)
+    us = harness.gpu_time_us(lambda: bufs[1].copy_(bufs[0]), calls=3, cold_l2=False)
     copy_gbps = 2 * n / us / 1e3
     bufs.clear()
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    us = time_eager(lambda: a @ b, device, iters=10)
+    us = harness.gpu_time_us(lambda: a @ b, calls=3, cold_l2=False)
     return {"copy_gbps": copy_gbps, "bf16_tflops": 2 * 8192**3 / us / 1e6, "measured": True}
 
 
@@ -348,8 +272,6 @@ def bench_shape(
 
     untuned, untuned_us = "n/a", math.nan
     if dispatcher is not None:
-        from fp4_dispatch.dispatcher import launch as d_launch
-
         cand = dispatcher.select(m, n, k)
         kern = dispatcher.kernel_for(cand, problem)
         untuned = json.dumps(
@@ -359,7 +281,7 @@ def bench_shape(
         if cand.backend in {b.name for b in backends} and cj in times:
             untuned_us = times[cj]
         else:
-            calls = [lambda o=o: d_launch(cand, kern, o, out) for o in ops_list]
+            calls = [lambda o=o: launch(kern, cand.tactic.swap_ab, o, out) for o in ops_list]
             try:
                 untuned_us = time_graph(calls, device, flops)
             except Exception as exc:  # e.g. a torch backend that is not graph-capturable
@@ -414,68 +336,46 @@ def bench_shape(
 
 
 def short(tj: str | None) -> str:
+    """A table cell for a tactic's JSON: `fp4_dispatch.tactics.tactic_label`, prefixed
+    ``unpack`` for the unpack + cuBLAS backend (the direct kernel's is bare)."""
     if not tj:
         return "-"
-    d = json.loads(tj)
-    if d.get("backend") == TritonSm90UnpackBackend.name:
-        return f"unpack r{d['block_r']} k{d['block_k']}"
-    if d.get("backend", "triton-sm90") != "triton-sm90":
-        return d["backend"]
-    s = f"{d['tile_m']}x{d['tile_n']}x{d['tile_k']} w{d['num_warps']} s{d['num_stages']}"
-    if d["group_m"] > 1:
-        s += f" g{d['group_m']}"
-    if d["split_k"] > 1:
-        s += f" sk{d['split_k']}"
-    if d["swap_ab"]:
-        s += " swap"
-    return s
+    t = parse_tactic(tj)
+    prefix = "unpack " if t.backend == TritonSm90UnpackBackend.name else ""
+    return prefix + tactic_label(t)
 
 
 def table(results: list[ShapeResult]) -> str:
-    def f(x: float) -> str:
-        return (
-            "n/a" if not math.isfinite(x) else (f"{x / 1e3:.4f}" if x < 1e5 else f"{x / 1e3:.1f}")
-        )
+    """The markdown table printed last: milliseconds, ratios to the best tactic."""
+    headers = ("M", "N", "K", "best ms", "best tactic", "direct ms", "unpack+cuBLAS ms",
+               "untuned ms", "est-pick ms", "bf16 ms", "fp8 ms", "naive ms", "mem floor ms",
+               "compute floor ms", "bf16/best", "fp8/best", "best/floor")  # fmt: skip
 
-    def r(x: float, y: float) -> str:
-        return "n/a" if not (math.isfinite(x) and math.isfinite(y) and y > 0) else f"{x / y:.2f}"
+    def ms(us: float) -> str:
+        return num(us / 1e3, ".4f" if us < 1e5 else ".1f")
 
-    head = (
-        "| M | N | K | best ms | best tactic | direct ms | unpack+cuBLAS ms | untuned ms"
-        " | est-pick ms | bf16 ms | fp8 ms | naive ms | mem floor ms | compute floor ms"
-        " | bf16/best | fp8/best | best/floor |\n"
-        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
-    )
     rows = []
     for x in results:
         floor = max(x.mem_floor_us, x.compute_floor_us)
-        rows.append(
-            f"| {x.m} | {x.n} | {x.k} | {f(x.best_us)} | {short(x.best)} | {f(x.direct_us)} | "
-            f"{f(x.unpack_us)} | {f(x.untuned_us)} | "
-            f"{f(x.est_pick_us)} | {f(x.bf16_us)} | {f(x.fp8_us)} | {f(x.naive_us)} | "
-            f"{f(x.mem_floor_us)} | {f(x.compute_floor_us)} | {r(x.bf16_us, x.best_us)} | "
-            f"{r(x.fp8_us, x.best_us)} | {r(x.best_us, floor)} |"
-        )
-    return head + "\n".join(rows) + "\n"
+        rows.append((x.m, x.n, x.k, ms(x.best_us), short(x.best), ms(x.direct_us),
+                     ms(x.unpack_us), ms(x.untuned_us), ms(x.est_pick_us), ms(x.bf16_us),
+                     ms(x.fp8_us), ms(x.naive_us), ms(x.mem_floor_us), ms(x.compute_floor_us),
+                     ratio(x.bf16_us, x.best_us), ratio(x.fp8_us, x.best_us),
+                     ratio(x.best_us, floor)))  # fmt: skip
+    return markdown_table(headers, rows, "rrrrlrrrrrrrrrrrr") + "\n"
 
 
 def host_overhead(backend, info, device, tj: str, m: int, n: int, k: int) -> dict[str, float]:
-    """Eager per-call wall time of one kernel (host launch path) vs its graph time."""
+    """Eager per-call wall time of one kernel (host launch path), `harness.eager_wall_us`."""
     t = parse_tactic(tj)
     gen = torch.Generator(device=device)
     gen.manual_seed(7)
     ops = make_operands(m, n, k, device, gen)
     out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
     kern = tactic_kernel(t)
-    for _ in range(10):
-        launch(kern, t.swap_ab, ops, out)
-    sync(device)
-    iters = 200 if device.type == "cuda" else 3
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        launch(kern, t.swap_ab, ops, out)
-    sync(device)
-    return {"eager_us_per_call": (time.perf_counter() - t0) / iters * 1e6}
+    calls = 200 if device.type == "cuda" else 3
+    us = harness.eager_wall_us(lambda: launch(kern, t.swap_ab, ops, out), calls=calls, warmup=10)
+    return {"eager_us_per_call": us}
 
 
 def main() -> None:
@@ -490,7 +390,6 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--no-dispatcher", action="store_true")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
 
     if args.smoke:
         device, info = torch.device("cpu"), simulated("sm90")
@@ -543,19 +442,15 @@ def main() -> None:
               f"{res.direct_us:.1f}us unpack {res.unpack_us:.1f}us untuned "
               f"{res.untuned_us:.1f}us bf16 {res.bf16_us:.1f}us fp8 {res.fp8_us:.1f}us "
               f"[{len(res.tactics)} tactics, {time.time() - t1:.0f}s]", flush=True)  # fmt: skip
-        with open(os.path.join(args.out, "bench_hopper.json"), "w") as fh:
-            json.dump(
-                {"device": info.model_dump(mode="json"), "floors": floors,
-                 "compile_failures": compile_failures,
-                 "results": [r.__dict__ for r in results]}, fh, indent=1, default=str,
-            )  # fmt: skip
+        write_json("bench_hopper.json", {"device": info.model_dump(mode="json"),
+                   "floors": floors, "compile_failures": compile_failures,
+                   "results": [r.__dict__ for r in results]}, args.out)  # fmt: skip
     decode = next((r for r in results if r.best), None)
     if decode is not None:
         ho = host_overhead(backend, info, device, decode.best, decode.m, decode.n, decode.k)
         print(f"host path {decode.m}x{decode.n}x{decode.k}: {ho} (graph {decode.best_us:.1f} us)")
     md = table(results)
-    with open(os.path.join(args.out, "bench_table.md"), "w") as fh:
-        fh.write(md)
+    write_text("bench_table.md", md, args.out)
     print(md)
 
 

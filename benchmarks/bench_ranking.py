@@ -22,13 +22,13 @@ import gc
 import os
 import platform
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from functools import cache
-from pathlib import Path
 from typing import Literal
 
-from fp4_dispatch import ranking
+from _common import markdown_table, record_section
+
+from fp4_dispatch import harness, ranking
 from fp4_dispatch.backend import Backend, Support
 from fp4_dispatch.device import DeviceInfo
 from fp4_dispatch.profiles import simulated
@@ -135,14 +135,17 @@ SHAPES = [(m, n, k) for m in (1, 16, 128, 1024, 4096, 8192, 32768)
 
 
 def _median_ms(fn: Callable[[], object], repeats: int, before: Callable[[], None] | None = None):
-    times = []
-    for _ in range(repeats):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    """Median host wall ms of single calls, each after `before` (`harness.call_wall_us`)."""
+    return harness.call_wall_us(fn, repeats, before) / 1e3
+
+
+def _ns_per_call(fn: Callable[[], object], calls: int) -> float:
+    """Back-to-back ns per call with the garbage collector off (`harness.eager_wall_us`)."""
+    gc.disable()
+    try:
+        return harness.eager_wall_us(fn, calls=calls, warmup=1) * 1e3
+    finally:
+        gc.enable()
 
 
 def _cold() -> None:
@@ -203,36 +206,20 @@ def run(repeats: int, calls: int) -> tuple[list[tuple[str, str, str, str]], dict
 
     r = Ranker(cached, device)
     r.pick(3000, 7168, 7168)  # fills bucket 4096 and the exact-M memo
-    gc.disable()
-    t0 = time.perf_counter_ns()
-    for _ in range(calls):
-        r.pick(3000, 7168, 7168)
-    per_call = (time.perf_counter_ns() - t0) / calls
-    gc.enable()
+    per_call = _ns_per_call(lambda: r.pick(3000, 7168, 7168), calls)
     rows.append(("Ranker.pick, memoized (select)", f"{per_call:.0f} ns", "-", "<= 5 us"))
     if dispatcher.available:
         dispatcher.select(3000, 7168, 7168)
-        gc.disable()
-        t0 = time.perf_counter_ns()
-        for _ in range(calls):
-            dispatcher.select(3000, 7168, 7168)
-        per_select = (time.perf_counter_ns() - t0) / calls
-        gc.enable()
+        per_select = _ns_per_call(lambda: dispatcher.select(3000, 7168, 7168), calls)
         names = "+".join(b.name for b in dispatcher.available)
         rows.append((f"Dispatcher.select, memoized ({names})", f"{per_select:.0f} ns", "-",
                      "<= 5 us"))  # fmt: skip
-    news = []
-    for m in range(2049, 2049 + 50):  # new exact M in a memoized bucket: one validate()
-        t0 = time.perf_counter()
-        r.pick(m, 7168, 7168)
-        news.append((time.perf_counter() - t0) * 1e3)
+    new_ms = iter(range(2049, 2049 + 50))  # new exact M in a memoized bucket: one validate()
+    news = [_median_ms(lambda: r.pick(next(new_ms), 7168, 7168), 1) for _ in range(50)]
     rows.append(("Ranker.pick, new M in a memoized bucket", f"{statistics.median(news):.2f} ms",
                  f"{max(news):.2f} ms", "-"))  # fmt: skip
-    r.clear()
-    t0 = time.perf_counter()
-    r.pick(100000, 7168, 7168)
-    rows.append(("Ranker.pick, first call of a bucket (M=100000)",
-                 f"{(time.perf_counter() - t0) * 1e3:.2f} ms", "-", "-"))  # fmt: skip
+    first = _median_ms(lambda: r.pick(100000, 7168, 7168), 1, before=r.clear)
+    rows.append(("Ranker.pick, first call of a bucket (M=100000)", f"{first:.2f} ms", "-", "-"))
     info = {
         "candidates": n_cand,
         "families": {b.family: len(b.cached) for b in cached},
@@ -272,28 +259,7 @@ def verdict(rows) -> str:
 
 
 def table(rows) -> str:
-    headers = ("measurement", "median over shapes", "worst shape", "target")
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(4)]
-    out = ["| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |"]
-    out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    out += ["| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) + " |"
-            for r in rows]  # fmt: skip
-    return "\n".join(out)
-
-
-def record(text: str, path: Path) -> None:
-    """Replace (or add) the ``## Ranking`` section of RESULTS.md, leaving the others alone."""
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    lines = old.splitlines()
-    start = next((i for i, ln in enumerate(lines) if ln.strip() == "## Ranking"), None)
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n"
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
-                   len(lines))  # fmt: skip
-        new = "\n".join([*lines[:start], *text.rstrip("\n").splitlines(), "", *lines[end:]])
-        new = new.rstrip("\n") + "\n"
-    path.write_text(new)
+    return markdown_table(("measurement", "median over shapes", "worst shape", "target"), rows)
 
 
 def main() -> None:
@@ -335,9 +301,8 @@ def main() -> None:
             verdict(rows),
             "",
         ])  # fmt: skip
-        path = Path(__file__).resolve().parent / "RESULTS.md"
-        record(text, path)
-        print(f"\nrecorded in {path}")
+        record_section(text, "## Ranking")
+        print("\nrecorded in benchmarks/RESULTS.md")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ What it checks (PASS/FAIL lines, then a summary; exit status 1 on any FAIL):
    of the built-in ``sm90`` plugin on the GPU (sampled tactics against the reference).
 7. **info**: whether the portable reference backend can be captured (not a failure).
 
-It also prints eager vs. graph-replay time per call for the op (CUDA events, 200 calls).
+It also prints the op's eager wall time per call and its GPU time in a CUDA graph
+(`fp4_dispatch.harness.eager_wall_us` / `gpu_time_us`); ``$OUT/cuda_graph_check.json``
+gets every PASS/FAIL line when ``OUT`` is set.
 On a machine without CUDA it runs a CPU smoke test of the op and module and says that
 the graph part was skipped.
 
@@ -39,10 +41,11 @@ import traceback
 
 import torch
 import torch.nn.functional as F
+from _common import markdown_table, parse_shapes, write_json
 from torch import nn
 
 import fp4_dispatch
-from fp4_dispatch import Dispatcher, dequantize, quantize_nvfp4, reference_gemm, torch_ops
+from fp4_dispatch import Dispatcher, dequantize, harness, quantize_nvfp4, reference_gemm, torch_ops
 from fp4_dispatch.nn import Nvfp4Linear
 from fp4_dispatch.torch_ops import CaptureNotWarmError
 
@@ -57,9 +60,8 @@ def record(status: str, name: str, detail: str = "") -> bool:
     return status == "PASS"
 
 
-def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    return float((out - ref).norm() / ref.norm())
+#: ``||out - ref|| / ||ref||`` in float64, inf when out is not finite (the harness's rule)
+rel = harness.relative_error
 
 
 def guarded(name: str):
@@ -120,30 +122,8 @@ def cpu_smoke() -> None:
 # ---- CUDA --------------------------------------------------------------------------------------
 
 
-def capture(fn):
-    """Warm `fn` on a side stream (as PyTorch recommends), then capture it; (graph, output)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
-def time_per_call(fn, iters: int = 200) -> float:
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+#: warm `fn` on a side stream (as PyTorch recommends), then capture it; (graph, output)
+capture = harness.capture
 
 
 @guarded("op capture")
@@ -160,8 +140,9 @@ def check_op_capture(d: Dispatcher, m: int, n: int, k: int, timings: list) -> No
         return torch.ops.fp4_dispatch.gemm(a, sa, qb.data, qb.scale, alpha, torch.bfloat16, did)
 
     graph, y = capture(call)
-    plan = d._plans.get((m, n, k, "bfloat16"))
-    who = f"{plan[0].backend} ({plan[0].reason})" if plan else "?"
+    plan = d.cached_plan(m, n, k, "bfloat16")
+    backend = plan.candidate.backend if plan else "?"
+    who = f"{backend} ({plan.candidate.reason})" if plan else "?"
     prev = None
     errs = []
     for trial in range(3):
@@ -190,9 +171,9 @@ def check_op_capture(d: Dispatcher, m: int, n: int, k: int, timings: list) -> No
         f"op capture M={m} N={n} K={k}",
         f"{who}; 3 replays, max rel err {max(errs):.2e}, equal to eager, change with inputs",
     )
-    eager_us = time_per_call(call)
-    graph_us = time_per_call(graph.replay)
-    timings.append((m, n, k, plan[0].backend if plan else "?", eager_us, graph_us))
+    eager_us = harness.eager_wall_us(call, calls=200)
+    graph_us = harness.gpu_time_us(call, calls=20, cold_l2=False)
+    timings.append((m, n, k, backend, eager_us, graph_us))
 
 
 @guarded("module capture")
@@ -362,10 +343,10 @@ def run_cuda(shapes: list[tuple[int, int, int]], tune: bool, conformance: bool) 
         check_conformance(d.device.torch_device)
     info_reference_capture(512, 1024)
     if timings:
-        print("\nper-call time, 200 calls (CUDA events): eager op vs CUDA-graph replay")
-        print(f"{'M':>6} {'N':>6} {'K':>6}  {'backend':<16} {'eager us':>9} {'graph us':>9}")
-        for m, n, k, b, e, g in timings:
-            print(f"{m:>6} {n:>6} {k:>6}  {b:<16} {e:>9.1f} {g:>9.1f}")
+        print("\nper call (fp4_dispatch.harness): eager wall, 200 back-to-back calls, vs GPU "
+              "time in a CUDA graph (warm L2)")  # fmt: skip
+        rows = [(m, n, k, b, f"{e:.1f}", f"{g:.1f}") for m, n, k, b, e, g in timings]
+        print(markdown_table(("M", "N", "K", "backend", "eager us", "graph us"), rows, "rrrlrr"))
 
 
 def main() -> int:
@@ -377,7 +358,7 @@ def main() -> int:
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     os.environ.setdefault("FP4_DISPATCH_PROGRESS", "0")
-    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
+    shapes = parse_shapes(args.shapes)
     print(f"fp4-dispatch {fp4_dispatch.__version__} from {os.path.dirname(fp4_dispatch.__file__)}")
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
     cpu_smoke()
@@ -390,6 +371,7 @@ def main() -> int:
         f"\nsummary: {counts['PASS']} passed, {counts['FAIL']} failed, "
         f"{counts['SKIP']} skipped, {counts['INFO']} info"
     )
+    write_json("cuda_graph_check.json", {"counts": counts, "results": RESULTS})
     return 1 if counts["FAIL"] else 0
 
 

@@ -23,7 +23,6 @@ Work is spread over worker processes by kernel variant (each variant compiles on
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import sys
@@ -35,8 +34,11 @@ if "--smoke" in sys.argv:
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_hopper import dequant, launch, make_operands, parse_tactic, tactic_kernel, variant_key
+from _common import markdown_table, write_json
+from bench_hopper import parse_tactic, tactic_kernel, variant_key
 
+from fp4_dispatch import harness
+from fp4_dispatch.backend import launch
 from fp4_dispatch.device import detect
 from fp4_dispatch.plugins.sm90 import (
     Sm90UnpackTactic,
@@ -61,20 +63,14 @@ if "--smoke" in sys.argv:  # the interpreter truncates fp32 -> bf16 (the GPU rou
 def check_one(
     t: TritonSm90Tactic | Sm90UnpackTactic, m: int, n: int, k: int, device, gen, dtype
 ) -> tuple[float, str]:
-    ops = make_operands(m, n, k, device, gen)
-    a64 = dequant(ops.a_data, ops.a_scale, torch.float64)
-    b64 = dequant(ops.b_data, ops.b_scale, torch.float64)
-    ref = (a64 @ b64.T) * float(ops.alpha)
+    """(relative error, why it fails or "") of one tactic on fresh stress operands."""
+    ops = harness.stress_operands(m, n, k, device, gen)
+    ref = harness.reference_output(ops)  # float64 on the operands' device
     out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
-    launch(tactic_kernel(t), t.swap_ab, ops, out)
+    launch(tactic_kernel(t), ops, out, t.swap_ab)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    o64 = out.double()
-    if not bool(torch.isfinite(o64).all()):
-        bad = int((~torch.isfinite(o64)).sum())
-        return float("nan"), f"{bad} non-finite elements (unwritten or NaN)"
-    err = float((o64 - ref).norm() / ref.norm())
-    return err, "" if err < TOL[dtype] else f"rel err {err:.3g} >= {TOL[dtype]}"
+    return harness.compare(out, ref, TOL[dtype])
 
 
 def worker(args) -> list[dict]:
@@ -119,7 +115,6 @@ def main() -> None:
     )
     args = ap.parse_args()
     wanted = set(args.backends.split(","))
-    os.makedirs(args.out, exist_ok=True)
     if args.smoke:
         device, info, shapes = "cpu", simulated("sm90"), list(SMOKE_SHAPES)
         unpack_shapes = list(UNPACK_SMOKE_SHAPES)
@@ -157,8 +152,8 @@ def main() -> None:
             rows = [r for part in pool.map(worker, tasks) for r in part]
     fails = [r for r in rows if r["fail"]]
     errs = [r["err"] for r in rows if not r["fail"]]
-    with open(os.path.join(args.out, "hopper_correctness.json"), "w") as fh:
-        json.dump({"device": info.name, "per_shape": per_shape, "rows": rows}, fh)
+    write_json("hopper_correctness.json",
+               {"device": info.name, "per_shape": per_shape, "rows": rows}, args.out)  # fmt: skip
     print(
         f"{len(rows)} runs in {time.time() - t0:.0f}s: {len(rows) - len(fails)} PASS, "
         f"{len(fails)} FAIL; max rel err of passes {max(errs, default=float('nan')):.3g}"
@@ -169,9 +164,8 @@ def main() -> None:
     for r in rows:
         c = by_shape.setdefault(f"{r['backend']} {r['m']}x{r['n']}x{r['k']}", [0, 0])
         c[0 if not r["fail"] else 1] += 1
-    print("| shape | tactics | pass | fail |\n|---|---:|---:|---:|")
-    for s, (ok, bad) in by_shape.items():
-        print(f"| {s} | {ok + bad} | {ok} | {bad} |")
+    table = [(s, ok + bad, ok, bad) for s, (ok, bad) in by_shape.items()]
+    print(markdown_table(("shape", "tactics", "pass", "fail"), table, "lrrr"))
     sys.exit(1 if fails else 0)
 
 

@@ -2,7 +2,7 @@
 
 What only a GPU can show: that every real kernel of the shortlist (Triton sm90 direct
 and unpack+cuBLAS, split-K and swapped tactics included) passes the float64 reference
-check at `fp4_dispatch.tuning.CHECK_RTOL` (a false "wrong" would drop a good kernel),
+check at `fp4_dispatch.harness.CHECK_RTOL` (a false "wrong" would drop a good kernel),
 what the check costs per bucket, that a cached winner is verified on its first use in
 a fresh process, and that the CUDA driver version is recorded.
 
@@ -24,15 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from _common import markdown_table, parse_shapes, write_json
 
-from fp4_dispatch import Dispatcher
+from fp4_dispatch import Dispatcher, harness
 from fp4_dispatch import tuning as tuning_mod
 from fp4_dispatch.cache import TuningCache
 from fp4_dispatch.winners import environment
@@ -65,14 +65,13 @@ def run_shape(shape: tuple[int, int, int], folder: Path) -> dict:
     path = folder / f"c-{'x'.join(map(str, shape))}.json"
     _SPENT[0] = 0.0
     d = Dispatcher(cache=path)
-    t0 = time.perf_counter()
-    (r,) = d.tune([shape], progress=False)
-    tune_s = time.perf_counter() - t0
+    got: dict = {}
+    tune_s = harness.call_wall_us(lambda: got.update(r=d.tune([shape], progress=False)), 1) / 1e6
+    (r,) = got["r"]
     wrong = [m for m in r.measurements if m.method == "wrong"]
     d2 = Dispatcher(cache=path)
-    t0 = time.perf_counter()
-    pick = d2.select(*shape)
-    first_use_s = time.perf_counter() - t0
+    first_use_s = harness.call_wall_us(lambda: got.update(pick=d2.select(*shape)), 1) / 1e6
+    pick = got["pick"]
     return {
         "shape": shape,
         "measured": len(r.measurements),
@@ -94,9 +93,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         log.error("needs a CUDA GPU")
         return 2
-    shapes = (
-        SHAPES if not args.shapes else [tuple(int(x) for x in s.split(",")) for s in args.shapes]
-    )
+    shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
     _time_the_check()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,23 +102,16 @@ def main() -> int:
         env = environment(Dispatcher(cache=False).device)
         entries = TuningCache(Path(tmp) / f"c-{'x'.join(map(str, shapes[0]))}.json").entries()
     result = {"environment": env, "entry_env": entries[0].get("env") if entries else None,
-              "rtol": tuning_mod.CHECK_RTOL, "rows": rows}  # fmt: skip
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, "tuning_checks.json").write_text(json.dumps(result, indent=1, default=str))
+              "rtol": harness.CHECK_RTOL, "rows": rows}  # fmt: skip
+    write_json("tuning_checks.json", result)
     for row in rows:
         for err in row["wrong_errors"]:
             sys.stdout.write(f"WRONG {row['shape']}: {err}\n")
     sys.stdout.write(f"environment: {json.dumps(env)}\n\n")
-    sys.stdout.write(
-        "| shape | measured | wrong | check s | tune s | cached pick | first use s |\n"
-    )
-    sys.stdout.write("|---|---|---|---|---|---|---|\n")
-    for r in rows:
-        sys.stdout.write(
-            f"| {r['shape']} | {r['measured']} | {r['wrong']} | {r['check_s']:.2f} | "
-            f"{r['tune_s']:.2f} | {r['cached_pick_used']} | {r['first_use_s']:.2f} |\n"
-        )
+    headers = ("shape", "measured", "wrong", "check s", "tune s", "cached pick", "first use s")
+    table = [(r["shape"], r["measured"], r["wrong"], f"{r['check_s']:.2f}", f"{r['tune_s']:.2f}",
+              r["cached_pick_used"], f"{r['first_use_s']:.2f}") for r in rows]  # fmt: skip
+    sys.stdout.write(markdown_table(headers, table, "lrrrrlr") + "\n")
     return 1 if any(r["wrong"] for r in rows) else 0
 
 

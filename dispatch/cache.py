@@ -557,3 +557,13 @@ def _fsync_dir(directory: Path) -> None:
         log.debug("fsync of directory %s failed: %r", directory, exc)
     finally:
         os.close(fd)
+
+
+def from_argument(cache: str | os.PathLike[str] | TuningCache | bool | None) -> TuningCache | None:
+    """The `Dispatcher` ``cache`` argument as a cache: False = none (memory only), None or
+    True = `default_path` (``FP4_DISPATCH_CACHE`` or the user cache dir), else that file."""
+    if cache is False:
+        return None
+    if cache is None or cache is True:
+        return TuningCache()
+    return cache if isinstance(cache, TuningCache) else TuningCache(cache)

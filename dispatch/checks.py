@@ -1,4 +1,4 @@
-"""Argument checks for the public GEMM calls.
+"""Argument checks for the public calls, and the one home of the output dtypes they accept.
 
 Every check raises before anything is written, with a message naming the argument,
 what was expected and what came. TypeError for wrong types/dtypes, ValueError for
@@ -12,7 +12,10 @@ import torch
 from .nvfp4 import Nvfp4Tensor, swizzled_scale_shape
 
 FP4_DATA_DTYPES = (torch.uint8, getattr(torch, "float4_e2m1fn_x2", torch.uint8))
-OUT_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+#: the one home of the output dtypes: ``Problem.out_dtype`` name -> torch dtype ...
+TORCH_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+#: ... and back (torch dtype -> name), for checking what a caller passed
+OUT_DTYPES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 def out_dtype_name(out_dtype: object) -> str:
@@ -159,3 +162,16 @@ def out_tensor(
     if not out.is_contiguous():
         raise ValueError("out: expected a contiguous tensor")
     return out
+
+
+def tune_shape(shape: object) -> tuple[int, int, int]:
+    """One (M, N, K) of `Dispatcher.tune`'s ``shapes``, checked; ValueError names it."""
+    try:
+        m, n, k = shape  # type: ignore[misc]
+    except (TypeError, ValueError):
+        raise ValueError(f"shapes: expected (M, N, K) tuples, got {shape!r}") from None
+    try:
+        problem_dims(m, n, k)
+    except ValueError as exc:
+        raise ValueError(f"shapes: {exc} in {shape!r}") from None
+    return m, n, k

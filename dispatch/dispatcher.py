@@ -1,14 +1,20 @@
-"""The public object: load backends, rank their tactics, run the winner.
+"""The engine: one `Dispatcher` per device loads backends, ranks their tactics, runs the winner.
 
 ``Dispatcher().gemm(qa, qb)`` checks its arguments, looks up the plan for the problem
 (the tuned winner of its bucket, else the memoized heuristic pick), builds the kernel
 once, and runs it. Nothing is written to ``out`` unless every check has passed.
 
 Tuning (`Dispatcher.tune`, or ``with d.autotuning():``) measures a bucket's shortlist
-(`fp4_dispatch.tuning`) and stores the winner in the tuning cache
-(`fp4_dispatch.cache`), which this dispatcher reads lazily: each cached winner of its
-device is re-validated before first use, and a stale one is ignored with a warning.
-Tuning never happens on the hot path outside those two.
+(`fp4_dispatch.tuning`) and hands the winner to the winner store
+(`fp4_dispatch.winners`, over the cache file `fp4_dispatch.cache`), which this
+dispatcher reads lazily: each cached winner of its device is re-validated before first
+use, and a stale one is ignored with a warning. Tuning never happens on the hot path
+outside those two.
+
+Not the engine, so elsewhere (importable from here as before): the ``list-backends``
+rows (`fp4_dispatch.status`: `BackendStatus`), ``launch`` (`fp4_dispatch.guard`), the
+``cache`` argument rule (`fp4_dispatch.cache.from_argument`) and the ``shapes`` check
+(`fp4_dispatch.checks.tune_shape`).
 """
 
 from __future__ import annotations
@@ -17,8 +23,6 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
-from typing import Literal
 
 import torch
 
@@ -29,55 +33,21 @@ from . import tuning as _tuning
 from .backend import Backend, GemmOperands, Kernel, kernel_problem
 from .buckets import BucketKey, m_bucket
 from .cache import TuningCache, device_fingerprint
+from .cache import from_argument as _tuning_cache
+from .checks import tune_shape as _shape
 from .device import DeviceInfo
 from .guard import Fault, Guard, PluginFault
-from .guard import launch as guarded_launch
+from .guard import launch_candidate as launch
 from .nvfp4 import Nvfp4Tensor
 from .plans import Plan, PlanKey, plan_for
 from .profiles import resolve
 from .progress import progress as bar_of
 from .ranking import Candidate, Ranker, Shortlist
+from .status import BackendStatus, Status, backend_rows
 from .tactics import Problem
 from .winners import TunedWinners
 
 log = logging.getLogger(__name__)
-
-Status = Literal["available", "unsupported", "failed", "disabled", "empty"]
-
-
-@dataclass(frozen=True)
-class BackendStatus:
-    """One row of ``list-backends``: a backend, or a plugin that failed to give one."""
-
-    name: str
-    family: str
-    origin: str
-    version: str
-    status: Status
-    reason: str
-    plugin: str
-    error: registry.LoadError | None = None
-    #: run-time faults of this backend's plugin code (or of the plugin's hook)
-    faults: tuple[Fault, ...] = ()
-    #: the plugin's import + hook time in seconds
-    load_s: float = 0.0
-
-    def to_json(self) -> dict:
-        row = asdict(self)
-        row["error"] = None if self.error is None else asdict(self.error)
-        row["faults"] = [f.to_json() for f in self.faults]
-        return row
-
-
-def launch(
-    candidate: Candidate, kernel: Kernel, operands: GemmOperands, out: torch.Tensor
-) -> torch.Tensor:
-    """Run `kernel` for `candidate` under the swap convention; returns ``out``.
-
-    A kernel's SystemExit comes out as `fp4_dispatch.guard.PluginExit` (`guard.launch`).
-    """
-    guarded_launch(kernel, operands, out, candidate.tactic.swap_ab)
-    return out
 
 
 class Dispatcher:
@@ -170,55 +140,7 @@ class Dispatcher:
 
     def backends(self) -> list[BackendStatus]:
         """Every backend and every plugin that failed or was disabled, for ``list-backends``."""
-        rows = []
-        for report in self.registry.plugins:
-            for name in report.backends:
-                b = self.registry.backends[name]
-                status, reason = self._status[name]
-                faults = tuple(f for f in self.faults if f.backend == name)
-                rows.append(
-                    BackendStatus(
-                        name, b.family, report.origin, b.version, status, reason, report.name,
-                        faults=faults, load_s=report.load_s,
-                    )
-                )  # fmt: skip
-            for name, why in report.disabled_backends.items():
-                rows.append(
-                    BackendStatus(
-                        name, "?", report.origin, report.version, "disabled", why, report.name,
-                        load_s=report.load_s,
-                    )
-                )  # fmt: skip
-            if report.status == "loaded" and not report.backends and not report.disabled_backends:
-                rows.append(
-                    BackendStatus(
-                        f"<{report.name}>", "?", report.origin, report.version, "empty",
-                        "the plugin's hook registered no backend", report.name,
-                        load_s=report.load_s,
-                    )
-                )  # fmt: skip
-            for err in report.errors:
-                rows.append(
-                    BackendStatus(
-                        name=f"<{report.name}>",
-                        family="?",
-                        origin=report.origin,
-                        version=report.version,
-                        status="failed",
-                        reason=f"{err.stage}: {err.error_type}: {err.message}",
-                        plugin=report.name,
-                        error=err,
-                        load_s=report.load_s,
-                    )
-                )
-            if report.status == "disabled":
-                rows.append(
-                    BackendStatus(
-                        f"<{report.name}>", "?", report.origin, report.version,
-                        "disabled", report.reason, report.name,
-                    )
-                )  # fmt: skip
-        return rows
+        return backend_rows(self.registry, self._status)
 
     # ---- ranking --------------------------------------------------------------------
 
@@ -697,30 +619,8 @@ class Dispatcher:
 torch_ops.set_default_factory(lambda device: Dispatcher(device=device))
 
 
-def _tuning_cache(cache: str | os.PathLike[str] | TuningCache | bool | None) -> TuningCache | None:
-    """The `Dispatcher` ``cache`` argument as a cache (None = FP4_DISPATCH_CACHE / default)."""
-    if cache is False:
-        return None
-    if cache is None or cache is True:
-        return TuningCache()
-    return cache if isinstance(cache, TuningCache) else TuningCache(cache)
-
-
 def _pick_of(result: _tuning.TuneResult) -> tuple:
     """What ranks of a tuning group must agree on for one bucket (picklable, comparable)."""
     w = result.winner
     return (result.bucket, None if w is None else (w.backend, w.tactic.canonical_json()),
             result.kept_default)  # fmt: skip
-
-
-def _shape(shape: object) -> tuple[int, int, int]:
-    """Check one (M, N, K) of `Dispatcher.tune`."""
-    try:
-        m, n, k = shape  # type: ignore[misc]
-    except (TypeError, ValueError):
-        raise ValueError(f"shapes: expected (M, N, K) tuples, got {shape!r}") from None
-    try:
-        checks.problem_dims(m, n, k)
-    except ValueError as exc:
-        raise ValueError(f"shapes: {exc} in {shape!r}") from None
-    return m, n, k

@@ -99,6 +99,16 @@ def launch(kernel: Kernel, operands: GemmOperands, out: Any, swap_ab: bool) -> N
         raise PluginExit(f"kernel raised {type(exc).__name__}: {exc}") from exc
 
 
+def launch_candidate(candidate: Any, kernel: Kernel, operands: GemmOperands, out: Any) -> Any:
+    """`launch` for a ranked candidate (its tactic's ``swap_ab``); returns ``out``.
+
+    The tuner, the conformance kit and benchmarks that hold a `Candidate` use this
+    (``fp4_dispatch.dispatcher.launch`` is the same function).
+    """
+    launch(kernel, operands, out, candidate.tactic.swap_ab)
+    return out
+
+
 class BadReturn(TypeError):
     """A plugin call returned something of the wrong type or value (not an exception)."""
 

@@ -25,13 +25,13 @@ from typing import Literal
 import torch
 from torch import nn
 
-from . import torch_ops
+from . import checks, torch_ops
 from .dispatcher import Dispatcher
 from .nvfp4 import BLOCK_SIZE, Nvfp4Tensor, dequantize, quantize_nvfp4, swizzled_scale_shape
 
 __all__ = ["Nvfp4Linear"]
 
-_OUT_DTYPES = (torch.bfloat16, torch.float16)
+_OUT_DTYPES = tuple(checks.OUT_DTYPES)  # bfloat16, float16 (their one home)
 Activations = Literal["auto", "nvfp4", "bf16"]
 ACTIVATIONS: tuple[str, ...] = ("auto", "nvfp4", "bf16")
 #: buffers whose dtype IS the format: a module-wide dtype cast must never touch them

@@ -1,4 +1,4 @@
-"""Tactic specs and problems: the typed values that cross every boundary.
+"""Tactic specs and problems: the typed values that cross every boundary (and their labels).
 
 A tactic is one concrete kernel configuration. Each backend subclasses `Tactic`,
 narrows `backend` to a `Literal` (the discriminator) and adds its own typed knobs.
@@ -8,7 +8,8 @@ The common geometric fields are what the shared cost model reads.
 from __future__ import annotations
 
 import json
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
@@ -46,6 +47,62 @@ class Tactic(BaseModel):
     def canonical_json(self) -> str:
         """Stable text form used for tie-breaking and cache keys (sorted keys)."""
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+#: the fields every tactic has; `tactic_knobs` lists the others (the family's own)
+COMMON_FIELDS = ("backend", "tile_m", "tile_n", "cluster_m", "cluster_n", "swap_ab")
+
+
+def _fields_of(tactic: Tactic | Mapping[str, Any], changed_only: bool) -> dict[str, Any]:
+    """JSON field values of a tactic (or of its stored JSON, whose defaults are unknown:
+    every field counts as changed), the common ones left out."""
+    if isinstance(tactic, Mapping):
+        return {k: v for k, v in tactic.items() if k not in COMMON_FIELDS}
+    defaults = type(tactic).model_fields
+    fields = {}
+    for key, value in tactic.model_dump(mode="json").items():
+        spec = defaults.get(key)
+        if key in COMMON_FIELDS or (changed_only and spec is not None and spec.default == value):
+            continue
+        fields[key] = value
+    return fields
+
+
+def tactic_knobs(tactic: Tactic | Mapping[str, Any], changed_only: bool = False) -> str:
+    """A tactic's family-specific fields as ``name=value`` words ("" when none).
+
+    Bools read ``on``/``off``; an ``x_m``/``x_n`` pair reads ``x=MxN``. ``changed_only``:
+    only the fields whose value differs from the model's default. `tactic` may be the
+    JSON a cache entry stores. The one home of how a tactic is written in a table cell
+    (explain, tune, cache show, the benchmarks' tables).
+    """
+    fields = _fields_of(tactic, changed_only)
+    parts = []
+    for key, value in fields.items():
+        if key.endswith("_n") and f"{key[:-2]}_m" in fields:
+            continue  # shown with its _m partner
+        if key.endswith("_m") and f"{key[:-2]}_n" in fields:
+            parts.append(f"{key[:-2]}={value}x{fields[key[:-2] + '_n']}")
+            continue
+        if isinstance(value, bool):
+            value = "on" if value else "off"
+        parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+def tactic_label(tactic: Tactic | Mapping[str, Any]) -> str:
+    """One short cell for a tactic (or its stored JSON): ``TILE_MxTILE_N``,
+    ``cluster=MxN`` when not 1x1, ``swap`` when swapped, then the knobs that differ from
+    their defaults (all of them for stored JSON)."""
+    get = tactic.get if isinstance(tactic, Mapping) else lambda k, d=None: getattr(tactic, k, d)
+    words = [f"{get('tile_m', '?')}x{get('tile_n', '?')}"]
+    cluster = (get("cluster_m", 1), get("cluster_n", 1))
+    if cluster != (1, 1):
+        words.append(f"cluster={cluster[0]}x{cluster[1]}")
+    if get("swap_ab", False) is True:
+        words.append("swap")
+    knobs = tactic_knobs(tactic, changed_only=True)
+    return " ".join([*words, knobs] if knobs else words)
 
 
 class Problem(BaseModel):

@@ -51,10 +51,10 @@ import torch
 
 from . import checks
 from .nvfp4 import (
-    BLOCK_SIZE,
     Nvfp4Tensor,
     quantize_fields,
     quantize_nvfp4,
+    swizzled_scale_shape,
 )
 from .plans import PlanKey
 from .progress import progress
@@ -376,8 +376,7 @@ def _quantize_op(
 def _quantize_fake(x, global_scale=None):
     _check_quantize_input(x)
     r, k = x.shape
-    rows = (r + 127) // 128 * 128
-    cols = (k // BLOCK_SIZE + 3) // 4 * 4
+    rows, cols = swizzled_scale_shape(r, k)
     return (
         x.new_empty((r, k // 2), dtype=torch.uint8),
         x.new_empty((rows, cols), dtype=torch.float8_e4m3fn),

@@ -88,12 +88,31 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from . import harness
-from .backend import DenseOperands, GemmOperands, Kernel
+from .backend import Kernel
 from .buckets import BucketKey
 from .device import DeviceInfo
 from .distributed import Fleet, merge_shares
 from .guard import launch as run_kernel
-from .nvfp4 import BLOCK_SIZE, e2m1_to_float, quantize_nvfp4, unpack_e2m1, unswizzle_scales
+
+# the numerics (random inputs, float64 reference, the check) live in the harness, shared
+# with the conformance kit and the benchmarks; re-exported here under their old names
+from .harness import (  # noqa: F401 - re-exported
+    CHECK_FULL_MACS,
+    CHECK_HEAD,
+    CHECK_INTERIOR,
+    CHECK_RTOL,
+    CHECK_TAIL,
+    COPY_MEMORY_CAP,
+    MAX_REPEAT,
+    OUT_DTYPES,
+    Inputs,
+    check_indices,
+    check_output,
+    make_dense_inputs,
+    make_inputs,
+    n_copies,
+    reference_output,
+)
 from .ranking import Candidate, Ranker, m_bucket
 from .tactics import Problem
 
@@ -115,31 +134,11 @@ NOISE_CAP = 0.10
 PRUNE_FACTOR = 1.5
 #: one graph replay should last about this long (enough launches to average noise)
 TARGET_REPLAY_US = 1000.0
-MAX_REPEAT = 100
 #: calls per CUDA graph under the graph policy (`CudaTimer.graph_calls`)
 GRAPH_CALLS = 20
 REPLAYS = 3
 #: delay kernel before each timed region, in GPU clock cycles (~0.5 ms at 2 GHz)
 SLEEP_CYCLES = 1_000_000
-#: total bytes of rotating input copies per problem
-COPY_MEMORY_CAP = 4 << 30
-#: rows quantized from random data; taller operands repeat these rows (a multiple of 128)
-_BASE_ROWS = 1024
-
-OUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-#: Relative Frobenius error ``||out - ref|| / ||ref||`` a correct kernel stays under.
-#: Why 1e-2: rounding the output to bf16 costs up to 2^-9 relative per element (RMS
-#: about 1.1e-3; fp16 8x less), and float32 accumulation in another order or split-K
-#: adds ~1e-6 sqrt(K). 1e-2 leaves ~9x headroom for that, yet every fault the check is
-#: for (zeros, NaN, a transposed or half-written output, wrong scales) gives ~1.
-CHECK_RTOL = 1e-2
-#: problems up to this many multiply-adds (M*N*K) are checked in full; larger ones on
-#: a sample of rows and columns (`check_indices`): float64 on the device, ~2 GFLOP max
-CHECK_FULL_MACS = 1 << 31
-#: rows (and columns) a sampled check always covers at each end: the first tile and
-#: the last (tail) tiles, whatever the tile size (every tactic's tile is <= 256)
-CHECK_HEAD, CHECK_TAIL, CHECK_INTERIOR = 128, 256, 128
 
 Launch = Callable[[int], None]
 """``launch(i)`` runs the candidate once on input copy ``i % n_copies``."""
@@ -314,90 +313,7 @@ class TuneResult:
         }  # fmt: skip
 
 
-# ---- inputs ---------------------------------------------------------------------------
-
-
-@dataclass
-class Inputs:
-    """Rotating operand copies for one problem, and one output tensor.
-
-    ``reference``: the float64 reference of ``copies[0]`` on the checked rows and
-    columns, computed once (`check_output`) and shared by every candidate.
-    """
-
-    copies: list[GemmOperands] | list[DenseOperands]
-    out: torch.Tensor
-    bytes_per_copy: int
-    reference: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
-
-# ---- checking results -----------------------------------------------------------------
-
-
-def check_indices(m: int, n: int, k: int, device: torch.device, seed: int = 0):
-    """(rows, cols) the check compares: all of them for small problems, else the first
-    `CHECK_HEAD`, the last `CHECK_TAIL` and `CHECK_INTERIOR` seeded random others of each
-    (so a missed tail tile or an unwritten edge is always seen)."""
-
-    def pick(size: int, salt: int) -> torch.Tensor:
-        if m * n * k <= CHECK_FULL_MACS or size <= CHECK_HEAD + CHECK_TAIL + CHECK_INTERIOR:
-            return torch.arange(size, device=device)
-        gen = torch.Generator().manual_seed(seed + salt)
-        inner = torch.randperm(size - CHECK_HEAD - CHECK_TAIL, generator=gen)[:CHECK_INTERIOR]
-        idx = torch.cat([torch.arange(CHECK_HEAD), CHECK_HEAD + inner.sort().values,
-                         torch.arange(size - CHECK_TAIL, size)])  # fmt: skip
-        return idx.to(device)
-
-    return pick(m, 0), pick(n, 1)
-
-
-def _dequant_rows(data: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, k: int):
-    """float64 ``dequant`` of the selected rows of one operand (swizzled scales)."""
-    total = data.shape[0]
-    vals = e2m1_to_float(unpack_e2m1(data.index_select(0, rows))).to(torch.float64)
-    lin = unswizzle_scales(scale, total, k).index_select(0, rows).to(torch.float64)
-    return (vals.reshape(len(rows), k // BLOCK_SIZE, BLOCK_SIZE) * lin.unsqueeze(-1)).reshape(
-        len(rows), k
-    )
-
-
-def reference_output(
-    operands: GemmOperands | DenseOperands, rows: torch.Tensor, cols: torch.Tensor
-):
-    """``alpha * dequant(a)[rows] @ dequant(b)[cols].T`` in float64 (the operands' device);
-    for W4A16 (`DenseOperands`) ``a`` is the dense activation itself."""
-    k = operands.k
-    if isinstance(operands, DenseOperands):
-        a = operands.a.index_select(0, rows).to(torch.float64)
-    else:
-        a = _dequant_rows(operands.a_data, operands.a_scale, rows, k)
-    b = _dequant_rows(operands.b_data, operands.b_scale, cols, k)
-    return (a @ b.T) * operands.alpha.to(torch.float64).reshape(())
-
-
-def check_output(out: torch.Tensor, inputs: Inputs, seed: int = 0) -> str | None:
-    """Why `out` is not the result of ``inputs.copies[0]`` (None when it is).
-
-    The caller filled `out` with NaN before the launch, so an element the kernel left
-    unwritten reads as NaN and fails like a computed NaN.
-    """
-    if inputs.reference is None:
-        ops = inputs.copies[0]
-        rows, cols = check_indices(ops.m, ops.n, ops.k, ops.b_data.device, seed)
-        inputs.reference = (rows, cols, reference_output(ops, rows, cols))
-    rows, cols, ref = inputs.reference
-    got = out.index_select(0, rows).index_select(1, cols).to(torch.float64)
-    bad = (~torch.isfinite(got)).sum().item()
-    if bad:
-        return f"{bad} of {got.numel()} checked output elements are NaN/inf (or unwritten)"
-    norm = torch.linalg.vector_norm(ref).item()
-    err = torch.linalg.vector_norm(got - ref).item() / (norm if norm > 0 else 1.0)
-    if not err <= CHECK_RTOL:
-        return (
-            f"relative error {err:.3g} against the float64 reference exceeds {CHECK_RTOL:g} "
-            f"(checked {got.shape[0]}x{got.shape[1]} of {out.shape[0]}x{out.shape[1]})"
-        )
-    return None
+# ---- checking one candidate -----------------------------------------------------
 
 
 def verify_candidate(
@@ -421,71 +337,6 @@ def verify_candidate(
     except Exception as exc:  # a plugin's build or kernel failing: the answer is "wrong"
         return f"{type(exc).__name__}: {exc}"
     return check_output(inputs.out, inputs, seed)
-
-
-def _random_operand(rows: int, k: int, device: torch.device, gen: torch.Generator):
-    base_rows = min(rows, _BASE_ROWS)
-    x = torch.randn(base_rows, k, generator=gen, device=device, dtype=torch.float32)
-    q = quantize_nvfp4(x)
-    data, scale = q.data, q.scale
-    if rows > base_rows:  # repeat whole 128-row scale blocks: the swizzle is row-block major
-        reps = -(-rows // base_rows)
-        data = data.repeat(reps, 1)[:rows].contiguous()
-        scale = scale.repeat(reps, 1)[: -(-rows // 128) * 128].contiguous()
-    return data, scale, q.global_scale
-
-
-def n_copies(bytes_per_copy: int, l2_bytes: int, max_repeat: int = MAX_REPEAT) -> int:
-    """``min(ceil(3 * L2 / bytes) + 1, max_repeat + 1)``, within `COPY_MEMORY_CAP`."""
-    want = min(math.ceil(3 * l2_bytes / max(bytes_per_copy, 1)) + 1, max_repeat + 1)
-    return max(1, min(want, COPY_MEMORY_CAP // max(bytes_per_copy, 1)))
-
-
-def make_inputs(
-    problem: Problem, device: DeviceInfo, seed: int = 0, copies: int | None = None
-) -> Inputs:
-    """Random non-zero NVFP4 operands for `problem` on `device`, in rotating copies
-    (`n_copies` of them unless ``copies`` says how many). W4A16 problems get
-    `make_dense_inputs`."""
-    if problem.operation == "w4a16":
-        return make_dense_inputs(problem, device, seed, copies)
-    dev = torch.device(device.torch_device)
-    gen = torch.Generator(device=dev)
-    gen.manual_seed(seed)
-    a_data, a_scale, ga = _random_operand(problem.m, problem.k, dev, gen)
-    b_data, b_scale, gb = _random_operand(problem.n, problem.k, dev, gen)
-    alpha = (ga * gb).reshape(1)
-    first = GemmOperands(a_data, a_scale, b_data, b_scale, alpha)
-    size = sum(t.numel() * t.element_size() for t in (a_data, a_scale, b_data, b_scale))
-    count = n_copies(size, device.l2_bytes) if copies is None else max(1, copies)
-    rotating = [first]
-    for _ in range(count - 1):
-        rotating.append(
-            GemmOperands(a_data.clone(), a_scale.clone(), b_data.clone(), b_scale.clone(), alpha)
-        )
-    out = torch.empty(problem.m, problem.n, dtype=OUT_DTYPES[problem.out_dtype], device=dev)
-    return Inputs(rotating, out, size)
-
-
-def make_dense_inputs(
-    problem: Problem, device: DeviceInfo, seed: int = 0, copies: int | None = None
-) -> Inputs:
-    """W4A16 inputs: dense random-normal activations ``[M, K]`` in the output dtype (what
-    `Dispatcher.gemm` defaults to) times an NVFP4 weight, in rotating copies."""
-    dev = torch.device(device.torch_device)
-    gen = torch.Generator(device=dev)
-    gen.manual_seed(seed)
-    dtype = OUT_DTYPES[problem.out_dtype]
-    a = torch.randn(problem.m, problem.k, generator=gen, device=dev).to(dtype)
-    b_data, b_scale, gb = _random_operand(problem.n, problem.k, dev, gen)
-    alpha = gb.reshape(1).to(torch.float32)
-    size = sum(t.numel() * t.element_size() for t in (a, b_data, b_scale))
-    count = n_copies(size, device.l2_bytes) if copies is None else max(1, copies)
-    rotating = [DenseOperands(a, b_data, b_scale, alpha)]
-    for _ in range(count - 1):
-        rotating.append(DenseOperands(a.clone(), b_data.clone(), b_scale.clone(), alpha))
-    out = torch.empty(problem.m, problem.n, dtype=dtype, device=dev)
-    return Inputs(rotating, out, size)
 
 
 # ---- timers ---------------------------------------------------------------------------

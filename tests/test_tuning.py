@@ -722,13 +722,15 @@ def test_a_correct_swapped_kernel_passes_the_check(make_dispatcher):
 
 
 def test_sampled_check_sees_the_tail_and_zeros(monkeypatch):
+    import fp4_dispatch.harness as harness
     import fp4_dispatch.tuning as tuning
     from fp4_dispatch.profiles import resolve
 
-    monkeypatch.setattr(tuning, "CHECK_FULL_MACS", 0)  # force sampling on a small problem
-    monkeypatch.setattr(tuning, "CHECK_HEAD", 8)
-    monkeypatch.setattr(tuning, "CHECK_TAIL", 16)
-    monkeypatch.setattr(tuning, "CHECK_INTERIOR", 8)
+    # the check lives in the harness (the tuner imports it from there)
+    monkeypatch.setattr(harness, "CHECK_FULL_MACS", 0)  # force sampling on a small problem
+    monkeypatch.setattr(harness, "CHECK_HEAD", 8)
+    monkeypatch.setattr(harness, "CHECK_TAIL", 16)
+    monkeypatch.setattr(harness, "CHECK_INTERIOR", 8)
     inputs = make_inputs(Problem(m=256, n=192, k=64), resolve("cpu", None), copies=1)
     rows, cols = tuning.check_indices(256, 192, 64, torch.device("cpu"))
     assert len(rows) == 32 and len(cols) == 32

@@ -167,9 +167,12 @@ def kernel_out_dtype(out_dtype: str) -> str:
 
 
 def _torch_dtype(name: str) -> torch.dtype:
+    """An output dtype (`fp4_dispatch.checks.TORCH_DTYPES`) or "float32" (the fp16 path)."""
     import torch
 
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+    from fp4_dispatch.checks import TORCH_DTYPES
+
+    return torch.float32 if name == "float32" else TORCH_DTYPES[name]
 
 
 def _probe_args(out_dtype: str, major: Major, m: int = 256, n: int = 256, k: int = 256) -> Any:
@@ -194,8 +197,11 @@ def _probe_args(out_dtype: str, major: Major, m: int = 256, n: int = 256, k: int
 
 
 def padded_scale_numel(rows: int, k: int) -> int:
-    """Elements of a 128x4-swizzled scale tensor: rows padded to 128, K/16 padded to 4."""
-    return -(-rows // 128) * 128 * (-(-(k // 16) // 4) * 4)
+    """Elements of a 128x4-swizzled scale tensor (`fp4_dispatch.nvfp4.swizzled_scale_shape`)."""
+    from fp4_dispatch.nvfp4 import swizzled_scale_shape  # lazy: it imports torch
+
+    padded_rows, padded_cols = swizzled_scale_shape(rows, k)
+    return padded_rows * padded_cols
 
 
 def _entry(op: Any) -> OperatorEntry:

@@ -172,9 +172,9 @@ def _patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
 
 
 def _torch_dtype(out_dtype: str) -> torch.dtype:
-    import torch
+    from fp4_dispatch.checks import TORCH_DTYPES  # lazy: it imports torch
 
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16}[out_dtype]
+    return TORCH_DTYPES[out_dtype]
 
 
 def meta_inputs(m: int, n: int, k: int, out_dtype: str) -> list:

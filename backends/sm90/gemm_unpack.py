@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from fp4_dispatch.backend import GemmOperands
+from fp4_dispatch.nvfp4 import swizzled_scale_shape
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ def unpack_nvfp4(
     rows, k = data.shape[0], data.shape[1] * 2
     if k % 32:
         raise ValueError(f"K must be a multiple of 32, got {k}")
-    padded = (-(-rows // 128) * 128, -(-(k // 16) // 4) * 4)
+    padded = swizzled_scale_shape(rows, k)
     if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != padded:
         raise ValueError(f"scale: expected float8_e4m3fn {padded} (swizzled), got {scale.dtype} "
                          f"{tuple(scale.shape)}")  # fmt: skip

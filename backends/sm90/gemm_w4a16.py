@@ -79,6 +79,7 @@ from fp4_dispatch.backends.sm90.gemm_unpack import unpack_nvfp4
 from fp4_dispatch.backends.sm90.splitk import store_tile
 from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher
 from fp4_dispatch.backends.workspace import Scratch
+from fp4_dispatch.nvfp4 import swizzled_scale_shape
 
 log = logging.getLogger(__name__)
 
@@ -547,7 +548,7 @@ def check_operands(operands: W4A16Operands, out: torch.Tensor) -> None:
         raise ValueError(f"K mismatch: a {tuple(a.shape)} vs b_data {tuple(b.shape)}")
     if a.stride(1) != 1 or not b.is_contiguous() or not s.is_contiguous():
         raise ValueError("a must have unit stride along K; b_data and b_scale must be contiguous")
-    want = (-(-n // 128) * 128, -(-(k // 16) // 4) * 4)
+    want = swizzled_scale_shape(n, k)
     if tuple(s.shape) != want:
         raise ValueError(f"b_scale: expected swizzled shape {want}, got {tuple(s.shape)}")
     devices = {a.device, b.device, s.device, alpha.device, out.device}

@@ -56,33 +56,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     imp.set_defaults(func=run)
 
 
-#: fields shown elsewhere, or left out at their usual value
-_QUIET = {"backend": None, "tile_m": None, "tile_n": None, "cluster_m": 1, "cluster_n": 1,
-          "swap_ab": False}  # fmt: skip
-
-
 def _knobs(tactic: object) -> str:
-    """``128x64 swap k_chunk=0``: tile, then fields not at their usual value."""
+    """``128x64 swap k_chunk=0``: the stored tactic's label (`tactics.tactic_label`)."""
     if not isinstance(tactic, Mapping):
         return "?"
-    tile = f"{tactic.get('tile_m', '?')}x{tactic.get('tile_n', '?')}"
-    rest = []
-    for key, value in sorted(tactic.items(), key=lambda kv: str(kv[0])):
-        if key in _QUIET and (_QUIET[key] is None or _QUIET[key] == value):
-            continue
-        rest.append("swap" if key == "swap_ab" else f"{key}={value}")
-    return " ".join([tile, *rest])
+    from ..tactics import tactic_label  # noqa: PLC0415 - lazy: start-up time (--help)
+
+    return tactic_label(tactic)
 
 
 def _num(value: object) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
     return None
-
-
-def _us(value: object) -> str:
-    v = _num(value)
-    return "-" if v is None else f"{v:,.2f}"
 
 
 def _field(obj: object, key: str) -> Any:
@@ -131,8 +117,8 @@ def _row(e: Mapping[str, Any], devices: object) -> tuple:
         e.get("operation") if isinstance(e.get("operation"), str) else "w4a4",
         f"{e['backend']} {e['backend_version']}",
         _knobs(e["tactic"]),
-        _us(e["us"]),
-        _us(_field(e.get("runner_up"), "us")),
+        common.us(e["us"]),
+        common.us(_field(e.get("runner_up"), "us")),
         regret,
         _vs_default(e),
         _measure(e),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Sequence
@@ -178,6 +179,14 @@ def format_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def us(value: object) -> str:
+    """Microseconds for a table cell: ``1,234.56`` (``1.235e+06`` from a second up), "-"
+    when missing or not a finite number. The CLI's one format for times."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return "-"
+    return f"{value:,.2f}" if value < 1e6 else f"{value:.3e}"
 
 
 def _cell(value: Any) -> str:

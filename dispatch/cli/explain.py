@@ -16,9 +16,6 @@ from . import common
 if TYPE_CHECKING:
     from ..ranking import Candidate, Shortlist
 
-#: fields every tactic has; the rest are shown compactly as family-specific knobs
-_COMMON = ("backend", "tile_m", "tile_n", "cluster_m", "cluster_n", "swap_ab")
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = common.add_command(
@@ -54,23 +51,10 @@ fp4-dispatch explain 16 4096 4096 --op w4a16""",
 
 
 def _extra(c: Candidate) -> str:
-    """Family-specific fields as ``name=value`` (bools on/off; ``x_m``/``x_n`` as ``x=MxN``)."""
-    fields = {k: v for k, v in c.tactic.model_dump(mode="json").items() if k not in _COMMON}
-    parts = []
-    for key, value in fields.items():
-        if key.endswith("_n") and f"{key[:-2]}_m" in fields:
-            continue  # shown with its _m partner
-        if key.endswith("_m") and f"{key[:-2]}_n" in fields:
-            parts.append(f"{key[:-2]}={value}x{fields[key[:-2] + '_n']}")
-            continue
-        if isinstance(value, bool):
-            value = "on" if value else "off"
-        parts.append(f"{key}={value}")
-    return " ".join(parts) or "-"
+    """Family-specific fields (`fp4_dispatch.tactics.tactic_knobs`), "-" when none."""
+    from ..tactics import tactic_knobs  # noqa: PLC0415 - lazy: start-up time (--help)
 
-
-def _us(value: float) -> str:
-    return f"{value:,.2f}" if value < 1e6 else f"{value:.3e}"
+    return tactic_knobs(c.tactic) or "-"
 
 
 def render(sl: Shortlist, sm_count: int | None = None) -> str:
@@ -82,44 +66,10 @@ def render(sl: Shortlist, sm_count: int | None = None) -> str:
         f"explain M={p.m} N={p.n} K={p.k} ({p.out_dtype}) on {sl.device}{sms}",
         f"kept {len(sl.candidates)} of {sl.total} valid tactics (budget {sl.budget}{floor})",
         "",
+        _ranked(sl),
     ]
-    if sl.candidates:
-        best = sl.candidates[0].est_us
-        rows = []
-        for i, c in enumerate(sl.candidates, 1):
-            t = c.tactic
-            rel = f"+{(c.est_us / best - 1) * 100:.1f}%" if best > 0 and i > 1 else ""
-            rows.append(
-                (
-                    i,
-                    c.backend,
-                    c.family,
-                    f"{t.tile_m}x{t.tile_n}",
-                    f"{t.cluster_m}x{t.cluster_n}",
-                    "swap" if t.swap_ab else "-",
-                    _extra(c),
-                    _us(c.est_us),
-                    rel,
-                    c.reason,
-                )
-            )
-        headers = ("#", "backend", "family", "tile", "cluster", "swap", "knobs", "est µs",
-                   "vs #1", "kept because")  # fmt: skip
-        lines.append(common.format_table(rows, headers))
-    else:
-        lines.append("no candidates: no available backend offers a valid tactic for this shape")
     if sl.cut:
-        kept: dict[str, int] = {}
-        for c in sl.candidates:
-            kept[c.family] = kept.get(c.family, 0) + 1
-        rows = [(fam, kept.get(fam, 0), cut, kept.get(fam, 0) + cut) for fam, cut in sl.cut.items()]
-        lines += ["", "per family:", common.format_table(rows, ("family", "kept", "cut", "valid"))]
-        starved = [fam for fam, _, _, _ in rows if kept.get(fam, 0) == 0]
-        if starved:
-            lines.append(
-                f"note: budget {sl.budget} is below the number of families; "
-                f"no slot for: {', '.join(starved)}"
-            )
+        lines += _per_family(sl)
     if sl.skipped:
         lines += ["", "skipped backends:"]
         lines += [f"  {name}: {why}" for name, why in sorted(sl.skipped.items())]
@@ -178,6 +128,39 @@ def render_tuned(row: dict | None) -> str:
     if not row["usable"]:
         lines.append(f"  stale here, not used: {row['stale']}")
     return "\n".join(lines)
+
+
+def _ranked(sl: Shortlist) -> str:
+    """The ranked table of the kept candidates (estimate relative to the first)."""
+    if not sl.candidates:
+        return "no candidates: no available backend offers a valid tactic for this shape"
+    best = sl.candidates[0].est_us
+    rows = []
+    for i, c in enumerate(sl.candidates, 1):
+        t = c.tactic
+        rel = f"+{(c.est_us / best - 1) * 100:.1f}%" if best > 0 and i > 1 else ""
+        rows.append((i, c.backend, c.family, f"{t.tile_m}x{t.tile_n}",
+                     f"{t.cluster_m}x{t.cluster_n}", "swap" if t.swap_ab else "-", _extra(c),
+                     common.us(c.est_us), rel, c.reason))  # fmt: skip
+    headers = ("#", "backend", "family", "tile", "cluster", "swap", "knobs", "est µs",
+               "vs #1", "kept because")  # fmt: skip
+    return common.format_table(rows, headers)
+
+
+def _per_family(sl: Shortlist) -> list[str]:
+    """Kept / cut / valid per family, and a note naming the families left without a slot."""
+    kept: dict[str, int] = {}
+    for c in sl.candidates:
+        kept[c.family] = kept.get(c.family, 0) + 1
+    rows = [(fam, kept.get(fam, 0), cut, kept.get(fam, 0) + cut) for fam, cut in sl.cut.items()]
+    lines = ["", "per family:", common.format_table(rows, ("family", "kept", "cut", "valid"))]
+    starved = [fam for fam, _, _, _ in rows if kept.get(fam, 0) == 0]
+    if starved:
+        lines.append(
+            f"note: budget {sl.budget} is below the number of families; "
+            f"no slot for: {', '.join(starved)}"
+        )
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ import importlib
 import importlib.util
 import itertools
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo, DeviceProfile
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from fp4_dispatch.backends.sm90.gemm_unpack import UnpackGemmKernel
 
 INSTALL_HINT = "pip install fp4-dispatch[triton]"
+#: a Triton kernel's config class (gemm_direct.KernelConfig, gemm_w4a16.W4A16Config)
+C = TypeVar("C")
 #: shared memory one CTA may use on Hopper (227 KiB)
 SMEM_LIMIT = 232448
 
@@ -75,15 +77,22 @@ class TritonSm90Tactic(Tactic):
     def kernel_config(self) -> KernelConfig:
         from fp4_dispatch.backends.sm90.gemm_direct import KernelConfig  # noqa: PLC0415 - optional: Triton
 
-        return KernelConfig(
-            block_m=self.tile_m,
-            block_n=self.tile_n,
-            block_k=self.tile_k,
-            group_m=self.group_m,
-            split_k=self.split_k,
-            num_warps=self.num_warps,
-            num_stages=self.num_stages,
-        )
+        return triton_config(KernelConfig, self, group_m=self.group_m)
+
+
+def triton_config(config_cls: type[C], t: Tactic, **extra: int) -> C:
+    """A Triton kernel's compile-time config from a tactic's fields (tile_* -> block_*,
+    split_k, num_warps, num_stages; `extra` for a kernel's own): the W4A4 direct and the
+    W4A16 direct kernels' configs are built the same way."""
+    return config_cls(
+        block_m=t.tile_m,
+        block_n=t.tile_n,
+        block_k=t.tile_k,
+        split_k=t.split_k,
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+        **extra,
+    )
 
 
 def _pow2_at_least(x: int) -> int:
@@ -99,6 +108,27 @@ def smem_bytes(tile_m: int, tile_n: int, tile_k: int, stages: int) -> int:
     raw = (tile_m + tile_n) * (tile_k // 2 + tile_k // 16)
     dequant = (tile_m + tile_n) * tile_k * 2
     return max(stages * raw + dequant, tile_m * tile_n * 4)
+
+
+def smem_rule(smem: int) -> str | None:
+    """Why a CTA needing `smem` bytes of shared memory cannot run on Hopper, else None
+    (every sm90 kernel's rule: W4A4 direct and W4A16 direct)."""
+    return "exceeds Hopper's 227 KiB of shared memory per CTA" if smem > SMEM_LIMIT else None
+
+
+def split_k_rule(split_k: int, tiles: int, k_steps: int, sm_count: int) -> str | None:
+    """Why `split_k` is not offered for a grid of `tiles` output tiles and `k_steps` K
+    steps, else None: split-K only while the grid is under two waves, at most four CTAs
+    per SM, each split keeping >= 2 K steps (the sm90 kernels' shared rule)."""
+    if split_k <= 1:
+        return None
+    if tiles >= 2 * sm_count:
+        return f"split-K only below two waves ({tiles} tiles)"
+    if tiles * split_k > 4 * sm_count:
+        return "split-K beyond four CTAs per SM"
+    if k_steps < 2 * split_k:
+        return f"split_k={split_k} leaves < 2 K steps per split ({k_steps} steps)"
+    return None
 
 
 def _tile_choices(dim: int, options: tuple[int, ...]) -> tuple[int, ...]:
@@ -140,22 +170,14 @@ def why_invalid(t: TritonSm90Tactic, problem: Problem, device: DeviceInfo) -> st
         return "8 warps only for tiles of >= 128x128 outputs"
     if t.num_warps == 4 and outputs > 128 * 128:
         return "tiles of more than 128x128 outputs need 8 warps"
-    if smem_bytes(t.tile_m, t.tile_n, t.tile_k, t.num_stages) > SMEM_LIMIT:
-        return "exceeds Hopper's 227 KiB of shared memory per CTA"
+    why = smem_rule(smem_bytes(t.tile_m, t.tile_n, t.tile_k, t.num_stages))
+    if why:
+        return why
     grid_m = -(-m // t.tile_m)
     grid_n = -(-n // t.tile_n)
     if t.group_m > 1 and (grid_m < 16 or grid_n < 2):
         return "a group-M raster only with >= 16 row tiles and >= 2 column tiles"
-    if t.split_k > 1:
-        tiles = grid_m * grid_n
-        k_steps = -(-k // t.tile_k)
-        if tiles >= 2 * device.sm_count:
-            return f"split-K only below two waves ({tiles} tiles)"
-        if tiles * t.split_k > 4 * device.sm_count:
-            return "split-K beyond four CTAs per SM"
-        if k_steps < 2 * t.split_k:
-            return f"split_k={t.split_k} leaves < 2 K steps per split ({k_steps} steps)"
-    return None
+    return split_k_rule(t.split_k, grid_m * grid_n, -(-k // t.tile_k), device.sm_count)
 
 
 # The cost model of both W4A4 backends (`estimate_us`) is `plugins/sm90/cost_model.py`;

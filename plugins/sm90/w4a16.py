@@ -27,7 +27,14 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo
-from fp4_dispatch.plugins.sm90 import SMEM_LIMIT, _pow2_at_least, _sm90_support, cost_model
+from fp4_dispatch.plugins.sm90 import (
+    _pow2_at_least,
+    _sm90_support,
+    cost_model,
+    smem_rule,
+    split_k_rule,
+    triton_config,
+)
 from fp4_dispatch.tactics import Problem, Tactic
 
 if TYPE_CHECKING:
@@ -67,14 +74,7 @@ class TritonSm90W4A16Tactic(Tactic):
         """The direct kernel's compile-time config (direct path only)."""
         from fp4_dispatch.backends.sm90.gemm_w4a16 import W4A16Config  # noqa: PLC0415 - optional: Triton
 
-        return W4A16Config(
-            block_n=self.tile_n,
-            block_m=self.tile_m,
-            block_k=self.tile_k,
-            split_k=self.split_k,
-            num_warps=self.num_warps,
-            num_stages=self.num_stages,
-        )
+        return triton_config(W4A16Config, self)
 
 
 def smem_bytes(tile_n: int, tile_m: int, tile_k: int, stages: int) -> int:
@@ -105,18 +105,11 @@ def _why_invalid_direct(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo
         return "tile_m=128 only as 128x128 tiles, 8 warps, tile_k <= 128 (registers)"
     if t.num_stages == 4 and t.tile_k == 256:
         return "4 stages only with tile_k <= 128 (shared memory)"
-    if smem_bytes(t.tile_n, t.tile_m, t.tile_k, t.num_stages) > SMEM_LIMIT:
-        return "exceeds Hopper's 227 KiB of shared memory per CTA"
-    if t.split_k > 1:
-        tiles = -(-p.m // t.tile_m) * -(-p.n // t.tile_n)
-        k_steps = -(-p.k // t.tile_k)
-        if tiles >= 2 * device.sm_count:
-            return f"split-K only below two waves ({tiles} tiles)"
-        if tiles * t.split_k > 4 * device.sm_count:
-            return "split-K beyond four CTAs per SM"
-        if k_steps < 2 * t.split_k:
-            return f"split_k={t.split_k} leaves < 2 K steps per split ({k_steps} steps)"
-    return None
+    why = smem_rule(smem_bytes(t.tile_n, t.tile_m, t.tile_k, t.num_stages))
+    if why:
+        return why
+    tiles = -(-p.m // t.tile_m) * -(-p.n // t.tile_n)
+    return split_k_rule(t.split_k, tiles, -(-p.k // t.tile_k), device.sm_count)
 
 
 def _why_invalid_unpack(t: TritonSm90W4A16Tactic, p: Problem) -> str | None:
