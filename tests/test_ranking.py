@@ -739,8 +739,8 @@ class FakeDispatcher:
         self.device = SM107
         self.asked: tuple = ()
 
-    def candidates(self, m, n, k, out_dtype="bfloat16"):
-        self.asked = (m, n, k, out_dtype)
+    def candidates(self, m, n, k, out_dtype="bfloat16", operation="w4a4"):
+        self.asked = (m, n, k, out_dtype, operation)
         return self.sl
 
 
@@ -761,12 +761,13 @@ def test_explain_cli(monkeypatch, capsys, as_json):
     args = parser.parse_args(argv + (["--json"] if as_json else []))
     assert args.func(args) == 0
     out = capsys.readouterr().out
-    assert fake.asked == (4096, 7168, 7168, "bfloat16")
+    assert fake.asked == (4096, 7168, 7168, "bfloat16", "w4a4")
     assert seen == {"budget": 8, "device": "sm107"}
     if as_json:
         assert json.loads(out)["cut"] == sl.cut
     else:
-        assert out.strip() == explain.render(sl, 212)
+        # the ranking, then the bucket's tuned entry (the fake has no winner store)
+        assert out.strip() == explain.render(sl, 212) + "\n\n" + explain.render_tuned(None)
 
 
 def test_explain_cli_rejects_bad_sizes(capsys):

@@ -136,6 +136,22 @@ def add_budget_arg(parser: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def add_problem_kind_args(parser: argparse.ArgumentParser) -> None:
+    """``--out-dtype`` and ``--op``: which problem of a shape (the same choices everywhere)."""
+    parser.add_argument(
+        "--out-dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16"),
+        help="output dtype (default bfloat16)",
+    )
+    parser.add_argument(
+        "--op",
+        default="w4a4",
+        choices=("w4a4", "w4a16"),
+        help="w4a4: both operands NVFP4 (default); w4a16: dense activations, NVFP4 weights",
+    )
+
+
 def add_json_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 

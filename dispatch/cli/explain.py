@@ -34,18 +34,7 @@ fp4-dispatch explain 16 4096 4096 --op w4a16""",
     common.add_shape_args(p)
     common.add_device_args(p)
     common.add_budget_arg(p, "tactics kept for measurement")
-    p.add_argument(
-        "--out-dtype",
-        default="bfloat16",
-        choices=("bfloat16", "float16"),
-        help="output dtype (default bfloat16)",
-    )
-    p.add_argument(
-        "--op",
-        default="w4a4",
-        choices=("w4a4", "w4a16"),
-        help="w4a4: both operands NVFP4 (default); w4a16: dense activations, NVFP4 weights",
-    )
+    common.add_problem_kind_args(p)
     common.add_json_arg(p)
     p.set_defaults(func=run)
 

@@ -44,13 +44,7 @@ fp4-dispatch tune --shapes 1,4096,4096 --op w4a16 --measure eager""",
     )
     common.add_device_args(p)
     common.add_budget_arg(p, "tactics measured per shape")
-    p.add_argument("--out-dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    p.add_argument(
-        "--op",
-        default="w4a4",
-        choices=("w4a4", "w4a16"),
-        help="w4a4: both operands NVFP4 (default); w4a16: dense activations, NVFP4 weights",
-    )
+    common.add_problem_kind_args(p)
     p.add_argument(
         "--measure",
         default="graph",
