@@ -161,11 +161,13 @@ q = Nvfp4Tensor(data, swizzle_scales(lin), torch.tensor(0.37, dtype=torch.float3
 got = mod.dequantize_weight(q.data, q.scale) * q.global_scale
 got_p = mod.dequantize_weight(mod.prepare_weight(q.data), q.scale, prepared=True)
 got_b = mod.dequantize_weight(mod.prepare_weight(q.data), q.scale, prepared=True, bf16=True)
+got_bn = mod.dequantize_weight(q.data, q.scale, bf16=True)
 want = dequantize(q)
 codes = sorted(set(int(b) & 15 for b in data.flatten()) | set(int(b) >> 4 for b in data.flatten()))
 print(json.dumps({"equal": bool(torch.equal(got, want)), "codes": codes,
                   "prepared_equal": bool(torch.equal(got_p * q.global_scale, want)),
                   "bf16_equal": bool(torch.equal(got_b * q.global_scale, want)),
+                  "bf16_natural_equal": bool(torch.equal(got_bn * q.global_scale, want)),
                   "subnormal_scales": int(((raw & 0x78) == 0).sum()),
                   "mismatch": int((got != want).sum())}))
 """
@@ -178,7 +180,8 @@ def test_dequantizer_twin_is_bit_exact():
     assert res["subnormal_scales"] > 0
     assert res["equal"], f"{res['mismatch']} elements differ from nvfp4.dequantize"
     assert res["prepared_equal"], "the prepared-layout dequantizer differs"
-    assert res["bf16_equal"], "the bf16 dequantizer's twin differs"
+    assert res["bf16_equal"], "the bf16 dequantizer's twin (prepared layout) differs"
+    assert res["bf16_natural_equal"], "the bf16 dequantizer's twin (natural layout) differs"
 
 
 def test_prepare_weight_round_trips_and_permutes_within_groups():
@@ -198,8 +201,29 @@ def test_prepare_weight_round_trips_and_permutes_within_groups():
     assert torch.equal(prepare_weight(ramp)[:, 16:], prepare_weight(ramp)[:, :16])
     with pytest.raises(ValueError, match="K % 32"):
         prepare_weight(torch.zeros(2, 24, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="K % 32"):
+        unprepare_weight(torch.zeros(2, 24, dtype=torch.uint8))
     with pytest.raises(TypeError, match="uint8"):
         unprepare_weight(torch.zeros(2, 16, dtype=torch.int16))
+
+
+def test_prepared_bytes_rotate_the_high_nibble():
+    """The prepared byte keeps the even element's nibble and rotates the odd one's: sign
+    to bit 4, magnitude to bits 5-7 (what the bf16 dequantizer's shift pairs read)."""
+    pytest.importorskip("triton")
+    from fp4_dispatch.backends.sm90.gemm_w4a16 import (
+        rotate_high_nibbles,
+        unrotate_high_nibbles,
+    )
+
+    b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    r = rotate_high_nibbles(b)
+    assert sorted(r.tolist()) == list(range(256))  # a bijection on bytes
+    assert torch.equal(unrotate_high_nibbles(r), b)
+    assert torch.equal(r & 0x0F, b & 0x0F)  # the even element is untouched
+    assert r[0x80].item() == 0x10  # odd element's sign -> bit 4
+    assert r[0x70].item() == 0xE0  # odd element's magnitude 7 -> bits 5-7
+    assert r[0x10].item() == 0x20  # magnitude 1 -> bit 5
 
 
 # ---- in-process checks (no interpreter) -----------------------------------------------
@@ -287,3 +311,89 @@ def test_rules_reject_what_does_not_fit():
     assert "multiple of 32" in why_invalid(TritonSm90W4A16Tactic(), Problem(m=1, n=64, k=48), SM90)
     with pytest.raises(ValueError):
         TritonSm90W4A16Tactic(swap_ab=True)
+
+
+# ---- the PTX dequantizers, executed by a small PTX model on the CPU ---------------------
+
+
+def _run_ptx(asm: str, regs: dict[str, int]) -> dict[str, int]:
+    """Execute the straight-line PTX of a dequantizer block (prmt, shl, and, or, mul.rn
+    f16x2/bf16x2) on 32-bit Python ints; ``regs`` holds the inputs ($4-$6)."""
+
+    def val(tok: str) -> int:
+        tok = tok.strip()
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    def lanes_mul(a: int, b: int, dt: torch.dtype) -> int:
+        def half(x: int) -> torch.Tensor:
+            return torch.tensor([x & 0xFFFF], dtype=torch.int32).to(torch.int16).view(dt)
+
+        out = 0
+        for sh in (0, 16):
+            p = (half(a >> sh).float() * half(b >> sh).float()).to(dt)
+            out |= (int(p.view(torch.int16).item()) & 0xFFFF) << sh
+        return out
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        args = [a.strip() for a in rest.split(",")]
+        d = args[0]
+        if op == "prmt.b32":
+            a, b, sel = val(args[1]), val(args[2]), val(args[3])
+            pool = a | (b << 32)
+            regs[d] = sum(((pool >> (8 * ((sel >> 4 * i) & 7))) & 0xFF) << 8 * i for i in range(4))
+        elif op == "shl.b32":
+            regs[d] = (val(args[1]) << val(args[2])) & 0xFFFFFFFF
+        elif op == "and.b32":
+            regs[d] = val(args[1]) & val(args[2])
+        elif op == "or.b32":
+            regs[d] = val(args[1]) | val(args[2])
+        elif op in ("mul.rn.f16x2", "mul.rn.bf16x2"):
+            dt = torch.float16 if op == "mul.rn.f16x2" else torch.bfloat16
+            regs[d] = lanes_mul(val(args[1]), val(args[2]), dt)
+        else:
+            raise AssertionError(f"PTX model: unknown instruction {op!r}")
+    return regs
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "prepared"),
+    [
+        ("_F16_NATURAL", torch.float16, False),
+        ("_F16_PREPARED", torch.float16, True),
+        ("_BF16_NATURAL", torch.bfloat16, False),
+        ("_BF16_PREPARED", torch.bfloat16, True),
+    ],
+)
+def test_ptx_dequantizers_are_exact_on_every_byte(name, dtype, prepared):
+    """Every byte value through the PTX (run by a model of its 5 instructions): each output
+    lane is ``e2m1 * scale * 2**-14`` of its own byte, so the "or" forms' shifted-in zeros
+    really keep the magnitude and sign sources apart."""
+    pytest.importorskip("triton")
+    from fp4_dispatch.backends.sm90 import gemm_w4a16 as mod
+    from fp4_dispatch.nvfp4 import E2M1_VALUES
+
+    asm = getattr(mod, name)
+    # scale 1 in the kernel's convention: fp16 1.0; bf16 carries 2**112 (bits 0x7780)
+    one = 0x3C00 if dtype == torch.float16 else 0x7780
+    ones = one | one << 16
+    want_scale = 2.0**-14
+    for b0 in range(256):
+        b1, b2, b3 = (b0 * 7 + 1) % 256, (b0 * 13 + 5) % 256, 255 - b0
+        word = b0 | b1 << 8 | b2 << 16 | b3 << 24
+        regs = _run_ptx(asm, {"$4": word, "$5": ones, "$6": ones})
+        outs = {"$0": (0, 1), "$1": (2, 3), "$2": (0, 1), "$3": (2, 3)}
+        for reg, (i, j) in outs.items():
+            for lane, idx in ((0, i), (1, j)):
+                byte = (b0, b1, b2, b3)[idx]
+                natural = (
+                    mod.unrotate_high_nibbles(torch.tensor([byte])).item() if prepared else byte
+                )
+                code = natural & 15 if reg in ("$0", "$1") else natural >> 4
+                v = E2M1_VALUES[code & 7] * (-1.0 if code & 8 else 1.0) * want_scale
+                bits = (regs[reg] >> 16 * lane) & 0xFFFF
+                got = torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(dtype).item()
+                assert got == v, f"{name}: byte {byte:#04x} {reg} lane {lane}: {got} != {v}"
