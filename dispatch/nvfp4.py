@@ -244,8 +244,8 @@ def unswizzle_scales(swizzled: torch.Tensor, rows: int, k: int) -> torch.Tensor:
 # Data layouts
 # ---------------------------------------------------------------------------------------
 
-#: bytes per permutation group of the sm90-prepared layout (32 K elements, 2 scale blocks)
-SM90_GROUP = 16
+#: bytes per permutation group of the sm90-prepared layout (64 K elements, 4 scale blocks)
+SM90_GROUP = 32
 
 
 def _check_prepare_input(data: torch.Tensor, name: str) -> None:
@@ -254,7 +254,7 @@ def _check_prepare_input(data: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name}: expected a uint8 tensor [N, K/2], got {got}")
     if data.dim() != 2 or data.shape[1] % SM90_GROUP:
         raise ValueError(
-            f"{name}: expected [N, K/2] with K % 32 == 0, got shape {tuple(data.shape)}"
+            f"{name}: expected [N, K/2] with K % 64 == 0, got shape {tuple(data.shape)}"
         )
 
 
@@ -263,21 +263,24 @@ def sm90_prepare_data(data: torch.Tensor) -> torch.Tensor:
 
     The Hopper W4A16 kernel (`fp4_dispatch.backends.sm90.gemm_w4a16`) dequantizes this
     layout with fewer instructions; it is produced once at load time. Two reversible steps
-    on each row (K % 32 == 0; scales are unchanged):
+    on each row (K % 64 == 0; scales are unchanged):
 
-    1. a byte permutation matched to the MMA operand fragment: within every group of 16
-       bytes (32 K elements, two scale blocks), natural byte ``8h + 2q + e`` (h in 0..1,
-       q in 0..3, e in 0..1) moves to position ``4q + 2h + e``;
+    1. a byte permutation matched to the MMA operand fragment: within every group of 32
+       bytes (64 K elements, four scale blocks), natural byte ``8q + 4c + 2h + e``
+       (q in 0..3 the scale block, c, h, e in 0..1) moves to position
+       ``16c + 4q + 2h + e``. Each 4-byte word then holds exactly the bytes one MMA lane
+       needs (no byte repacking), and over two 16-byte MMA steps that lane sees one whole
+       scale block per row (one scale conversion per 16 values instead of per 4);
     2. inside each byte the high nibble (the odd K element) is rotated: its sign moves
        from bit 7 to bit 4 and its magnitude from bits 4-6 to bits 5-7; the low nibble
-       stays as is.
+       stays as is (both bf16 value pairs then take 3 instructions, not 4).
 
     `sm90_unprepare_data` is the exact inverse.
     """
     _check_prepare_input(data, "data")
     n, kb = data.shape
-    grouped = data.reshape(n, kb // SM90_GROUP, 2, 4, 2)  # (h, q, e)
-    b = grouped.permute(0, 1, 3, 2, 4).contiguous().reshape(n, kb)  # (q, h, e)
+    grouped = data.reshape(n, kb // SM90_GROUP, 4, 2, 2, 2)  # natural (q, c, h, e)
+    b = grouped.permute(0, 1, 3, 2, 4, 5).contiguous().reshape(n, kb)  # memory (c, q, h, e)
     return (b & 0x0F) | ((b & 0x70) << 1) | ((b & 0x80) >> 3)
 
 
@@ -286,8 +289,8 @@ def sm90_unprepare_data(data: torch.Tensor) -> torch.Tensor:
     _check_prepare_input(data, "data")
     n, kb = data.shape
     b = (data & 0x0F) | ((data & 0xE0) >> 1) | ((data & 0x10) << 3)
-    grouped = b.reshape(n, kb // SM90_GROUP, 4, 2, 2)  # (q, h, e)
-    return grouped.permute(0, 1, 3, 2, 4).contiguous().reshape(n, kb)  # (h, q, e)
+    grouped = b.reshape(n, kb // SM90_GROUP, 2, 4, 2, 2)  # memory (c, q, h, e)
+    return grouped.permute(0, 1, 3, 2, 4, 5).contiguous().reshape(n, kb)  # natural order
 
 
 # ---------------------------------------------------------------------------------------
@@ -314,7 +317,7 @@ class Nvfp4Tensor:
     - ``shape``: ``(R, K)``; ``K % 16 == 0`` (GEMM backends also need ``K % 32 == 0``).
     - ``data_layout``: ``"natural"`` (the format above, what every backend reads) or
       ``"sm90-prepared"`` (`sm90_prepare_data`: the same bytes reordered for the Hopper
-      W4A16 kernel, made once at load time; needs ``K % 32 == 0``). `dequantize`,
+      W4A16 kernel, made once at load time; needs ``K % 64 == 0``). `dequantize`,
       `reference_gemm`, `to`, `with_layout` understand both; `natural` and
       `with_data_layout` convert.
 
@@ -341,7 +344,7 @@ class Nvfp4Tensor:
             )
         if self.data_layout == "sm90-prepared" and self.shape[1] % (2 * SM90_GROUP):
             raise ValueError(
-                f"data_layout 'sm90-prepared': expected K % 32 == 0, got shape {self.shape}"
+                f"data_layout 'sm90-prepared': expected K % 64 == 0, got shape {self.shape}"
             )
         shape = tuple(self.shape)
         if len(shape) != 2 or not all(isinstance(s, int) and s >= 0 for s in shape):
@@ -437,7 +440,7 @@ class Nvfp4Tensor:
         if data_layout == self.data_layout:
             return self
         if data_layout == "sm90-prepared" and self.k % (2 * SM90_GROUP):
-            raise ValueError(f"data_layout 'sm90-prepared': expected K % 32 == 0, got K={self.k}")
+            raise ValueError(f"data_layout 'sm90-prepared': expected K % 64 == 0, got K={self.k}")
         natural = self.natural_data()
         data = natural if data_layout == "natural" else sm90_prepare_data(natural)
         return Nvfp4Tensor._trusted(

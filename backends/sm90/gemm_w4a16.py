@@ -161,8 +161,8 @@ def smem_estimate(cfg: W4A16Config) -> int:
 
 # ---- the prepared weight layout -------------------------------------------------------
 
-#: bytes per permutation group of the prepared layout (32 K elements, two scale blocks)
-PREPARED_GROUP = 16
+#: bytes per permutation group of the prepared layout (64 K elements, four scale blocks)
+PREPARED_GROUP = 32
 
 
 def _check_packed(b_data: torch.Tensor, name: str) -> None:
@@ -171,7 +171,7 @@ def _check_packed(b_data: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name}: expected a uint8 tensor [N, K/2], got {got}")
     if b_data.dim() != 2 or b_data.shape[1] % PREPARED_GROUP:
         raise ValueError(
-            f"{name}: expected [N, K/2] with K % 32 == 0, got shape {tuple(b_data.shape)}"
+            f"{name}: expected [N, K/2] with K % 64 == 0, got shape {tuple(b_data.shape)}"
         )
 
 
@@ -213,14 +213,47 @@ def unprepare_weight(prepared: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _from_prepared(w, ROWS: tl.constexpr, KB: tl.constexpr):
-    """Prepared bytes [ROWS, KB] (memory order) -> natural K order, at the tensor level.
+    """Prepared bytes [ROWS, KB] (memory order) -> the dot's K order, at the tensor level.
 
-    Memory ``(group, q, h, e)`` becomes tensor ``(group, h, q, e)``: a pure relabelling
+    Memory ``(group16, q, h, e)`` becomes tensor ``(group16, h, q, e)``: a pure relabelling
     that Triton folds into the register layout of the MMA operand (no data movement when
-    the fragment matches, which is the point of the layout).
+    the fragment matches, which is the point of the layout). The dot's byte order is not
+    natural: with ``group16 = (G, c)`` dot byte ``(G, c, h, q, e)`` is natural byte
+    ``32G + 8q + 4c + 2h + e`` (`fp4_dispatch.nvfp4.sm90_prepare_data`), so each MMA lane
+    q holds the 8 bytes of one scale block per row; the activations are permuted to match
+    (`_natural_to_dot`) and the scales broadcast in that order (`_scale_per_byte`).
     """
     g = tl.reshape(w, (ROWS, KB // 16, 4, 2, 2))
     return tl.reshape(tl.permute(g, (0, 1, 3, 2, 4)), (ROWS, KB))
+
+
+@triton.jit
+def _dot_to_natural(w, ROWS: tl.constexpr, KB: tl.constexpr):
+    """Dot order -> natural byte order: tensor ``(G, c, h, q, e)`` -> ``(G, q, c, h, e)``
+    (natural byte ``32G + 8q + 4c + 2h + e``; see `fp4_dispatch.nvfp4.sm90_prepare_data`)."""
+    g = tl.reshape(w, (ROWS, KB // 32, 2, 2, 4, 2))
+    return tl.reshape(tl.permute(g, (0, 1, 4, 2, 3, 5)), (ROWS, KB))
+
+
+@triton.jit
+def _natural_to_dot(x, ROWS: tl.constexpr, KB: tl.constexpr):
+    """The inverse of `_dot_to_natural` (used on the activations' byte-pair index)."""
+    g = tl.reshape(x, (ROWS, KB // 32, 4, 2, 2, 2))
+    return tl.reshape(tl.permute(g, (0, 1, 3, 4, 2, 5)), (ROWS, KB))
+
+
+@triton.jit
+def _scale_per_byte(s, ROWS: tl.constexpr, KB: tl.constexpr, DOT_ORDER: tl.constexpr):
+    """Scales [ROWS, KB // 8] -> one per byte [ROWS, KB], natural or dot order.
+
+    Natural: byte j has scale j // 8. Dot order ``(G, c, h, q, e)``: scale ``4G + q``, so
+    each MMA lane (q) holds the bytes of ONE scale block per row (4x fewer conversions).
+    """
+    KG: tl.constexpr = KB // 8
+    if DOT_ORDER:
+        s4 = tl.reshape(s, (ROWS, KB // 32, 1, 1, 4, 1))
+        return tl.reshape(tl.broadcast_to(s4, (ROWS, KB // 32, 2, 2, 4, 2)), (ROWS, KB))
+    return tl.reshape(tl.broadcast_to(s[:, :, None], (ROWS, KG, 8)), (ROWS, KB))
 
 
 # ---- dequantization -------------------------------------------------------------------
@@ -315,10 +348,9 @@ def _dequant_scaled_bf16(
     x, s, ROWS: tl.constexpr, KB: tl.constexpr, USE_ASM: tl.constexpr, PREPARED: tl.constexpr
 ):
     """Like `_dequant_scaled` but straight to bf16 (``e2m1 * scale * 2**-14`` exactly)."""
-    KG: tl.constexpr = KB // 8
     s32 = s.to(tl.float32) * 5.192296858534828e33  # 2**112, exact
     if USE_ASM:
-        sb = tl.reshape(tl.broadcast_to(s32.to(tl.bfloat16)[:, :, None], (ROWS, KG, 8)), (ROWS, KB))
+        sb = _scale_per_byte(s32.to(tl.bfloat16), ROWS, KB, PREPARED)
         if PREPARED:
             lo, hi = tl.inline_asm_elementwise(
                 _DEQUANT_BF16_V2_ASM,
@@ -338,7 +370,7 @@ def _dequant_scaled_bf16(
                 pack=4,
             )
     else:
-        sf = tl.reshape(tl.broadcast_to(s32[:, :, None], (ROWS, KG, 8)), (ROWS, KB))
+        sf = _scale_per_byte(s32, ROWS, KB, PREPARED)
         lo, hi = _dequant_elementwise_bf16(x, sf, PREPARED)
     return lo, hi
 
@@ -366,8 +398,7 @@ def _dequant_scaled(
     ``s[:, j // 8]``, broadcast to one fp16 per byte so that the PTX applies it with
     HMUL2 in the same pass as the nibble expansion.
     """
-    KG: tl.constexpr = KB // 8
-    s16 = tl.reshape(tl.broadcast_to(s.to(tl.float16)[:, :, None], (ROWS, KG, 8)), (ROWS, KB))
+    s16 = _scale_per_byte(s.to(tl.float16), ROWS, KB, PREPARED)
     if USE_ASM:
         if PREPARED:
             lo, hi = tl.inline_asm_elementwise(
@@ -428,6 +459,9 @@ def _dequant_tile_kernel(
         lo, hi = _dequant_scaled_bf16(x, s, BLOCK_R, KB, USE_ASM, PREPARED)
     else:
         lo, hi = _dequant_scaled(x, s, BLOCK_R, KB, USE_ASM, PREPARED)
+    if PREPARED:  # dot order -> natural order for the store
+        lo = _dot_to_natural(lo, BLOCK_R, KB)
+        hi = _dot_to_natural(hi, BLOCK_R, KB)
     base = out_ptr + rows[:, None].to(tl.int64) * K + 2 * rb[None, :]
     mask = (rows < R)[:, None]
     tl.store(base, lo.to(tl.float32) * 16384.0, mask=mask)
@@ -539,6 +573,9 @@ def _w4a16_kernel(
         else:
             w_lo, w_hi = _dequant_scaled(w, s, BLOCK_N, KB, USE_ASM, PREPARED)
         xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, KB, 2)))
+        if PREPARED:  # the weight tile is in dot order: so must the activations be
+            xe = _natural_to_dot(xe, BLOCK_M, KB)
+            xo = _natural_to_dot(xo, BLOCK_M, KB)
         acc = tl.dot(w_lo.to(xv.dtype), tl.trans(xe), acc)
         acc = tl.dot(w_hi.to(xv.dtype), tl.trans(xo), acc)
         w_ptrs += KB
@@ -572,6 +609,8 @@ def check_operands(operands: W4A16Operands, out: torch.Tensor) -> None:
     n = b.shape[0]
     if k % 32:
         raise ValueError(f"a: K must be a multiple of 32, got {k}")
+    if getattr(operands, "prepared", False) and k % 64:
+        raise ValueError(f"b_data: the sm90-prepared layout needs K % 64 == 0, got K={k}")
     if b.shape[1] * 2 != k:
         raise ValueError(f"K mismatch: a {tuple(a.shape)} vs b_data {tuple(b.shape)}")
     if a.stride(1) != 1 or not b.is_contiguous() or not s.is_contiguous():
