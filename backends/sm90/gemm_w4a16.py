@@ -243,17 +243,25 @@ def _natural_to_dot(x, ROWS: tl.constexpr, KB: tl.constexpr):
 
 
 @triton.jit
-def _scale_per_byte(s, ROWS: tl.constexpr, KB: tl.constexpr, DOT_ORDER: tl.constexpr):
-    """Scales [ROWS, KB // 8] -> one per byte [ROWS, KB], natural or dot order.
+def _scale_per_byte(s, ROWS: tl.constexpr, KB: tl.constexpr, ORDER: tl.constexpr):
+    """Scales [ROWS, KB // 8] -> one per byte [ROWS, KB] in the byte order ``ORDER``.
 
-    Natural: byte j has scale j // 8. Dot order ``(G, c, h, q, e)``: scale ``4G + q``, so
-    each MMA lane (q) holds the bytes of ONE scale block per row (4x fewer conversions).
+    - 0, natural: byte j has scale j // 8;
+    - 1, natural memory in dot order (`_from_prepared` applied to natural bytes): dot byte
+      ``(g, h, q, e)`` is natural byte ``16g + 4q + 2h + e``, scale ``2g + q // 2`` (each
+      MMA lane's 4 bytes of a 16-byte step share one scale);
+    - 2, sm90-prepared memory in dot order: dot byte ``(G, c, h, q, e)``, scale ``4G + q``
+      (each MMA lane holds ONE scale block per row over two steps).
     """
     KG: tl.constexpr = KB // 8
-    if DOT_ORDER:
+    if ORDER == 2:
         s4 = tl.reshape(s, (ROWS, KB // 32, 1, 1, 4, 1))
         return tl.reshape(tl.broadcast_to(s4, (ROWS, KB // 32, 2, 2, 4, 2)), (ROWS, KB))
-    return tl.reshape(tl.broadcast_to(s[:, :, None], (ROWS, KG, 8)), (ROWS, KB))
+    elif ORDER == 1:
+        s2 = tl.reshape(s, (ROWS, KB // 16, 1, 2, 1, 1))
+        return tl.reshape(tl.broadcast_to(s2, (ROWS, KB // 16, 2, 2, 2, 2)), (ROWS, KB))
+    else:
+        return tl.reshape(tl.broadcast_to(s[:, :, None], (ROWS, KG, 8)), (ROWS, KB))
 
 
 # ---- dequantization -------------------------------------------------------------------
@@ -345,12 +353,18 @@ def _dequant_elementwise_bf16(x, s32, PREPARED: tl.constexpr):
 
 @triton.jit
 def _dequant_scaled_bf16(
-    x, s, ROWS: tl.constexpr, KB: tl.constexpr, USE_ASM: tl.constexpr, PREPARED: tl.constexpr
+    x,
+    s,
+    ROWS: tl.constexpr,
+    KB: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    PREPARED: tl.constexpr,
+    ORDER: tl.constexpr,
 ):
     """Like `_dequant_scaled` but straight to bf16 (``e2m1 * scale * 2**-14`` exactly)."""
     s32 = s.to(tl.float32) * 5.192296858534828e33  # 2**112, exact
     if USE_ASM:
-        sb = _scale_per_byte(s32.to(tl.bfloat16), ROWS, KB, PREPARED)
+        sb = _scale_per_byte(s32.to(tl.bfloat16), ROWS, KB, ORDER)
         if PREPARED:
             lo, hi = tl.inline_asm_elementwise(
                 _DEQUANT_BF16_V2_ASM,
@@ -370,7 +384,7 @@ def _dequant_scaled_bf16(
                 pack=4,
             )
     else:
-        sf = _scale_per_byte(s32, ROWS, KB, PREPARED)
+        sf = _scale_per_byte(s32, ROWS, KB, ORDER)
         lo, hi = _dequant_elementwise_bf16(x, sf, PREPARED)
     return lo, hi
 
@@ -390,7 +404,13 @@ def _dequant_elementwise(x, s16, PREPARED: tl.constexpr):
 
 @triton.jit
 def _dequant_scaled(
-    x, s, ROWS: tl.constexpr, KB: tl.constexpr, USE_ASM: tl.constexpr, PREPARED: tl.constexpr
+    x,
+    s,
+    ROWS: tl.constexpr,
+    KB: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    PREPARED: tl.constexpr,
+    ORDER: tl.constexpr,
 ):
     """Packed bytes [ROWS, KB] + e4m3 scales [ROWS, KB // 8] -> (even K, odd K) fp16.
 
@@ -398,7 +418,7 @@ def _dequant_scaled(
     ``s[:, j // 8]``, broadcast to one fp16 per byte so that the PTX applies it with
     HMUL2 in the same pass as the nibble expansion.
     """
-    s16 = _scale_per_byte(s.to(tl.float16), ROWS, KB, PREPARED)
+    s16 = _scale_per_byte(s.to(tl.float16), ROWS, KB, ORDER)
     if USE_ASM:
         if PREPARED:
             lo, hi = tl.inline_asm_elementwise(
@@ -455,10 +475,11 @@ def _dequant_tile_kernel(
     s = tl.load(scale_ptr + s_row[:, None] + ((rg // 4) * 512 + rg % 4)[None, :])
     if PREPARED:
         x = _from_prepared(x, BLOCK_R, KB)
+    ORDER: tl.constexpr = 2 if PREPARED else 0
     if BF16:
-        lo, hi = _dequant_scaled_bf16(x, s, BLOCK_R, KB, USE_ASM, PREPARED)
+        lo, hi = _dequant_scaled_bf16(x, s, BLOCK_R, KB, USE_ASM, PREPARED, ORDER)
     else:
-        lo, hi = _dequant_scaled(x, s, BLOCK_R, KB, USE_ASM, PREPARED)
+        lo, hi = _dequant_scaled(x, s, BLOCK_R, KB, USE_ASM, PREPARED, ORDER)
     if PREPARED:  # dot order -> natural order for the store
         lo = _dot_to_natural(lo, BLOCK_R, KB)
         hi = _dot_to_natural(hi, BLOCK_R, KB)
@@ -566,16 +587,21 @@ def _w4a16_kernel(
             w = tl.load(w_ptrs, mask=kmask[None, :], other=0)
             s = tl.load(s_ptrs, mask=((kt * KG + rg) < K // 16)[None, :], other=0.0)
             xv = tl.load(x_ptrs, mask=((kt * BLOCK_K + rk) < K)[None, :], other=0.0)
-        if PREPARED:
-            w = _from_prepared(w, BLOCK_N, KB)
+        # the weight tile in the dot's byte order (each MMA lane's 4 bytes one 32-bit word
+        # of memory); the activations are permuted to the same order
+        w = _from_prepared(w, BLOCK_N, KB)
+        ORDER: tl.constexpr = 2 if PREPARED else 1
         if BF16_NATIVE:
-            w_lo, w_hi = _dequant_scaled_bf16(w, s, BLOCK_N, KB, USE_ASM, PREPARED)
+            w_lo, w_hi = _dequant_scaled_bf16(w, s, BLOCK_N, KB, USE_ASM, PREPARED, ORDER)
         else:
-            w_lo, w_hi = _dequant_scaled(w, s, BLOCK_N, KB, USE_ASM, PREPARED)
+            w_lo, w_hi = _dequant_scaled(w, s, BLOCK_N, KB, USE_ASM, PREPARED, ORDER)
         xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, KB, 2)))
-        if PREPARED:  # the weight tile is in dot order: so must the activations be
+        if PREPARED:
             xe = _natural_to_dot(xe, BLOCK_M, KB)
             xo = _natural_to_dot(xo, BLOCK_M, KB)
+        else:
+            xe = _from_prepared(xe, BLOCK_M, KB)
+            xo = _from_prepared(xo, BLOCK_M, KB)
         acc = tl.dot(w_lo.to(xv.dtype), tl.trans(xe), acc)
         acc = tl.dot(w_hi.to(xv.dtype), tl.trans(xo), acc)
         w_ptrs += KB
