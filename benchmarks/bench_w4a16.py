@@ -89,8 +89,8 @@ DECODE_EXTRA = (
     {"num_stages": 6, "num_warps": 4},
     {"num_stages": 6, "num_warps": 8},
 )
-DECODE_EXTRA_EACH = 2
-W4A4_TACTICS = 3  # per W4A4 backend
+DECODE_EXTRA_EACH = 1
+W4A4_TACTICS = 2  # per W4A4 backend
 TOL = 1e-2
 
 
@@ -504,6 +504,7 @@ def main() -> None:
               f"W4A4 {row['w4a4_best_us']:.1f}; {'PASS' if ok else 'FAIL'} "
               f"err {row['w4a16_max_err']:.2e} [{time.time() - t1:.0f}s]", flush=True)  # fmt: skip
         torch.cuda.empty_cache()
+        _write(result)  # after every shape: a run cut short still leaves its rows
     sass = {short(r["w4a16"]["est_pick"]): r["sass"] for r in result["shapes"] if r.get("sass")}
     sass.update({short(r["w4a16"]["est_pick"]) + " prepared": r["sass_native"]
                  for r in result["shapes"] if r.get("sass_native")})  # fmt: skip
@@ -519,11 +520,19 @@ def main() -> None:
           f"fp16 activations: {fp16}")  # fmt: skip
     print("\n" + table(result["shapes"]))
     print(f"\ntotal {time.time() - t0:.0f}s")
-    if os.environ.get("OUT"):
-        path = os.path.join(os.environ["OUT"], "w4a16.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+    path = _write(result)
+    if path:
         print(f"wrote {path}")
+
+
+def _write(result: dict) -> str | None:
+    """``$OUT/w4a16.json`` when OUT is set (the path, else None)."""
+    if not os.environ.get("OUT"):
+        return None
+    path = os.path.join(os.environ["OUT"], "w4a16.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    return path
 
 
 if __name__ == "__main__":
