@@ -20,33 +20,37 @@ Two paths (a tactic knob, ``path``):
 Exactness of the direct path. A nibble placed as fp16 bits ``(n & 7) << 9 | (n & 8) << 12``
 is exactly ``e2m1(n) * 2**-14`` (see `fp4_dispatch.backends.sm90.gemm_direct`); times the
 e4m3 block scale in fp16 it stays exact (at most 6 significant bits, no smaller than
-``2**-24``). For bf16 activations those fp16 values are cast to bf16, also exact (6 <= 8
-bits, in range), and the dot is bf16 x bf16; for fp16 activations the dot is fp16 x fp16.
-The epilogue multiplies by ``alpha * 2**14``. So the direct path is ``x @ dequant(W).T`` with fp32
-accumulation and one rounding at the store. The unpack path rounds each weight once
-(``e2m1 * scale * alpha`` to the activation dtype) before cuBLAS.
+``2**-24``). For bf16 activations the default (``bf16_dequant="native"``) places the nibble
+as bf16 ``e2m1 * 2**-126`` (bf16 subnormals for code 1) and multiplies by the bf16 scale
+times ``2**112``: the same ``e2m1 * scale * 2**-14``, exact, and the dot is bf16 x bf16
+(``"cast"``: the fp16 values cast to bf16, also exact, one F2F per element); for fp16
+activations the dot is fp16 x fp16. The epilogue multiplies by ``alpha * 2**14``. So the
+direct path is ``x @ dequant(W).T`` with fp32 accumulation and one rounding at the store.
+The unpack path rounds each weight once (``e2m1 * scale * alpha`` to the activation
+dtype) before cuBLAS.
 
-Dequantization cost (why the PTX below): Hopper has no FP4 MMA, so every weight element
-costs ALU work before the tensor cores see it; at decode that work, not HBM, bounded
-the W4A4 kernel (benchmarks/RESULTS.md, "Hopper"). The packed PTX dequantizer turns 4
-packed bytes and their fp16 block scales into 8 scaled fp16 with 2 PRMT, 8 shifts, ~8
-LOP3 and 4 HMUL2 (about 2.75 instructions per element, the scale multiply included, two
-values per instruction). The whole main loop, counted in the sm_90 cubin (Triton 3.9's
-ptxas, compiled on CPU, NOT run), SASS instructions per weight element:
+Dequantization cost: Hopper has no FP4 MMA, so every weight element costs ALU work before
+the tensor cores see it; at decode that work bounded the previous kernels (RESULTS.md,
+issue 13). Three things keep it small (SASS instructions per weight element of the main
+loop, sm_90 cubin compiled on the CPU with Triton 3.9, 128x16x128 tile, bf16):
 
-| activations, weight layout, dequantizer | 128x16x128 | 128x16x256 |
+1. the PTX dequantizers (`_dequant_asm`) build each pair of values in 3 instructions where
+   the PRMT's zero bytes keep the magnitude and sign sources apart, else 4;
+2. the dot runs in a permuted K order (`_from_prepared`, activations permuted to match):
+   each MMA lane's 4 weight bytes are one 32-bit word of memory (no byte repacking) and
+   share one block scale;
+3. the sm90-prepared weight layout (`prepare_weight`, `fp4_dispatch.nvfp4`) also rotates
+   each high nibble (both bf16 pairs take 3 instructions) and groups 32 bytes so that each
+   lane holds one whole scale block per row (4x fewer scale conversions).
+
+| weights | before (base commit) | now |
 |---|---:|---:|
-| fp16, natural | 5.5 | 5.5 |
-| fp16, prepared (`prepare_weight`) | 4.6 | 4.6 |
-| bf16, prepared, fp16 + cast (F2F per element) | - | 6.0 |
-| bf16, prepared, ``bf16_dequant="native"`` | - | 5.1 |
+| natural | 6.99 (cast) / 6.14 (native) | 4.20 |
+| sm90-prepared | 5.20 (native) | 3.73 |
 
-The natural layout costs Triton ~1.2 PRMT per element to repack bytes into the MMA
-fragment order; `prepare_weight` stores them in that order. Two dots (low nibbles x
-even K of the activations, high nibbles x odd K) instead of interleaving the halves
-into one dot saved 0.7 per element (6.2 -> 5.5). The ~2 per element target is not met:
-the nibble expansion itself is ~2.75 (the sign bit needs its own shift). Under
-TRITON_INTERPRET=1 (CPU) the element-wise twins compute the same bits.
+Under TRITON_INTERPRET=1 (CPU) the element-wise twins compute the same bits, and
+tests/test_triton_sm90_w4a16.py runs the PTX itself through a small model of its
+instructions on every byte value.
 
 Split-K: each split writes its fp32 partial tile into a workspace and bumps a per-tile
 counter (acq_rel atomic after a CTA barrier); the last split sums the partials in fixed
