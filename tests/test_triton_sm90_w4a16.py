@@ -270,6 +270,11 @@ def test_config_and_operand_checks_name_the_problem():
         mod.check_operands(short, torch.empty(4, 8, dtype=torch.float16))
     with pytest.raises(ValueError, match="block_r"):
         mod.build_unpack(48, 64)
+    q96 = quantize_nvfp4(torch.randn(8, 96))
+    prep96 = mod.W4A16Operands(torch.randn(4, 96).half(), q96.data, q96.scale,
+                               q96.global_scale.reshape(1), prepared=True)  # fmt: skip
+    with pytest.raises(ValueError, match="K % 64"):
+        mod.check_operands(prep96, torch.empty(4, 8, dtype=torch.float16))
 
 
 def test_supports_only_sm90():
@@ -325,6 +330,15 @@ def test_rules_reject_what_does_not_fit():
     assert "multiple of 32" in why_invalid(TritonSm90W4A16Tactic(), Problem(m=1, n=64, k=48), SM90)
     with pytest.raises(ValueError):
         TritonSm90W4A16Tactic(swap_ab=True)
+    # decode knobs measured on the H200 (RESULTS.md, issue 13 Run 2): 8 warps need the
+    # 128-row tile (two 64-row warpgroups); 6 stages only for tile_k 128 and <= 32 tokens
+    assert why_invalid(TritonSm90W4A16Tactic(num_warps=8), p, SM90) is None
+    assert "tile_n=128" in why_invalid(TritonSm90W4A16Tactic(num_warps=8, tile_n=64), p, SM90)
+    assert why_invalid(TritonSm90W4A16Tactic(num_stages=6), p, SM90) is None
+    six = TritonSm90W4A16Tactic(num_stages=6, tile_k=256)
+    assert "6 stages" in why_invalid(six, p, SM90)
+    wide = TritonSm90W4A16Tactic(num_stages=6, tile_m=64)
+    assert "6 stages" in why_invalid(wide, Problem(m=64, n=8192, k=8192), SM90)
 
 
 # ---- the PTX dequantizers, executed by a small PTX model on the CPU ---------------------
