@@ -473,7 +473,7 @@ def main() -> None:
         print("no CUDA device: this script measures on an H200 (sm90)", file=sys.stderr)
         sys.exit(2)
     device = torch.device("cuda")
-    info = detect(device)
+    info = detect(device.index or 0)  # detect takes a CUDA index (a torch.device read as CPU)
     if info.cc is None or not 90 <= info.cc < 100:
         print(f"warning: {info.name} is not sm90; using simulated sm90 tactic rules", flush=True)
         info = simulated("sm90")
