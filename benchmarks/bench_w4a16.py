@@ -14,16 +14,16 @@ measurement (M in 2, 8, 32, 128 x (N, K) in (4096, 4096), (6144, 4096), (28672, 
    every timed W4A4 (`triton-sm90`, `triton-sm90-unpack`) tactic against its float64
    reference; the PTX dequantizer bit-exact against `nvfp4.dequantize` (all 16 codes,
    e4m3 subnormal scales);
-2. GPU time in CUDA graphs with a cold L2 (each graph replays calls over rotating input
-   copies that overflow L2 three times, as benchmarks/bench_hopper.py does) for bf16
-   cuBLAS (``torch.mm``), FP8 cuBLASLt (``torch._scaled_mm``, per-tensor scales), W4A16
-   (the estimate's top tactics per shape: best and the estimate's pick) and W4A4
-   `triton-sm90` (the W4A4 dequantizer is unchanged on this branch: one column);
-   The estimate's pick and the best W4A16 tactic run again on weights in the prepared
-   layout (`prepare_weight`), with the fp16-then-cast dequantizer ("prepared") and the
-   native bf16 one ("prepared+native", ``bf16_dequant="native"``): correctness,
-   bit-identity with the natural run, time; the ratio columns use the fastest variant
-   (every variant's correctness counts in the error column);
+2. GPU time (`fp4_dispatch.harness.gpu_time_us`: calls captured in a CUDA graph, L2
+   flushed before every call, the flush's own time subtracted) for bf16 cuBLAS
+   (``torch.mm``), FP8 cuBLASLt (``torch._scaled_mm``, per-tensor scales), W4A16 (the
+   estimate's top tactics per shape, for M <= 16 also the best of the DECODE_EXTRA
+   groups: best and the estimate's pick) and W4A4 `triton-sm90`. The estimate's pick
+   and the best W4A16 tactic run again on weights in the sm90-prepared layout
+   (`prepare_weight`) with the native bf16 dequantizer (the default, "prepared") and
+   the fp16-then-cast one ("prepared+cast"): correctness, bit-identity with the natural
+   run, time; the ratio columns use the fastest variant (every variant's correctness
+   counts in the error column);
 3. eager wall time per call (host launch path included) of the W4A16 pick and bf16;
 4. SASS instructions per weight element of the W4A16 direct kernels' main loop (from the
    cubin, nvdisasm shipped with Triton).
@@ -51,16 +51,15 @@ from bench_hopper import (
     dequant,
     launch,
     make_operands,
-    n_copies,
     precompile,
     random_nvfp4,
     tactic_kernel,
     time_eager,
-    time_graph,
 )
 
 from fp4_dispatch.backends.sm90 import gemm_w4a16 as w4
 from fp4_dispatch.device import detect
+from fp4_dispatch.harness import gpu_time_us
 from fp4_dispatch.nvfp4 import Nvfp4Tensor, dequantize
 from fp4_dispatch.plugins.sm90 import TritonSm90Backend, TritonSm90UnpackBackend
 from fp4_dispatch.plugins.sm90.w4a16 import (
@@ -79,7 +78,19 @@ MAIN_NK = ((8192, 8192), (5120, 5120), (13824, 5120), (10240, 8192))
 HELD_M = (2, 8, 32, 128)
 HELD_NK = ((4096, 4096), (6144, 4096), (28672, 8192))
 W4A16_TACTICS = 5  # the estimate's top tactics timed per shape
-W4A4_TACTICS = 3  # per W4A4 backend
+#: decode shapes (M <= 16) also time the estimate's best tactics among these groups:
+#: smaller weight tiles and 8 warps put more warps on each SM (latency hiding), which the
+#: v0 estimate does not rank (it was fitted on no W4A16 run)
+DECODE_EXTRA = (
+    {"tile_n": 64},
+    {"tile_k": 128, "num_stages": 4, "num_warps": 4},
+    {"tile_k": 128, "num_stages": 4, "num_warps": 8},
+    {"tile_k": 256, "num_warps": 8},
+    {"num_stages": 6, "num_warps": 4},
+    {"num_stages": 6, "num_warps": 8},
+)
+DECODE_EXTRA_EACH = 1
+W4A4_TACTICS = 2  # per W4A4 backend
 TOL = 1e-2
 
 
@@ -90,18 +101,35 @@ def grid() -> list[tuple[int, int, int, bool]]:
 
 
 def w4a16_tactics(problem: Problem, info) -> list[TritonSm90W4A16Tactic]:
-    """The estimate's pick first, then the next best by estimate (top W4A16_TACTICS)."""
+    """The estimate's pick first, then the next best by estimate (top W4A16_TACTICS); for
+    M <= 16 also the top DECODE_EXTRA_EACH of each DECODE_EXTRA group."""
     b = TritonSm90W4A16Backend()
     ranked = sorted(b.tactics(problem, info), key=lambda t: (b.estimate_us(problem, info, t),
                                                               t.canonical_json()))  # fmt: skip
-    return ranked[:W4A16_TACTICS]
+    picked = ranked[:W4A16_TACTICS]
+    if problem.m <= 16:
+        for group in DECODE_EXTRA:
+            fit = [t for t in ranked if all(getattr(t, k) == v for k, v in group.items())]
+            picked += [t for t in fit[:DECODE_EXTRA_EACH] if t not in picked]
+    return picked
+
+
+def timed(calls, device, flops: float) -> float:
+    """GPU µs per call (`fp4_dispatch.harness.gpu_time_us`: CUDA graph, L2 flushed before
+    every call) of ``calls[0]``; one warm call first (compile, workspace)."""
+    del flops  # the harness picks its own repetition count
+    fn = calls[0]
+    fn()
+    torch.cuda.synchronize(device)
+    return gpu_time_us(fn, device=device)
 
 
 def variant_kernels(t: TritonSm90W4A16Tactic) -> dict:
-    """Kernels run on prepared weights: the tactic's own, and (direct) the native-bf16 one."""
+    """Kernels run on prepared weights: the tactic's own (native bf16 dequantizer, the
+    default) and (direct) the fp16-then-cast one for comparison."""
     out = {"prepared": w4_kernel(t)}
     if t.path == "direct":
-        out["prepared+native"] = _kernel_for(replace(t.kernel_config(), bf16_dequant="native"))
+        out["prepared+cast"] = _kernel_for(replace(t.kernel_config(), bf16_dequant="cast"))
     return out
 
 
@@ -154,6 +182,12 @@ def precompile_w4a16(tactics: list[TritonSm90W4A16Tactic], device, workers: int)
 # ---- operands and references ----------------------------------------------------------
 
 
+def _one_copy(nbytes: float, l2_bytes: int) -> int:
+    """One input set: `gpu_time_us` flushes L2 before each call (no rotating copies)."""
+    del nbytes, l2_bytes
+    return 1
+
+
 def weight_only_operands(m: int, n: int, k: int, device, gen):
     """bf16 activations (unquantized) + random NVFP4 weights (all codes, NaN scale padding)."""
     x = torch.randn((m, k), generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
@@ -189,11 +223,14 @@ def check_dequant_ptx(device) -> dict:
     prep = w4.prepare_weight(q.data)
     got_p = (w4.dequantize_weight(prep, q.scale, prepared=True) * g).cpu()
     got_b = (w4.dequantize_weight(prep, q.scale, prepared=True, bf16=True) * g).cpu()
+    got_bn = (w4.dequantize_weight(q.data, q.scale, bf16=True) * g).cpu()
     want = dequantize(q.to("cpu"))
     return {"bit_exact": bool(torch.equal(got, want)), "mismatches": int((got != want).sum()),
             "prepared_bit_exact": bool(torch.equal(got_p, want)),
             "bf16_native_bit_exact": bool(torch.equal(got_b, want)),
-            "bf16_native_mismatches": int((got_b != want).sum())}  # fmt: skip
+            "bf16_native_mismatches": int((got_b != want).sum()),
+            "bf16_natural_bit_exact": bool(torch.equal(got_bn, want)),
+            "bf16_natural_mismatches": int((got_bn != want).sum())}  # fmt: skip
 
 
 # ---- SASS -----------------------------------------------------------------------------
@@ -249,7 +286,7 @@ def bench_shape(m: int, n: int, k: int, held: bool, info, device) -> dict:
     # W4A16 operands: rotating copies (same values, new addresses) for a cold L2
     x, wd, ws, alpha, _ = weight_only_operands(m, n, k, device, gen)
     ref = reference(x, wd, ws, alpha)
-    copies = n_copies(w4a16_min_bytes(problem), info.l2_bytes)
+    copies = _one_copy(w4a16_min_bytes(problem), info.l2_bytes)
     ops = [w4.W4A16Operands(x.clone(), wd.clone(), ws.clone(), alpha) for _ in range(copies)]
     out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
 
@@ -262,9 +299,7 @@ def bench_shape(m: int, n: int, k: int, held: bool, info, device) -> dict:
             poisoned = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
             kern(ops[0], poisoned)
             errs[tj] = rel_err(poisoned, ref)
-            times[tj] = time_graph(
-                [lambda o=o, kern=kern: kern(o, out) for o in ops], device, flops
-            )
+            times[tj] = timed([lambda o=o, kern=kern: kern(o, out) for o in ops], device, flops)
         except Exception as exc:  # a failing tactic is reported, never fatal for the run
             fails[tj] = f"{type(exc).__name__}: {str(exc)[:300]}"
     est = tactics[0].canonical_json()
@@ -294,12 +329,12 @@ def bench_shape(m: int, n: int, k: int, held: bool, info, device) -> dict:
                     "variant": name,
                     "rel_err": rel_err(poisoned, ref),
                     "identical": bool(torch.equal(poisoned, natural)),
-                    "us": time_graph(calls, device, flops),
+                    "us": timed(calls, device, flops),
                 }
             except Exception as exc:  # reported
                 row["variants"][f"{name} {tj}"] = {"variant": name, "error": str(exc)[:200]}
     del prep
-    for name in ("prepared", "prepared+native"):
+    for name in ("prepared", "prepared+cast"):
         vt = [v["us"] for v in row["variants"].values() if v["variant"] == name and "us" in v]
         row[f"w4a16_{name}_us"] = min(vt) if vt else math.nan
     row["w4a16_max_err"] = max(
@@ -314,26 +349,27 @@ def bench_shape(m: int, n: int, k: int, held: bool, info, device) -> dict:
     row["w4a16_eager_us"] = time_eager(lambda: est_kernel(first, out), device, 10)
     if isinstance(est_kernel, w4.W4A16Kernel):
         row["sass"] = sass_per_element(est_kernel)  # its latest call: natural layout, bf16
-        native = variant_kernels(tactics[0]).get("prepared+native")
-        if native is not None and native.compiled is not None:
-            row["sass_native"] = sass_per_element(native)  # prepared layout, native bf16
+        p0 = ops[0]
+        est_kernel(w4.W4A16Operands(p0.a, w4.prepare_weight(p0.b_data), p0.b_scale,
+                                    p0.alpha, True), out)  # fmt: skip
+        row["sass_native"] = sass_per_element(est_kernel)  # prepared layout, native bf16
     del ops
 
     # bf16 cuBLAS and FP8 on the dequantized weights (same shape)
     w16 = dequant(wd, ws, torch.bfloat16)
-    c16 = n_copies((m + n) * k * 2.0, info.l2_bytes)
+    c16 = _one_copy((m + n) * k * 2.0, info.l2_bytes)
     pairs = [(x.clone(), w16.clone()) for _ in range(c16)]
-    row["bf16_us"] = time_graph([lambda a=a, b=b: torch.mm(a, b.t(), out=out) for a, b in pairs],
+    row["bf16_us"] = timed([lambda a=a, b=b: torch.mm(a, b.t(), out=out) for a, b in pairs],
                                 device, flops)  # fmt: skip
     a0, b0 = pairs[0]
     row["bf16_eager_us"] = time_eager(lambda: torch.mm(a0, b0.t(), out=out), device, 10)
     del pairs
-    c8 = n_copies((m + n) * k * 1.0, info.l2_bytes)
+    c8 = _one_copy((m + n) * k * 1.0, info.l2_bytes)
     one = torch.ones((), dtype=torch.float32, device=device)
     eights = [((x * 0.125).to(torch.float8_e4m3fn), (w16 * 0.125).to(torch.float8_e4m3fn))
               for _ in range(c8)]  # fmt: skip
     try:
-        row["fp8_us"] = time_graph(
+        row["fp8_us"] = timed(
             [lambda a=a, b=b: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
                                                out_dtype=torch.bfloat16) for a, b in eights],
             device, flops,
@@ -346,7 +382,7 @@ def bench_shape(m: int, n: int, k: int, held: bool, info, device) -> dict:
     # W4A4 (both operands NVFP4), the shipped sm90 backends
     nv_bytes = (m + n) * k * (0.5 + 1 / 16)
     w4a4_ops = [
-        make_operands(m, n, k, device, gen) for _ in range(n_copies(nv_bytes, info.l2_bytes))
+        make_operands(m, n, k, device, gen) for _ in range(_one_copy(nv_bytes, info.l2_bytes))
     ]
     o0 = w4a4_ops[0]
     ref4 = (dequant(o0.a_data, o0.a_scale, torch.float64)
@@ -359,7 +395,7 @@ def bench_shape(m: int, n: int, k: int, held: bool, info, device) -> dict:
             poisoned = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
             launch(kern, t.swap_ab, o0, poisoned)
             e4[tj] = rel_err(poisoned, ref4)
-            t4[tj] = time_graph([lambda o=o, kern=kern, t=t: launch(kern, t.swap_ab, o, out)
+            t4[tj] = timed([lambda o=o, kern=kern, t=t: launch(kern, t.swap_ab, o, out)
                                  for o in w4a4_ops], device, flops)  # fmt: skip
         except Exception as exc:  # reported
             e4[tj] = math.nan
@@ -368,7 +404,8 @@ def bench_shape(m: int, n: int, k: int, held: bool, info, device) -> dict:
     row["w4a4"] = {"times_us": t4, "rel_err": e4, "best": b4}
     row["w4a4_best_us"] = t4[b4] if b4 else math.nan
     row["w4a4_max_err"] = max(e4.values()) if e4 else math.nan
-    row["floor_us"] = w4a16_min_bytes(problem) / (4.25e3 * 0.98)  # copy 4.25 TB/s measured
+    # bytes / (bytes per µs): the copy measured 4.25 TB/s = 4.25e6 bytes/µs (98% of it)
+    row["floor_us"] = w4a16_min_bytes(problem) / (4.25e6 * 0.98)
     return row
 
 
@@ -408,13 +445,13 @@ def table(rows: list[dict]) -> str:
         return "n/a" if not (math.isfinite(a) and math.isfinite(b)) or b == 0 else f"{a / b:.2f}"
 
     head = ("| M | N | K | set | bf16 us | fp8 us | W4A16 best us | best tactic | W4A16 est-pick us"
-            " | W4A16 prepared us | prepared+native bf16 us | W4A4 best us | floor us"
+            " | W4A16 prepared us | prepared+cast us | W4A4 best us | floor us"
             " | bf16/W4A16 | fp8/W4A16 | bf16/W4A4"
             " | W4A16 err |"
             " eager W4A16 / bf16 us |")  # fmt: skip
     lines = [head, "|" + "---|" * 18]
     for x in rows:
-        keys = ("w4a16_best_us", "w4a16_prepared_us", "w4a16_prepared+native_us")
+        keys = ("w4a16_best_us", "w4a16_prepared_us", "w4a16_prepared+cast_us")
         times = [x[c] for c in keys if c in x and math.isfinite(x[c])]
         w = min(times) if times else math.nan  # the ratios use the fastest W4A16 variant
         lines.append(
@@ -422,7 +459,7 @@ def table(rows: list[dict]) -> str:
             f"| {f(x['bf16_us'])} | {f(x['fp8_us'])} | {f(x['w4a16_best_us'])} "
             f"| {short(x['w4a16']['best'])} | {f(x['w4a16_est_us'])} "
             f"| {f(x.get('w4a16_prepared_us', math.nan))} "
-            f"| {f(x.get('w4a16_prepared+native_us', math.nan))} | {f(x['w4a4_best_us'])} "
+            f"| {f(x.get('w4a16_prepared+cast_us', math.nan))} | {f(x['w4a4_best_us'])} "
             f"| {f(x['floor_us'])} | {r(x['bf16_us'], w)} "
             f"| {r(x['fp8_us'], w)} | {r(x['bf16_us'], x['w4a4_best_us'])} "
             f"| {x['w4a16_max_err']:.2e} | {f(x['w4a16_eager_us'])} / {f(x['bf16_eager_us'])} |"
@@ -436,7 +473,7 @@ def main() -> None:
         print("no CUDA device: this script measures on an H200 (sm90)", file=sys.stderr)
         sys.exit(2)
     device = torch.device("cuda")
-    info = detect(device)
+    info = detect(device.index or 0)  # detect takes a CUDA index (a torch.device read as CPU)
     if info.cc is None or not 90 <= info.cc < 100:
         print(f"warning: {info.name} is not sm90; using simulated sm90 tactic rules", flush=True)
         info = simulated("sm90")
@@ -467,8 +504,9 @@ def main() -> None:
               f"W4A4 {row['w4a4_best_us']:.1f}; {'PASS' if ok else 'FAIL'} "
               f"err {row['w4a16_max_err']:.2e} [{time.time() - t1:.0f}s]", flush=True)  # fmt: skip
         torch.cuda.empty_cache()
+        _write(result)  # after every shape: a run cut short still leaves its rows
     sass = {short(r["w4a16"]["est_pick"]): r["sass"] for r in result["shapes"] if r.get("sass")}
-    sass.update({short(r["w4a16"]["est_pick"]) + " prepared+native": r["sass_native"]
+    sass.update({short(r["w4a16"]["est_pick"]) + " prepared": r["sass_native"]
                  for r in result["shapes"] if r.get("sass_native")})  # fmt: skip
     print("\nSASS of the W4A16 main loop (est picks):")
     for name, s in sass.items():
@@ -482,11 +520,19 @@ def main() -> None:
           f"fp16 activations: {fp16}")  # fmt: skip
     print("\n" + table(result["shapes"]))
     print(f"\ntotal {time.time() - t0:.0f}s")
-    if os.environ.get("OUT"):
-        path = os.path.join(os.environ["OUT"], "w4a16.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+    path = _write(result)
+    if path:
         print(f"wrote {path}")
+
+
+def _write(result: dict) -> str | None:
+    """``$OUT/w4a16.json`` when OUT is set (the path, else None)."""
+    if not os.environ.get("OUT"):
+        return None
+    path = os.path.join(os.environ["OUT"], "w4a16.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    return path
 
 
 if __name__ == "__main__":

@@ -546,7 +546,8 @@ class Dispatcher:
         device = self.check_device("qa", qa.data)
         if qb.data.device != device:
             checks.same_device(device, qb=qb.data)
-        qa, qb = qa.with_layout("swizzled"), qb.with_layout("swizzled")
+        # backends read natural data order (an "sm90-prepared" weight is restored here)
+        qa, qb = qa.with_layout("swizzled").natural(), qb.with_layout("swizzled").natural()
         alpha = (qa.global_scale * qb.global_scale).reshape(1)
         if out is not None:
             out = checks.out_tensor(out, qa.rows, qb.rows, out_dtype, device)
@@ -571,7 +572,7 @@ class Dispatcher:
         device = self.check_device("qa", a)
         if qb.data.device != device:
             checks.same_device(device, qb=qb.data)
-        qb = qb.with_layout("swizzled")
+        qb = qb.with_layout("swizzled").natural()  # backends read natural data order
         if out is not None:
             out = checks.out_tensor(out, a.shape[0], qb.rows, out_dtype, device)
         alpha = qb.global_scale.reshape(1)  # a view: no kernel launch

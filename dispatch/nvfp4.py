@@ -57,9 +57,11 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "BLOCK_SIZE",
+    "DATA_LAYOUTS",
     "E2M1_MAX",
     "E2M1_VALUES",
     "E4M3_MAX",
+    "DataLayout",
     "Layout",
     "Nvfp4Tensor",
     "as_uint8_data",
@@ -70,6 +72,8 @@ __all__ = [
     "quantize_nvfp4",
     "reference_gemm",
     "round_to_e2m1",
+    "sm90_prepare_data",
+    "sm90_unprepare_data",
     "swizzle_scales",
     "swizzled_scale_shape",
     "unpack_e2m1",
@@ -78,6 +82,9 @@ __all__ = [
 
 Layout = Literal["swizzled", "linear"]
 LAYOUTS: tuple[str, ...] = ("swizzled", "linear")
+#: Byte order of ``data`` (`sm90_prepare_data` says what "sm90-prepared" is).
+DataLayout = Literal["natural", "sm90-prepared"]
+DATA_LAYOUTS: tuple[str, ...] = ("natural", "sm90-prepared")
 
 #: Elements per block scale.
 BLOCK_SIZE = 16
@@ -234,6 +241,59 @@ def unswizzle_scales(swizzled: torch.Tensor, rows: int, k: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------
+# Data layouts
+# ---------------------------------------------------------------------------------------
+
+#: bytes per permutation group of the sm90-prepared layout (64 K elements, 4 scale blocks)
+SM90_GROUP = 32
+
+
+def _check_prepare_input(data: torch.Tensor, name: str) -> None:
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
+        got = data.dtype if isinstance(data, torch.Tensor) else type(data).__name__
+        raise TypeError(f"{name}: expected a uint8 tensor [N, K/2], got {got}")
+    if data.dim() != 2 or data.shape[1] % SM90_GROUP:
+        raise ValueError(
+            f"{name}: expected [N, K/2] with K % 64 == 0, got shape {tuple(data.shape)}"
+        )
+
+
+def sm90_prepare_data(data: torch.Tensor) -> torch.Tensor:
+    """Natural packed e2m1 ``uint8 [N, K/2]`` -> the ``"sm90-prepared"`` byte layout.
+
+    The Hopper W4A16 kernel (`fp4_dispatch.backends.sm90.gemm_w4a16`) dequantizes this
+    layout with fewer instructions; it is produced once at load time. Two reversible steps
+    on each row (K % 64 == 0; scales are unchanged):
+
+    1. a byte permutation matched to the MMA operand fragment: within every group of 32
+       bytes (64 K elements, four scale blocks), natural byte ``8q + 4c + 2h + e``
+       (q in 0..3 the scale block, c, h, e in 0..1) moves to position
+       ``16c + 4q + 2h + e``. Each 4-byte word then holds exactly the bytes one MMA lane
+       needs (no byte repacking), and over two 16-byte MMA steps that lane sees one whole
+       scale block per row (one scale conversion per 16 values instead of per 4);
+    2. inside each byte the high nibble (the odd K element) is rotated: its sign moves
+       from bit 7 to bit 4 and its magnitude from bits 4-6 to bits 5-7; the low nibble
+       stays as is (both bf16 value pairs then take 3 instructions, not 4).
+
+    `sm90_unprepare_data` is the exact inverse.
+    """
+    _check_prepare_input(data, "data")
+    n, kb = data.shape
+    grouped = data.reshape(n, kb // SM90_GROUP, 4, 2, 2, 2)  # natural (q, c, h, e)
+    b = grouped.permute(0, 1, 3, 2, 4, 5).contiguous().reshape(n, kb)  # memory (c, q, h, e)
+    return (b & 0x0F) | ((b & 0x70) << 1) | ((b & 0x80) >> 3)
+
+
+def sm90_unprepare_data(data: torch.Tensor) -> torch.Tensor:
+    """The inverse of `sm90_prepare_data`: prepared bytes -> natural packed e2m1."""
+    _check_prepare_input(data, "data")
+    n, kb = data.shape
+    b = (data & 0x0F) | ((data & 0xE0) >> 1) | ((data & 0x10) << 3)
+    grouped = b.reshape(n, kb // SM90_GROUP, 2, 4, 2, 2)  # memory (c, q, h, e)
+    return grouped.permute(0, 1, 3, 2, 4, 5).contiguous().reshape(n, kb)  # natural order
+
+
+# ---------------------------------------------------------------------------------------
 # The tensor
 # ---------------------------------------------------------------------------------------
 
@@ -255,6 +315,11 @@ class Nvfp4Tensor:
       when ``layout == "swizzled"``, ``[R, K/16]`` when ``layout == "linear"``.
     - ``global_scale``: float32 0-dim tensor, the decode multiplier.
     - ``shape``: ``(R, K)``; ``K % 16 == 0`` (GEMM backends also need ``K % 32 == 0``).
+    - ``data_layout``: ``"natural"`` (the format above, what every backend reads) or
+      ``"sm90-prepared"`` (`sm90_prepare_data`: the same bytes reordered for the Hopper
+      W4A16 kernel, made once at load time; needs ``K % 64 == 0``). `dequantize`,
+      `reference_gemm`, `to`, `with_layout` understand both; `natural` and
+      `with_data_layout` convert.
 
     The constructor checks every field, including that the global scale is finite and
     > 0 (a host sync for a CUDA tensor; skipped under torch.compile tracing and CUDA
@@ -267,11 +332,20 @@ class Nvfp4Tensor:
     global_scale: torch.Tensor
     layout: Layout
     shape: tuple[int, int]
+    data_layout: DataLayout = "natural"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data", as_uint8_data(self.data))
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {self.layout!r}")
+        if self.data_layout not in DATA_LAYOUTS:
+            raise ValueError(
+                f"data_layout: expected one of {DATA_LAYOUTS}, got {self.data_layout!r}"
+            )
+        if self.data_layout == "sm90-prepared" and self.shape[1] % (2 * SM90_GROUP):
+            raise ValueError(
+                f"data_layout 'sm90-prepared': expected K % 64 == 0, got shape {self.shape}"
+            )
         shape = tuple(self.shape)
         if len(shape) != 2 or not all(isinstance(s, int) and s >= 0 for s in shape):
             raise ValueError(f"shape: expected a tuple (R, K) of two ints >= 0, got {self.shape!r}")
@@ -328,17 +402,50 @@ class Nvfp4Tensor:
         global_scale: torch.Tensor,
         layout: Layout,
         shape: tuple[int, int],
+        data_layout: DataLayout = "natural",
     ) -> Nvfp4Tensor:
         """Build from fields already known valid (no checks, no host sync): the hot path."""
         obj = object.__new__(cls)
         obj.__dict__.update(  # bypasses the frozen __setattr__, as dataclasses do
-            data=data, scale=scale, global_scale=global_scale, layout=layout, shape=shape
+            data=data,
+            scale=scale,
+            global_scale=global_scale,
+            layout=layout,
+            shape=shape,
+            data_layout=data_layout,
         )
         return obj
 
     def __repr__(self) -> str:
         # No values: printing a CUDA tensor's contents would synchronise.
-        return f"Nvfp4Tensor(shape={self.shape}, layout={self.layout!r}, device={self.device})"
+        extra = "" if self.data_layout == "natural" else f", data_layout={self.data_layout!r}"
+        return (
+            f"Nvfp4Tensor(shape={self.shape}, layout={self.layout!r}{extra}, device={self.device})"
+        )
+
+    def natural_data(self) -> torch.Tensor:
+        """``data`` in the natural byte order (a copy when the tensor is prepared)."""
+        if self.data_layout == "natural":
+            return self.data
+        return sm90_unprepare_data(self.data)
+
+    def natural(self) -> Nvfp4Tensor:
+        """The same values with ``data`` in natural order (self when it already is)."""
+        return self.with_data_layout("natural")
+
+    def with_data_layout(self, data_layout: DataLayout) -> Nvfp4Tensor:
+        """The same values with ``data`` in ``data_layout`` (self when already there)."""
+        if data_layout not in DATA_LAYOUTS:
+            raise ValueError(f"data_layout: expected one of {DATA_LAYOUTS}, got {data_layout!r}")
+        if data_layout == self.data_layout:
+            return self
+        if data_layout == "sm90-prepared" and self.k % (2 * SM90_GROUP):
+            raise ValueError(f"data_layout 'sm90-prepared': expected K % 64 == 0, got K={self.k}")
+        natural = self.natural_data()
+        data = natural if data_layout == "natural" else sm90_prepare_data(natural)
+        return Nvfp4Tensor._trusted(
+            data, self.scale, self.global_scale, self.layout, self.shape, data_layout
+        )
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[R, K]``: ``e2m1 * scale * global_scale`` (same as `dequantize`)."""
@@ -367,6 +474,7 @@ class Nvfp4Tensor:
             self.global_scale.to(device),
             self.layout,
             self.shape,
+            self.data_layout,
         )
 
     def linear_scale(self) -> torch.Tensor:
@@ -383,7 +491,9 @@ class Nvfp4Tensor:
             return self
         lin = self.linear_scale()
         scale = lin if layout == "linear" else swizzle_scales(lin)
-        return Nvfp4Tensor._trusted(self.data, scale, self.global_scale, layout, self.shape)
+        return Nvfp4Tensor._trusted(
+            self.data, scale, self.global_scale, layout, self.shape, self.data_layout
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -585,11 +695,11 @@ def quantize_nvfp4(
 
 
 def dequantize(q: Nvfp4Tensor) -> torch.Tensor:
-    """``e2m1(q) * scale * global_scale`` as float32 ``[R, K]`` (either scale layout)."""
+    """``e2m1(q) * scale * global_scale`` as float32 ``[R, K]`` (any scale or data layout)."""
     if not isinstance(q, Nvfp4Tensor):
         raise TypeError(f"q: expected an Nvfp4Tensor, got {type(q).__name__}")
     r, k = q.shape
-    vals = e2m1_to_float(unpack_e2m1(q.data)).reshape(r, k // BLOCK_SIZE, BLOCK_SIZE)
+    vals = e2m1_to_float(unpack_e2m1(q.natural_data())).reshape(r, k // BLOCK_SIZE, BLOCK_SIZE)
     scale = q.linear_scale().to(torch.float32).unsqueeze(-1)
     return ((vals * scale) * q.global_scale).reshape(r, k)
 

@@ -703,3 +703,45 @@ def test_cuda_matches_cpu(layout: str) -> None:
     assert torch.equal(dequantize(qg).cpu(), dequantize(qc))
     assert torch.equal(qg.to("cpu").data, qc.data)
     assert torch.equal(reference_gemm(qg, qg), reference_gemm(qc, qc))
+
+
+# ---- the sm90-prepared data layout ------------------------------------------------------
+
+
+def test_sm90_prepared_layout_round_trips_and_dequantizes_equal():
+    """A prepared tensor is a reversible reordering: same values through `dequantize`, the
+    reference GEMM, `to`, `with_layout`; `natural` restores the exact bytes."""
+    from fp4_dispatch.nvfp4 import reference_gemm, sm90_prepare_data, sm90_unprepare_data
+
+    g = torch.Generator().manual_seed(21)
+    q = quantize_nvfp4(torch.randn(40, 128, generator=g) * 4.0)
+    p = q.with_data_layout("sm90-prepared")
+    assert p.data_layout == "sm90-prepared" and q.data_layout == "natural"
+    assert p.data.shape == q.data.shape and not torch.equal(p.data, q.data)
+    assert torch.equal(sm90_unprepare_data(p.data), q.data)
+    assert torch.equal(sm90_prepare_data(q.data), p.data)
+    assert torch.equal(p.natural().data, q.data) and p.natural().data_layout == "natural"
+    assert torch.equal(dequantize(p), dequantize(q))
+    lin = p.with_layout("linear")
+    assert lin.data_layout == "sm90-prepared" and torch.equal(dequantize(lin), dequantize(q))
+    assert p.to("cpu") is p and p.with_data_layout("sm90-prepared") is p
+    assert "sm90-prepared" in repr(p) and "data_layout" not in repr(q)
+    qa = quantize_nvfp4(torch.randn(8, 128, generator=g))
+    assert torch.equal(reference_gemm(qa, p), reference_gemm(qa, q))
+    # every byte value survives the round trip
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(4, 64)
+    assert torch.equal(sm90_unprepare_data(sm90_prepare_data(every)), every)
+
+
+def test_sm90_prepared_layout_rejects_bad_arguments():
+    from fp4_dispatch.nvfp4 import sm90_prepare_data
+
+    q = quantize_nvfp4(torch.randn(4, 96))  # K = 96: not a multiple of 64
+    with pytest.raises(ValueError, match="K % 64"):
+        q.with_data_layout("sm90-prepared")
+    with pytest.raises(ValueError, match="data_layout: expected one of"):
+        q.with_data_layout("tiled")
+    with pytest.raises(ValueError, match="data_layout"):
+        Nvfp4Tensor(q.data, q.scale, q.global_scale, q.layout, q.shape, "sm90-prepared")
+    with pytest.raises(TypeError, match="uint8"):
+        sm90_prepare_data(torch.zeros(2, 16, dtype=torch.int16))

@@ -118,6 +118,9 @@ CASES = [
     (3, 72, 160, dict(block_m=16, block_n=32, block_k=128, split_k=2)),
     (33, 20, 256, dict(block_m=32, block_n=16, block_k=64, split_k=3)),
     (70, 48, 128, dict(block_m=16, block_n=16, block_k=64, group_m=2)),
+    # wgmma-sized M tiles: both operands in the dot's byte order (DOT_ORDER), K tail
+    (70, 24, 192, dict(block_m=64, block_n=16, block_k=64)),
+    (5, 40, 160, dict(block_m=64, block_n=16, block_k=128, split_k=2)),
 ]
 
 

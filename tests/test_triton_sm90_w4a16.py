@@ -72,12 +72,15 @@ for m, n, k, cfg in json.loads(sys.argv[1]):
     kernel(ops, again)  # split-K reuses its workspace: counters must have been reset
     counters = sum(int(c.abs().sum()) for _, c in kernel._scratch.pairs())
     # the prepared byte order computes the same tensor, so the result is bit-identical
-    prep = mod.W4A16Operands(ops.a, mod.prepare_weight(ops.b_data), ops.b_scale, ops.alpha,
-                             prepared=True)
-    out_p = torch.full((m, n), float("nan"), dtype=torch.float16)
-    kernel(prep, out_p)
+    same_p = None  # the prepared layout needs K % 64 == 0
+    if k % 64 == 0:
+        prep = mod.W4A16Operands(ops.a, mod.prepare_weight(ops.b_data), ops.b_scale,
+                                 ops.alpha, prepared=True)
+        out_p = torch.full((m, n), float("nan"), dtype=torch.float16)
+        kernel(prep, out_p)
+        same_p = bool(torch.equal(out, out_p))
     results.append([m, n, k, cfg, rel_err(out, ref), rel_err(out_t.t(), ref),
-                    bool(torch.equal(out, again)), counters, bool(torch.equal(out, out_p))])
+                    bool(torch.equal(out, again)), counters, same_p])
 unpack = []
 for m, n, k in [(33, 72, 96), (3, 130, 256)]:
     for dtype in (torch.float16, torch.bfloat16):
@@ -87,12 +90,15 @@ for m, n, k in [(33, 72, 96), (3, 130, 256)]:
         kern(ops, out)
         out_t = torch.full((n, m), float("nan"), dtype=dtype)
         kern(ops, out_t.t())
-        prep = mod.W4A16Operands(ops.a, mod.prepare_weight(ops.b_data), ops.b_scale,
-                                 ops.alpha, prepared=True)
-        out_p = torch.full((m, n), float("nan"), dtype=dtype)
-        kern(prep, out_p)
+        same_p = None  # the prepared layout needs K % 64 == 0
+        if k % 64 == 0:
+            prep = mod.W4A16Operands(ops.a, mod.prepare_weight(ops.b_data), ops.b_scale,
+                                     ops.alpha, prepared=True)
+            out_p = torch.full((m, n), float("nan"), dtype=dtype)
+            kern(prep, out_p)
+            same_p = bool(torch.equal(out, out_p))
         unpack.append([m, n, k, str(dtype), rel_err(out, ref), rel_err(out_t.t(), ref),
-                       bool(torch.equal(out, out_p))])
+                       same_p])
 print(json.dumps({"direct": results, "unpack": unpack}))
 """
 )
@@ -105,6 +111,7 @@ CASES = [
     (16, 130, 256, dict(block_n=128, block_m=16, block_k=128, split_k=2)),
     (33, 20, 256, dict(block_n=64, block_m=32, block_k=64, split_k=3)),
     (33, 72, 96, dict(block_n=64, block_m=64, block_k=128)),
+    (9, 72, 192, dict(block_n=64, block_m=16, block_k=128)),  # prepared with a K tail
 ]
 
 
@@ -138,10 +145,14 @@ def test_unpack_path_matches_float64(interpreted):
 
 
 def test_prepared_weights_give_identical_results(interpreted):
+    ran = 0
     for m, n, k, cfg, *_, same in interpreted["direct"]:
-        assert same, f"direct {m}x{n}x{k} {cfg}: prepared layout changed the result"
+        assert same is not False, f"direct {m}x{n}x{k} {cfg}: prepared layout changed it"
+        ran += same is True
     for m, n, k, dtype, *_, same in interpreted["unpack"]:
-        assert same, f"unpack {m}x{n}x{k} {dtype}: prepared layout changed the result"
+        assert same is not False, f"unpack {m}x{n}x{k} {dtype}: prepared layout changed it"
+        ran += same is True
+    assert ran >= 5, f"only {ran} prepared cases ran (K % 64 == 0 needed)"
 
 
 _DEQUANT_SCRIPT = (
@@ -161,11 +172,13 @@ q = Nvfp4Tensor(data, swizzle_scales(lin), torch.tensor(0.37, dtype=torch.float3
 got = mod.dequantize_weight(q.data, q.scale) * q.global_scale
 got_p = mod.dequantize_weight(mod.prepare_weight(q.data), q.scale, prepared=True)
 got_b = mod.dequantize_weight(mod.prepare_weight(q.data), q.scale, prepared=True, bf16=True)
+got_bn = mod.dequantize_weight(q.data, q.scale, bf16=True)
 want = dequantize(q)
 codes = sorted(set(int(b) & 15 for b in data.flatten()) | set(int(b) >> 4 for b in data.flatten()))
 print(json.dumps({"equal": bool(torch.equal(got, want)), "codes": codes,
                   "prepared_equal": bool(torch.equal(got_p * q.global_scale, want)),
                   "bf16_equal": bool(torch.equal(got_b * q.global_scale, want)),
+                  "bf16_natural_equal": bool(torch.equal(got_bn * q.global_scale, want)),
                   "subnormal_scales": int(((raw & 0x78) == 0).sum()),
                   "mismatch": int((got != want).sum())}))
 """
@@ -178,7 +191,8 @@ def test_dequantizer_twin_is_bit_exact():
     assert res["subnormal_scales"] > 0
     assert res["equal"], f"{res['mismatch']} elements differ from nvfp4.dequantize"
     assert res["prepared_equal"], "the prepared-layout dequantizer differs"
-    assert res["bf16_equal"], "the bf16 dequantizer's twin differs"
+    assert res["bf16_equal"], "the bf16 dequantizer's twin (prepared layout) differs"
+    assert res["bf16_natural_equal"], "the bf16 dequantizer's twin (natural layout) differs"
 
 
 def test_prepare_weight_round_trips_and_permutes_within_groups():
@@ -186,20 +200,44 @@ def test_prepare_weight_round_trips_and_permutes_within_groups():
     from fp4_dispatch.backends.sm90.gemm_w4a16 import prepare_weight, unprepare_weight
 
     g = torch.Generator().manual_seed(2)
-    data = torch.randint(0, 256, (7, 48), generator=g, dtype=torch.uint8)
+    data = torch.randint(0, 256, (7, 64), generator=g, dtype=torch.uint8)
     prep = prepare_weight(data)
     assert prep.shape == data.shape and prep.dtype == torch.uint8
     assert not torch.equal(prep, data)
     assert torch.equal(unprepare_weight(prep), data)
-    # a permutation inside each 16-byte group: natural byte 8h + 2q + e -> 4q + 2h + e
-    ramp = torch.arange(16, dtype=torch.uint8).repeat(3, 2)
-    want = [8 * h + 2 * q + e for q in range(4) for h in range(2) for e in range(2)]
-    assert prepare_weight(ramp)[0, :16].tolist() == want
-    assert torch.equal(prepare_weight(ramp)[:, 16:], prepare_weight(ramp)[:, :16])
-    with pytest.raises(ValueError, match="K % 32"):
-        prepare_weight(torch.zeros(2, 24, dtype=torch.uint8))
+    # a permutation inside each 32-byte group: natural byte 8q + 4c + 2h + e (q = scale
+    # block) -> 16c + 4q + 2h + e; bytes < 16 keep their value (high nibble 0)
+    ramp = torch.arange(16, dtype=torch.uint8).repeat(3, 4)  # row: 0..15, 0..15, ...
+    got = prepare_weight(ramp)[0, :32].tolist()
+    natural = [(8 * q + 4 * c + 2 * h + e) % 16 for c in range(2) for q in range(4)
+               for h in range(2) for e in range(2)]  # fmt: skip
+    assert got == natural
+    assert torch.equal(prepare_weight(ramp)[:, 32:], prepare_weight(ramp)[:, :32])
+    with pytest.raises(ValueError, match="K % 64"):
+        prepare_weight(torch.zeros(2, 48, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="K % 64"):
+        unprepare_weight(torch.zeros(2, 48, dtype=torch.uint8))
     with pytest.raises(TypeError, match="uint8"):
         unprepare_weight(torch.zeros(2, 16, dtype=torch.int16))
+
+
+def test_prepared_bytes_rotate_the_high_nibble():
+    """The prepared byte keeps the even element's nibble and rotates the odd one's: sign
+    to bit 4, magnitude to bits 5-7 (what the bf16 dequantizer's shift pairs read)."""
+    pytest.importorskip("triton")
+    from fp4_dispatch.backends.sm90.gemm_w4a16 import (
+        rotate_high_nibbles,
+        unrotate_high_nibbles,
+    )
+
+    b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    r = rotate_high_nibbles(b)
+    assert sorted(r.tolist()) == list(range(256))  # a bijection on bytes
+    assert torch.equal(unrotate_high_nibbles(r), b)
+    assert torch.equal(r & 0x0F, b & 0x0F)  # the even element is untouched
+    assert r[0x80].item() == 0x10  # odd element's sign -> bit 4
+    assert r[0x70].item() == 0xE0  # odd element's magnitude 7 -> bits 5-7
+    assert r[0x10].item() == 0x20  # magnitude 1 -> bit 5
 
 
 # ---- in-process checks (no interpreter) -----------------------------------------------
@@ -232,6 +270,11 @@ def test_config_and_operand_checks_name_the_problem():
         mod.check_operands(short, torch.empty(4, 8, dtype=torch.float16))
     with pytest.raises(ValueError, match="block_r"):
         mod.build_unpack(48, 64)
+    q96 = quantize_nvfp4(torch.randn(8, 96))
+    prep96 = mod.W4A16Operands(torch.randn(4, 96).half(), q96.data, q96.scale,
+                               q96.global_scale.reshape(1), prepared=True)  # fmt: skip
+    with pytest.raises(ValueError, match="K % 64"):
+        mod.check_operands(prep96, torch.empty(4, 8, dtype=torch.float16))
 
 
 def test_supports_only_sm90():
@@ -287,3 +330,169 @@ def test_rules_reject_what_does_not_fit():
     assert "multiple of 32" in why_invalid(TritonSm90W4A16Tactic(), Problem(m=1, n=64, k=48), SM90)
     with pytest.raises(ValueError):
         TritonSm90W4A16Tactic(swap_ab=True)
+    # decode knobs measured on the H200 (RESULTS.md, issue 13 Run 2): 8 warps need the
+    # 128-row tile (two 64-row warpgroups); 6 stages only for tile_k 128 and <= 32 tokens
+    assert why_invalid(TritonSm90W4A16Tactic(num_warps=8), p, SM90) is None
+    assert "tile_n=128" in why_invalid(TritonSm90W4A16Tactic(num_warps=8, tile_n=64), p, SM90)
+    assert why_invalid(TritonSm90W4A16Tactic(num_stages=6), p, SM90) is None
+    six = TritonSm90W4A16Tactic(num_stages=6, tile_k=256)
+    assert "6 stages" in why_invalid(six, p, SM90)
+    wide = TritonSm90W4A16Tactic(num_stages=6, tile_m=64)
+    assert "6 stages" in why_invalid(wide, Problem(m=64, n=8192, k=8192), SM90)
+
+
+# ---- the PTX dequantizers, executed by a small PTX model on the CPU ---------------------
+
+
+def _run_ptx(asm: str, regs: dict[str, int]) -> dict[str, int]:
+    """Execute the straight-line PTX of a dequantizer block (prmt, shl, and, or, mul.rn
+    f16x2/bf16x2) on 32-bit Python ints; ``regs`` holds the inputs ($4-$6)."""
+
+    def val(tok: str) -> int:
+        tok = tok.strip()
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    def lanes_mul(a: int, b: int, dt: torch.dtype) -> int:
+        def half(x: int) -> torch.Tensor:
+            return torch.tensor([x & 0xFFFF], dtype=torch.int32).to(torch.int16).view(dt)
+
+        out = 0
+        for sh in (0, 16):
+            p = (half(a >> sh).float() * half(b >> sh).float()).to(dt)
+            out |= (int(p.view(torch.int16).item()) & 0xFFFF) << sh
+        return out
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        args = [a.strip() for a in rest.split(",")]
+        d = args[0]
+        if op == "prmt.b32":
+            a, b, sel = val(args[1]), val(args[2]), val(args[3])
+            pool = a | (b << 32)
+            regs[d] = sum(((pool >> (8 * ((sel >> 4 * i) & 7))) & 0xFF) << 8 * i for i in range(4))
+        elif op == "shl.b32":
+            regs[d] = (val(args[1]) << val(args[2])) & 0xFFFFFFFF
+        elif op == "and.b32":
+            regs[d] = val(args[1]) & val(args[2])
+        elif op == "or.b32":
+            regs[d] = val(args[1]) | val(args[2])
+        elif op in ("mul.rn.f16x2", "mul.rn.bf16x2"):
+            dt = torch.float16 if op == "mul.rn.f16x2" else torch.bfloat16
+            regs[d] = lanes_mul(val(args[1]), val(args[2]), dt)
+        else:
+            raise AssertionError(f"PTX model: unknown instruction {op!r}")
+    return regs
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "prepared"),
+    [
+        ("_F16_NATURAL", torch.float16, False),
+        ("_F16_PREPARED", torch.float16, True),
+        ("_BF16_NATURAL", torch.bfloat16, False),
+        ("_BF16_PREPARED", torch.bfloat16, True),
+    ],
+)
+def test_ptx_dequantizers_are_exact_on_every_byte(name, dtype, prepared):
+    """Every byte value through the PTX (run by a model of its 5 instructions): each output
+    lane is ``e2m1 * scale * 2**-14`` of its own byte, so the "or" forms' shifted-in zeros
+    really keep the magnitude and sign sources apart."""
+    pytest.importorskip("triton")
+    from fp4_dispatch.backends.sm90 import gemm_w4a16 as mod
+    from fp4_dispatch.nvfp4 import E2M1_VALUES
+
+    asm = getattr(mod, name)
+    # scale 1 in the kernel's convention: fp16 1.0; bf16 carries 2**112 (bits 0x7780)
+    one = 0x3C00 if dtype == torch.float16 else 0x7780
+    ones = one | one << 16
+    want_scale = 2.0**-14
+    for b0 in range(256):
+        b1, b2, b3 = (b0 * 7 + 1) % 256, (b0 * 13 + 5) % 256, 255 - b0
+        word = b0 | b1 << 8 | b2 << 16 | b3 << 24
+        regs = _run_ptx(asm, {"$4": word, "$5": ones, "$6": ones})
+        outs = {"$0": (0, 1), "$1": (2, 3), "$2": (0, 1), "$3": (2, 3)}
+        for reg, (i, j) in outs.items():
+            for lane, idx in ((0, i), (1, j)):
+                byte = (b0, b1, b2, b3)[idx]
+                natural = (
+                    mod.unrotate_high_nibbles(torch.tensor([byte])).item() if prepared else byte
+                )
+                code = natural & 15 if reg in ("$0", "$1") else natural >> 4
+                v = E2M1_VALUES[code & 7] * (-1.0 if code & 8 else 1.0) * want_scale
+                bits = (regs[reg] >> 16 * lane) & 0xFFFF
+                got = torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(dtype).item()
+                assert got == v, f"{name}: byte {byte:#04x} {reg} lane {lane}: {got} != {v}"
+
+
+# ---- GPU ------------------------------------------------------------------------------
+
+
+def _sm90_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90_gpu(), reason="needs a CUDA device of compute capability 9.x")
+def test_gpu_ptx_dequantizers_bit_exact():
+    """The PTX dequantizers (fp16 and bf16, natural and prepared) against nvfp4.dequantize
+    on every byte value and e4m3 scales with subnormals, on the GPU."""
+    from fp4_dispatch.backends.sm90 import gemm_w4a16 as mod
+    from fp4_dispatch.nvfp4 import Nvfp4Tensor, dequantize, swizzle_scales
+
+    g = torch.Generator().manual_seed(5)
+    rows, k = 300, 512
+    data = torch.stack([torch.randperm(256, generator=g) for _ in range(rows)]).to(torch.uint8)
+    raw = torch.randint(0, 0x7F, (rows, k // 16), generator=g, dtype=torch.uint8)
+    raw |= torch.randint(0, 2, raw.shape, generator=g, dtype=torch.uint8) << 7
+    q = Nvfp4Tensor(data, swizzle_scales(raw.view(torch.float8_e4m3fn)),
+                    torch.tensor(1.0), "swizzled", (rows, k))  # fmt: skip
+    want = dequantize(q)
+    d, s = q.data.cuda(), q.scale.cuda()
+    p = mod.prepare_weight(d)
+    for prepared in (False, True):
+        for bf16 in (False, True):
+            got = mod.dequantize_weight(p if prepared else d, s, prepared=prepared, bf16=bf16)
+            bad = int((got.cpu() != want).sum())
+            assert bad == 0, f"prepared={prepared} bf16={bf16}: {bad} elements differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90_gpu(), reason="needs a CUDA device of compute capability 9.x")
+def test_gpu_direct_tactics_natural_and_prepared():
+    """The estimate's 12 best direct tactics of a small decode shape (split-K included),
+    bf16 and fp16 activations, natural and prepared weights: within 1e-2 of float64, and
+    prepared within fp32 summation-order noise of natural (the two layouts feed the MMA
+    in different K orders). (12: each compile costs about a second.)"""
+    from fp4_dispatch.backends.sm90 import gemm_w4a16 as mod
+    from fp4_dispatch.device import detect
+    from fp4_dispatch.nvfp4 import dequantize, quantize_nvfp4
+
+    b = TritonSm90W4A16Backend()
+    info = detect()
+    m, n, k = 5, 320, 1024
+    g = torch.Generator().manual_seed(3)
+    q = quantize_nvfp4(torch.randn(n, k, generator=g)).to("cuda")
+    x32 = torch.randn(m, k, generator=g)
+    ref = x32.double() @ dequantize(q.to("cpu")).double().T
+    prep = mod.prepare_weight(q.data)
+    alpha = q.global_scale.reshape(1)
+    p = Problem(m=m, n=n, k=k)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = x32.to(dtype).cuda()
+        refd = x.double().cpu() @ dequantize(q.to("cpu")).double().T
+        direct = [t for t in b.tactics(p, info) if t.path == "direct"]
+        for t in sorted(direct, key=lambda t: b.estimate_us(p, info, t))[:12]:
+            kern = b.build(t, p, info)
+            outs = []
+            for data, flag in ((q.data, False), (prep, True)):
+                out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+                kern(mod.W4A16Operands(x, data, q.scale, alpha, flag), out)
+                err = float((out.double().cpu() - refd).norm() / refd.norm())
+                assert err <= 1e-2, f"{t.canonical_json()} {dtype} prepared={flag}: {err}"
+                outs.append(out)
+            diff = float((outs[0].double() - outs[1].double()).norm() / outs[0].double().norm())
+            assert diff <= 1e-2, f"{t.canonical_json()} {dtype}: natural vs prepared {diff}"
+    assert ref.norm() > 0

@@ -20,33 +20,37 @@ Two paths (a tactic knob, ``path``):
 Exactness of the direct path. A nibble placed as fp16 bits ``(n & 7) << 9 | (n & 8) << 12``
 is exactly ``e2m1(n) * 2**-14`` (see `fp4_dispatch.backends.sm90.gemm_direct`); times the
 e4m3 block scale in fp16 it stays exact (at most 6 significant bits, no smaller than
-``2**-24``). For bf16 activations those fp16 values are cast to bf16, also exact (6 <= 8
-bits, in range), and the dot is bf16 x bf16; for fp16 activations the dot is fp16 x fp16.
-The epilogue multiplies by ``alpha * 2**14``. So the direct path is ``x @ dequant(W).T`` with fp32
-accumulation and one rounding at the store. The unpack path rounds each weight once
-(``e2m1 * scale * alpha`` to the activation dtype) before cuBLAS.
+``2**-24``). For bf16 activations the default (``bf16_dequant="native"``) places the nibble
+as bf16 ``e2m1 * 2**-126`` (bf16 subnormals for code 1) and multiplies by the bf16 scale
+times ``2**112``: the same ``e2m1 * scale * 2**-14``, exact, and the dot is bf16 x bf16
+(``"cast"``: the fp16 values cast to bf16, also exact, one F2F per element); for fp16
+activations the dot is fp16 x fp16. The epilogue multiplies by ``alpha * 2**14``. So the
+direct path is ``x @ dequant(W).T`` with fp32 accumulation and one rounding at the store.
+The unpack path rounds each weight once (``e2m1 * scale * alpha`` to the activation
+dtype) before cuBLAS.
 
-Dequantization cost (why the PTX below): Hopper has no FP4 MMA, so every weight element
-costs ALU work before the tensor cores see it; at decode that work, not HBM, bounded
-the W4A4 kernel (benchmarks/RESULTS.md, "Hopper"). The packed PTX dequantizer turns 4
-packed bytes and their fp16 block scales into 8 scaled fp16 with 2 PRMT, 8 shifts, ~8
-LOP3 and 4 HMUL2 (about 2.75 instructions per element, the scale multiply included, two
-values per instruction). The whole main loop, counted in the sm_90 cubin (Triton 3.9's
-ptxas, compiled on CPU, NOT run), SASS instructions per weight element:
+Dequantization cost: Hopper has no FP4 MMA, so every weight element costs ALU work before
+the tensor cores see it; at decode that work bounded the previous kernels (RESULTS.md,
+issue 13). Three things keep it small (SASS instructions per weight element of the main
+loop, sm_90 cubin compiled on the CPU with Triton 3.9, 128x16x128 tile, bf16):
 
-| activations, weight layout, dequantizer | 128x16x128 | 128x16x256 |
+1. the PTX dequantizers (`_dequant_asm`) build each pair of values in 3 instructions where
+   the PRMT's zero bytes keep the magnitude and sign sources apart, else 4;
+2. the dot runs in a permuted K order (`_from_prepared`, activations permuted to match):
+   each MMA lane's 4 weight bytes are one 32-bit word of memory (no byte repacking) and
+   share one block scale;
+3. the sm90-prepared weight layout (`prepare_weight`, `fp4_dispatch.nvfp4`) also rotates
+   each high nibble (both bf16 pairs take 3 instructions) and groups 32 bytes so that each
+   lane holds one whole scale block per row (4x fewer scale conversions).
+
+| weights | before (base commit) | now |
 |---|---:|---:|
-| fp16, natural | 5.5 | 5.5 |
-| fp16, prepared (`prepare_weight`) | 4.6 | 4.6 |
-| bf16, prepared, fp16 + cast (F2F per element) | - | 6.0 |
-| bf16, prepared, ``bf16_dequant="native"`` | - | 5.1 |
+| natural | 6.99 (cast) / 6.14 (native) | 4.20 |
+| sm90-prepared | 5.20 (native) | 3.73 |
 
-The natural layout costs Triton ~1.2 PRMT per element to repack bytes into the MMA
-fragment order; `prepare_weight` stores them in that order. Two dots (low nibbles x
-even K of the activations, high nibbles x odd K) instead of interleaving the halves
-into one dot saved 0.7 per element (6.2 -> 5.5). The ~2 per element target is not met:
-the nibble expansion itself is ~2.75 (the sign bit needs its own shift). Under
-TRITON_INTERPRET=1 (CPU) the element-wise twins compute the same bits.
+Under TRITON_INTERPRET=1 (CPU) the element-wise twins compute the same bits, and
+tests/test_triton_sm90_w4a16.py runs the PTX itself through a small model of its
+instructions on every byte value.
 
 Split-K: each split writes its fp32 partial tile into a workspace and bumps a per-tile
 counter (acq_rel atomic after a CTA barrier); the last split sums the partials in fixed
@@ -79,7 +83,7 @@ from fp4_dispatch.backends.sm90.gemm_unpack import unpack_nvfp4
 from fp4_dispatch.backends.sm90.splitk import store_tile
 from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher
 from fp4_dispatch.backends.workspace import Scratch
-from fp4_dispatch.nvfp4 import swizzled_scale_shape
+from fp4_dispatch.nvfp4 import sm90_prepare_data, sm90_unprepare_data, swizzled_scale_shape
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +129,7 @@ class W4A16Config:
     #: bf16 activations: "cast" = the fp16 dequantizer + an exact cast to bf16 (one F2F
     #: per element); "native" = the bf16 PTX dequantizer (no F2F; relies on bf16
     #: subnormal arithmetic, checked only by benchmarks/bench_w4a16.py on the H200)
-    bf16_dequant: str = "cast"
+    bf16_dequant: str = "native"
 
     def __post_init__(self) -> None:
         for name, choices in (
@@ -162,8 +166,8 @@ def smem_estimate(cfg: W4A16Config) -> int:
 
 # ---- the prepared weight layout -------------------------------------------------------
 
-#: bytes per permutation group of the prepared layout (32 K elements, two scale blocks)
-PREPARED_GROUP = 16
+#: bytes per permutation group of the prepared layout (64 K elements, four scale blocks)
+PREPARED_GROUP = 32
 
 
 def _check_packed(b_data: torch.Tensor, name: str) -> None:
@@ -172,195 +176,275 @@ def _check_packed(b_data: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name}: expected a uint8 tensor [N, K/2], got {got}")
     if b_data.dim() != 2 or b_data.shape[1] % PREPARED_GROUP:
         raise ValueError(
-            f"{name}: expected [N, K/2] with K % 32 == 0, got shape {tuple(b_data.shape)}"
+            f"{name}: expected [N, K/2] with K % 64 == 0, got shape {tuple(b_data.shape)}"
         )
 
 
+def rotate_high_nibbles(b: torch.Tensor) -> torch.Tensor:
+    """Natural bytes -> bytes whose HIGH nibble is rotated: sign to bit 4, magnitude to 5-7.
+
+    Natural byte ``s1 m1 | s0 m0`` (bit 7 sign of the odd element, bits 4-6 its magnitude,
+    bit 3 sign of the even element, bits 0-2 its magnitude) becomes ``m1 s1 | s0 m0``.
+    Why: with the even element as is and the odd one so placed, each fp16/bf16 pair of
+    the bf16 dequantizer is ``((t << a) | (t << b)) & mask`` (two shifts, one LOP3), the
+    shifted-in zeros keeping the two sources apart (see `_DEQUANT_BF16_V2_ASM`).
+    """
+    return (b & 0x0F) | ((b & 0x70) << 1) | ((b & 0x80) >> 3)
+
+
+def unrotate_high_nibbles(b: torch.Tensor) -> torch.Tensor:
+    """The inverse of `rotate_high_nibbles`."""
+    return (b & 0x0F) | ((b & 0xE0) >> 1) | ((b & 0x10) << 3)
+
+
 def prepare_weight(b_data: torch.Tensor) -> torch.Tensor:
-    """Packed e2m1 ``[N, K/2]`` (natural order) -> the same bytes in the prepared order.
+    """Packed e2m1 ``[N, K/2]`` (natural order) -> the sm90-prepared weight layout.
 
-    Why: the direct kernel's MMA operand fragment gives each of 4 lanes the bytes
-    ``{2q, 2q+1, 2q+8, 2q+9}`` of every 16-byte group; in natural order Triton must
-    extract and repack those bytes one by one (PRMT per byte). The prepared order stores
-    them contiguously, so one 32-bit word feeds the dequantizer as is: the main loop
-    drops from 5.5 to 4.6 SASS instructions per weight element (sm_90 cubin, fp16
-    activations, 128x16x128 tile; compiled, see the module docstring).
-
-    The layout: within each row and each group of 16 bytes (32 K elements, two scale
-    blocks; groups never straddle rows or scale blocks), natural byte ``8h + 2q + e``
-    (h in 0..1, q in 0..3, e in 0..1) moves to position ``4q + 2h + e``. Nibbles inside a
-    byte and the scales are unchanged. A permutation of bytes: `unprepare_weight` is its
-    exact inverse. Tile-size independent (any block_k of the kernel reads it).
+    The layout is `fp4_dispatch.nvfp4.sm90_prepare_data` (an ``Nvfp4Tensor`` with
+    ``data_layout="sm90-prepared"`` holds it): a byte permutation matched to the MMA
+    operand fragment (in natural order Triton repacks the fragment's bytes one by one with
+    PRMT) and a rotation of each high nibble (`rotate_high_nibbles`: both bf16 value
+    pairs then take the 3-instruction "or" form). Tile-size independent.
     """
     _check_packed(b_data, "b_data")
-    n, kb = b_data.shape
-    grouped = b_data.reshape(n, kb // PREPARED_GROUP, 2, 4, 2)  # (h, q, e)
-    return grouped.permute(0, 1, 3, 2, 4).contiguous().reshape(n, kb)  # (q, h, e)
+    return sm90_prepare_data(b_data)
 
 
 def unprepare_weight(prepared: torch.Tensor) -> torch.Tensor:
     """The inverse of `prepare_weight`: prepared bytes -> natural packed e2m1 order."""
     _check_packed(prepared, "prepared")
-    n, kb = prepared.shape
-    grouped = prepared.reshape(n, kb // PREPARED_GROUP, 4, 2, 2)  # (q, h, e)
-    return grouped.permute(0, 1, 3, 2, 4).contiguous().reshape(n, kb)  # (h, q, e)
+    return sm90_unprepare_data(prepared)
 
 
 @triton.jit
 def _from_prepared(w, ROWS: tl.constexpr, KB: tl.constexpr):
-    """Prepared bytes [ROWS, KB] (memory order) -> natural K order, at the tensor level.
+    """Prepared bytes [ROWS, KB] (memory order) -> the dot's K order, at the tensor level.
 
-    Memory ``(group, q, h, e)`` becomes tensor ``(group, h, q, e)``: a pure relabelling
+    Memory ``(group16, q, h, e)`` becomes tensor ``(group16, h, q, e)``: a pure relabelling
     that Triton folds into the register layout of the MMA operand (no data movement when
-    the fragment matches, which is the point of the layout).
+    the fragment matches, which is the point of the layout). The dot's byte order is not
+    natural: with ``group16 = (G, c)`` dot byte ``(G, c, h, q, e)`` is natural byte
+    ``32G + 8q + 4c + 2h + e`` (`fp4_dispatch.nvfp4.sm90_prepare_data`), so each MMA lane
+    q holds the 8 bytes of one scale block per row; the activations are permuted to match
+    (`_natural_to_dot`) and the scales broadcast in that order (`_scale_per_byte`).
     """
     g = tl.reshape(w, (ROWS, KB // 16, 4, 2, 2))
     return tl.reshape(tl.permute(g, (0, 1, 3, 2, 4)), (ROWS, KB))
 
 
-# ---- dequantization -------------------------------------------------------------------
-
-# 4 packed bytes (b0..b3, $4) and their 4 fp16 block scales (two per register, $5 = s0|s1,
-# $6 = s2|s3) -> 4 fp16 of the low nibbles ($0 = lo0|lo1, $1 = lo2|lo3) and 4 of the high
-# nibbles ($2, $3), each e2m1 * 2**-14 * scale. PRMT spreads two bytes into the two halves
-# of a word; per half ``(t << 9) & 0x0E00 | (t << 12) & 0x8000`` (low nibble: magnitude to
-# fp16 bits 9-11, sign to bit 15) or shifts 5 / 8 (high nibble) build the fp16 bits, two
-# values per instruction; one HMUL2 applies two scales. Each output keeps the position of
-# its input byte, so the result does not depend on how Triton groups registers.
-_DEQUANT_SCALED_ASM = tl.constexpr("""
-{
-.reg .b32 t, p, q, r;
-prmt.b32 t, $4, 0, 0x4140;
-shl.b32 p, t, 9;
-and.b32 p, p, 0x0E000E00;
-shl.b32 q, t, 12;
-and.b32 q, q, 0x80008000;
-or.b32 r, p, q;
-mul.rn.f16x2 $0, r, $5;
-shl.b32 p, t, 5;
-and.b32 p, p, 0x0E000E00;
-shl.b32 q, t, 8;
-and.b32 q, q, 0x80008000;
-or.b32 r, p, q;
-mul.rn.f16x2 $2, r, $5;
-prmt.b32 t, $4, 0, 0x4342;
-shl.b32 p, t, 9;
-and.b32 p, p, 0x0E000E00;
-shl.b32 q, t, 12;
-and.b32 q, q, 0x80008000;
-or.b32 r, p, q;
-mul.rn.f16x2 $1, r, $6;
-shl.b32 p, t, 5;
-and.b32 p, p, 0x0E000E00;
-shl.b32 q, t, 8;
-and.b32 q, q, 0x80008000;
-or.b32 r, p, q;
-mul.rn.f16x2 $3, r, $6;
-}
-""")
-
-
-# The bf16 twin of the block above (``W4A16Config.bf16_dequant="native"``): per half
-# ``(t << 6) & 0x01C0 | (t << 12) & 0x8000`` (shifts 2 / 8 for the high nibble) is the bf16
-# ``e2m1 * 2**-126`` (code 1 lands on the bf16 subnormal 2**-127, exact: PTX bf16
-# arithmetic keeps subnormals), and MUL.BF16X2 by ``scale * 2**112`` gives
-# ``e2m1 * scale * 2**-14`` exactly, the fp16 path's convention, with no F2F per element.
-_DEQUANT_SCALED_BF16_ASM = tl.constexpr("""
-{
-.reg .b32 t, p, q, r;
-prmt.b32 t, $4, 0, 0x4140;
-shl.b32 p, t, 6;
-and.b32 p, p, 0x01C001C0;
-shl.b32 q, t, 12;
-and.b32 q, q, 0x80008000;
-or.b32 r, p, q;
-mul.rn.bf16x2 $0, r, $5;
-shl.b32 p, t, 2;
-and.b32 p, p, 0x01C001C0;
-shl.b32 q, t, 8;
-and.b32 q, q, 0x80008000;
-or.b32 r, p, q;
-mul.rn.bf16x2 $2, r, $5;
-prmt.b32 t, $4, 0, 0x4342;
-shl.b32 p, t, 6;
-and.b32 p, p, 0x01C001C0;
-shl.b32 q, t, 12;
-and.b32 q, q, 0x80008000;
-or.b32 r, p, q;
-mul.rn.bf16x2 $1, r, $6;
-shl.b32 p, t, 2;
-and.b32 p, p, 0x01C001C0;
-shl.b32 q, t, 8;
-and.b32 q, q, 0x80008000;
-or.b32 r, p, q;
-mul.rn.bf16x2 $3, r, $6;
-}
-""")
+@triton.jit
+def _dot_to_natural(w, ROWS: tl.constexpr, KB: tl.constexpr):
+    """Dot order -> natural byte order: tensor ``(G, c, h, q, e)`` -> ``(G, q, c, h, e)``
+    (natural byte ``32G + 8q + 4c + 2h + e``; see `fp4_dispatch.nvfp4.sm90_prepare_data`)."""
+    g = tl.reshape(w, (ROWS, KB // 32, 2, 2, 4, 2))
+    return tl.reshape(tl.permute(g, (0, 1, 4, 2, 3, 5)), (ROWS, KB))
 
 
 @triton.jit
-def _dequant_elementwise_bf16(x, s32):
+def _natural_to_dot(x, ROWS: tl.constexpr, KB: tl.constexpr):
+    """The inverse of `_dot_to_natural` (used on the activations' byte-pair index)."""
+    g = tl.reshape(x, (ROWS, KB // 32, 4, 2, 2, 2))
+    return tl.reshape(tl.permute(g, (0, 1, 3, 4, 2, 5)), (ROWS, KB))
+
+
+@triton.jit
+def _scale_per_byte(s, ROWS: tl.constexpr, KB: tl.constexpr, ORDER: tl.constexpr):
+    """Scales [ROWS, KB // 8] -> one per byte [ROWS, KB] in the byte order ``ORDER``.
+
+    - 0, natural: byte j has scale j // 8;
+    - 1, natural memory in dot order (`_from_prepared` applied to natural bytes): dot byte
+      ``(g, h, q, e)`` is natural byte ``16g + 4q + 2h + e``, scale ``2g + q // 2`` (each
+      MMA lane's 4 bytes of a 16-byte step share one scale);
+    - 2, sm90-prepared memory in dot order: dot byte ``(G, c, h, q, e)``, scale ``4G + q``
+      (each MMA lane holds ONE scale block per row over two steps).
+    """
+    KG: tl.constexpr = KB // 8
+    if ORDER == 2:
+        s4 = tl.reshape(s, (ROWS, KB // 32, 1, 1, 4, 1))
+        return tl.reshape(tl.broadcast_to(s4, (ROWS, KB // 32, 2, 2, 4, 2)), (ROWS, KB))
+    elif ORDER == 1:
+        s2 = tl.reshape(s, (ROWS, KB // 16, 1, 2, 1, 1))
+        return tl.reshape(tl.broadcast_to(s2, (ROWS, KB // 16, 2, 2, 2, 2)), (ROWS, KB))
+    else:
+        return tl.reshape(tl.broadcast_to(s[:, :, None], (ROWS, KG, 8)), (ROWS, KB))
+
+
+# ---- dequantization -------------------------------------------------------------------
+
+# The packed PTX dequantizers. Each turns 4 packed bytes ($4) and their 4 block scales (two
+# per register, $5 = s0|s1, $6 = s2|s3, in the product's 16-bit type) into 4 values of the
+# low nibbles ($0 = lo0|lo1, $1 = lo2|lo3) and 4 of the high nibbles ($2, $3), each
+# ``e2m1 * scale * 2**-14`` exactly. PRMT spreads two bytes into the low bytes of the two
+# 16-bit halves of a word ``t`` (the upper byte of each half is zero). Every output keeps
+# the position of its input byte, so the result does not depend on how Triton groups
+# registers, and the element-wise twins below compute the same bits.
+#
+# A pair of values is built by one of two forms (`_pair`):
+# - "or":     ``((t << a) | (t << b)) & mask`` - 2 shifts + 1 LOP3. Valid when the
+#   magnitude source has shifted-in zeros at the sign positions and the sign source has
+#   them at the magnitude positions (checked by `tests/test_triton_sm90_w4a16.py` through
+#   the twins, which are exact per element);
+# - "masked": ``((t << a) & mag) | ((t << b) & sign)`` - 2 shifts + 2 LOP3.
+# then one MUL.F16X2/BF16X2 applies two block scales.
+#
+# Bit targets: fp16 ``e2m1 * 2**-14`` is sign at bit 15, magnitude at bits 9-11; bf16
+# ``e2m1 * 2**-126`` is sign at 15, magnitude at 6-8 (code 1 lands on the bf16 subnormal
+# 2**-127, exact: PTX bf16 arithmetic keeps subnormals); the bf16 scales carry
+# ``2**112`` so that the product is the fp16 path's ``e2m1 * scale * 2**-14``.
+# Instructions per 8 values (4 bytes), SASS: 2 PRMT + 4 pairs + 4 multiplies.
+#
+# | dequantizer            | low nibble pair | high nibble pair | per value |
+# |---|---|---|---:|
+# | fp16, natural/prepared | masked (4)      | masked (4)       | 2.75 |
+# | bf16, natural          | or (3)          | masked (4)       | 2.5  |
+# | bf16, prepared         | or (3)          | or (3)           | 2.25 |
+#
+# The prepared layout rotates each high nibble (sign at bit 4, magnitude at 5-7) so that
+# both bf16 pairs take the "or" form (`rotate_high_nibbles`).
+
+
+def _pair(out: str, a: int, b: int, mask_mag: int, mask_sign: int, form: str) -> str:
+    """PTX of one pair (see above): ``out`` from ``t`` shifted left by a (magnitude), b (sign)."""
+    head = f"shl.b32 p, t, {a};\nshl.b32 q, t, {b};\n"
+    if form == "or":
+        return head + f"or.b32 r, p, q;\nand.b32 {out}, r, {mask_mag | mask_sign:#010x};\n"
+    return (
+        head
+        + f"and.b32 p, p, {mask_mag:#010x};\nand.b32 q, q, {mask_sign:#010x};\n"
+        + f"or.b32 {out}, p, q;\n"
+    )
+
+
+def _dequant_asm(dtype: str, lo: tuple[int, int, str], hi: tuple[int, int, str]) -> str:
+    """The PTX block for one (dtype, layout): lo/hi = (mag shift, sign shift, form)."""
+    mag = 0x0E000E00 if dtype == "f16" else 0x01C001C0
+    sign = 0x80008000
+    body = ".reg .b32 t, p, q, r, v;\n"
+    for sel, (o_lo, o_hi, sc) in (("0x4140", ("$0", "$2", "$5")), ("0x4342", ("$1", "$3", "$6"))):
+        body += f"prmt.b32 t, $4, 0, {sel};\n"
+        body += _pair("v", lo[0], lo[1], mag, sign, lo[2])
+        body += f"mul.rn.{dtype}x2 {o_lo}, v, {sc};\n"
+        body += _pair("v", hi[0], hi[1], mag, sign, hi[2])
+        body += f"mul.rn.{dtype}x2 {o_hi}, v, {sc};\n"
+    return "{\n" + body + "}"
+
+
+# (magnitude shift, sign shift, form) per nibble, per (dtype, layout)
+_F16_NATURAL = _dequant_asm("f16", (9, 12, "masked"), (5, 8, "masked"))
+_F16_PREPARED = _dequant_asm("f16", (9, 12, "masked"), (4, 11, "masked"))
+_BF16_NATURAL = _dequant_asm("bf16", (6, 12, "or"), (2, 8, "masked"))
+_BF16_PREPARED = _dequant_asm("bf16", (6, 12, "or"), (1, 11, "or"))
+_DEQUANT_F16_NATURAL_ASM = tl.constexpr(_F16_NATURAL)
+_DEQUANT_F16_PREPARED_ASM = tl.constexpr(_F16_PREPARED)
+_DEQUANT_BF16_NATURAL_ASM = tl.constexpr(_BF16_NATURAL)
+_DEQUANT_BF16_V2_ASM = tl.constexpr(_BF16_PREPARED)
+
+
+@triton.jit
+def _dequant_elementwise_bf16(x, s32, PREPARED: tl.constexpr):
     """Element-wise twin of the bf16 PTX, in fp32: the same bit placement one exponent
     field wider (fp32 ``e2m1 * 2**-126``, code 1 on the fp32 subnormal 2**-127; the
     interpreter flushes bf16 subnormals, fp32 ones it keeps), times ``scale * 2**112``.
     Exact, so the bf16 result equals the PTX's."""
     x32 = x.to(tl.uint32)
     lo = (((x32 & 0x7) << 22) | ((x32 & 0x8) << 28)).to(tl.float32, bitcast=True)
-    hi = (((x32 & 0x70) << 18) | ((x32 & 0x80) << 24)).to(tl.float32, bitcast=True)
+    if PREPARED:  # rotated high nibble: sign at bit 4, magnitude at 5-7
+        hi_bits = ((x32 & 0xE0) << 17) | ((x32 & 0x10) << 27)
+    else:
+        hi_bits = ((x32 & 0x70) << 18) | ((x32 & 0x80) << 24)
+    hi = hi_bits.to(tl.float32, bitcast=True)
     return (lo * s32).to(tl.bfloat16), (hi * s32).to(tl.bfloat16)
 
 
 @triton.jit
-def _dequant_scaled_bf16(x, s, ROWS: tl.constexpr, KB: tl.constexpr, USE_ASM: tl.constexpr):
+def _dequant_scaled_bf16(
+    x,
+    s,
+    ROWS: tl.constexpr,
+    KB: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    PREPARED: tl.constexpr,
+    ORDER: tl.constexpr,
+):
     """Like `_dequant_scaled` but straight to bf16 (``e2m1 * scale * 2**-14`` exactly)."""
-    KG: tl.constexpr = KB // 8
     s32 = s.to(tl.float32) * 5.192296858534828e33  # 2**112, exact
     if USE_ASM:
-        sb = tl.reshape(tl.broadcast_to(s32.to(tl.bfloat16)[:, :, None], (ROWS, KG, 8)), (ROWS, KB))
-        lo, hi = tl.inline_asm_elementwise(
-            _DEQUANT_SCALED_BF16_ASM,
-            "=r,=r,=r,=r,r,r,r",
-            [x, sb],
-            dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True,
-            pack=4,
-        )
+        sb = _scale_per_byte(s32.to(tl.bfloat16), ROWS, KB, ORDER)
+        if PREPARED:
+            lo, hi = tl.inline_asm_elementwise(
+                _DEQUANT_BF16_V2_ASM,
+                "=r,=r,=r,=r,r,r,r",
+                [x, sb],
+                dtype=(tl.bfloat16, tl.bfloat16),
+                is_pure=True,
+                pack=4,
+            )
+        else:
+            lo, hi = tl.inline_asm_elementwise(
+                _DEQUANT_BF16_NATURAL_ASM,
+                "=r,=r,=r,=r,r,r,r",
+                [x, sb],
+                dtype=(tl.bfloat16, tl.bfloat16),
+                is_pure=True,
+                pack=4,
+            )
     else:
-        sf = tl.reshape(tl.broadcast_to(s32[:, :, None], (ROWS, KG, 8)), (ROWS, KB))
-        lo, hi = _dequant_elementwise_bf16(x, sf)
+        sf = _scale_per_byte(s32, ROWS, KB, ORDER)
+        lo, hi = _dequant_elementwise_bf16(x, sf, PREPARED)
     return lo, hi
 
 
 @triton.jit
-def _dequant_elementwise(x, s16):
-    """The element-wise twin of the PTX: bytes and per-byte fp16 scales -> (lo, hi) fp16."""
+def _dequant_elementwise(x, s16, PREPARED: tl.constexpr):
+    """The element-wise twin of the fp16 PTX: bytes and per-byte fp16 scales -> (lo, hi)."""
     x16 = x.to(tl.uint16)
     lo = (((x16 & 0x7) << 9) | ((x16 & 0x8) << 12)).to(tl.float16, bitcast=True)
-    hi = (((x16 & 0x70) << 5) | ((x16 & 0x80) << 8)).to(tl.float16, bitcast=True)
+    if PREPARED:  # rotated high nibble: sign at bit 4, magnitude at 5-7
+        hi_bits = ((x16 & 0xE0) << 4) | ((x16 & 0x10) << 11)
+    else:
+        hi_bits = ((x16 & 0x70) << 5) | ((x16 & 0x80) << 8)
+    hi = hi_bits.to(tl.float16, bitcast=True)
     return lo * s16, hi * s16
 
 
 @triton.jit
-def _dequant_scaled(x, s, ROWS: tl.constexpr, KB: tl.constexpr, USE_ASM: tl.constexpr):
+def _dequant_scaled(
+    x,
+    s,
+    ROWS: tl.constexpr,
+    KB: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    PREPARED: tl.constexpr,
+    ORDER: tl.constexpr,
+):
     """Packed bytes [ROWS, KB] + e4m3 scales [ROWS, KB // 8] -> (even K, odd K) fp16.
 
     Each result is ``e2m1 * scale * 2**-14`` exactly. The scale of byte ``j`` is
     ``s[:, j // 8]``, broadcast to one fp16 per byte so that the PTX applies it with
     HMUL2 in the same pass as the nibble expansion.
     """
-    KG: tl.constexpr = KB // 8
-    s16 = tl.reshape(tl.broadcast_to(s.to(tl.float16)[:, :, None], (ROWS, KG, 8)), (ROWS, KB))
+    s16 = _scale_per_byte(s.to(tl.float16), ROWS, KB, ORDER)
     if USE_ASM:
-        lo, hi = tl.inline_asm_elementwise(
-            _DEQUANT_SCALED_ASM,
-            "=r,=r,=r,=r,r,r,r",
-            [x, s16],
-            dtype=(tl.float16, tl.float16),
-            is_pure=True,
-            pack=4,
-        )
+        if PREPARED:
+            lo, hi = tl.inline_asm_elementwise(
+                _DEQUANT_F16_PREPARED_ASM,
+                "=r,=r,=r,=r,r,r,r",
+                [x, s16],
+                dtype=(tl.float16, tl.float16),
+                is_pure=True,
+                pack=4,
+            )
+        else:
+            lo, hi = tl.inline_asm_elementwise(
+                _DEQUANT_F16_NATURAL_ASM,
+                "=r,=r,=r,=r,r,r,r",
+                [x, s16],
+                dtype=(tl.float16, tl.float16),
+                is_pure=True,
+                pack=4,
+            )
     else:
-        lo, hi = _dequant_elementwise(x, s16)
+        lo, hi = _dequant_elementwise(x, s16, PREPARED)
     return lo, hi
 
 
@@ -396,10 +480,14 @@ def _dequant_tile_kernel(
     s = tl.load(scale_ptr + s_row[:, None] + ((rg // 4) * 512 + rg % 4)[None, :])
     if PREPARED:
         x = _from_prepared(x, BLOCK_R, KB)
+    ORDER: tl.constexpr = 2 if PREPARED else 0
     if BF16:
-        lo, hi = _dequant_scaled_bf16(x, s, BLOCK_R, KB, USE_ASM)
+        lo, hi = _dequant_scaled_bf16(x, s, BLOCK_R, KB, USE_ASM, PREPARED, ORDER)
     else:
-        lo, hi = _dequant_scaled(x, s, BLOCK_R, KB, USE_ASM)
+        lo, hi = _dequant_scaled(x, s, BLOCK_R, KB, USE_ASM, PREPARED, ORDER)
+    if PREPARED:  # dot order -> natural order for the store
+        lo = _dot_to_natural(lo, BLOCK_R, KB)
+        hi = _dot_to_natural(hi, BLOCK_R, KB)
     base = out_ptr + rows[:, None].to(tl.int64) * K + 2 * rb[None, :]
     mask = (rows < R)[:, None]
     tl.store(base, lo.to(tl.float32) * 16384.0, mask=mask)
@@ -504,13 +592,21 @@ def _w4a16_kernel(
             w = tl.load(w_ptrs, mask=kmask[None, :], other=0)
             s = tl.load(s_ptrs, mask=((kt * KG + rg) < K // 16)[None, :], other=0.0)
             xv = tl.load(x_ptrs, mask=((kt * BLOCK_K + rk) < K)[None, :], other=0.0)
-        if PREPARED:
-            w = _from_prepared(w, BLOCK_N, KB)
+        # the weight tile in the dot's byte order (each MMA lane's 4 bytes one 32-bit word
+        # of memory); the activations are permuted to the same order
+        w = _from_prepared(w, BLOCK_N, KB)
+        ORDER: tl.constexpr = 2 if PREPARED else 1
         if BF16_NATIVE:
-            w_lo, w_hi = _dequant_scaled_bf16(w, s, BLOCK_N, KB, USE_ASM)
+            w_lo, w_hi = _dequant_scaled_bf16(w, s, BLOCK_N, KB, USE_ASM, PREPARED, ORDER)
         else:
-            w_lo, w_hi = _dequant_scaled(w, s, BLOCK_N, KB, USE_ASM)
+            w_lo, w_hi = _dequant_scaled(w, s, BLOCK_N, KB, USE_ASM, PREPARED, ORDER)
         xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, KB, 2)))
+        if PREPARED:
+            xe = _natural_to_dot(xe, BLOCK_M, KB)
+            xo = _natural_to_dot(xo, BLOCK_M, KB)
+        else:
+            xe = _from_prepared(xe, BLOCK_M, KB)
+            xo = _from_prepared(xo, BLOCK_M, KB)
         acc = tl.dot(w_lo.to(xv.dtype), tl.trans(xe), acc)
         acc = tl.dot(w_hi.to(xv.dtype), tl.trans(xo), acc)
         w_ptrs += KB
@@ -544,6 +640,8 @@ def check_operands(operands: W4A16Operands, out: torch.Tensor) -> None:
     n = b.shape[0]
     if k % 32:
         raise ValueError(f"a: K must be a multiple of 32, got {k}")
+    if getattr(operands, "prepared", False) and k % 64:
+        raise ValueError(f"b_data: the sm90-prepared layout needs K % 64 == 0, got K={k}")
     if b.shape[1] * 2 != k:
         raise ValueError(f"K mismatch: a {tuple(a.shape)} vs b_data {tuple(b.shape)}")
     if a.stride(1) != 1 or not b.is_contiguous() or not s.is_contiguous():

@@ -45,7 +45,7 @@ TILE_N = (64, 128)
 TILE_K = (64, 128, 256)
 SPLIT_K = (1, 2, 4, 8, 16)
 WARPS = (4, 8)
-STAGES = (3, 4)
+STAGES = (3, 4, 6)
 BLOCK_R = (32, 64, 128)
 #: the direct kernel re-streams the whole weight per token tile: past this M the unpack
 #: path (one expansion, then cuBLAS) is cheaper (W4A4 measurement: RESULTS.md, "Hopper")
@@ -67,7 +67,7 @@ class TritonSm90W4A16Tactic(Tactic):
     tile_k: Literal[64, 128, 256] = 128
     split_k: Literal[1, 2, 4, 8, 16] = 1
     num_warps: Literal[4, 8] = 4
-    num_stages: Literal[3, 4] = 3
+    num_stages: Literal[3, 4, 6] = 3
     block_r: Literal[32, 64, 128] = 64
 
     def kernel_config(self) -> W4A16Config:
@@ -99,12 +99,14 @@ def _why_invalid_direct(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo
         return f"tile_k={t.tile_k} exceeds K={p.k}"
     if t.tile_k == 256 and t.tile_m > 32:
         return "tile_k=256 only with tile_m <= 32 (registers of the expanded weight tile)"
-    if t.num_warps == 8 and t.tile_n * t.tile_m < 128 * 32:
-        return "8 warps only for tiles of >= 128x32 outputs"
+    if t.num_warps == 8 and t.tile_n < 128:
+        return "8 warps only with tile_n=128 (one 64-row warpgroup MMA per 4 warps)"
     if t.tile_m == 128 and (t.num_warps != 8 or t.tile_n != 128 or t.tile_k > 128):
         return "tile_m=128 only as 128x128 tiles, 8 warps, tile_k <= 128 (registers)"
     if t.num_stages == 4 and t.tile_k == 256:
         return "4 stages only with tile_k <= 128 (shared memory)"
+    if t.num_stages == 6 and (t.tile_k != 128 or t.tile_m > 32):
+        return "6 stages only for decode tiles: tile_k=128, tile_m <= 32"
     why = smem_rule(smem_bytes(t.tile_n, t.tile_m, t.tile_k, t.num_stages))
     if why:
         return why
