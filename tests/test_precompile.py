@@ -393,6 +393,10 @@ def test_triton_sm90_precompile_compiles_what_a_call_launches(tmp_path):
          "tactic": {"tile_m": 16, "tile_n": 64, "tile_k": 128}},
         {"name": "swap-splitk", "m": 3, "n": 512, "k": 1024, "dtype": "float16",
          "tactic": {"tile_m": 64, "tile_n": 16, "tile_k": 128, "split_k": 2, "swap_ab": True}},
+        # a wgmma tile with 64-wide K tiles: its dot-order variant failed Triton's
+        # TritonGPUOptimizeDotOperands pass (seen on the H200); it must compile
+        {"name": "wgmma-k64", "m": 256, "n": 13824, "k": 5120, "dtype": "bfloat16",
+         "tactic": {"tile_m": 128, "tile_n": 128, "tile_k": 64, "group_m": 8, "swap_ab": True}},
     ]  # fmt: skip
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
     env.pop("TRITON_INTERPRET", None)

@@ -221,8 +221,10 @@ def _nvfp4_gemm_kernel(
     KG: tl.constexpr = BLOCK_K // 16  # block scales per row of a K tile
     # wgmma tiles (A from registers, M >= 64): both operands in the dot's byte order, which
     # drops the byte repacking (sm_90 SASS, 128x16x128: 5.1 -> 4.0 instructions per
-    # element); the mma.sync tiles (M < 64) compile worse that way (4.8 -> 5.4), so not
-    DOT_ORDER: tl.constexpr = BLOCK_M >= 64
+    # element); the mma.sync tiles (M < 64) compile worse that way (4.8 -> 5.4), so not.
+    # K tiles of 64 stay in natural order: Triton 3.6 and 3.9 fail to compile the dot
+    # order there (TritonGPUOptimizeDotOperands; tests/test_precompile.py pins it)
+    DOT_ORDER: tl.constexpr = BLOCK_M >= 64 and BLOCK_K >= 128
 
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
