@@ -226,34 +226,21 @@ class Dispatcher:
         fleet = _distributed.fleet_of(group)
         tuner = _tuning.Tuner(self.device, self.kernel_for, self.ranker, timer=timer, band=band,
                               measure=measure)  # fmt: skip
-        todo: list[Problem] = []
-        results: dict[BucketKey, _tuning.TuneResult] = {}
-        order: list[BucketKey] = []
-        for shape in shapes:
-            m, n, k = _shape(shape)
-            bkey = (n, k, m_bucket(m), out_dtype, operation)
-            if bkey in order:
-                continue
-            order.append(bkey)
-            hit = None if force else self.winners.cached_result(bkey, (m, n, k), tuner.policy)
-            if hit is not None:
-                results[bkey] = hit
-            else:
-                todo.append(Problem(m=m, n=n, k=k, out_dtype=out_dtype, operation=operation))
+        order, results, todo = self._tune_todo(shapes, out_dtype, operation, force, tuner.policy)
         if fleet is not None:
             todo = self._fleet_todo(fleet, todo, results, order)
         shortlists = [
             self.ranker.shortlist(p.model_copy(update={"m": m_bucket(p.m)})).candidates
             for p in todo
         ]
-        total = sum(len(sl) for sl in shortlists)
         pairs = [(self.registry.backends[c.backend], c.tactic, p)
                  for p, sl in zip(todo, shortlists, strict=True) for c in sl]  # fmt: skip
         if precompile is None:
             precompile = self.device.kind == "cuda"
         jobs = _precompile.jobs_for(pairs) if precompile else []
-        with bar_of(range(total + len(jobs)), total=total + len(jobs), desc="tuning",
-                    unit="kernel", enable=progress) as bar:  # fmt: skip
+        total = len(pairs) + len(jobs)
+        with bar_of(range(total), total=total, desc="tuning", unit="kernel",
+                    enable=progress) as bar:  # fmt: skip
             if jobs:
                 bar.set_description_str(f"compiling {len(jobs)} kernels")
                 _precompile.precompile(jobs, self.device, deadline_s=_precompile.TUNE_DEADLINE_S,
@@ -267,6 +254,32 @@ class Dispatcher:
             fleet.agree("the tuned picks", [_pick_of(results[b]) for b in order])
         _precompile.mark_ready(_precompile.jobs_for(pairs))  # each one was built and launched
         return [results[b] for b in order]
+
+    def _tune_todo(
+        self,
+        shapes: Iterable[tuple[int, int, int]],
+        out_dtype: str,
+        operation: str,
+        force: bool,
+        policy: str,
+    ) -> tuple[list[BucketKey], dict[BucketKey, _tuning.TuneResult], list[Problem]]:
+        """(buckets in the order asked, cached results of this policy, problems to measure):
+        one problem per bucket, the first shape asked of it."""
+        todo: list[Problem] = []
+        results: dict[BucketKey, _tuning.TuneResult] = {}
+        order: list[BucketKey] = []
+        for shape in shapes:
+            m, n, k = _shape(shape)
+            bkey = (n, k, m_bucket(m), out_dtype, operation)
+            if bkey in order:
+                continue
+            order.append(bkey)
+            hit = None if force else self.winners.cached_result(bkey, (m, n, k), policy)
+            if hit is not None:
+                results[bkey] = hit
+            else:
+                todo.append(Problem(m=m, n=n, k=k, out_dtype=out_dtype, operation=operation))
+        return order, results, todo
 
     def _fleet_todo(
         self,
