@@ -51,6 +51,7 @@ from bench_hopper import (
     dequant,
     launch,
     make_operands,
+    parse_tactic,
     random_nvfp4,
     tactic_kernel,
     time_eager,
@@ -69,7 +70,7 @@ from fp4_dispatch.plugins.sm90.w4a16 import (
     w4a16_min_bytes,
 )
 from fp4_dispatch.profiles import simulated
-from fp4_dispatch.tactics import Problem
+from fp4_dispatch.tactics import Problem, tactic_label
 
 MAIN_M = (1, 16, 64, 256, 4096)
 MAIN_NK = ((8192, 8192), (5120, 5120), (13824, 5120), (10240, 8192))
@@ -385,19 +386,16 @@ def w4a4_tactics(problem: Problem, info) -> list:
 
 
 def short(tj: str | None) -> str:
+    """A table cell for a tactic's JSON: `fp4_dispatch.tactics.tactic_label` (tile, swap,
+    the knobs off their default), prefixed ``w4a4-unpack`` for the W4A4 unpack + cuBLAS
+    backend and ``w4a4`` for the W4A4 direct kernel (W4A16 tactics are bare)."""
     if not tj:
         return "-"
-    t = json.loads(tj)
-    if t.get("path") == "unpack":
-        return f"unpack r{t['block_r']} k{t['tile_k']}"
-    if t["backend"] == "triton-sm90-w4a16":
-        return (f"{t['tile_n']}x{t['tile_m']}x{t['tile_k']} w{t['num_warps']} s{t['num_stages']}"
-                f" sk{t['split_k']}")  # fmt: skip
-    if t["backend"] == "triton-sm90-unpack":
-        return f"w4a4-unpack r{t['block_r']} k{t['block_k']}"
-    return f"{t['tile_m']}x{t['tile_n']}x{t['tile_k']} sk{t['split_k']}" + (
-        " swap" if t["swap_ab"] else ""
-    )
+    backend = json.loads(tj)["backend"]
+    if backend == TritonSm90W4A16Backend.name:
+        return tactic_label(TritonSm90W4A16Tactic.model_validate_json(tj))
+    prefix = "w4a4-unpack" if backend == TritonSm90UnpackBackend.name else "w4a4"
+    return f"{prefix} {tactic_label(parse_tactic(tj))}"
 
 
 def table(rows: list[dict]) -> str:
