@@ -2,8 +2,10 @@
 
 The measuring itself is `fp4_dispatch.harness` (one GPU clock with a cold L2, one eager
 wall clock, one host wall clock for single cold calls, one numerics check), so a figure
-here compares with the tuner's. This module is only the plumbing around it, so that each
-``bench_*.py`` / check script reads as what it measures. Scripts import it as
+here compares with the tuner's; compiling ahead of the timed loop is the library's one
+parallel precompile (`fp4_dispatch.precompile`, wrapped by `precompile_kernels`). This
+module is only the plumbing around it, so that each ``bench_*.py`` / check script reads
+as what it measures. Scripts import it as
 ``from _common import ...`` (Python puts the script's folder first on ``sys.path``).
 """
 
@@ -14,6 +16,9 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
+
+from fp4_dispatch import precompile as pc
 
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
 
@@ -39,6 +44,28 @@ def out_dir(folder: str | os.PathLike[str] | None = None) -> Path | None:
     path = Path(where)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def precompile_kernels(
+    planned: Iterable[tuple[Any, Any, Any]],
+    info: Any,
+    workers: int,
+    deadline_s: float | None = None,
+) -> pc.PrecompileReport:
+    """Compile every distinct kernel of the planned (backend, tactic, caller's problem)
+    triples in `workers` spawned processes (`fp4_dispatch.precompile`: Triton ``warmup``
+    for the sm90 backends, no launch; a backend without its own ``precompile`` only
+    builds), so the timed code loads kernels from the disk caches. Off (every job
+    ``skipped``) unless `info` is a CUDA device: on a CPU the Triton interpreter
+    compiles nothing. The report has one outcome per distinct kernel."""
+    jobs = pc.jobs_for(planned, skip_ready=False)
+    count = workers if info.kind == "cuda" else 0
+    return pc.precompile(jobs, info, workers=count, deadline_s=deadline_s)
+
+
+def failures_by_tactic(report: pc.PrecompileReport) -> dict[str, str]:
+    """{tactic JSON: why} of the kernels that failed to compile (the scripts' JSON field)."""
+    return {o.job.tactic.canonical_json(): o.reason for o in report.failed}
 
 
 def write_json(name: str, obj: object, folder: str | os.PathLike[str] | None = None) -> Path | None:

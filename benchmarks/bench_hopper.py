@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -40,7 +39,15 @@ if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
-from _common import markdown_table, num, ratio, write_json, write_text
+from _common import (
+    failures_by_tactic,
+    markdown_table,
+    num,
+    precompile_kernels,
+    ratio,
+    write_json,
+    write_text,
+)
 
 from fp4_dispatch import harness
 from fp4_dispatch.backend import GemmOperands
@@ -89,18 +96,6 @@ def parse_tactic(tj: str) -> TritonSm90Tactic | Sm90UnpackTactic:
     return TritonSm90Tactic.model_validate_json(tj)
 
 
-def variant_key(t: TritonSm90Tactic | Sm90UnpackTactic) -> tuple:
-    """Tactics with the same key share one compiled kernel (and orientation)."""
-    if isinstance(t, Sm90UnpackTactic):
-        return ("unpack", t.block_r, t.block_k)
-    return (t.kernel_config(), t.swap_ab)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_graph(calls, device: torch.device, flops: float) -> float:
     """Microseconds per call of ``calls[0]``: `harness.time_us` (CUDA graph, L2 flushed
     before each call; wall time on a CPU). The flush makes rotating input copies
@@ -118,54 +113,6 @@ def n_copies(bytes_per_copy: float, l2_bytes: int) -> int:
     """Input copies a timing needs: one, since the harness flushes L2 before each call
     (kept so that callers building copy lists still run)."""
     return 1
-
-
-# ---- precompile (parallel) --------------------------------------------------------------
-
-
-def _compile_worker(args) -> list[tuple[str, str]]:
-    """Compile (by running once on a proxy problem) each tactic; return failures.
-
-    The proxy has the specialization of the benchmark calls: K % 16 == 0, EVEN_K,
-    output strides (N, 1) or (1, N) with N % 16 == 0.
-    """
-    tactic_jsons, device_name = args
-    device = torch.device(device_name)
-    gen = torch.Generator(device=device)
-    gen.manual_seed(1)
-    m, n, k = 64, 256, 1024
-    ops = make_operands(m, n, k, device, gen)
-    ref = harness.reference_output(ops)
-    failures = []
-    for tj in tactic_jsons:
-        t = parse_tactic(tj)
-        try:
-            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
-            launch(tactic_kernel(t), t.swap_ab, ops, out)
-            sync(device)
-            _, why = harness.compare(out, ref, harness.CHECK_RTOL)
-            if why:
-                failures.append((tj, f"proxy: {why}"))
-        except Exception as exc:  # recorded and reported by the caller, never fatal here
-            failures.append((tj, f"{type(exc).__name__}: {str(exc)[:300]}"))
-    return failures
-
-
-def precompile(
-    tactics: list[TritonSm90Tactic | Sm90UnpackTactic], device: torch.device, workers: int
-) -> dict[str, str]:
-    """Compile every distinct (config, orientation) in `workers` processes; failures by JSON."""
-    seen: dict[tuple, str] = {}
-    for t in tactics:
-        seen.setdefault(variant_key(t), t.canonical_json())
-    jobs = sorted(seen.values())
-    if device.type != "cuda" or workers <= 1:
-        return dict(_compile_worker((jobs, str(device))))
-    chunks = [jobs[i::workers] for i in range(workers)]
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(workers) as pool:
-        results = pool.map(_compile_worker, [(c, str(device)) for c in chunks if c])
-    return {tj: why for part in results for tj, why in part}
 
 
 # ---- baselines ------------------------------------------------------------------------
@@ -413,19 +360,20 @@ def main() -> None:
         except Exception as exc:  # the table then says n/a for "untuned"
             print(f"dispatcher unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
 
-    all_tactics = []
+    planned = []  # (backend, tactic, problem): each shape's tactics, best estimate first
     for m, n, k in shapes:
+        problem = Problem(m=m, n=n, k=k)
         for b in backends:
-            ts = list(b.tactics(Problem(m=m, n=n, k=k), info))
-            ts.sort(
-                key=lambda t, b=b: (b.estimate_us(Problem(m=m, n=n, k=k), info, t),
-                                    t.canonical_json())
-            )  # fmt: skip
-            all_tactics += ts[: args.max_tactics] if args.max_tactics else ts
-    t0 = time.time()
-    compile_failures = precompile(all_tactics, device, args.workers)
-    print(f"precompiled {len({variant_key(t) for t in all_tactics})} variants in "
-          f"{time.time() - t0:.0f}s; {len(compile_failures)} failed", flush=True)  # fmt: skip
+            ts = sorted(
+                b.tactics(problem, info),
+                key=lambda t, b=b: (b.estimate_us(problem, info, t), t.canonical_json()),
+            )
+            ts = ts[: args.max_tactics] if args.max_tactics else ts
+            planned += [(b, t, problem) for t in ts]
+    report = precompile_kernels(planned, info, args.workers)
+    compile_failures = failures_by_tactic(report)
+    print(f"precompiled {len(report.outcomes)} variants in {report.seconds:.0f}s; "
+          f"{len(compile_failures)} failed", flush=True)  # fmt: skip
     for tj, why in sorted(compile_failures.items())[:20]:
         print(f"  FAIL {short(tj)}: {why}", flush=True)
 

@@ -171,11 +171,10 @@ def _same(a, b) -> bool:
 
 
 def tactic_label(c) -> str:
-    t = c.tactic
-    common = ("backend", "tile_m", "tile_n", "cluster_m", "cluster_n", "swap_ab")
-    extra = {k: v for k, v in t.model_dump(mode="json").items() if k not in common}
-    knobs = " ".join(f"{k}={v}" for k, v in extra.items())
-    return f"{t.tile_m}x{t.tile_n}{' swap' if t.swap_ab else ''} {knobs}".strip()
+    """A candidate's tactic as a table cell (`fp4_dispatch.tactics.tactic_label`)."""
+    from fp4_dispatch.tactics import tactic_label as label
+
+    return label(c.tactic)
 
 
 def fresh_dispatcher(device: str, budget: int | None, cache: Path):

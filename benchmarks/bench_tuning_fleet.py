@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from fp4_dispatch import Dispatcher, harness
 from fp4_dispatch.guard import launch as run_kernel
+from fp4_dispatch.tactics import tactic_label
 from fp4_dispatch.tuning import default_timer, make_inputs
 
 #: decode, small batch, prefill chunk, prefill: (M, N, K) of a 70B-class layer
@@ -63,14 +64,8 @@ def _key(c) -> str | None:
 
 
 def _label(c) -> str:
-    """``backend 128x64 knob=value``: the tile and the fields not at their default."""
-    if c is None:
-        return "-"
-    t = c.tactic
-    fields = type(t).model_fields
-    knobs = [f"{k}={v}" for k, v in t.model_dump(mode="json").items()
-             if k not in ("backend", "tile_m", "tile_n") and fields[k].default != v]  # fmt: skip
-    return " ".join([c.backend, f"{t.tile_m}x{t.tile_n}", *knobs])
+    """``backend 128x64 knob=value``: the backend and `fp4_dispatch.tactics.tactic_label`."""
+    return "-" if c is None else f"{c.backend} {tactic_label(c.tactic)}"
 
 
 def _num(x: float) -> float | None:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing as mp
 import os
 import re
 import shutil
@@ -47,11 +46,12 @@ from collections import Counter
 from dataclasses import replace
 
 import torch
+from _common import failures_by_tactic, precompile_kernels
 from bench_hopper import (
     dequant,
     launch,
     make_operands,
-    precompile,
+    parse_tactic,
     random_nvfp4,
     tactic_kernel,
     time_eager,
@@ -70,7 +70,7 @@ from fp4_dispatch.plugins.sm90.w4a16 import (
     w4a16_min_bytes,
 )
 from fp4_dispatch.profiles import simulated
-from fp4_dispatch.tactics import Problem
+from fp4_dispatch.tactics import Problem, tactic_label
 
 MAIN_M = (1, 16, 64, 256, 4096)
 MAIN_NK = ((8192, 8192), (5120, 5120), (13824, 5120), (10240, 8192))
@@ -137,46 +137,6 @@ def w4_kernel(t: TritonSm90W4A16Tactic):
     if t.path == "unpack":
         return _unpack_kernel_for(t.block_r, t.tile_k)
     return _kernel_for(t.kernel_config())
-
-
-# ---- precompile (parallel, fills Triton's disk cache) --------------------------------
-
-
-def _w4_compile_worker(args) -> list[tuple[str, str]]:
-    """Run each tactic once on a proxy with the benchmark's specialization (bf16, strides
-    multiple of 16, EVEN_K); return (tactic JSON, why) for failures."""
-    jsons, device_name = args
-    device = torch.device(device_name)
-    gen = torch.Generator(device=device)
-    gen.manual_seed(3)
-    m, n, k = 48, 256, 1024
-    x, wd, ws, alpha, _ = weight_only_operands(m, n, k, device, gen)
-    ref = reference(x, wd, ws, alpha)
-    failures = []
-    for tj in jsons:
-        t = TritonSm90W4A16Tactic.model_validate_json(tj)
-        try:
-            runs = [("natural", w4_kernel(t), False)]
-            runs += [(name, kern, True) for name, kern in variant_kernels(t).items()]
-            for name, kern, prepared in runs:
-                data = w4.prepare_weight(wd) if prepared else wd
-                out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
-                kern(w4.W4A16Operands(x, data, ws, alpha, prepared), out)
-                torch.cuda.synchronize(device)
-                err = rel_err(out, ref)
-                if not err <= TOL:
-                    failures.append((tj, f"proxy rel err {err:.3g} ({name})"))
-        except Exception as exc:  # recorded and reported by the caller
-            failures.append((tj, f"{type(exc).__name__}: {str(exc)[:300]}"))
-    return failures
-
-
-def precompile_w4a16(tactics: list[TritonSm90W4A16Tactic], device, workers: int) -> dict:
-    jobs = sorted({t.canonical_json() for t in tactics})
-    chunks = [jobs[i::workers] for i in range(workers) if jobs[i::workers]]
-    with mp.get_context("spawn").Pool(len(chunks)) as pool:
-        parts = pool.map(_w4_compile_worker, [(c, str(device)) for c in chunks])
-    return {tj: why for part in parts for tj, why in part}
 
 
 # ---- operands and references ----------------------------------------------------------
@@ -409,9 +369,13 @@ def bench_shape(m: int, n: int, k: int, held: bool, info, device) -> dict:
     return row
 
 
+#: the W4A4 backends compared, by name (a tactic's ``backend`` field)
+W4A4_BACKENDS = {b.name: b for b in (TritonSm90Backend(), TritonSm90UnpackBackend())}
+
+
 def w4a4_tactics(problem: Problem, info) -> list:
     picked = []
-    for b in (TritonSm90Backend(), TritonSm90UnpackBackend()):
+    for b in W4A4_BACKENDS.values():
         ranked = sorted(b.tactics(problem, info), key=lambda t: (b.estimate_us(problem, info, t),
                                                                   t.canonical_json()))  # fmt: skip
         picked += ranked[:W4A4_TACTICS]
@@ -422,19 +386,16 @@ def w4a4_tactics(problem: Problem, info) -> list:
 
 
 def short(tj: str | None) -> str:
+    """A table cell for a tactic's JSON: `fp4_dispatch.tactics.tactic_label` (tile, swap,
+    the knobs off their default), prefixed ``w4a4-unpack`` for the W4A4 unpack + cuBLAS
+    backend and ``w4a4`` for the W4A4 direct kernel (W4A16 tactics are bare)."""
     if not tj:
         return "-"
-    t = json.loads(tj)
-    if t.get("path") == "unpack":
-        return f"unpack r{t['block_r']} k{t['tile_k']}"
-    if t["backend"] == "triton-sm90-w4a16":
-        return (f"{t['tile_n']}x{t['tile_m']}x{t['tile_k']} w{t['num_warps']} s{t['num_stages']}"
-                f" sk{t['split_k']}")  # fmt: skip
-    if t["backend"] == "triton-sm90-unpack":
-        return f"w4a4-unpack r{t['block_r']} k{t['block_k']}"
-    return f"{t['tile_m']}x{t['tile_n']}x{t['tile_k']} sk{t['split_k']}" + (
-        " swap" if t["swap_ab"] else ""
-    )
+    backend = json.loads(tj)["backend"]
+    if backend == TritonSm90W4A16Backend.name:
+        return tactic_label(TritonSm90W4A16Tactic.model_validate_json(tj))
+    prefix = "w4a4-unpack" if backend == TritonSm90UnpackBackend.name else "w4a4"
+    return f"{prefix} {tactic_label(parse_tactic(tj))}"
 
 
 def table(rows: list[dict]) -> str:
@@ -479,13 +440,15 @@ def main() -> None:
         info = simulated("sm90")
     shapes = grid()
     problems = [Problem(m=m, n=n, k=k) for m, n, k, _ in shapes]
-    w4_all = [t for p in problems for t in w4a16_tactics(p, info)]
-    w4a4_all = [t for p in problems for t in w4a4_tactics(p, info)]
+    w4a16 = TritonSm90W4A16Backend()
+    w4_all = [(w4a16, t, p) for p in problems for t in w4a16_tactics(p, info)]
+    w4a4_all = [(W4A4_BACKENDS[t.backend], t, p) for p in problems for t in w4a4_tactics(p, info)]
     workers = max(1, min(12, (os.cpu_count() or 2) - 2))
-    fails16 = precompile_w4a16(w4_all, device, workers)
-    fails4 = precompile(w4a4_all, device, workers)
+    fails16 = failures_by_tactic(precompile_kernels(w4_all, info, workers))
+    fails4 = failures_by_tactic(precompile_kernels(w4a4_all, info, workers))
     took = time.time() - t0
-    print(f"precompiled {len(set(w4_all))} W4A16 + {len(set(w4a4_all))} W4A4 tactics in "
+    print(f"precompiled {len({t for _, t, _ in w4_all})} W4A16 + "
+          f"{len({t for _, t, _ in w4a4_all})} W4A4 tactics in "
           f"{took:.0f}s; failures {len(fails16)} / {len(fails4)}", flush=True)  # fmt: skip
     for tj, why in list(fails16.items()) + list(fails4.items()):
         print(f"  FAIL {short(tj)}: {why}", flush=True)

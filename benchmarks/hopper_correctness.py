@@ -15,7 +15,8 @@ compared with the float64 product of the dequantized operands:
 (the outputs' rounding; the products are exact and accumulate in fp32), and every
 element must be finite. Out dtype alternates bf16/fp16 between tactics.
 
-Work is spread over worker processes by kernel variant (each variant compiles once).
+Every distinct kernel is first compiled in worker processes (`fp4_dispatch.precompile`,
+``--workers`` of them, CUDA only); the checks then run in this process.
 
     python benchmarks/hopper_correctness.py --out $OUT
 """
@@ -23,7 +24,6 @@ Work is spread over worker processes by kernel variant (each variant compiles on
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -34,8 +34,8 @@ if "--smoke" in sys.argv:
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import markdown_table, write_json
-from bench_hopper import parse_tactic, tactic_kernel, variant_key
+from _common import markdown_table, precompile_kernels, write_json
+from bench_hopper import parse_tactic, tactic_kernel
 
 from fp4_dispatch import harness
 from fp4_dispatch.backend import launch
@@ -73,15 +73,16 @@ def check_one(
     return harness.compare(out, ref, TOL[dtype])
 
 
-def worker(args) -> list[dict]:
-    jobs, device_name, seed = args
-    device = torch.device(device_name)
+def check_all(jobs: list[tuple[str, int, int, int]], device, seed: int) -> list[dict]:
+    """Run every (tactic JSON, M, N, K) job in this process; out dtype alternates
+    bf16/fp16 between jobs (`out_dtype`). One row per job; a crash is a failed row."""
+    device = torch.device(device)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     rows = []
     for i, (tj, m, n, k) in enumerate(jobs):
         t = parse_tactic(tj)
-        dtype = torch.bfloat16 if i % 2 == 0 else torch.float16
+        dtype = out_dtype(i)
         try:
             err, why = check_one(t, m, n, k, device, gen, dtype)
         except Exception as exc:  # a crash is a failure of this tactic, recorded
@@ -99,6 +100,11 @@ def worker(args) -> list[dict]:
             }
         )
     return rows
+
+
+def out_dtype(i: int) -> torch.dtype:
+    """The output dtype of the `i`-th job: bf16 and fp16 in turn."""
+    return torch.bfloat16 if i % 2 == 0 else torch.float16
 
 
 def main() -> None:
@@ -122,7 +128,8 @@ def main() -> None:
         device, info = "cuda", detect()
         shapes = [(m, n, k) for n, k in GRID_NK for m in GRID_MS]
         unpack_shapes = [(m, n, k) for n, k in GRID_NK for m in UNPACK_GRID_MS]
-    by_variant: dict[tuple, list] = {}
+    jobs: list[tuple[str, int, int, int]] = []
+    planned = []  # (backend, tactic, problem) of each job, for the precompile
     per_shape = {}
     for backend, grid in (
         (TritonSm90Backend(), shapes),
@@ -134,22 +141,15 @@ def main() -> None:
             ts = list(backend.tactics(Problem(m=m, n=n, k=k), info))
             per_shape[f"{backend.name} {m}x{n}x{k}"] = len(ts)
             for t in ts:
-                by_variant.setdefault(variant_key(t), []).append((t.canonical_json(), m, n, k))
-    variants = sorted(by_variant.values(), key=lambda jobs: -len(jobs))
-    workers = 1 if args.smoke else args.workers
-    buckets: list[list] = [[] for _ in range(workers)]
-    for i, jobs in enumerate(variants):  # each variant's jobs stay in one worker
-        buckets[i % workers] += jobs
-    total = sum(len(b) for b in buckets)
-    print(f"{total} runs: {len(variants)} kernel variants over {len(per_shape)} shapes; "
-          f"tactics per shape {per_shape}", flush=True)  # fmt: skip
+                dtype = str(out_dtype(len(jobs))).removeprefix("torch.")
+                planned.append((backend, t, Problem(m=m, n=n, k=k, out_dtype=dtype)))
+                jobs.append((t.canonical_json(), m, n, k))
     t0 = time.time()
-    tasks = [(b, device, 17 + i) for i, b in enumerate(buckets) if b]
-    if workers == 1:
-        rows = [r for task in tasks for r in worker(task)]
-    else:
-        with mp.get_context("spawn").Pool(workers) as pool:
-            rows = [r for part in pool.map(worker, tasks) for r in part]
+    report = precompile_kernels(planned, info, args.workers)
+    print(f"{len(jobs)} runs: {len(report.outcomes)} kernel variants over {len(per_shape)} "
+          f"shapes; tactics per shape {per_shape}", flush=True)  # fmt: skip
+    print(f"precompile: {report.summary()}", flush=True)
+    rows = check_all(jobs, device, 17)
     fails = [r for r in rows if r["fail"]]
     errs = [r["err"] for r in rows if not r["fail"]]
     write_json("hopper_correctness.json",

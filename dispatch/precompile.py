@@ -6,7 +6,7 @@ host: 20-38 s per cold shape). Compiles are CPU work and independent, so spawned
 processes do them side by side and leave the results in the on-disk kernel caches
 (Triton's cache dir, ``FP4_DISPATCH_KERNEL_CACHE`` for the CuTe-DSL artifacts); the
 process that measures then only *loads* compiled kernels (milliseconds each). The same
-code serves `Dispatcher.tune`, ``fp4-dispatch compile`` and the selection benchmark.
+code serves `Dispatcher.tune`, ``fp4-dispatch compile`` and the benchmarks.
 
 The unit of work is a `Job`: one (backend, tactic, problem in the kernel's orientation).
 A worker calls `Backend.precompile` (default: `build`; backends that compile lazily on

@@ -62,9 +62,6 @@ _UNSCALE = float(2**28)
 #: The packed PTX dequantizer on GPUs; the element-wise one under TRITON_INTERPRET=1.
 _USE_ASM = os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
 
-#: Hopper's per-block shared-memory limit (227 KiB usable by one CTA).
-SMEM_LIMIT = 232448
-
 
 @dataclass(frozen=True)
 class KernelConfig:

@@ -93,9 +93,6 @@ _USE_ASM = os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
 #: 2**14 undoes the 2**-14 carried by each dequantized weight (module docstring).
 _UNSCALE = float(2**14)
 
-#: Hopper's per-block shared-memory limit (227 KiB usable by one CTA), bytes.
-SMEM_LIMIT = 232448
-
 BLOCK_N_CHOICES = (64, 128)
 BLOCK_M_CHOICES = (16, 32, 64, 128)
 BLOCK_K_CHOICES = (64, 128, 256)

@@ -95,11 +95,9 @@ def render_tuned(row: dict | None) -> str:
     """One paragraph: the tuned tactic, its policy, the paired check against the default."""
     if row is None:
         return "tuned: no cache entry for this bucket (an untuned call runs the heuristic pick)"
+    from ..tactics import tactic_label  # noqa: PLC0415 - lazy: start-up time (--help)
+
     tactic = row.get("tactic") if isinstance(row.get("tactic"), dict) else {}
-    quiet = {"cluster_m": 1, "cluster_n": 1, "swap_ab": False}
-    shown = {k: v for k, v in tactic.items() if k not in ("backend", "tile_m", "tile_n")}
-    knobs = [f"{k}={v}" for k, v in sorted(shown.items()) if k not in quiet or quiet[k] != v]
-    tile = f"{tactic.get('tile_m', '?')}x{tactic.get('tile_n', '?')}"
     ratio, pairs = row.get("paired_ratio"), row.get("pairs") or 0
     if isinstance(ratio, (int, float)):
         kept = "default kept" if row.get("kept_default") else "winner adopted"
@@ -107,7 +105,7 @@ def render_tuned(row: dict | None) -> str:
     else:
         check = row.get("decision") or "no paired check recorded"
     lines = [
-        f"tuned: {row['backend']} {' '.join([tile, *knobs])}: {row['us']:.4g} µs "
+        f"tuned: {row['backend']} {tactic_label(tactic)}: {row['us']:.4g} µs "
         f"(measure {row['measure']})",
         f"  vs default: {check}",
     ]

@@ -62,24 +62,11 @@ fp4-dispatch tune --shapes 1,4096,4096 --op w4a16 --measure eager""",
 
 
 def _tactic(c: Candidate | None) -> str:
-    """A compact tactic label: backend, tile, and the knobs that differ from defaults."""
-    if c is None:
-        return "-"
-    t = c.tactic
-    knobs = []
-    defaults = type(t).model_fields
-    for name, value in t.model_dump(mode="json").items():
-        if name in ("backend", "tile_m", "tile_n"):
-            continue
-        field = defaults.get(name)
-        if field is not None and field.default == value:
-            continue
-        knobs.append(f"{name}={value}")
-    return f"{c.backend} {t.tile_m}x{t.tile_n}" + (f" {' '.join(knobs)}" if knobs else "")
+    """``backend 128x64 swap knob=value``: the backend and its tactic's label
+    (`fp4_dispatch.tactics.tactic_label`: tile, cluster, swap, knobs off their default)."""
+    from ..tactics import tactic_label  # noqa: PLC0415 - lazy: start-up time (--help)
 
-
-def _us(x: float) -> str:
-    return "-" if not math.isfinite(x) else f"{x:,.2f}"
+    return "-" if c is None else f"{c.backend} {tactic_label(c.tactic)}"
 
 
 def _paired(r: TuneResult) -> str:
@@ -101,11 +88,11 @@ def render(results: list[TuneResult]) -> str:
                 shape,
                 f"M<={p.m}",
                 _tactic(r.winner),
-                _us(r.winner_us),
+                common.us(r.winner_us),
                 _tactic(r.runner_up) if r.source == "measured" else "(cached)",
-                _us(r.runner_up_us),
+                common.us(r.runner_up_us),
                 _tactic(r.heuristic),
-                _us(r.heuristic_us),
+                common.us(r.heuristic_us),
                 "-" if not math.isfinite(regret) else f"{regret * 100:+.1f}%",
                 _paired(r),
                 f"{r.noise_band * 100:.1f}%",

@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 INSTALL_HINT = "pip install fp4-dispatch[triton]"
 #: a Triton kernel's config class (gemm_direct.KernelConfig, gemm_w4a16.W4A16Config)
 C = TypeVar("C")
-#: shared memory one CTA may use on Hopper (227 KiB)
+#: shared memory one CTA may use on Hopper, bytes (227 KiB: the opt-in per-block limit
+#: of compute capability 9.0); the family's one copy: `smem_rule` checks every sm90 kernel
 SMEM_LIMIT = 232448
 
 TILE_M = (16, 32, 64, 128)
