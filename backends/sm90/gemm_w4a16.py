@@ -77,6 +77,7 @@ import triton
 import triton.language as tl
 
 from fp4_dispatch.backend import DenseOperands
+from fp4_dispatch.backends.sm90 import gemm_unpack
 from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_K_CHOICES as UK
 from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_R_CHOICES as UR
 from fp4_dispatch.backends.sm90.gemm_unpack import unpack_nvfp4
@@ -695,13 +696,35 @@ class W4A16Kernel:
         )  # fmt: skip
         self.compiled = bound.last_compiled
 
+    def precompile(
+        self, m: int, n: int, k: int, dtype: torch.dtype, prepared: bool = False
+    ) -> object:
+        """Compile the variant a call of these sizes launches, launching nothing.
+
+        Mirrors `__call__` for contiguous ``dtype`` activations and output (what
+        `Dispatcher.gemm` and the tuner pass), each tensor given by its dtype (Triton's
+        placeholder, 16-byte aligned like every allocation). The kernel does not
+        specialize on M or N (``do_not_specialize``): K, N's row stride and the dtypes
+        decide the variant, so one compile serves every M bucket of an (N, K).
+        """
+        cfg = self.cfg
+        ws, cnt = (torch.float32, torch.int32) if cfg.split_k > 1 else (dtype, dtype)
+        sblk = swizzled_scale_shape(n, k)[1] * 128
+        args = (dtype, torch.uint8, torch.float8_e4m3fn, torch.float32, dtype, ws, cnt,
+                m, n, k, k, n, 1, sblk)  # fmt: skip
+        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        return self._binding(k, prepared, dtype).warmup((tiles, cfg.split_k), args)
+
     def _launch(self, operands: W4A16Operands, k: int) -> BoundLaunch:
         """The cached launcher binding of this call's constexprs (`backends.triton_launch`:
         after the first call of a specialization the compiled kernel is launched
         directly, not through ``JITFunction.run``)."""
+        return self._binding(k, bool(getattr(operands, "prepared", False)), operands.a.dtype)
+
+    def _binding(self, k: int, prepared: bool, act_dtype: torch.dtype) -> BoundLaunch:
+        """The launcher binding of (even K, prepared, native bf16 dequant), made once."""
         cfg = self.cfg
-        prepared = bool(getattr(operands, "prepared", False))
-        native = cfg.bf16_dequant == "native" and operands.a.dtype == torch.bfloat16
+        native = cfg.bf16_dequant == "native" and act_dtype == torch.bfloat16
         key = (k % cfg.block_k == 0, prepared, native)
         bound = self._bound.get(key)
         if bound is None:
@@ -726,6 +749,17 @@ class W4A16UnpackKernel:
 
     block_r: int = 64
     block_k: int = 128
+
+    def precompile(self, n: int, k: int, dtype: torch.dtype) -> None:
+        """Compile (Triton warmup, no launch) the weight's unpack pass of `__call__`:
+        ``n`` rows to ``dtype`` with alpha folded in; cuBLAS needs no compile."""
+        gemm_unpack.unpack_nvfp4_kernel.warmup(
+            torch.uint8, torch.uint8, dtype, torch.float32, n, k,
+            swizzled_scale_shape(n, k)[1] * 128,
+            grid=(triton.cdiv(n, self.block_r), triton.cdiv(k, self.block_k)),
+            BLOCK_R=self.block_r, BLOCK_K=self.block_k, HAS_ALPHA=True,
+            num_warps=gemm_unpack._num_warps(self.block_r, self.block_k),
+        )  # fmt: skip
 
     def __call__(self, operands: W4A16Operands, out: torch.Tensor) -> None:
         a = operands.a

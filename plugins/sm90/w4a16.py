@@ -229,6 +229,25 @@ class TritonSm90W4A16Backend(Backend):
             return _estimate_direct(tactic, problem, device)
         return _estimate_unpack(tactic, problem, device)
 
+    def precompile(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> object:
+        """Compile (Triton ``warmup``, no launch) what `gemm` runs for `problem` with
+        contiguous activations and output of the output dtype (as `Dispatcher.gemm` and
+        the tuner pass them): the direct kernel, or the unpack path's weight pass."""
+        assert isinstance(tactic, TritonSm90W4A16Tactic)
+        import torch  # noqa: PLC0415 - start-up time: the plugin module imports without torch
+
+        kernel = self.build(tactic, problem, device)
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[problem.out_dtype]
+        if tactic.path == "unpack":
+            kernel.precompile(problem.n, problem.k, dtype)  # type: ignore[attr-defined]
+            return kernel
+        return kernel.precompile(problem.m, problem.n, problem.k, dtype)  # type: ignore[attr-defined]
+
+    def precompile_key(self, tactic: Tactic, problem: Problem) -> tuple:
+        """Neither path specializes on M (the direct kernel: ``do_not_specialize``; the
+        unpack pass reads the weight only): the tactic, N, K and the dtype decide."""
+        return (tactic, problem.n, problem.k, problem.out_dtype, problem.operation)
+
     def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
         assert isinstance(tactic, TritonSm90W4A16Tactic)
         if tactic.path == "unpack":
