@@ -18,7 +18,7 @@ graphs and a cold L2 (3648), and different winners in different processes from n
    failure (method ``wrong``, time infinity, ``error`` says why): a fast kernel that
    writes zeros, ignores ``out``'s strides on a swapped tactic or misses a tail tile
    is never adopted. Each candidate is checked once per bucket it is tuned for.
-3. **Timing** by a timer (injectable, see `Timer`), under a measurement POLICY
+3. **Timing** by a timer (`fp4_dispatch.timers`; injectable, see `Timer`), under a POLICY
    (``measure``, recorded in each result and cache entry): tune the way the call will
    run.
 
