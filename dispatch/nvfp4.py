@@ -258,6 +258,21 @@ def _check_prepare_input(data: torch.Tensor, name: str) -> None:
         )
 
 
+def rotate_high_nibbles(b: torch.Tensor) -> torch.Tensor:
+    """Natural bytes -> bytes whose HIGH nibble is rotated: sign to bit 4, magnitude to 5-7.
+
+    Natural byte ``s1 m1 | s0 m0`` (bit 7 sign of the odd element, bits 4-6 its magnitude,
+    bit 3 sign of the even element, bits 0-2 its magnitude) becomes ``m1 s1 | s0 m0``: step
+    2 of `sm90_prepare_data` (why: the Hopper W4A16 kernel's bf16 dequantizer).
+    """
+    return (b & 0x0F) | ((b & 0x70) << 1) | ((b & 0x80) >> 3)
+
+
+def unrotate_high_nibbles(b: torch.Tensor) -> torch.Tensor:
+    """The inverse of `rotate_high_nibbles`."""
+    return (b & 0x0F) | ((b & 0xE0) >> 1) | ((b & 0x10) << 3)
+
+
 def sm90_prepare_data(data: torch.Tensor) -> torch.Tensor:
     """Natural packed e2m1 ``uint8 [N, K/2]`` -> the ``"sm90-prepared"`` byte layout.
 
@@ -281,14 +296,14 @@ def sm90_prepare_data(data: torch.Tensor) -> torch.Tensor:
     n, kb = data.shape
     grouped = data.reshape(n, kb // SM90_GROUP, 4, 2, 2, 2)  # natural (q, c, h, e)
     b = grouped.permute(0, 1, 3, 2, 4, 5).contiguous().reshape(n, kb)  # memory (c, q, h, e)
-    return (b & 0x0F) | ((b & 0x70) << 1) | ((b & 0x80) >> 3)
+    return rotate_high_nibbles(b)
 
 
 def sm90_unprepare_data(data: torch.Tensor) -> torch.Tensor:
     """The inverse of `sm90_prepare_data`: prepared bytes -> natural packed e2m1."""
     _check_prepare_input(data, "data")
     n, kb = data.shape
-    b = (data & 0x0F) | ((data & 0xE0) >> 1) | ((data & 0x10) << 3)
+    b = unrotate_high_nibbles(data)
     grouped = b.reshape(n, kb // SM90_GROUP, 2, 4, 2, 2)  # memory (c, q, h, e)
     return grouped.permute(0, 1, 3, 2, 4, 5).contiguous().reshape(n, kb)  # natural order
 

@@ -297,7 +297,8 @@ def test_tune_precompiles_first_with_one_bar_for_both_phases(plugin_dist, tmp_pa
 
 # ---- the Triton sm90 kernel: compiled without a launch (and without a GPU) --------------
 
-TRITON_SCRIPT = r"""
+#: the scripts' preamble: a Triton driver that targets sm_90 with no GPU (compile only)
+TARGET_ONLY = r"""
 import json, os, sys
 import torch
 import triton
@@ -318,6 +319,11 @@ class TargetOnly:
 
 
 driver.set_active(TargetOnly())
+"""
+
+TRITON_SCRIPT = (
+    TARGET_ONLY
+    + r"""
 from fp4_dispatch.backend import GemmOperands, kernel_problem, launch
 from fp4_dispatch.backends.sm90 import gemm_direct
 from fp4_dispatch.plugins.sm90 import PROFILE, TritonSm90Backend, TritonSm90Tactic
@@ -379,6 +385,7 @@ out["unpack"] = {"new_by_precompile": after_precompile, "new_by_real_args":
 out["cache_files"] = len(os.listdir(os.environ["TRITON_CACHE_DIR"]))
 print(json.dumps(out))
 """
+)
 
 
 def test_triton_sm90_precompile_compiles_what_a_call_launches(tmp_path):
@@ -414,26 +421,9 @@ def test_triton_sm90_precompile_compiles_what_a_call_launches(tmp_path):
     assert got["cache_files"] >= 2  # on disk, where another process finds them
 
 
-W4A16_SCRIPT = r"""
-import json, os, sys
-import torch
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
-
-
-class TargetOnly:
-    # no GPU here: Triton compiles for sm_90 (ptxas ships with it); nothing can launch
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-
-driver.set_active(TargetOnly())
+W4A16_SCRIPT = (
+    TARGET_ONLY
+    + r"""
 from fp4_dispatch.backend import DenseOperands
 from fp4_dispatch.backends.sm90 import gemm_unpack, gemm_w4a16
 from fp4_dispatch.nvfp4 import swizzled_scale_shape
@@ -492,6 +482,7 @@ for spec in json.loads(sys.argv[1]):
                          "new_by_real_args": len(cache) - after}
 print(json.dumps(out))
 """
+)
 
 
 def test_triton_sm90_w4a16_precompile_compiles_what_a_call_launches(tmp_path):

@@ -84,7 +84,13 @@ from fp4_dispatch.backends.sm90.gemm_unpack import unpack_nvfp4
 from fp4_dispatch.backends.sm90.splitk import store_tile
 from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher
 from fp4_dispatch.backends.workspace import Scratch
-from fp4_dispatch.nvfp4 import sm90_prepare_data, sm90_unprepare_data, swizzled_scale_shape
+from fp4_dispatch.nvfp4 import (  # noqa: F401 - rotate/unrotate re-exported
+    rotate_high_nibbles,
+    sm90_prepare_data,
+    sm90_unprepare_data,
+    swizzled_scale_shape,
+    unrotate_high_nibbles,
+)
 
 log = logging.getLogger(__name__)
 
@@ -164,36 +170,6 @@ def smem_estimate(cfg: W4A16Config) -> int:
 
 # ---- the prepared weight layout -------------------------------------------------------
 
-#: bytes per permutation group of the prepared layout (64 K elements, four scale blocks)
-PREPARED_GROUP = 32
-
-
-def _check_packed(b_data: torch.Tensor, name: str) -> None:
-    if not isinstance(b_data, torch.Tensor) or b_data.dtype != torch.uint8:
-        got = b_data.dtype if isinstance(b_data, torch.Tensor) else type(b_data).__name__
-        raise TypeError(f"{name}: expected a uint8 tensor [N, K/2], got {got}")
-    if b_data.dim() != 2 or b_data.shape[1] % PREPARED_GROUP:
-        raise ValueError(
-            f"{name}: expected [N, K/2] with K % 64 == 0, got shape {tuple(b_data.shape)}"
-        )
-
-
-def rotate_high_nibbles(b: torch.Tensor) -> torch.Tensor:
-    """Natural bytes -> bytes whose HIGH nibble is rotated: sign to bit 4, magnitude to 5-7.
-
-    Natural byte ``s1 m1 | s0 m0`` (bit 7 sign of the odd element, bits 4-6 its magnitude,
-    bit 3 sign of the even element, bits 0-2 its magnitude) becomes ``m1 s1 | s0 m0``.
-    Why: with the even element as is and the odd one so placed, each fp16/bf16 pair of
-    the bf16 dequantizer is ``((t << a) | (t << b)) & mask`` (two shifts, one LOP3), the
-    shifted-in zeros keeping the two sources apart (see `_DEQUANT_BF16_V2_ASM`).
-    """
-    return (b & 0x0F) | ((b & 0x70) << 1) | ((b & 0x80) >> 3)
-
-
-def unrotate_high_nibbles(b: torch.Tensor) -> torch.Tensor:
-    """The inverse of `rotate_high_nibbles`."""
-    return (b & 0x0F) | ((b & 0xE0) >> 1) | ((b & 0x10) << 3)
-
 
 def prepare_weight(b_data: torch.Tensor) -> torch.Tensor:
     """Packed e2m1 ``[N, K/2]`` (natural order) -> the sm90-prepared weight layout.
@@ -204,13 +180,11 @@ def prepare_weight(b_data: torch.Tensor) -> torch.Tensor:
     PRMT) and a rotation of each high nibble (`rotate_high_nibbles`: both bf16 value
     pairs then take the 3-instruction "or" form). Tile-size independent.
     """
-    _check_packed(b_data, "b_data")
     return sm90_prepare_data(b_data)
 
 
 def unprepare_weight(prepared: torch.Tensor) -> torch.Tensor:
     """The inverse of `prepare_weight`: prepared bytes -> natural packed e2m1 order."""
-    _check_packed(prepared, "prepared")
     return sm90_unprepare_data(prepared)
 
 
