@@ -50,7 +50,8 @@ import triton
 import triton.language as tl
 
 from fp4_dispatch.backend import GemmOperands
-from fp4_dispatch.backends.sm90.splitk import store_tile
+from fp4_dispatch.backends.sm90.splitk import k_tile_range, store_tile
+from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
 from fp4_dispatch.backends.triton_launch import CachedLauncher
 from fp4_dispatch.backends.workspace import Scratch
 
@@ -236,10 +237,7 @@ def _nvfp4_gemm_kernel(
     pid_n = (pid % width) // group_size
 
     k_half = K // 2
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    kt0 = pid_k * per_split
-    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+    kt0, kt1 = k_tile_range(K, BLOCK_K, SPLIT_K, pid_k)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -250,10 +248,9 @@ def _nvfp4_gemm_kernel(
 
     a_ptrs = a_ptr + rm[:, None].to(tl.int64) * k_half + (kt0 * KB + rb)[None, :]
     b_ptrs = b_ptr + rn[:, None].to(tl.int64) * k_half + (kt0 * KB + rb)[None, :]
-    # 128x4 swizzle: (r // 128) * blk + (g // 4) * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + g % 4
-    a_row = (rm // 128).to(tl.int64) * a_sblk + (rm % 32) * 16 + ((rm % 128) // 32) * 4
-    b_row = (rn // 128).to(tl.int64) * b_sblk + (rn % 32) * 16 + ((rn % 128) // 32) * 4
-    g_off = (rg // 4) * 512 + rg % 4 + kt0 * (KG // 4) * 512
+    a_row = scale_row_offset(rm, a_sblk)
+    b_row = scale_row_offset(rn, b_sblk)
+    g_off = scale_group_offset(rg) + kt0 * (KG // 4) * 512
     as_ptrs = as_ptr + a_row[:, None] + g_off[None, :]
     bs_ptrs = bs_ptr + b_row[:, None] + g_off[None, :]
 

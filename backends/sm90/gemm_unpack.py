@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from fp4_dispatch.backend import GemmOperands
+from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
 from fp4_dispatch.nvfp4 import swizzled_scale_shape
 
 log = logging.getLogger(__name__)
@@ -112,9 +113,8 @@ def unpack_nvfp4_kernel(
     (one rounding per element; the W4A16 unpack path folds the global scale in here).
 
     ``data``: uint8 [R, K/2] (low nibble = even k); ``scale``: the swizzled 128x4 e4m3
-    storage viewed as uint8, read in place through the offset formula
-    ``(r // 128) * s_blk + (g // 4) * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + g % 4``
-    with ``s_blk = ceil4(K/16) * 128``. Bytes are loaded contiguously (KB per row), low and
+    storage viewed as uint8, read in place at the offsets of
+    `fp4_dispatch.backends.sm90.swizzle` with ``s_blk = ceil4(K/16) * 128``. Bytes are loaded contiguously (KB per row), low and
     high nibbles decoded separately and interleaved with ``tl.join`` so the store is a
     contiguous BLOCK_K run per row.
     """
@@ -136,8 +136,8 @@ def unpack_nvfp4_kernel(
     )
 
     gcol = pid_k * KG + tl.arange(0, KG)
-    s_row = (rows64 // 128) * s_blk + (rows % 32) * 16 + ((rows % 128) // 32) * 4
-    s_col = (gcol // 4) * 512 + gcol % 4
+    s_row = scale_row_offset(rows, s_blk)
+    s_col = scale_group_offset(gcol)
     sb = tl.load(
         scale_ptr + s_row[:, None] + s_col[None, :],
         mask=rmask[:, None] & (gcol < K // 16)[None, :],

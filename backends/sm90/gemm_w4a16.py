@@ -81,7 +81,8 @@ from fp4_dispatch.backends.sm90 import gemm_unpack
 from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_K_CHOICES as UK
 from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_R_CHOICES as UR
 from fp4_dispatch.backends.sm90.gemm_unpack import unpack_nvfp4
-from fp4_dispatch.backends.sm90.splitk import store_tile
+from fp4_dispatch.backends.sm90.splitk import k_tile_range, store_tile
+from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
 from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher
 from fp4_dispatch.backends.workspace import Scratch
 from fp4_dispatch.nvfp4 import (  # noqa: F401 - rotate/unrotate re-exported
@@ -448,8 +449,8 @@ def _dequant_tile_kernel(
     rb = pid_k * KB + tl.arange(0, KB)
     rg = pid_k * KG + tl.arange(0, KG)
     x = tl.load(data_ptr + rr[:, None].to(tl.int64) * (K // 2) + rb[None, :])
-    s_row = (rr // 128).to(tl.int64) * s_blk + (rr % 32) * 16 + ((rr % 128) // 32) * 4
-    s = tl.load(scale_ptr + s_row[:, None] + ((rg // 4) * 512 + rg % 4)[None, :])
+    s_row = scale_row_offset(rr, s_blk)
+    s = tl.load(scale_ptr + s_row[:, None] + scale_group_offset(rg)[None, :])
     if PREPARED:
         x = _from_prepared(x, BLOCK_R, KB)
     ORDER: tl.constexpr = 2 if PREPARED else 0
@@ -534,10 +535,7 @@ def _w4a16_kernel(
     pid_m = pid // grid_n
 
     k_half = K // 2
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    kt0 = pid_k * per_split
-    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+    kt0, kt1 = k_tile_range(K, BLOCK_K, SPLIT_K, pid_k)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -547,9 +545,8 @@ def _w4a16_kernel(
     rg = tl.arange(0, KG)
 
     w_ptrs = b_ptr + rn[:, None].to(tl.int64) * k_half + (kt0 * KB + rb)[None, :]
-    # 128x4 swizzle: (r // 128) * blk + (g // 4) * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + g % 4
-    s_row = (rn // 128).to(tl.int64) * b_sblk + (rn % 32) * 16 + ((rn % 128) // 32) * 4
-    s_ptrs = bs_ptr + s_row[:, None] + ((rg // 4) * 512 + rg % 4 + kt0 * (KG // 4) * 512)[None, :]
+    s_row = scale_row_offset(rn, b_sblk)
+    s_ptrs = bs_ptr + s_row[:, None] + (scale_group_offset(rg) + kt0 * (KG // 4) * 512)[None, :]
     rk = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (kt0 * BLOCK_K + rk)[None, :]
 

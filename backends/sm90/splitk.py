@@ -14,6 +14,16 @@ import triton.language as tl
 
 
 @triton.jit
+def k_tile_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, pid_k):
+    """``(kt0, kt1)``: the K tiles split ``pid_k`` of ``SPLIT_K`` reduces (equal shares
+    of ``cdiv(K, BLOCK_K)`` tiles; the last split's may be shorter or empty)."""
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    kt0 = pid_k * per_split
+    return kt0, tl.minimum(kt0 + per_split, k_tiles)
+
+
+@triton.jit
 def store_tile(
     acc,
     scale,
