@@ -237,7 +237,8 @@ class Dispatcher:
                  for p, sl in zip(todo, shortlists, strict=True) for c in sl]  # fmt: skip
         if precompile is None:
             precompile = self.device.kind == "cuda"
-        jobs = _precompile.jobs_for(pairs) if precompile else []
+        new_jobs = _precompile.jobs_for(pairs)  # kernels this process has not compiled
+        jobs = new_jobs if precompile else []
         total = len(pairs) + len(jobs)
         with bar_of(range(total), total=total, desc="tuning", unit="kernel",
                     enable=progress) as bar:  # fmt: skip
@@ -252,7 +253,7 @@ class Dispatcher:
                 self._adopt(result, save and (fleet is None or fleet.is_root))
         if fleet is not None:
             fleet.agree("the tuned picks", [_pick_of(results[b]) for b in order])
-        _precompile.mark_ready(_precompile.jobs_for(pairs))  # each one was built and launched
+        _precompile.mark_ready(new_jobs)  # each one was built and launched
         return [results[b] for b in order]
 
     def _tune_todo(
