@@ -56,6 +56,23 @@ class Scratch:
         return list(self._buffers.values())
 
 
+_ONES: dict[str, torch.Tensor] = {}
+
+
+def one(device: torch.device) -> torch.Tensor:
+    """A float32 ``[1]`` tensor holding 1.0 on `device`, made once per device outside
+    CUDA-graph pools (like `Scratch`) and kept for the process: the neutral second
+    factor of a kernel that takes alpha as two (`fp4_dispatch.backend.GemmOperands`)."""
+    key = str(device)
+    t = _ONES.get(key)
+    if t is None:
+        ws, _ = _make_outside_pools(device, 1, 1)
+        t = _ONES[key] = ws.fill_(1.0)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # once, off the hot path
+    return t
+
+
 def _make(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
     ws = torch.empty(floats, dtype=torch.float32, device=device)
     cnt = torch.zeros(counters, dtype=torch.int32, device=device)

@@ -101,10 +101,17 @@ def _launch_layers(d: Dispatcher, op: str, key: tuple, call, wall) -> None:
         compiled.run(g3[0], g3[1], g3[2], stream, compiled.function,
                      compiled.packed_metadata, None, None, None, *full)  # fmt: skip
 
-    try:
-        wall(f"{op} compiled.run(...) fixed stream", direct)
-    except Exception as exc:  # a different runner signature: recorded
-        log.warning("compiled.run direct call failed: %s: %s", type(exc).__name__, exc)
+    ptrs = tuple(t.data_ptr() if isinstance(t, torch.Tensor) else t for t in full)
+
+    def direct_ints():  # pointers as ints: no data_ptr() call or pointer check in C
+        compiled.run(g3[0], g3[1], g3[2], stream, compiled.function,
+                     compiled.packed_metadata, None, None, None, *ptrs)  # fmt: skip
+
+    for name, fn in (("fixed stream", direct), ("int pointers", direct_ints)):
+        try:
+            wall(f"{op} compiled.run(...) {name}", fn)
+        except Exception as exc:  # a different runner signature: recorded
+            log.warning("compiled.run %s failed: %s: %s", name, type(exc).__name__, exc)
     log.info("%s launcher .launch: %r; scratch %s/%s", op, getattr(compiled.run, "launch", None),
              getattr(compiled.run, "global_scratch_size", "?"),
              getattr(compiled.run, "profile_scratch_size", "?"))  # fmt: skip

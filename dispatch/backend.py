@@ -44,6 +44,12 @@ class GemmOperands:
       storage order (padding included, never unpadded).
     - ``b_data``: uint8 ``[N, K/2]`` contiguous; ``b_scale`` like ``a_scale``.
     - ``alpha``: float32 tensor with one element, on the operands' device.
+    - ``alpha_b``: None, or a second one-element float32 factor: the kernel then computes
+      with ``alpha * alpha_b`` (float32 product). Only kernels whose class sets
+      ``alpha_factors = True`` ever receive it; for every other kernel the dispatcher
+      multiplies first (`fp4_dispatch.plans.Plan`). Why: the two global scales of an
+      eager ``gemm`` arrive separately, and their product is one more kernel launch
+      (~8 µs of host time on the H200 host) when the GEMM kernel can multiply two loads.
 
     When a tactic sets ``swap_ab`` the dispatcher passes (b, a) here and the
     transposed view of ``out``: kernels must honour ``out``'s strides.
@@ -54,6 +60,7 @@ class GemmOperands:
     b_data: torch.Tensor
     b_scale: torch.Tensor
     alpha: torch.Tensor
+    alpha_b: torch.Tensor | None = None
 
     @property
     def m(self) -> int:
@@ -68,7 +75,9 @@ class GemmOperands:
         return self.a_data.shape[1] * 2
 
     def swapped(self) -> GemmOperands:
-        return GemmOperands(self.b_data, self.b_scale, self.a_data, self.a_scale, self.alpha)
+        return GemmOperands(
+            self.b_data, self.b_scale, self.a_data, self.a_scale, self.alpha, self.alpha_b
+        )
 
 
 @dataclass(frozen=True, slots=True)

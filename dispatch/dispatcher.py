@@ -456,11 +456,13 @@ class Dispatcher:
         alpha: torch.Tensor,
         out: torch.Tensor,
         dtype: str,
+        alpha_b: torch.Tensor | None = None,
     ) -> None:
-        """The W4A4 hot path: checked operands (`GemmOperands` order) through their plan."""
+        """The W4A4 hot path: checked operands (`GemmOperands` order) through their plan;
+        ``alpha_b`` an optional second factor of ``alpha`` (`GemmOperands.alpha_b`)."""
         if a.shape[0] and b.shape[0]:  # an empty product (an empty batch): nothing to do
             self._run((a.shape[0], b.shape[0], a.shape[1] * 2, dtype, "w4a4"),
-                      (a, sa, b, sb, alpha, out))  # fmt: skip
+                      (a, sa, b, sb, alpha, out, alpha_b))  # fmt: skip
 
     def run_dense(
         self,
@@ -562,14 +564,16 @@ class Dispatcher:
             checks.same_device(device, qb=qb.data)
         # backends read natural data order (an "sm90-prepared" weight is restored here)
         qa, qb = qa.with_layout("swizzled").natural(), qb.with_layout("swizzled").natural()
-        alpha = (qa.global_scale * qb.global_scale).reshape(1)
         if out is not None:
             out = checks.out_tensor(out, qa.rows, qb.rows, out_dtype, device)
         if torch.compiler.is_compiling():
+            alpha = (qa.global_scale * qb.global_scale).reshape(1)
             return torch_ops.run(self, qa.data, qa.scale, qb.data, qb.scale, alpha, out_dtype, out)
         if out is None:  # eagerly: straight to the plan (checked here, once)
             out = torch.empty((qa.rows, qb.rows), dtype=out_dtype, device=device)
-        self.run_checked(qa.data, qa.scale, qb.data, qb.scale, alpha, out, dtype)
+        # the global scales as alpha's two factors: the kernel multiplies them (or the plan)
+        self.run_checked(qa.data, qa.scale, qb.data, qb.scale, qa.global_scale, out, dtype,
+                         qb.global_scale)  # fmt: skip
         return out
 
     def _gemm_dense(

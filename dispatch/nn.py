@@ -302,9 +302,9 @@ class Nvfp4Linear(nn.Module):
                                     self._weight_alpha(bufs), out_dtype)  # fmt: skip
         else:
             a, sa, ga = torch_ops.quantize(x2, bufs["input_global_scale"])
-            alpha = (ga * bufs["weight_global_scale"]).reshape(1)
-            y = torch_ops.run(d, a, sa, bufs["weight_data"], bufs["weight_scale"], alpha,
-                              out_dtype)  # fmt: skip
+            # alpha as two factors (no product kernel when the GEMM kernel multiplies them)
+            y = torch_ops.run(d, a, sa, bufs["weight_data"], bufs["weight_scale"], ga,
+                              out_dtype, None, bufs["weight_global_scale"])  # fmt: skip
         bias = self._parameters["bias"]
         if bias is not None:
             y = y.add_(bias) if bias.dtype == out_dtype else y + bias.to(out_dtype)

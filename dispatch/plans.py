@@ -30,18 +30,22 @@ PlanKey = tuple[int, int, int, str, str]
 class Plan:
     """The built kernel of one candidate for one exact shape, with the swap applied once.
 
-    ``plan(a, sa, b, sb, alpha, out)`` takes W4A4 operands in the caller's orientation
-    (already checked by the public entry points) and writes ``out``; `DensePlan` is the
-    W4A16 variant. Iterating a plan gives ``(candidate, kernel)``.
+    ``plan(a, sa, b, sb, alpha, out, alpha_b=None)`` takes W4A4 operands in the caller's
+    orientation (already checked by the public entry points) and writes ``out``; with
+    ``alpha_b`` the scale is ``alpha * alpha_b``, handed to kernels that multiply it
+    themselves (``alpha_factors``) and multiplied here for the others (`GemmOperands`).
+    `DensePlan` is the W4A16 variant. Iterating a plan gives ``(candidate, kernel)``.
     """
 
-    __slots__ = ("candidate", "kernel", "key", "swap", "warm")
+    __slots__ = ("candidate", "factors", "kernel", "key", "swap", "warm")
 
     def __init__(self, key: PlanKey, candidate: Candidate, kernel: Kernel) -> None:
         self.key = key
         self.candidate = candidate
         self.kernel = kernel
         self.swap = bool(candidate.tactic.swap_ab)
+        #: whether the kernel takes alpha as two factors (`GemmOperands.alpha_b`)
+        self.factors = getattr(type(kernel), "alpha_factors", False) is True
         #: True once it ran outside a capture: only then may a CUDA graph record it
         self.warm = False
 
@@ -53,11 +57,14 @@ class Plan:
         sb: torch.Tensor,
         alpha: torch.Tensor,
         out: torch.Tensor,
+        alpha_b: torch.Tensor | None = None,
     ) -> None:
+        if alpha_b is not None and not self.factors:
+            alpha, alpha_b = (alpha * alpha_b).reshape(1), None
         if self.swap:
-            self.kernel(GemmOperands(b, sb, a, sa, alpha), out.t())
+            self.kernel(GemmOperands(b, sb, a, sa, alpha, alpha_b), out.t())
         else:
-            self.kernel(GemmOperands(a, sa, b, sb, alpha), out)
+            self.kernel(GemmOperands(a, sa, b, sb, alpha, alpha_b), out)
 
     def __iter__(self):
         return iter((self.candidate, self.kernel))

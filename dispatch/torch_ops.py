@@ -106,6 +106,7 @@ class Runner(Protocol):
         alpha: torch.Tensor,
         out: torch.Tensor,
         dtype: str,
+        alpha_b: torch.Tensor | None = None,
     ) -> None: ...
 
     def run_dense(
@@ -416,10 +417,12 @@ def run(
     alpha: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     out: torch.Tensor | None = None,
+    alpha_b: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``alpha * dequant(a) @ dequant(b).T`` on already checked operands.
 
-    Operands as in `GemmOperands` (swizzled scales, ``alpha`` one float32 element);
+    Operands as in `GemmOperands` (swizzled scales, ``alpha`` one float32 element, and
+    optionally its second factor ``alpha_b``, multiplied in by the kernel when it can);
     ``dispatcher`` None means the default dispatcher of the operands' device. Under
     torch.compile this becomes the ``fp4_dispatch::gemm`` (or ``gemm_out``) op, so the
     graph holds one opaque call and no dispatcher Python; eagerly it runs the plan
@@ -428,6 +431,8 @@ def run(
     """
     if torch.compiler.is_compiling():
         did = DEFAULT if dispatcher is None else dispatcher.op_id
+        if alpha_b is not None:  # the op takes the product (one small fused kernel)
+            alpha = (alpha * alpha_b).reshape(1)
         if out is None:
             return torch.ops.fp4_dispatch.gemm(
                 a_data, a_scale, b_data, b_scale, alpha, out_dtype, did
@@ -438,7 +443,7 @@ def run(
     dtype = checks.out_dtype_name(out_dtype)
     if out is None:
         out = torch.empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype, device=a_data.device)
-    d.run_checked(a_data, a_scale, b_data, b_scale, alpha, out, dtype)
+    d.run_checked(a_data, a_scale, b_data, b_scale, alpha, out, dtype, alpha_b)
     return out
 
 

@@ -241,3 +241,37 @@ def test_w4a16_bad_activations_are_rejected(dispatcher, x, exc, text):
     qb = quantize_nvfp4(torch.randn(40, 96))
     with pytest.raises(exc, match=text):
         dispatcher.gemm(x, qb)
+
+
+class _AlphaKernel:
+    """A kernel recording the alpha it was handed (and its optional second factor)."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def __call__(self, operands, out) -> None:
+        self.seen.append((operands.alpha, operands.alpha_b))
+
+
+class _FactorKernel(_AlphaKernel):
+    alpha_factors = True
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_plan_hands_alpha_factors_only_to_kernels_that_take_them(swap: bool) -> None:
+    from types import SimpleNamespace
+
+    from fp4_dispatch.plans import Plan
+
+    cand = SimpleNamespace(tactic=SimpleNamespace(swap_ab=swap), backend="x")
+    ga, gb = torch.tensor(3.0), torch.tensor(0.25)
+    a, out = torch.zeros(2, 8, dtype=torch.uint8), torch.empty(2, 4)
+    plain, factors = _AlphaKernel(), _FactorKernel()
+    for kernel in (plain, factors):
+        Plan((2, 4, 16, "bfloat16", "w4a4"), cand, kernel)(a, a, a, a, ga, out, gb)
+    ((alpha, second),) = plain.seen
+    assert second is None and alpha.shape == (1,) and float(alpha) == 0.75  # multiplied here
+    ((alpha, second),) = factors.seen
+    assert alpha is ga and second is gb  # handed as they came
+    Plan((2, 4, 16, "bfloat16", "w4a4"), cand, plain)(a, a, a, a, ga, out)
+    assert plain.seen[-1] == (ga, None)  # one factor: as before

@@ -298,7 +298,41 @@ def test_launch_keyed_reuses_the_runner_of_its_key(monkeypatch) -> None:
     # trailing constexprs are appended as they are (runtime args first)
     assert kernel.calls[2][1] == (2, 1, 1) and kernel.calls[2][2] == (x, 18, 8, 4)
     assert kernel.calls[4][1] == (3, 1, 1)
-    assert set(bound._keyed) == {("a", (2,)), ("a", (3,))}
+    assert {k[:2] for k in bound._keyed} == {("a", (2,)), ("a", (3,))}
+
+
+class _RunCompiled(_FakeCompiled):
+    """A compiled kernel with the pieces of Triton's runner: ``run`` (the CUDA
+    launcher), ``function`` and ``packed_metadata``."""
+
+    function, packed_metadata = "fn-handle", "meta"
+
+    def run(self, *args):
+        self.calls.append(("run", args[:9], args[9:]))
+
+
+def test_direct_runner_calls_the_cuda_launcher_unless_a_launch_hook_is_set(monkeypatch):
+    triton = pytest.importorskip("triton")
+    if not hasattr(triton, "knobs"):
+        pytest.skip("this Triton has no knobs: the direct runner is not used")
+    from fp4_dispatch.backends import triton_launch
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1000 + d, raising=False)
+    calls: list = []
+    compiled = _RunCompiled(calls, fail=False)
+    runner = triton_launch._direct_runner(compiled, (4, 2, 1), 3, compiled[(4, 2, 1)])
+    runner("x", 17)
+    # grid, the current raw stream of the runner's device, handle, metadata, no hooks
+    assert calls == [("run", (4, 2, 1, 1003, "fn-handle", "meta", None, None, None), ("x", 17))]
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", None)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", None)
+    runner("w", 16)  # no hooks at all (Triton < 3.5): still the CUDA launcher
+    assert calls[-1][0] == "run"
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: None)
+    runner("y", 18)  # a profiler's hook needs Triton's own runner (launch metadata)
+    assert calls[-1] == ("direct", (4, 2, 1), ("y", 18))
+    # a compiled kernel without the pieces: no direct runner
+    assert triton_launch._direct_runner(_FakeCompiled([], False), (1, 1, 1), 0, None) is None
 
 
 def test_cached_launcher_falls_back_when_the_convention_differs(monkeypatch, caplog) -> None:

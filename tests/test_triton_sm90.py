@@ -102,7 +102,18 @@ for seed in (1, 2):
     results.append([5, 24, 512, "split-k call %d" % seed, worst(out, ref), 0.0])
 counters = sum(int(cnt.abs().sum()) for _, cnt in handed) if len(handed) == 2 else -1
 kept = len(handed) == 2 and handed[0][1] is handed[1][1] and handed[0][0] is handed[1][0]
-print(json.dumps({"results": results, "counters": counters, "kept": kept}))
+# alpha as two factors (GemmOperands.alpha_b): the same bits as the product passed whole
+g = torch.Generator().manual_seed(7)
+qa = quantize_nvfp4(torch.randn(3, 160, generator=g) * 3.7)
+qb = quantize_nvfp4(torch.randn(72, 160, generator=g) / 5.3)
+kernel = mod.build(mod.KernelConfig(block_m=16, block_n=32, block_k=128, split_k=2))
+whole, split = (torch.empty((3, 72), dtype=torch.bfloat16) for _ in range(2))
+kernel(GemmOperands(qa.data, qa.scale, qb.data, qb.scale,
+                    (qa.global_scale * qb.global_scale).reshape(1)), whole)
+kernel(GemmOperands(qa.data, qa.scale, qb.data, qb.scale, qa.global_scale.reshape(1),
+                    qb.global_scale.reshape(1)), split)
+factors = [bool(torch.equal(whole, split)), float(qa.global_scale * qb.global_scale) != 1.0]
+print(json.dumps({"results": results, "counters": counters, "kept": kept, "factors": factors}))
 """
 
 
@@ -130,6 +141,12 @@ def test_interpreter_matches_reference_within_an_ulp(interpreted):
     for m, n, k, what, plain, transposed in rows:
         assert plain <= 1.0, f"{m}x{n}x{k} {what}: error {plain:.3g} ulp-tolerances"
         assert transposed <= 1.0, f"{m}x{n}x{k} {what} (out.T): error {transposed:.3g}"
+
+
+def test_interpreter_alpha_factors_equal_the_whole_product(interpreted):
+    equal, nontrivial = interpreted["factors"]
+    assert nontrivial  # the scales' product is not 1: the second factor matters
+    assert equal
 
 
 def test_interpreter_split_k_counters_reset(interpreted):

@@ -52,8 +52,8 @@ import triton.language as tl
 from fp4_dispatch.backend import GemmOperands
 from fp4_dispatch.backends.sm90.splitk import k_tile_range, store_tile
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
-from fp4_dispatch.backends.triton_launch import CachedLauncher
-from fp4_dispatch.backends.workspace import Scratch
+from fp4_dispatch.backends.triton_launch import CachedLauncher, alignment_bits
+from fp4_dispatch.backends.workspace import Scratch, one
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,7 @@ def _nvfp4_gemm_kernel(
     b_ptr,
     bs_ptr,
     alpha_ptr,
+    alpha_b_ptr,
     out_ptr,
     ws_ptr,
     cnt_ptr,
@@ -280,7 +281,9 @@ def _nvfp4_gemm_kernel(
         as_ptrs += (KG // 4) * 512
         bs_ptrs += (KG // 4) * 512
 
-    scale = tl.load(alpha_ptr) * 268435456.0  # alpha * 2**28
+    # alpha's two factors (`GemmOperands.alpha_b`; a kept 1.0 when there is only one), times
+    # 2**28: the float32 product is the one torch computes, the power of two exact
+    scale = tl.load(alpha_ptr) * tl.load(alpha_b_ptr) * 268435456.0
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
     out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     store_tile(acc, scale, out_ptrs, out_mask, ws_ptr, cnt_ptr, pid, pid_k, BLOCK_M, BLOCK_N,
@@ -293,11 +296,16 @@ _GEMM_LAUNCH = CachedLauncher(_nvfp4_gemm_kernel)
 class Nvfp4GemmKernel:
     """A built kernel: ``kernel(operands, out)``; ``out = alpha * A @ B.T``.
 
+    Takes alpha as two factors (``alpha_factors``: `GemmOperands.alpha_b` is multiplied
+    in the epilogue), so an eager ``gemm`` needs no separate product kernel.
+
     Split-K tactics keep their workspace (fp32 partial tiles + self-resetting int32 tile
     counters) for the kernel's life, made outside CUDA-graph pools (`backends.workspace`):
     no allocation or memset per call. Run one call before capturing, as with any Triton
     kernel, so that compilation and the workspace happen outside the capture.
     """
+
+    alpha_factors = True
 
     def __init__(self, cfg: KernelConfig) -> None:
         self.cfg = cfg
@@ -317,6 +325,7 @@ class Nvfp4GemmKernel:
             for even in (False, True)
         }
         self._scratch = Scratch()
+        self._ones: dict[int, torch.Tensor] = {}  # device index -> `workspace.one`
 
     def _workspace(self, device: torch.device, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Split-K partials and tile counters, kept per tile count (`backends.workspace`).
@@ -327,35 +336,36 @@ class Nvfp4GemmKernel:
         return self._scratch.get(device, tiles * self.cfg.split_k * tile_elems, tiles)
 
     def __call__(self, operands: GemmOperands, out: torch.Tensor) -> None:
-        a, b = operands.a_data, operands.b_data
-        m, n, k_half = a.shape[0], b.shape[0], a.shape[1]
-        k = 2 * k_half
+        """Launch on `operands`; the host work is kept to what a decode step can afford
+        (plain integer ceil-divisions: ``triton.cdiv`` is a JIT'd constexpr function in
+        Triton 3.6, ~6 µs a call on the H200 host; a launch key instead of Triton's
+        specialization key, see `backends.triton_launch.BoundLaunch.launch_keyed`)."""
+        a, b, sa, sb, alpha = (operands.a_data, operands.b_data, operands.a_scale,
+                               operands.b_scale, operands.alpha)  # fmt: skip
+        # the neutral second factor, fetched on every call (a dict look-up) so that the
+        # eager call before a capture has made it whichever path the capture takes
+        ones = self._ones.get(a.get_device())
+        if ones is None:
+            ones = self._ones[a.get_device()] = one(a.device)
+        alpha_b = ones if operands.alpha_b is None else operands.alpha_b
+        m, n, k = a.shape[0], b.shape[0], 2 * a.shape[1]
         cfg = self.cfg
-        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         if cfg.split_k > 1:
             ws, cnt = self._workspace(a.device, tiles)
         else:
             ws = cnt = out  # unused by the SPLIT_K == 1 variant
-        self._bound[k % cfg.block_k == 0](
+        so0, so1 = out.stride()
+        # what the compiled variant depends on beyond the fixed constexprs: the sizes,
+        # output dtype and strides, 16-byte alignment of every pointer (the workspace is
+        # ours and aligned; operand dtypes are fixed by the kernel contract)
+        key = (m, n, k, so0, so1, out.dtype, alignment_bits(a, sa, b, sb, alpha, alpha_b, out))
+        self._bound[k % cfg.block_k == 0].launch_keyed(
+            key,
             (tiles, cfg.split_k),
-            (
-                a,
-                operands.a_scale,
-                b,
-                operands.b_scale,
-                operands.alpha,
-                out,
-                ws,
-                cnt,
-                m,
-                n,
-                k,
-                out.stride(0),
-                out.stride(1),
-                operands.a_scale.shape[1] * 128,
-                operands.b_scale.shape[1] * 128,
-            ),
-        )
+            (a, sa, b, sb, alpha, alpha_b, out, ws, cnt, m, n, k, so0, so1,
+             sa.shape[1] * 128, sb.shape[1] * 128),
+        )  # fmt: skip
 
     def precompile(self, m: int, n: int, k: int, out_dtype: torch.dtype,
                    out_strides: tuple[int, int]) -> object:  # fmt: skip
@@ -373,9 +383,9 @@ class Nvfp4GemmKernel:
             ws = cnt = out_dtype
         sblk = -(-(k // 16) // 4) * 4 * 128  # a_scale.shape[1] * 128 of the swizzled scales
         fp4, e4m3 = torch.uint8, torch.float8_e4m3fn
-        args = (fp4, e4m3, fp4, e4m3, torch.float32, out_dtype, ws, cnt, m, n, k,
+        args = (fp4, e4m3, fp4, e4m3, torch.float32, torch.float32, out_dtype, ws, cnt, m, n, k,
                 out_strides[0], out_strides[1], sblk, sblk)  # fmt: skip
-        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         return self._bound[k % cfg.block_k == 0].warmup((tiles, cfg.split_k), args)
 
 

@@ -114,9 +114,9 @@ def unpack_nvfp4_kernel(
 
     ``data``: uint8 [R, K/2] (low nibble = even k); ``scale``: the swizzled 128x4 e4m3
     storage viewed as uint8, read in place at the offsets of
-    `fp4_dispatch.backends.sm90.swizzle` with ``s_blk = ceil4(K/16) * 128``. Bytes are loaded contiguously (KB per row), low and
-    high nibbles decoded separately and interleaved with ``tl.join`` so the store is a
-    contiguous BLOCK_K run per row.
+    `fp4_dispatch.backends.sm90.swizzle` with ``s_blk = ceil4(K/16) * 128``. Bytes are
+    loaded contiguously (KB per row), low and high nibbles decoded separately and
+    interleaved with ``tl.join`` so the store is a contiguous BLOCK_K run per row.
     """
     KB: tl.constexpr = BLOCK_K // 2  # packed bytes per row of the tile
     KG: tl.constexpr = BLOCK_K // 16  # block scales per row of the tile

@@ -83,7 +83,7 @@ from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_R_CHOICES as UR
 from fp4_dispatch.backends.sm90.gemm_unpack import unpack_nvfp4
 from fp4_dispatch.backends.sm90.splitk import k_tile_range, store_tile
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
-from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher
+from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher, alignment_bits
 from fp4_dispatch.backends.workspace import Scratch
 from fp4_dispatch.nvfp4 import (  # noqa: F401 - rotate/unrotate re-exported
     rotate_high_nibbles,
@@ -651,19 +651,25 @@ class W4A16Kernel:
         return self._scratch.get(device, elems, tiles)
 
     def __call__(self, operands: W4A16Operands, out: torch.Tensor) -> None:
+        """Launch on `operands` with the host work a decode step can afford (as
+        `gemm_direct.Nvfp4GemmKernel.__call__`: integer ceil-divisions, a launch key)."""
         cfg = self.cfg
-        m, n, k = operands.m, operands.n, operands.k
-        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        a, b, sb, alpha = operands.a, operands.b_data, operands.b_scale, operands.alpha
+        m, n, k = a.shape[0], b.shape[0], a.shape[1]
+        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         if cfg.split_k > 1:
             ws, cnt = self.workspace(out.device, tiles)
         else:
             ws = cnt = out  # unused by the SPLIT_K == 1 variant
         bound = self._launch(operands, k)
-        bound(
+        sa0, (so0, so1) = a.stride(0), out.stride()
+        # sizes, strides, dtypes that vary between calls and pointer alignment: what the
+        # compiled variant depends on beyond the binding's constexprs
+        key = (m, n, k, sa0, so0, so1, a.dtype, out.dtype, alignment_bits(a, b, sb, alpha, out))
+        bound.launch_keyed(
+            key,
             (tiles, cfg.split_k),
-            (operands.a, operands.b_data, operands.b_scale, operands.alpha, out, ws, cnt,
-             m, n, k, operands.a.stride(0), out.stride(0), out.stride(1),
-             operands.b_scale.shape[1] * 128),
+            (a, b, sb, alpha, out, ws, cnt, m, n, k, sa0, so0, so1, sb.shape[1] * 128),
         )  # fmt: skip
         self.compiled = bound.last_compiled
 
@@ -683,7 +689,7 @@ class W4A16Kernel:
         sblk = swizzled_scale_shape(n, k)[1] * 128
         args = (dtype, torch.uint8, torch.float8_e4m3fn, torch.float32, dtype, ws, cnt,
                 m, n, k, k, n, 1, sblk)  # fmt: skip
-        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         return self._binding(k, prepared, dtype).warmup((tiles, cfg.split_k), args)
 
     def _launch(self, operands: W4A16Operands, k: int) -> BoundLaunch:
