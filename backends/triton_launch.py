@@ -38,7 +38,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BoundLaunch", "CachedLauncher", "alignment_bits", "specialization_key"]
+__all__ = ["BoundLaunch", "CachedLauncher", "all_aligned", "specialization_key"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -107,13 +107,15 @@ def _device_index() -> int:
     return torch._C._cuda_getDevice() if _cuda else -1
 
 
-def alignment_bits(*tensors: torch.Tensor) -> int:
-    """One bit per tensor: whether its data pointer is 16-byte aligned (what Triton
-    specializes a pointer on) - for callers building a `BoundLaunch.launch_keyed` key."""
-    bits = 0
+def all_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor's data pointer is 16-byte aligned (what Triton specializes a
+    pointer on). A `BoundLaunch.launch_keyed` caller keys its aligned calls by sizes and
+    strides and sends any other call through `BoundLaunch.__call__` (the full
+    specialization key): one OR per pointer instead of a bit per pointer in the key."""
+    p = 0
     for t in tensors:
-        bits = (bits << 1) | (t.data_ptr() % 16 == 0)
-    return bits
+        p |= t.data_ptr()
+    return p % 16 == 0
 
 
 def _hook_set(hook: Any) -> bool:

@@ -215,9 +215,15 @@ def _resolve(dispatcher: Runner | None, device: torch.device) -> Runner:
 # ---- capture state -----------------------------------------------------------------------
 
 
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+
+
 def stream_capturing() -> bool:
-    """True while the current CUDA stream is capturing a graph (False without CUDA)."""
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    """True while the current CUDA stream is capturing a graph (False without CUDA).
+
+    Calls what ``torch.cuda.is_current_stream_capturing`` calls, without its Python
+    frame: this runs on every eager GEMM."""
+    return _capturing is not None and torch.cuda.is_initialized() and _capturing()
 
 
 def is_warm(

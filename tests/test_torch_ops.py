@@ -210,6 +210,7 @@ def capturing(monkeypatch):
     def set_capturing(on: bool) -> None:
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: on)
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: on)
+        monkeypatch.setattr(torch_ops, "_capturing", lambda: on)  # what the ops call
 
     yield set_capturing
     set_capturing(False)

@@ -283,3 +283,27 @@ def test_gpu_every_tactic_small_shape():
         else:
             kernel(ops, out)
         _ulp_close(out, ref)
+
+
+def test_misaligned_pointers_take_the_full_specialization_path():
+    """Aligned calls launch by a short key (sizes, strides); a call with any pointer off
+    16 bytes goes through the full specialization key, so it never reuses a binary
+    compiled for aligned vector loads."""
+    from fp4_dispatch.backends.sm90 import gemm_direct
+
+    kernel = gemm_direct.build(gemm_direct.KernelConfig(block_m=16, block_n=16, block_k=64))
+    seen: list[str] = []
+
+    class Recorder:
+        def launch_keyed(self, key, grid, args):
+            seen.append("keyed")
+
+        def __call__(self, grid, args):
+            seen.append("full")
+
+    kernel._bound = {False: Recorder(), True: Recorder()}
+    ops, _ = _operands(2, 16, 64, seed=3)
+    kernel(ops, torch.empty(2, 16, dtype=torch.bfloat16))
+    wide = torch.empty(2 * 16 + 1, dtype=torch.bfloat16)
+    kernel(ops, wide[1:].view(2, 16))  # out 2 bytes off alignment
+    assert seen == ["keyed", "full"]

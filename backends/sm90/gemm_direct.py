@@ -52,7 +52,7 @@ import triton.language as tl
 from fp4_dispatch.backend import GemmOperands
 from fp4_dispatch.backends.sm90.splitk import k_tile_range, store_tile
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
-from fp4_dispatch.backends.triton_launch import CachedLauncher, alignment_bits
+from fp4_dispatch.backends.triton_launch import CachedLauncher, all_aligned
 from fp4_dispatch.backends.workspace import Scratch, one
 
 log = logging.getLogger(__name__)
@@ -326,14 +326,20 @@ class Nvfp4GemmKernel:
         }
         self._scratch = Scratch()
         self._ones: dict[int, torch.Tensor] = {}  # device index -> `workspace.one`
+        #: (device index, tiles) -> the Scratch pair (skips Scratch's str(device) key)
+        self._kept: dict[tuple[int | None, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _workspace(self, device: torch.device, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Split-K partials and tile counters, kept per tile count (`backends.workspace`).
 
         The kernel's last split resets each counter to zero, so no call needs a memset.
         """
-        tile_elems = self.cfg.block_m * self.cfg.block_n
-        return self._scratch.get(device, tiles * self.cfg.split_k * tile_elems, tiles)
+        pair = self._kept.get((device.index, tiles))
+        if pair is None:
+            tile_elems = self.cfg.block_m * self.cfg.block_n
+            pair = self._scratch.get(device, tiles * self.cfg.split_k * tile_elems, tiles)
+            self._kept[(device.index, tiles)] = pair
+        return pair
 
     def __call__(self, operands: GemmOperands, out: torch.Tensor) -> None:
         """Launch on `operands`; the host work is kept to what a decode step can afford
@@ -356,16 +362,17 @@ class Nvfp4GemmKernel:
         else:
             ws = cnt = out  # unused by the SPLIT_K == 1 variant
         so0, so1 = out.stride()
-        # what the compiled variant depends on beyond the fixed constexprs: the sizes,
-        # output dtype and strides, 16-byte alignment of every pointer (the workspace is
-        # ours and aligned; operand dtypes are fixed by the kernel contract)
-        key = (m, n, k, so0, so1, out.dtype, alignment_bits(a, sa, b, sb, alpha, alpha_b, out))
-        self._bound[k % cfg.block_k == 0].launch_keyed(
-            key,
-            (tiles, cfg.split_k),
-            (a, sa, b, sb, alpha, alpha_b, out, ws, cnt, m, n, k, so0, so1,
-             sa.shape[1] * 128, sb.shape[1] * 128),
-        )  # fmt: skip
+        grid = (tiles, cfg.split_k)
+        args = (a, sa, b, sb, alpha, alpha_b, out, ws, cnt, m, n, k, so0, so1,
+                sa.shape[1] * 128, sb.shape[1] * 128)  # fmt: skip
+        bound = self._bound[k % cfg.block_k == 0]
+        if all_aligned(a, sa, b, sb, alpha, alpha_b, out):
+            # what the compiled variant depends on beyond the fixed constexprs, given
+            # aligned pointers: the sizes and the output's dtype and strides (operand
+            # dtypes are fixed by the kernel contract; the workspace is ours)
+            bound.launch_keyed((m, n, k, so0, so1, out.dtype), grid, args)
+        else:
+            bound(grid, args)
 
     def precompile(self, m: int, n: int, k: int, out_dtype: torch.dtype,
                    out_strides: tuple[int, int]) -> object:  # fmt: skip

@@ -83,7 +83,7 @@ from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_R_CHOICES as UR
 from fp4_dispatch.backends.sm90.gemm_unpack import unpack_nvfp4
 from fp4_dispatch.backends.sm90.splitk import k_tile_range, store_tile
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
-from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher, alignment_bits
+from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher, all_aligned
 from fp4_dispatch.backends.workspace import Scratch
 from fp4_dispatch.nvfp4 import (  # noqa: F401 - rotate/unrotate re-exported
     rotate_high_nibbles,
@@ -663,14 +663,14 @@ class W4A16Kernel:
             ws = cnt = out  # unused by the SPLIT_K == 1 variant
         bound = self._launch(operands, k)
         sa0, (so0, so1) = a.stride(0), out.stride()
-        # sizes, strides, dtypes that vary between calls and pointer alignment: what the
-        # compiled variant depends on beyond the binding's constexprs
-        key = (m, n, k, sa0, so0, so1, a.dtype, out.dtype, alignment_bits(a, b, sb, alpha, out))
-        bound.launch_keyed(
-            key,
-            (tiles, cfg.split_k),
-            (a, b, sb, alpha, out, ws, cnt, m, n, k, sa0, so0, so1, sb.shape[1] * 128),
-        )  # fmt: skip
+        grid = (tiles, cfg.split_k)
+        args = (a, b, sb, alpha, out, ws, cnt, m, n, k, sa0, so0, so1, sb.shape[1] * 128)
+        if all_aligned(a, b, sb, alpha, out):
+            # sizes, strides and dtypes that vary between calls: what the compiled variant
+            # depends on beyond the binding's constexprs, given aligned pointers
+            bound.launch_keyed((m, n, k, sa0, so0, so1, a.dtype, out.dtype), grid, args)
+        else:
+            bound(grid, args)
         self.compiled = bound.last_compiled
 
     def precompile(
