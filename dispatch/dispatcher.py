@@ -44,7 +44,7 @@ from .profiles import resolve
 from .progress import progress as bar_of
 from .ranking import Candidate, Ranker, Shortlist
 from .status import BackendStatus, Status, backend_rows
-from .tactics import Problem
+from .tactics import Problem, Tactic
 from .winners import TunedWinners
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,8 @@ class Dispatcher:
         self._autotune_depth = 0
         #: (measure, group) of each active `autotuning` block, innermost last
         self._autotune_opts: list[tuple[str, object]] = []
-        self._autotuned: set[BucketKey] = set()
+        #: (bucket, policy) pairs `autotuning` has settled (tuned, or a hit of that policy)
+        self._autotuned: set[tuple[BucketKey, str]] = set()
         self._capture_warned: set[BucketKey] = set()
 
     def __repr__(self) -> str:
@@ -236,13 +237,11 @@ class Dispatcher:
             self.ranker.shortlist(p.model_copy(update={"m": m_bucket(p.m)})).candidates
             for p in todo
         ]
-        pairs = [(self.registry.backends[c.backend], c.tactic, p)
-                 for p, sl in zip(todo, shortlists, strict=True) for c in sl]  # fmt: skip
         if precompile is None:
             precompile = self.device.kind == "cuda"
-        new_jobs = _precompile.jobs_for(pairs)  # kernels this process has not compiled
+        new_jobs = _precompile.jobs_for(self._compile_pairs(todo, shortlists, fleet))
         jobs = new_jobs if precompile else []
-        total = len(pairs) + len(jobs)
+        total = sum(len(sl) for sl in shortlists) + len(jobs)
         with bar_of(range(total), total=total, desc="tuning", unit="kernel",
                     enable=progress) as bar:  # fmt: skip
             if jobs:
@@ -258,6 +257,29 @@ class Dispatcher:
             fleet.agree("the tuned picks", [_pick_of(results[b]) for b in order])
         _precompile.mark_ready(new_jobs)  # each one was built and launched
         return [results[b] for b in order]
+
+    def _compile_pairs(
+        self,
+        todo: list[Problem],
+        shortlists: list[list[Candidate]],
+        fleet: _distributed.Fleet | None,
+    ) -> list[tuple[Backend, Tactic, Problem]]:
+        """(backend, tactic, problem) of every kernel this rank will launch while tuning:
+        what each bucket races (`tuning.race_list`), in a group only this rank's share
+        (`Fleet.share`, as the tuner splits it) plus, on rank 0, the default pick for
+        the paired check. A winner another rank compiled is in Triton's on-disk cache on
+        a shared host; elsewhere it compiles once at the paired check."""
+        pairs = []
+        for p, sl in zip(todo, shortlists, strict=True):
+            bucket = p.model_copy(update={"m": m_bucket(p.m)})
+            race, default = _tuning.race_list(self.ranker, bucket, sl)
+            if fleet is not None:
+                mine = [race[i] for i in fleet.share(len(race))]
+                ours = {(c.backend, c.tactic) for c in mine}
+                extra = fleet.is_root and (default.backend, default.tactic) not in ours
+                race = mine + [default] * extra
+            pairs += [(self.registry.backends[c.backend], c.tactic, p) for c in race]
+        return pairs
 
     def _tune_todo(
         self,
@@ -314,7 +336,7 @@ class Dispatcher:
     def _adopt(self, result: _tuning.TuneResult, save: bool) -> None:
         """Use a measured winner from now on (new plans for its bucket); maybe save it."""
         bkey = result.bucket
-        self._autotuned.add(bkey)
+        self._autotuned.add((bkey, result.measure))
         if result.winner is None:
             return
         self.winners.adopt(result, save)
@@ -354,13 +376,15 @@ class Dispatcher:
 
     def _autotune(self, m: int, n: int, k: int, dtype: str, operation: str = "w4a4") -> None:
         bkey = (n, k, m_bucket(m), dtype, operation)
-        if bkey in self._autotuned:
-            return
         measure, group = self._autotune_opts[-1] if self._autotune_opts else ("graph", None)
+        policy = _tuning.policy_of(self.device, measure)
+        done = (bkey, policy)  # settled for this policy (a winner of the other is no hit)
+        if done in self._autotuned:
+            return
         # in a group every rank must reach `tune` (a collective), whatever its own cache
         # holds: `tune` measures only buckets that some rank lacks
-        if group is None and self.winners.bucket(bkey) is not None:
-            self._autotuned.add(bkey)
+        if group is None and self.winners.cached_result(bkey, (m, n, k), policy) is not None:
+            self._autotuned.add(done)
             return
         if self._capturing():
             if bkey not in self._capture_warned:
@@ -369,7 +393,7 @@ class Dispatcher:
                             "capture; not tuning now (heuristic or cached pick used)",
                             *bkey)  # fmt: skip
             return
-        self._autotuned.add(bkey)
+        self._autotuned.add(done)
         self.tune([(m, n, k)], out_dtype=dtype, operation=operation, measure=measure,
                   group=group)  # fmt: skip
 

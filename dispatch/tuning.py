@@ -335,6 +335,18 @@ def _sync(device: DeviceInfo) -> None:
 # ---- the tuner ------------------------------------------------------------------------
 
 
+def race_list(
+    ranker: Ranker, bucket: Problem, shortlist: Sequence[Candidate]
+) -> tuple[list[Candidate], Candidate]:
+    """(what tuning a bucket measures, the default pick): the shortlist, plus the default
+    (heuristic) pick when the cut left it out - the default always races."""
+    heuristic = ranker.pick(bucket.m, bucket.n, bucket.k, bucket.out_dtype, bucket.operation)
+    todo = list(shortlist)
+    if not any(_same(c, heuristic) for c in todo):
+        todo.append(heuristic)
+    return todo, heuristic
+
+
 class Tuner:
     """Measures candidates and picks winners (module docstring); it owns no cache entry.
 
@@ -498,11 +510,7 @@ class Tuner:
         bucket = problem.model_copy(update={"m": m_bucket(problem.m)})
         if shortlist is None:
             shortlist = self.ranker.shortlist(bucket).candidates
-        heuristic = self.ranker.pick(bucket.m, bucket.n, bucket.k, bucket.out_dtype,
-                                     bucket.operation)  # fmt: skip
-        todo = list(shortlist)
-        if not any(_same(c, heuristic) for c in todo):  # the default always races
-            todo.append(heuristic)
+        todo, heuristic = race_list(self.ranker, bucket, shortlist)
         inputs = self._inputs(bucket)
         measurements = self._race(bucket, todo, bar, inputs, fleet)
         band = self.band if self.band is not None else noise_band(measurements, self.noise_floor)

@@ -19,6 +19,7 @@ import torch
 
 import fp4_dispatch.registry as registry_mod
 from fp4_dispatch import Backend, Dispatcher, Problem, Support, Tactic, reference_gemm
+from fp4_dispatch.buckets import m_bucket
 from fp4_dispatch.cache import TuningCache
 from fp4_dispatch.tuning import (
     NOISE_CAP,
@@ -31,6 +32,7 @@ from fp4_dispatch.tuning import (
     n_copies,
     noise_band,
     pick_winner,
+    race_list,
 )
 
 
@@ -384,6 +386,29 @@ def test_autotuning_tunes_each_new_bucket_once(make_dispatcher, operands, monkey
     ref = reference_gemm(qa, qb)
     assert float((out.double() - ref).norm() / ref.norm()) < 5e-3
     assert len(TuningCache().entries()) == 1  # saved to $FP4_DISPATCH_CACHE
+
+
+def test_autotuning_remeasures_a_winner_of_the_other_policy(make_dispatcher, operands,
+                                                             monkeypatch):  # fmt: skip
+    """A bucket tuned eagerly is measured again under ``autotuning(measure="graph")``
+    (as `tune` does): a winner is used only under the policy it was measured with."""
+    from fp4_dispatch import tuning
+
+    monkeypatch.setattr(tuning, "policy_of", lambda device, measure: measure)  # as on CUDA
+    d = make_dispatcher()
+    timer = FakeTimer({("fake-b", 64, 128): 20.0})
+    monkeypatch.setattr(d, "tune", functools.partial(d.tune, timer=timer, progress=False))
+    qa, qb = operands(M, N, K)
+    d.tune([(M, N, K)], measure="eager")
+    first = len(timer.calls)
+    with d.autotuning(measure="eager"):
+        d.gemm(qa, qb)  # same policy: the winner is a hit
+    assert len(timer.calls) == first
+    with d.autotuning(measure="graph"):
+        d.gemm(qa, qb)
+    assert len(timer.calls) > first
+    bkey = (N, K, m_bucket(M), "bfloat16", "w4a4")
+    assert d.winners.cached_result(bkey, (M, N, K), "graph") is not None
 
 
 def test_autotuning_never_tunes_during_graph_capture(
@@ -1177,3 +1202,34 @@ def test_explain_shows_a_kept_default(make_dispatcher, tmp_path, capsys):
     assert "paired ratio 0.990 over 5 pairs, default kept" in text
     assert "challenger that lost: fake-b" in text
     assert tuned_entry(d, M, N, K, "bfloat16", "w4a16") is None
+
+
+def test_a_rank_precompiles_only_its_share_of_the_race(make_dispatcher):
+    """In a tuning group each rank compiles the candidates it measures (`Fleet.share`);
+    rank 0 also the default pick (it runs the paired check). Alone: the whole race."""
+    from types import SimpleNamespace
+
+    from fp4_dispatch.distributed import Fleet
+    from fp4_dispatch.tactics import Problem
+
+    d = make_dispatcher()
+    p = Problem(m=M, n=N, k=K)
+    sl = list(d.ranker.shortlist(p.model_copy(update={"m": m_bucket(M)})).candidates)
+    race, default = race_list(d.ranker, p.model_copy(update={"m": m_bucket(M)}), sl)
+    assert len(race) >= 3
+
+    def compiled(fleet) -> list:
+        return [(b.name, t) for b, t, _ in d._compile_pairs([p], [sl], fleet)]
+
+    assert compiled(None) == [(c.backend, c.tactic) for c in race]
+    shares = {}
+    for rank in (0, 1):
+        fleet = SimpleNamespace(rank=rank, size=2, is_root=rank == 0)
+        fleet.share = functools.partial(Fleet.share, fleet)
+        shares[rank] = compiled(fleet)
+    want1 = [(c.backend, c.tactic) for c in race[1::2]]
+    assert shares[1] == want1
+    assert set(shares[0]) == {(c.backend, c.tactic) for c in race[0::2]} | {
+        (default.backend, default.tactic)
+    }
+    assert not set(shares[0][: len(race[0::2])]) & set(want1)  # no kernel compiled twice
