@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ga, gb = qa.global_scale, qb.global_scale
     wall("torch.empty(1, N) bf16", lambda: torch.empty((1, n), dtype=torch.bfloat16, device=dev))
+    wall("x.new_empty((1, N))", lambda: x.new_empty((1, n)))
     wall("ga * gb (one small kernel)", lambda: ga * gb)
     wall("torch.cuda.current_stream().cuda_stream",
          lambda: torch.cuda.current_stream().cuda_stream)  # fmt: skip

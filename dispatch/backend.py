@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from .buckets import m_bucket
@@ -90,6 +90,12 @@ class DenseOperands:
     - ``b_data``, ``b_scale``: the weight as in `GemmOperands` (``[N, K/2]`` uint8, e4m3
       128x4-swizzled scales).
     - ``alpha``: float32 tensor with one element (the weight's global scale).
+    - ``bias`` (keyword only): None, or a ``[N]`` float tensor added to every output row
+      before the single rounding to ``out``'s dtype. Only kernels whose class sets
+      ``bias_epilogue = True`` ever receive it; for every other kernel the dispatcher
+      adds it after the kernel (`fp4_dispatch.plans.DensePlan`). Why: a separate bias
+      add is one more launch per layer (~8 µs of host time eagerly, a few µs of GPU
+      time in a graph at decode) and one more rounding.
 
     The dispatcher never swaps these (``swap_ab`` is always False for W4A16 tactics): a
     kernel that wants the weight on the MMA's M side does it inside.
@@ -99,6 +105,7 @@ class DenseOperands:
     b_data: torch.Tensor
     b_scale: torch.Tensor
     alpha: torch.Tensor
+    bias: torch.Tensor | None = field(default=None, kw_only=True)
 
     @property
     def m(self) -> int:

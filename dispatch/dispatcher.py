@@ -505,10 +505,13 @@ class Dispatcher:
         alpha: torch.Tensor,
         out: torch.Tensor,
         dtype: str,
+        bias: torch.Tensor | None = None,
     ) -> None:
-        """The W4A16 hot path: dense ``a`` [M, K] times the NVFP4 ``b`` through their plan."""
+        """The W4A16 hot path: dense ``a`` [M, K] times the NVFP4 ``b`` through their plan;
+        ``bias`` ([N], optional) is added to every row (`DenseOperands.bias`)."""
         if a.shape[0] and b.shape[0]:
-            self._run((a.shape[0], b.shape[0], a.shape[1], dtype, "w4a16"), (a, b, sb, alpha, out))
+            self._run((a.shape[0], b.shape[0], a.shape[1], dtype, "w4a16"),
+                      (a, b, sb, alpha, out, bias))  # fmt: skip
 
     def _run(self, key: PlanKey, args: tuple) -> None:
         """Run `args` through the plan of `key`.

@@ -293,25 +293,35 @@ class Nvfp4Linear(nn.Module):
         out_dtype = x.dtype if x.dtype in _OUT_DTYPES else self._out_dtype(x)
         x2 = x if len(shape) == 2 else x.reshape(-1, k)
         bufs = self._buffers
+        bias = self._parameters["bias"]
         if self._dense(x.device):
             if x2.dtype != out_dtype:
                 x2 = x2.to(out_dtype)
             if x2.stride(1) != 1:  # the W4A16 kernels need unit stride along K
                 x2 = x2.contiguous()
+            # the bias goes into the GEMM's epilogue (or is added right after it)
             y = torch_ops.run_w4a16(d, x2, bufs["weight_data"], bufs["weight_scale"],
-                                    self._weight_alpha(bufs), out_dtype)  # fmt: skip
+                                    self._weight_alpha(bufs), out_dtype, None,
+                                    self._bias_in(bias, out_dtype))  # fmt: skip
         else:
             a, sa, ga = torch_ops.quantize(x2, bufs["input_global_scale"])
             # alpha as two factors (no product kernel when the GEMM kernel multiplies them)
             y = torch_ops.run(d, a, sa, bufs["weight_data"], bufs["weight_scale"], ga,
                               out_dtype, None, bufs["weight_global_scale"])  # fmt: skip
-        bias = self._parameters["bias"]
-        if bias is not None:
-            y = y.add_(bias) if bias.dtype == out_dtype else y + bias.to(out_dtype)
+            if bias is not None:
+                y = y.add_(bias) if bias.dtype == out_dtype else y + bias.to(out_dtype)
         if torch.is_grad_enabled() and (x.requires_grad or self._bias_wants_grad()):
             wanting = [t for t in (x, bias) if t is not None and t.requires_grad]
             y = _NoGradient.apply(y, *wanting)
         return y if len(shape) == 2 else y.reshape(*shape[:-1], self.out_features)
+
+    @staticmethod
+    def _bias_in(bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
+        """The bias as the W4A16 GEMM adds it: in the output dtype (cast per call only
+        when it differs, as the unfused ``y + bias.to(out_dtype)`` did)."""
+        if bias is None or bias.dtype == out_dtype:
+            return bias
+        return bias.to(out_dtype)
 
     def _weight_alpha(self, bufs: dict[str, torch.Tensor]) -> torch.Tensor:
         """``weight_global_scale`` as a one-element view (W4A16 alpha), remade only when

@@ -76,9 +76,15 @@ class Plan:
 
 
 class DensePlan(Plan):
-    """A W4A16 plan: ``plan(a, b, sb, alpha, out)`` with dense ``a`` (never swapped)."""
+    """A W4A16 plan: ``plan(a, b, sb, alpha, out, bias=None)`` with dense ``a`` (never
+    swapped); ``bias`` goes to kernels with a bias epilogue (``bias_epilogue``) and is
+    added after the kernel for the others (`DenseOperands`)."""
 
-    __slots__ = ()
+    __slots__ = ("fused_bias",)
+
+    def __init__(self, key: PlanKey, candidate: Candidate, kernel: Kernel) -> None:
+        super().__init__(key, candidate, kernel)
+        self.fused_bias = getattr(type(kernel), "bias_epilogue", False) is True
 
     def __call__(  # type: ignore[override]
         self,
@@ -87,8 +93,13 @@ class DensePlan(Plan):
         sb: torch.Tensor,
         alpha: torch.Tensor,
         out: torch.Tensor,
+        bias: torch.Tensor | None = None,
     ) -> None:
-        self.kernel(DenseOperands(a, b, sb, alpha), out)
+        if bias is None or self.fused_bias:
+            self.kernel(DenseOperands(a, b, sb, alpha, bias=bias), out)
+        else:
+            self.kernel(DenseOperands(a, b, sb, alpha), out)
+            out.add_(bias)
 
 
 def plan_for(key: PlanKey, candidate: Candidate, kernel: Kernel) -> Plan:

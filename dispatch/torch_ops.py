@@ -117,6 +117,7 @@ class Runner(Protocol):
         alpha: torch.Tensor,
         out: torch.Tensor,
         dtype: str,
+        bias: torch.Tensor | None = None,
     ) -> None: ...
 
     def check_device(self, name: str, t: torch.Tensor) -> torch.device: ...
@@ -461,22 +462,26 @@ def run_w4a16(
     alpha: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """W4A16 ``alpha * a @ dequant(b).T`` (dense ``a``) on already checked operands.
+    """W4A16 ``alpha * a @ dequant(b).T (+ bias)`` (dense ``a``) on checked operands.
 
-    Under torch.compile this is the ``fp4_dispatch::gemm_w4a16`` op; eagerly the plan
-    runs directly (same CUDA-graph rules as `run`). A caller's ``out`` is written
-    through a copy under torch.compile (the op returns a new tensor).
+    Under torch.compile this is the ``fp4_dispatch::gemm_w4a16`` op (``bias`` added after
+    it, where inductor can fuse it); eagerly the plan runs directly, the bias in the
+    kernel's epilogue where it has one (same CUDA-graph rules as `run`). A caller's
+    ``out`` is written through a copy under torch.compile (the op returns a new tensor).
     """
     if torch.compiler.is_compiling():
         did = DEFAULT if dispatcher is None else dispatcher.op_id
         y = torch.ops.fp4_dispatch.gemm_w4a16(a, b_data, b_scale, alpha, out_dtype, did)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
         return y if out is None else out.copy_(y)
     d = _resolve(dispatcher, a.device)
     dtype = checks.out_dtype_name(out_dtype)
     if out is None:
         out = torch.empty((a.shape[0], b_data.shape[0]), dtype=out_dtype, device=a.device)
-    d.run_dense(a, b_data, b_scale, alpha, out, dtype)
+    d.run_dense(a, b_data, b_scale, alpha, out, dtype, bias)
     return out
 
 

@@ -275,3 +275,36 @@ def test_plan_hands_alpha_factors_only_to_kernels_that_take_them(swap: bool) -> 
     assert alpha is ga and second is gb  # handed as they came
     Plan((2, 4, 16, "bfloat16", "w4a4"), cand, plain)(a, a, a, a, ga, out)
     assert plain.seen[-1] == (ga, None)  # one factor: as before
+
+
+class _DenseKernel:
+    """A W4A16 kernel writing ``out = 1`` and recording the bias it was handed."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def __call__(self, operands, out) -> None:
+        self.seen.append(operands.bias)
+        out.fill_(1.0)
+
+
+class _BiasKernel(_DenseKernel):
+    bias_epilogue = True
+
+    def __call__(self, operands, out) -> None:
+        super().__call__(operands, out)
+        out.add_(operands.bias)
+
+
+def test_dense_plan_fuses_the_bias_only_into_kernels_with_an_epilogue() -> None:
+    from types import SimpleNamespace
+
+    from fp4_dispatch.plans import DensePlan
+
+    cand = SimpleNamespace(tactic=SimpleNamespace(swap_ab=False), backend="x")
+    a, bias = torch.zeros(2, 16), torch.tensor([1.0, 2.0, 3.0])
+    for kernel in (_DenseKernel(), _BiasKernel()):
+        out = torch.empty(2, 3)
+        DensePlan((2, 3, 16, "bfloat16", "w4a16"), cand, kernel)(a, a, a, a, out, bias)
+        assert kernel.seen == [bias if isinstance(kernel, _BiasKernel) else None]
+        assert torch.equal(out, torch.tensor([[2.0, 3.0, 4.0]] * 2))  # added exactly once

@@ -99,7 +99,18 @@ for m, n, k in [(33, 72, 96), (3, 130, 256)]:
             same_p = bool(torch.equal(out, out_p))
         unpack.append([m, n, k, str(dtype), rel_err(out, ref), rel_err(out_t.t(), ref),
                        same_p])
-print(json.dumps({"direct": results, "unpack": unpack}))
+# the bias epilogue: out = alpha * a @ dq(b).T + bias (fp32 add, one rounding), split-K too
+from fp4_dispatch.backend import DenseOperands
+biased = []
+for m, n, k, cfg in json.loads(sys.argv[1]):
+    kernel = mod.build(mod.W4A16Config(**cfg))
+    ops, ref = operands(m, n, k, seed=m * 1000 + n + k)
+    bias = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * ref.std()).half()
+    out = torch.full((m, n), float("nan"), dtype=torch.float16)
+    kernel(DenseOperands(ops.a, ops.b_data, ops.b_scale, ops.alpha, bias=bias), out)
+    biased.append([m, n, k, cfg, rel_err(out, ref + bias.double()),
+                   float(bias.double().norm() * m**0.5 / ref.norm())])  # bias vs product
+print(json.dumps({"direct": results, "unpack": unpack, "bias": biased}))
 """
 )
 
@@ -126,6 +137,13 @@ def test_direct_kernel_matches_float64(interpreted):
     for m, n, k, cfg, plain, transposed, _, _, _ in rows:
         assert plain <= 1e-2, f"{m}x{n}x{k} {cfg}: rel err {plain}"
         assert transposed <= 1e-2, f"{m}x{n}x{k} {cfg} (out.T): rel err {transposed}"
+
+
+def test_direct_kernel_adds_the_bias_in_its_epilogue(interpreted):
+    assert len(interpreted["bias"]) == len(CASES)
+    for m, n, k, cfg, err, weight in interpreted["bias"]:
+        assert weight > 0.3  # the bias is not negligible next to the product
+        assert err <= 1e-2, f"{m}x{n}x{k} {cfg}: rel err {err} against a @ dq(b).T + bias"
 
 
 def test_direct_kernel_is_deterministic_and_resets_split_k_counters(interpreted):

@@ -287,7 +287,7 @@ def _nvfp4_gemm_kernel(
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
     out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     store_tile(acc, scale, out_ptrs, out_mask, ws_ptr, cnt_ptr, pid, pid_k, BLOCK_M, BLOCK_N,
-               SPLIT_K)  # fmt: skip
+               SPLIT_K, 0.0, False)  # fmt: skip
 
 
 _GEMM_LAUNCH = CachedLauncher(_nvfp4_gemm_kernel)

@@ -71,6 +71,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import triton
@@ -499,12 +500,13 @@ def dequantize_weight(
 # ---- the direct kernel ----------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["M", "N"])
+@triton.jit(do_not_specialize=["M", "N", "has_bias"])
 def _w4a16_kernel(
     x_ptr,
     b_ptr,
     bs_ptr,
     alpha_ptr,
+    bias_ptr,
     out_ptr,
     ws_ptr,
     cnt_ptr,
@@ -515,6 +517,7 @@ def _w4a16_kernel(
     stride_om,
     stride_on,
     b_sblk,
+    has_bias,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -585,8 +588,14 @@ def _w4a16_kernel(
     scale = tl.load(alpha_ptr) * 16384.0  # alpha * 2**14
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None] * stride_on
     out_mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    # the bias of each output column n (a runtime flag, not a constexpr: one compiled
+    # variant serves layers with and without bias, so the precompile covers both)
+    bias = tl.zeros((BLOCK_N, 1), dtype=tl.float32)
+    if has_bias != 0:
+        bias = tl.load(bias_ptr + offs_n[:, None], mask=offs_n[:, None] < N, other=0.0)
+        bias = bias.to(tl.float32)
     store_tile(acc, scale, out_ptrs, out_mask, ws_ptr, cnt_ptr, pid, pid_k, BLOCK_N, BLOCK_M,
-               SPLIT_K)  # fmt: skip
+               SPLIT_K, bias, True)  # fmt: skip
 
 
 def check_operands(operands: W4A16Operands, out: torch.Tensor) -> None:
@@ -629,7 +638,8 @@ def check_operands(operands: W4A16Operands, out: torch.Tensor) -> None:
 
 @dataclass
 class W4A16Kernel:
-    """A built direct kernel: ``kernel(operands, out)``; ``out = alpha * a @ dequant(b).T``.
+    """A built direct kernel: ``kernel(operands, out)``; ``out = alpha * a @ dequant(b).T``
+    plus ``operands.bias`` (``bias_epilogue``: added in fp32 before the one rounding).
 
     Owns the split-K workspace: one fp32 partial buffer and one int32 counter array per
     (device, tile count), made outside CUDA-graph pools on the first call that needs it
@@ -638,6 +648,7 @@ class W4A16Kernel:
     """
 
     cfg: W4A16Config
+    bias_epilogue: ClassVar[bool] = True
     _scratch: Scratch = field(default_factory=Scratch, repr=False)
     #: the Triton launch handle of the latest call (its ``asm`` holds PTX/cubin: the
     #: benchmark counts SASS instructions per element from it)
@@ -664,11 +675,17 @@ class W4A16Kernel:
         bound = self._launch(operands, k)
         sa0, (so0, so1) = a.stride(0), out.stride()
         grid = (tiles, cfg.split_k)
-        args = (a, b, sb, alpha, out, ws, cnt, m, n, k, sa0, so0, so1, sb.shape[1] * 128)
-        if all_aligned(a, b, sb, alpha, out):
+        bias = operands.bias
+        has_bias = bias is not None
+        if not has_bias:
+            bias = out  # never read (has_bias == 0); same dtype: the same compiled variant
+        args = (a, b, sb, alpha, bias, out, ws, cnt, m, n, k, sa0, so0, so1,
+                sb.shape[1] * 128, int(has_bias))  # fmt: skip
+        if all_aligned(a, b, sb, alpha, bias, out):
             # sizes, strides and dtypes that vary between calls: what the compiled variant
             # depends on beyond the binding's constexprs, given aligned pointers
-            bound.launch_keyed((m, n, k, sa0, so0, so1, a.dtype, out.dtype), grid, args)
+            key = (m, n, k, sa0, so0, so1, a.dtype, out.dtype, bias.dtype)
+            bound.launch_keyed(key, grid, args)
         else:
             bound(grid, args)
         self.compiled = bound.last_compiled
@@ -687,8 +704,8 @@ class W4A16Kernel:
         cfg = self.cfg
         ws, cnt = (torch.float32, torch.int32) if cfg.split_k > 1 else (dtype, dtype)
         sblk = swizzled_scale_shape(n, k)[1] * 128
-        args = (dtype, torch.uint8, torch.float8_e4m3fn, torch.float32, dtype, ws, cnt,
-                m, n, k, k, n, 1, sblk)  # fmt: skip
+        args = (dtype, torch.uint8, torch.float8_e4m3fn, torch.float32, dtype, dtype, ws, cnt,
+                m, n, k, k, n, 1, sblk, 0)  # fmt: skip
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         return self._binding(k, prepared, dtype).warmup((tiles, cfg.split_k), args)
 

@@ -36,10 +36,17 @@ def store_tile(
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    bias,
+    ADD_BIAS: tl.constexpr,
 ):
-    """Write ``acc * scale`` ([ROWS, COLS] fp32) to ``out_ptrs``, reducing over splits."""
+    """Write ``acc * scale`` ([ROWS, COLS] fp32) to ``out_ptrs``, reducing over splits;
+    with ``ADD_BIAS`` plus ``bias`` (fp32, broadcast to the tile) before the one rounding
+    to the output dtype (``bias`` is unused otherwise: pass any scalar)."""
     if SPLIT_K == 1:
-        tl.store(out_ptrs, (acc * scale).to(out_ptrs.dtype.element_ty), mask=out_mask)
+        v = acc * scale
+        if ADD_BIAS:
+            v += bias
+        tl.store(out_ptrs, v.to(out_ptrs.dtype.element_ty), mask=out_mask)
     else:
         tile_elems: tl.constexpr = ROWS * COLS
         offs_t = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
@@ -51,5 +58,8 @@ def store_tile(
             total = tl.zeros((ROWS, COLS), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(ws_tile + s * tile_elems + offs_t, cache_modifier=".cg")
-            tl.store(out_ptrs, (total * scale).to(out_ptrs.dtype.element_ty), mask=out_mask)
+            total = total * scale
+            if ADD_BIAS:
+                total += bias
+            tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for next call
