@@ -8,6 +8,7 @@ fault. Numerics use the harness (`fp4_dispatch.harness.random_operands` and `com
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -20,7 +21,7 @@ from typing import Any, Literal
 import torch
 
 from . import harness, registry
-from .backend import Backend, DenseOperands, Support, kernel_problem
+from .backend import Backend, DenseOperands, GemmOperands, Support, kernel_problem
 from .candidates import Candidate
 from .conformance_report import ConformanceReport, Status
 from .device import DeviceInfo
@@ -284,7 +285,42 @@ def _run_one(
     err, why = harness.compare(out, ref, tolerance)
     if why:
         return "FAIL", why, "numerics"
+    try:
+        why = _check_declared_extras(kernel, ops, ref, out, t, tolerance)
+    except Exception as exc:  # recorded as a failure of the plugin
+        why = f"kernel raised {_err(exc)} with its declared extras"
+    if why:
+        return "FAIL", why, "numerics"
     return "PASS", f"relative error {err:.2e}", "numerics"
+
+
+def _check_declared_extras(
+    kernel: Any, ops: Any, ref: torch.Tensor, out: torch.Tensor, t: Tactic, tolerance: float
+) -> str | None:
+    """What a kernel class declares beyond the basic contract, run and compared: alpha as
+    two factors (``alpha_factors``, `GemmOperands.alpha_b`) and a bias epilogue
+    (``bias_epilogue``, `DenseOperands.bias`). The dispatcher hands these only to kernels
+    that declare them, so a wrong declaration would give wrong results in serving."""
+    cls = type(kernel)
+    if getattr(cls, "alpha_factors", False) is True and isinstance(ops, GemmOperands):
+        # alpha * 2 and 0.5: the same product, exactly, split over the two factors
+        half = torch.full_like(ops.alpha, 0.5)
+        split = dataclasses.replace(ops, alpha=ops.alpha * 2, alpha_b=half)
+        out.fill_(float("nan"))
+        launch(kernel, split, out, t.swap_ab)
+        _, why = harness.compare(out, ref, tolerance)
+        if why:
+            return f"alpha_factors (alpha given as two factors): {why}"
+    if getattr(cls, "bias_epilogue", False) is True and isinstance(ops, DenseOperands):
+        gen = torch.Generator().manual_seed(ops.n)
+        bias = (torch.randn(ops.n, generator=gen, dtype=torch.float64) * ref.std()).to(out.dtype)
+        bias = bias.to(out.device)
+        out.fill_(float("nan"))
+        kernel(dataclasses.replace(ops, bias=bias), out)
+        _, why = harness.compare(out, ref + bias.to(ref.dtype).to(ref.device), tolerance)
+        if why:
+            return f"bias_epilogue (bias added by the kernel): {why}"
+    return None
 
 
 def _check_runs(

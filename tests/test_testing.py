@@ -152,6 +152,25 @@ def _no_alpha(self, tactic, problem, device):
     return kernel
 
 
+class _FactorKernel:
+    """Declares ``alpha_factors``; honours ``alpha_b`` unless ``ignore``."""
+
+    alpha_factors = True
+
+    def __init__(self, ignore: bool) -> None:
+        self.ignore = ignore
+
+    def __call__(self, ops, out):
+        from fp4_dispatch.backends import reference
+
+        alpha = ops.alpha if self.ignore or ops.alpha_b is None else ops.alpha * ops.alpha_b
+        reference.gemm(dataclasses.replace(ops, alpha=alpha, alpha_b=None), out, "float32", 0)
+
+
+def _factors(ignore: bool):
+    return lambda self, tactic, problem, device: _FactorKernel(ignore)
+
+
 def _half_written(self, tactic, problem, device):
     from fp4_dispatch.backends import reference
 
@@ -223,6 +242,8 @@ BROKEN = {
     "build raises": (lambda: variant("nobuild", build=_raises(RuntimeError("ptxas died"))),
                      "build", "ptxas died"),
     "ignores alpha": (lambda: variant("noalpha", build=_no_alpha), "numerics", "relative error"),
+    "declares alpha_factors, ignores alpha_b": (
+        lambda: variant("factors", build=_factors(ignore=True)), "numerics", "alpha_factors"),
     "leaves output unwritten": (lambda: variant("half", build=_half_written),
                                 "numerics", "not written"),
     "ignores out strides when swapped": (
@@ -247,6 +268,11 @@ def test_a_correct_variant_passes_every_backend_category():
     report = check_backend(variant("fine", tactics=_swap_tactics), problems=SMALL)
     assert report.ok, report.summary()
     assert categories_passed(report) == set(CATEGORIES) - {"load", "dispatcher"}
+
+
+def test_a_kernel_that_takes_alpha_factors_passes():
+    report = check_backend(variant("goodfactors", build=_factors(ignore=False)), problems=SMALL)
+    assert report.ok, report.summary()
 
 
 def test_simulated_device_builds_but_does_not_run():
