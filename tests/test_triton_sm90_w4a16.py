@@ -450,6 +450,33 @@ def test_ptx_dequantizers_are_exact_on_every_byte(name, dtype, prepared):
                 assert got == v, f"{name}: byte {byte:#04x} {reg} lane {lane}: {got} != {v}"
 
 
+@pytest.mark.parametrize(("name", "prepared"), [("_NATURAL", False), ("_PREPARED", True)])
+def test_gemv_ptx_nibble_expansion_is_exact_on_every_byte(name, prepared):
+    """The gemv kernel's unscaled PTX (`gemm_w4a16_decode`, the fp16 pairs without the scale
+    multiply): every output lane is ``e2m1 * 2**-14`` of its own byte's nibble."""
+    pytest.importorskip("triton")
+    from fp4_dispatch.backends.sm90 import gemm_w4a16 as mod
+    from fp4_dispatch.backends.sm90 import gemm_w4a16_decode as dec
+    from fp4_dispatch.nvfp4 import E2M1_VALUES
+
+    asm = getattr(dec, name)
+    for b0 in range(256):
+        b1, b2, b3 = (b0 * 7 + 1) % 256, (b0 * 13 + 5) % 256, 255 - b0
+        regs = _run_ptx(asm, {"$4": b0 | b1 << 8 | b2 << 16 | b3 << 24})
+        outs = {"$0": (0, 1), "$1": (2, 3), "$2": (0, 1), "$3": (2, 3)}
+        for reg, (i, j) in outs.items():
+            for lane, idx in ((0, i), (1, j)):
+                byte = (b0, b1, b2, b3)[idx]
+                natural = (
+                    mod.unrotate_high_nibbles(torch.tensor([byte])).item() if prepared else byte
+                )
+                code = natural & 15 if reg in ("$0", "$1") else natural >> 4
+                v = E2M1_VALUES[code & 7] * (-1.0 if code & 8 else 1.0) * 2.0**-14
+                bits = (regs[reg] >> 16 * lane) & 0xFFFF
+                got = torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.float16)
+                assert got.item() == v, f"{name}: byte {byte:#04x} {reg} lane {lane}"
+
+
 # ---- GPU ------------------------------------------------------------------------------
 
 

@@ -184,7 +184,8 @@ def _halves(t):
     if t.shape[-1] == 2:
         return tl.split(t)
     else:
-        return tl.split(tl.reshape(t, [*t.shape[:-1], t.shape[-1] // 2, 2]))
+        # list concatenation: Triton's frontend has no starred expressions
+        return tl.split(tl.reshape(t, t.shape[:-1] + [t.shape[-1] // 2, 2]))  # noqa: RUF005
 
 
 @triton.jit
