@@ -10,9 +10,9 @@ Grid: M in (1, 4, 16) x (N, K) in the issue's four shapes (8192², 5120², 13824
 1. bf16 ``torch.mm(x, w.T)`` and FP8 ``torch._scaled_mm`` (per-tensor scales) on the same
    dequantized weight, same run;
 2. every valid ``path="gemv"`` tactic of ``triton-sm90-w4a16`` (M <= 4) and the direct
-   (wgmma) kernel's decode family: tile 16x128 (128 weight rows x 16 tokens), tile_k 128,
-   4 stages, 4 and 8 warps, every valid split-K (the measured best of RESULTS.md, "Hopper
-   W4A16" run 2), plus the estimate's pick if it is not among them;
+   (wgmma) kernel's decode family (`_decode_family`: 128 weight rows x 16 tokens x tile_k
+   128 at 4 stages, the measured best of RESULTS.md "Hopper W4A16" run 2, and at 3;
+   64-row tiles), 4 and 8 warps, every valid split-K, plus the estimate's pick;
 3. each tactic's output (poisoned with NaN first) against float64 ``alpha * x @
    dequant(W).T`` of the unquantized bf16 activation: relative Frobenius error <= 1e-2,
    else the tactic counts as failed and is not timed;
@@ -67,13 +67,18 @@ def decode_tactics(problem: Problem, info) -> list[TritonSm90W4A16Tactic]:
     valid = list(BACKEND.tactics(problem, info))
     ranked = sorted(valid, key=lambda t: (BACKEND.estimate_us(problem, info, t),
                                           t.canonical_json()))  # fmt: skip
-    family = [
-        t
-        for t in valid
-        if t.path == "direct" and (t.tile_m, t.tile_n, t.tile_k, t.num_stages) == (16, 128, 128, 4)
-    ]
+    family = [t for t in valid if t.path == "direct" and _decode_family(t)]
     gemv = [t for t in ranked if t.path == "gemv"]
     return list(dict.fromkeys([ranked[0], *gemv, *family]))
+
+
+def _decode_family(t: TritonSm90W4A16Tactic) -> bool:
+    """The direct kernel's decode tiles timed beside the gemv: 16 tokens x 128 rows x
+    tile_k 128 at 4 stages (the measured best, run 2) or 3 (less shared memory: three
+    CTAs per SM), and 64-row tiles at 4 stages (more CTAs)."""
+    if (t.tile_m, t.tile_k) != (16, 128):
+        return False
+    return (t.tile_n == 128 and t.num_stages in (3, 4)) or (t.tile_n == 64 and t.num_stages == 4)
 
 
 def label(t: TritonSm90W4A16Tactic | None) -> str:

@@ -302,3 +302,51 @@ def test_gemv_precompile_compiles_what_a_call_launches(tmp_path):
     for case in cases:
         assert got[case["name"]] == {"new_by_precompile": 1, "new_by_real_args": 0,
                                      "type": "CompiledKernel"}, got  # fmt: skip
+
+
+# ---- GPU (the PTX path; the lead runs these with -m gpu) -------------------------------
+
+
+def _sm90_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90_gpu(), reason="needs a CUDA device of compute capability 9.x")
+def test_gpu_gemv_tactics_natural_and_prepared():
+    """The estimate's 12 best gemv tactics of small decode shapes (M 1-4, a K tail, split-K),
+    bf16 and fp16 activations, natural and prepared weights: within 1e-2 of float64 (the
+    PTX nibble expansion, not the interpreter's twin), prepared bit-identical to natural."""
+    import torch
+
+    from fp4_dispatch.backends.sm90 import gemm_w4a16 as mod
+    from fp4_dispatch.device import detect
+    from fp4_dispatch.nvfp4 import dequantize, quantize_nvfp4
+
+    b = TritonSm90W4A16Backend()
+    info = detect()
+    for m, n, k in ((1, 320, 1024), (3, 200, 2112), (4, 4096, 4096)):
+        g = torch.Generator().manual_seed(m + n + k)
+        q = quantize_nvfp4(torch.randn(n, k, generator=g)).to("cuda")
+        x32 = torch.randn(m, k, generator=g)
+        w64 = dequantize(q.to("cpu")).double()
+        prep = mod.prepare_weight(q.data) if k % 64 == 0 else None
+        alpha = q.global_scale.reshape(1)
+        p = Problem(m=m, n=n, k=k, operation="w4a16")
+        gemv = [t for t in b.tactics(p, info) if t.path == "gemv"]
+        assert gemv, p
+        for dtype in (torch.bfloat16, torch.float16):
+            x = x32.to(dtype).cuda()
+            ref = x.double().cpu() @ w64.T  # dequantize applies the global scale (alpha)
+            for t in sorted(gemv, key=lambda t: b.estimate_us(p, info, t))[:12]:
+                kern = b.build(t, p, info)
+                out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+                kern(mod.W4A16Operands(x, q.data, q.scale, alpha), out)
+                err = float((out.double().cpu() - ref).norm() / ref.norm())
+                assert err <= 1e-2, f"{t.canonical_json()} {dtype} {m}x{n}x{k}: {err}"
+                if prep is not None:
+                    out_p = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+                    kern(mod.W4A16Operands(x, prep, q.scale, alpha, True), out_p)
+                    assert torch.equal(out, out_p), f"{t.canonical_json()} {dtype}: prepared"
