@@ -308,7 +308,7 @@ def test_tactics_are_valid_and_round_trip(m, n, k):
 
 def test_estimate_picks_gemv_then_direct_for_decode_and_unpack_for_prefill():
     b = TritonSm90W4A16Backend()
-    for m, want in ((1, "gemv"), (2, "gemv"), (16, "direct"), (4096, "unpack")):
+    for m, want in ((1, "gemv"), (16, "direct"), (4096, "unpack")):
         p = Problem(m=m, n=8192, k=8192)
         best = min(b.tactics(p, SM90), key=lambda t: b.estimate_us(p, SM90, t))
         assert best.path == want, f"M={m}: picked {best}"

@@ -66,8 +66,8 @@ GEMV_MAX_M = 4
 #: weight bytes one thread holds per K step, (min, max): fewer leaves the loop overhead
 #: unamortised, more spills the dequantized values (registers)
 GEMV_THREAD_BYTES = (16, 64)
-#: the grid split-K may grow a gemv grid to: 16 CTAs per SM (small CTAs, no shared
-#: memory per stage beyond the activations: many fit)
+#: the grid split-K may grow a gemv grid to (16 CTAs per SM: several rounds of the 3-7
+#: that fit at once, `gemv_ctas_per_sm`; more only adds split-K partials)
 GEMV_MAX_CTAS_PER_SM = 16
 #: the direct kernel re-streams the whole weight per token tile: past this M the unpack
 #: path (one expansion, then cuBLAS) is cheaper (W4A4 measurement: RESULTS.md, "Hopper")
@@ -218,11 +218,14 @@ def why_invalid(t: TritonSm90W4A16Tactic, problem: Problem, device: DeviceInfo) 
 # Decode is latency-bound (RESULTS.md, "Hopper W4A16" run 2: 38% of HBM at 1x8192²), so
 # the direct kernel's time is its chain of dependent K steps: ``step_us`` per 128-wide K
 # step (scaled by sqrt(tile_k / 128): a wider step carries more bytes but the same
-# chain), times the waves of CTAs that fit an SM. Shared memory decides how many fit
-# (`direct_ctas_per_sm`): 128x16x128 at 4 stages fits 2 per SM, 6 stages or tile_k=256
-# at 3 stages only 1, which is why those measured 15-40% slower (25.2 vs 29.4 and 34.7
-# µs at 1x8192²). step_us = 1.14 reproduces the 128x16x128 s4 sk4 figure there (25.2 µs
-# = 16 steps x 1.14 + launch 4 + split reduction 3).
+# chain), times the rounds of CTAs the busiest SM runs (`direct_ctas_per_sm`). That
+# residency is a PROXY fitted to the measured order at decode (1x8192²: 128x16x128 at 4
+# stages 25.2 µs, at 6 stages 34.7, 128x16x256 at 3 stages 29.4): the SM's 228 KiB over
+# `smem_bytes` (an upper estimate) gives 2, 1 and 1 CTAs. The compiled kernels' real
+# limits differ (sm_90, Triton 3.9: 161 registers a thread for 128x16x128, 255 and a
+# 24-byte spill for 128x16x256, i.e. 3 and 2 CTAs per SM; 44 and 70 KB of shared memory
+# at 4 and 6 stages): why 6 stages is slower is not established. step_us = 1.14
+# reproduces 25.2 µs (16 steps x 1.14 + launch 4 + split reduction 3).
 #
 # gemv (`_estimate_gemv`): bound by issue or by memory. Issue: SASS instructions per
 # weight element of its main loop (static counts of the sm_90 cubin, Triton 3.9:
@@ -230,7 +233,9 @@ def why_invalid(t: TritonSm90W4A16Tactic, problem: Problem, device: DeviceInfo) 
 # token, ``gemv_instr_pipelined`` extra with Triton's cp.async pipeline), issued at
 # ``gemv_instr_per_sm_us`` thread-instructions per SM and µs (4 schedulers x 32 lanes x
 # 1.98 GHz x an assumed 60% issue efficiency). Memory: HBM at bw_fraction, reduced when
-# the resident CTAs keep fewer than ``gemv_in_flight_bytes`` in flight. Not measured yet.
+# the resident CTAs keep fewer than ``gemv_in_flight_bytes`` in flight (Little's law:
+# ~4.25 TB/s x ~1.4 µs of loaded latency). Not measured yet: bench_w4a16_decode.py
+# gives the data to fit these on.
 
 #: shared memory of one Hopper SM, bytes (228 KiB; CTAs of one SM share it), and what
 #: the system reserves per resident CTA on top of the kernel's own (1 KiB, sm80 and later)
@@ -249,8 +254,8 @@ def w4a16_min_bytes(problem: Problem) -> float:
 
 
 def direct_ctas_per_sm(t: TritonSm90W4A16Tactic) -> int:
-    """Direct-kernel CTAs one SM holds at once: the model's cap, fewer where shared memory
-    (`smem_bytes`) runs out first."""
+    """Direct-kernel CTAs one SM runs at once in the model: its cap, fewer where the
+    shared-memory estimate `smem_bytes` runs out first (a fitted proxy: see above)."""
     need = smem_bytes(t.tile_n, t.tile_m, t.tile_k, t.num_stages) + CTA_SMEM_RESERVED
     fit = SM_SMEM_BYTES // need
     return max(1, min(int(_c()["ctas_per_sm"]), fit))
@@ -288,17 +293,29 @@ def gemv_instr_per_element(t: TritonSm90W4A16Tactic) -> float:
     return c["gemv_instr"] + c["gemv_instr_per_token"] * (t.tile_m - 1) + extra
 
 
+def gemv_ctas_per_sm(t: TritonSm90W4A16Tactic) -> int:
+    """Gemv CTAs one SM holds at once, by registers (65536 per SM, allocated in units of
+    8 per thread; at most 32 CTAs). Registers per thread are a proxy fitted to sm_90
+    compiles (Triton 3.9, ptxas): ~2 per weight byte a thread holds, 40% more per extra
+    token, + 8 (69 at 32 bytes and one token, 127 at 64 bytes, 155 at 32 bytes and four
+    tokens; 4 warps)."""
+    regs = 2.0 * gemv_thread_bytes(t) * (1 + 0.4 * (t.tile_m - 1)) + 8
+    regs = min(255, 8 * math.ceil(regs / 8))
+    return max(1, min(32, 65536 // (regs * 32 * t.num_warps)))
+
+
 def _estimate_gemv(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -> float:
-    """max(instruction issue, memory) + launch + split reduction (calibration above)."""
+    """max(instruction issue, memory) + launch + split reduction (calibration above).
+
+    Issue: the busiest SM's CTAs times each CTA's instructions, at the SM's issue rate
+    (the SM is the shared resource, whatever its residency). Memory: the resident CTAs
+    (`gemv_ctas_per_sm`) keep ``num_stages`` K tiles each in flight."""
     c = _c()
     ctas = -(-p.m // t.tile_m) * -(-p.n // t.tile_n) * t.split_k
-    # whole waves of CTAs: a partly filled last wave still costs its CTAs' time
-    waves = math.ceil(ctas / (device.sm_count * GEMV_MAX_CTAS_PER_SM))
     per_cta = -(-p.k // t.split_k) * t.tile_n * gemv_instr_per_element(t)
-    per_sm = min(ctas, device.sm_count * GEMV_MAX_CTAS_PER_SM) / device.sm_count
-    issue = waves * per_sm * per_cta / c["gemv_instr_per_sm_us"]
-    resident = min(ctas, device.sm_count * GEMV_MAX_CTAS_PER_SM)
-    in_flight = resident * max(1, t.num_stages) * t.tile_n * t.tile_k / 2
+    issue = math.ceil(ctas / device.sm_count) * per_cta / c["gemv_instr_per_sm_us"]
+    resident = min(ctas, device.sm_count * gemv_ctas_per_sm(t))
+    in_flight = resident * t.num_stages * t.tile_n * t.tile_k / 2
     bw = device.mem_bw_gbps * 1e3 * c["bw_fraction"]
     bw *= min(1.0, in_flight / c["gemv_in_flight_bytes"])
     partial = 8.0 * ctas * t.tile_m * t.tile_n if t.split_k > 1 else 0.0
