@@ -86,6 +86,8 @@ CASES = [
     (3, 72, 96, dict(block_n=16, block_m=4, block_k=128, split_k=2), "float16"),
     (4, 24, 512, dict(block_n=8, block_m=4, block_k=128, split_k=3), "bfloat16"),
     (5, 17, 256, dict(block_n=8, block_m=2, block_k=256, num_stages=1), "float16"),
+    (1, 1, 32, dict(block_n=16, block_m=1, block_k=256), "bfloat16"),  # the smallest
+    (4, 3, 64, dict(block_n=8, block_m=4, block_k=128, num_stages=1), "float16"),
 ]
 
 
