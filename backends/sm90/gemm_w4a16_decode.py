@@ -6,30 +6,34 @@ per CTA), same operands and contract as `fp4_dispatch.backends.sm90.gemm_w4a16` 
 
 Why a second decode kernel. The wgmma kernel of `gemm_w4a16` issues ~4.2 SASS
 instructions per weight element at 1x8192² but reaches only ~38% of HBM bandwidth
-(RESULTS.md, "Hopper W4A16", run 2): each K step is one dependent chain (cp.async wait,
-ldmatrix, dequantize, wgmma, wait) and at ~8 warps per SM the chains do not overlap. At
-M <= 4 the MMA does almost no useful work (16 token columns, at most 4 used), so this
-kernel drops it: every thread dequantizes its own weight bytes in registers and
-multiplies them with the activations in fp32 FMAs. No shared memory, no barrier inside
-the loop, small CTAs: many CTAs per SM, each with independent loads in flight, which is
-what a latency-bound stream needs (the load of the next K tile is issued before the
-current one is consumed: ``tl.range(..., num_stages=...)``, Triton's software pipeline;
-``num_stages=1`` turns it off).
+(RESULTS.md, "Hopper W4A16", run 2: latency-bound, ~8 warps per SM). At M <= 4 the MMA
+does almost no useful work (16 token columns, at most 4 used), so this kernel drops it:
+every thread dequantizes its own weight bytes in registers and multiplies them with the
+activations in fp32 FMAs. The weights never pass through shared memory unless the
+cp.async pipeline is on (``num_stages >= 2``: Triton's ``tl.range`` software pipeline;
+1 = plain loads); the activations do (Triton's layout conversion of the small x tile,
+one barrier per step). CTAs are small (16-64 rows), so many are resident per SM, each
+with its own loads in flight: the bet is that this hides the latency the wgmma kernel
+exposes. Not measured yet (benchmarks/bench_w4a16_decode.py).
 
 Arithmetic (exact up to the fp32 summation order). A nibble placed as fp16 bits ``(n & 7)
 << 9 | (n & 8) << 12`` is exactly ``e2m1(n) * 2**-14`` (fp16 subnormal for code 1; see
 `gemm_direct`); its fp32 conversion is exact and a normal fp32 number, so the fp32
-products with the activations keep full precision. The 16 products of one scale block
-are summed in fp32, then multiplied by the block's e4m3 scale (exact in fp32) and
-accumulated; the epilogue multiplies by ``alpha * 2**14``. So the kernel computes
-``x @ dequant(W).T`` with fp32 accumulation, one rounding at the store, like the wgmma
-kernel (different summation order: equal within fp32 rounding, not bit-identical).
+products with the activations keep full precision (bit patterns placed straight into
+fp32 would be ``e2m1 * 2**-126``, and their products with activations below 1 would
+lose bits as fp32 subnormals). The 16 products of one scale block are one chain of fp32
+FMAs, then multiplied by the block's e4m3 scale (exact in fp32) and accumulated; the
+epilogue multiplies by ``alpha * 2**14``. So the kernel computes ``x @ dequant(W).T``
+with fp32 accumulation and one rounding at the store, like the wgmma kernel (another
+summation order: equal within fp32 rounding, not bit-identical to it). The natural and
+the sm90-prepared weight layouts are summed in the same order: bit-identical.
 
-Instructions per weight element, main loop (static SASS count of the sm_90 cubin built on
-the CPU with Triton 3.9; `tests/test_w4a16_decode.py` does not check it, the benchmark
-prints it): the nibble expansion is the PTX pair of `gemm_w4a16` without its scale
-multiply (2 shifts + 2 LOP3 per fp16 pair, one PRMT per 2 bytes), one fp16 -> fp32
-conversion and one FFMA per token; the scale multiply is once per 16 elements.
+Instructions per weight element of the main loop (static SASS count of the sm_90 cubin
+built on the CPU with Triton 3.9, 16 rows x 512 K, 4 warps, bf16): 5.1 at one token with
+plain loads (nibble expansion 2.25: the fp16 pair of `gemm_w4a16` without its scale
+multiply, 2 shifts + 2 LOP3 a pair and a PRMT per 2 bytes; fp16 -> fp32 conversion 1;
+FFMA 1; block scale, activations and loop ~0.8), 6.8 with the cp.async pipeline, about
+1.5 more per extra token (9.7 at four). Registers: 69 a thread at one token, 155 at four.
 
 Split-K as in `gemm_w4a16` (`splitk.store_tile`: deterministic, self-resetting counters,
 workspace owned by the kernel object). Shapes: any M, N >= 1 (rows wrap modulo M/N
