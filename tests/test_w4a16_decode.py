@@ -352,3 +352,32 @@ def test_gpu_gemv_tactics_natural_and_prepared():
                     out_p = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
                     kern(mod.W4A16Operands(x, prep, q.scale, alpha, True), out_p)
                     assert torch.equal(out, out_p), f"{t.canonical_json()} {dtype}: prepared"
+
+
+def _source_root():
+    """The repository (benchmarks/ is not in the wheel): FP4_DISPATCH_SOURCE_ROOT in CI."""
+    from pathlib import Path
+
+    for root in (os.environ.get("FP4_DISPATCH_SOURCE_ROOT"), Path(__file__).parents[1]):
+        if root and (Path(root) / "benchmarks" / "bench_w4a16_decode.py").exists():
+            return Path(root)
+    return None
+
+
+def test_bench_w4a16_decode_smoke_runs_on_the_cpu(tmp_path):
+    """The H200 benchmark's --smoke mode (tiny shapes, interpreter): it runs, checks every
+    tactic it times against float64 and writes its JSON (no figure here means anything)."""
+    pytest.importorskip("triton")
+    root = _source_root()
+    if root is None:
+        pytest.skip("benchmarks/ not found (set FP4_DISPATCH_SOURCE_ROOT)")
+    script = root / "benchmarks" / "bench_w4a16_decode.py"
+    env = dict(os.environ, OUT=str(tmp_path))
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--max-tactics", "2"],
+                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    got = json.loads((tmp_path / "w4a16_decode.json").read_text())
+    assert got["smoke"] is True and len(got["shapes"]) == 4
+    for row in got["shapes"]:
+        assert len(row["tactics"]) == 2 and not row["failed"], row
+        assert all(e["rel_err"] <= 1e-2 for e in row["tactics"].values())
