@@ -12,11 +12,11 @@ family at call time (the kernel specializes on it). Two paths, one tactic type:
   then cuBLAS; ``block_r`` x ``tile_k`` is the unpack tile, ``tile_m``/``tile_n`` are
   nominal 128. Offered for M >= `UNPACK_MIN_M`.
 - ``path="gemv"``: the tensor-core-free decode kernel of
-  `fp4_dispatch.backends.sm90.gemm_w4a16_decode` (fp32 FMAs in registers, no shared
-  memory staging of the weights): ``tile_m`` tokens (1, 2, 4: the padded M, one token
-  tile), ``tile_n`` weight rows (16-64), ``tile_k`` (256-1024), ``split_k``, warps,
-  ``num_stages`` 1 (plain loads) or 2 (Triton's cp.async pipeline). Offered for
-  M <= `GEMV_MAX_M`.
+  `fp4_dispatch.backends.sm90.gemm_w4a16_decode` (fp32 FMAs in registers, no tensor
+  cores; not yet run on hardware, its estimate unfitted): ``tile_m`` tokens (1, 2, 4:
+  the padded M, one token tile), ``tile_n`` weight rows (16-64), ``tile_k``
+  (256-1024), ``split_k``, warps, ``num_stages`` 1 (plain loads) or 2 (Triton's
+  cp.async pipeline). Offered for M <= `GEMV_MAX_M`.
 
 Orientation is the kernel's own (weights always on the wide side), so every tactic has
 ``swap_ab=False``. ``operations = ("w4a16",)`` says which operation the backend serves;
@@ -175,10 +175,12 @@ def _why_invalid_gemv(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) 
         return f"gemv tile_m must be M={p.m} padded to a power of 2 (one token tile)"
     if t.block_r != 64:
         return "block_r is an unpack knob (64 for gemv tactics)"
-    if (t.tile_n not in GEMV_TILE_N or t.tile_k not in GEMV_TILE_K
-            or t.split_k not in GEMV_SPLIT_K or t.num_stages not in GEMV_STAGES):  # fmt: skip
-        return (f"gemv: tile_n in {GEMV_TILE_N}, tile_k in {GEMV_TILE_K}, split_k in "
-                f"{GEMV_SPLIT_K}, num_stages in {GEMV_STAGES}")  # fmt: skip
+    if (t.tile_m not in GEMV_TILE_M or t.tile_n not in GEMV_TILE_N
+            or t.tile_k not in GEMV_TILE_K or t.split_k not in GEMV_SPLIT_K
+            or t.num_stages not in GEMV_STAGES):  # fmt: skip
+        return (f"gemv: tile_m in {GEMV_TILE_M}, tile_n in {GEMV_TILE_N}, tile_k in "
+                f"{GEMV_TILE_K}, split_k in {GEMV_SPLIT_K}, num_stages in "
+                f"{GEMV_STAGES}")  # fmt: skip
     low, high = GEMV_THREAD_BYTES
     if not low <= gemv_thread_bytes(t) <= high:
         return f"gemv: {gemv_thread_bytes(t):g} weight bytes per thread and step (not {low}-{high})"
