@@ -255,6 +255,31 @@ def table(rows: list[dict]) -> str:
     return markdown_table(head, body)
 
 
+def model_check(rows: list[dict]) -> str:
+    """How the (unfitted) estimate did, per path: the median of measured / estimated µs
+    over every timed tactic (a scale error), and on how many shapes the estimate's own
+    best tactic of the path is within 10% of the measured best (a ranking check)."""
+    lines = []
+    for path in ("gemv", "direct"):
+        ratios, hits, shapes = [], 0, 0
+        for row in rows:
+            timed_ = {tj: e for tj, e in row["tactics"].items()
+                      if e["path"] == path and "us" in e}  # fmt: skip
+            if not timed_:
+                continue
+            shapes += 1
+            ratios += [e["us"] / e["est_us"] for e in timed_.values() if e["est_us"]]
+            by_est = min(timed_.values(), key=lambda e: e["est_us"])
+            hits += by_est["us"] <= 1.1 * min(e["us"] for e in timed_.values())
+        if shapes:
+            ratios.sort()
+            med = ratios[len(ratios) // 2] if ratios else math.nan
+            lines.append(f"{path}: measured / estimate median {med:.2f} over {len(ratios)} "
+                         f"tactics; estimate's best within 10% of the best on "
+                         f"{hits}/{shapes} shapes")  # fmt: skip
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true",
@@ -322,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         write_json("w4a16_decode.json", result)  # after every shape: a cut run keeps its rows
     shapes.clear()
     print("\n" + table(result["shapes"]))
+    result["model_check"] = model_check(result["shapes"])
+    print("\n" + result["model_check"])
     bad = sum(len(r["failed"]) for r in result["shapes"])
     print(f"\n{bad} tactic(s) over rel err {TOL} or failing; total {time.time() - t0:.0f}s")
     path = write_json("w4a16_decode.json", result)
