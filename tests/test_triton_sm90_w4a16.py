@@ -324,15 +324,38 @@ def test_tactics_are_valid_and_round_trip(m, n, k):
     assert ("unpack" in paths) == (m >= UNPACK_MIN_M)
 
 
-def test_estimate_picks_direct_for_decode_and_unpack_for_prefill():
+def test_estimate_picks_gemv_then_direct_for_decode_and_unpack_for_prefill():
     b = TritonSm90W4A16Backend()
-    for m, want in ((1, "direct"), (16, "direct"), (4096, "unpack")):
+    for m, want in ((1, "gemv"), (16, "direct"), (4096, "unpack")):
         p = Problem(m=m, n=8192, k=8192)
         best = min(b.tactics(p, SM90), key=lambda t: b.estimate_us(p, SM90, t))
         assert best.path == want, f"M={m}: picked {best}"
     decode = Problem(m=1, n=8192, k=8192)
-    best = min(b.tactics(decode, SM90), key=lambda t: b.estimate_us(decode, SM90, t))
+    direct = [t for t in b.tactics(decode, SM90) if t.path == "direct"]
+    best = min(direct, key=lambda t: b.estimate_us(decode, SM90, t))
     assert best.split_k > 1  # 64 weight tiles cannot fill 132 SMs without split-K
+
+
+def _direct(**kw) -> TritonSm90W4A16Tactic:
+    return TritonSm90W4A16Tactic(path="direct", tile_m=16, tile_n=128, **kw)
+
+
+@pytest.mark.parametrize(("n", "k", "split"), [(8192, 8192, 4), (5120, 5120, 8), (10240, 8192, 4)])
+def test_direct_estimate_ranks_decode_tiles_as_measured(n, k, split):
+    """RESULTS.md ("Hopper W4A16", run 2, M = 1 and 16): 128x16x128 at 4 stages beat
+    128x16x256 at 3 stages (the v0 model's pick) by 15-30% and 6 stages (34.7 vs 25.2 µs
+    at 8192²): shared memory fits two of the first per SM, one of the others. The
+    untuned direct pick must be the measured winner (tile_k=128, 4 stages, that split)."""
+    b = TritonSm90W4A16Backend()
+    for m in (1, 16):
+        p = Problem(m=m, n=n, k=k)
+        direct = [t for t in b.tactics(p, SM90) if t.path == "direct"]
+        best = min(direct, key=lambda t: (b.estimate_us(p, SM90, t), t.canonical_json()))
+        assert (best.tile_k, best.num_stages, best.split_k) == (128, 4, split), best
+        s4 = b.estimate_us(p, SM90, _direct(tile_k=128, num_stages=4, split_k=split))
+        s6 = b.estimate_us(p, SM90, _direct(tile_k=128, num_stages=6, split_k=split))
+        wide = b.estimate_us(p, SM90, _direct(tile_k=256, num_stages=3, split_k=split // 2))
+        assert s4 < s6 and s4 < wide, (m, n, k, s4, s6, wide)
 
 
 def test_rules_reject_what_does_not_fit():
@@ -443,6 +466,33 @@ def test_ptx_dequantizers_are_exact_on_every_byte(name, dtype, prepared):
                 bits = (regs[reg] >> 16 * lane) & 0xFFFF
                 got = torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(dtype).item()
                 assert got == v, f"{name}: byte {byte:#04x} {reg} lane {lane}: {got} != {v}"
+
+
+@pytest.mark.parametrize(("name", "prepared"), [("_NATURAL", False), ("_PREPARED", True)])
+def test_gemv_ptx_nibble_expansion_is_exact_on_every_byte(name, prepared):
+    """The gemv kernel's unscaled PTX (`gemm_w4a16_decode`, the fp16 pairs without the scale
+    multiply): every output lane is ``e2m1 * 2**-14`` of its own byte's nibble."""
+    pytest.importorskip("triton")
+    from fp4_dispatch.backends.sm90 import gemm_w4a16 as mod
+    from fp4_dispatch.backends.sm90 import gemm_w4a16_decode as dec
+    from fp4_dispatch.nvfp4 import E2M1_VALUES
+
+    asm = getattr(dec, name)
+    for b0 in range(256):
+        b1, b2, b3 = (b0 * 7 + 1) % 256, (b0 * 13 + 5) % 256, 255 - b0
+        regs = _run_ptx(asm, {"$4": b0 | b1 << 8 | b2 << 16 | b3 << 24})
+        outs = {"$0": (0, 1), "$1": (2, 3), "$2": (0, 1), "$3": (2, 3)}
+        for reg, (i, j) in outs.items():
+            for lane, idx in ((0, i), (1, j)):
+                byte = (b0, b1, b2, b3)[idx]
+                natural = (
+                    mod.unrotate_high_nibbles(torch.tensor([byte])).item() if prepared else byte
+                )
+                code = natural & 15 if reg in ("$0", "$1") else natural >> 4
+                v = E2M1_VALUES[code & 7] * (-1.0 if code & 8 else 1.0) * 2.0**-14
+                bits = (regs[reg] >> 16 * lane) & 0xFFFF
+                got = torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.float16)
+                assert got.item() == v, f"{name}: byte {byte:#04x} {reg} lane {lane}"
 
 
 # ---- GPU ------------------------------------------------------------------------------

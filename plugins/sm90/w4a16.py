@@ -11,6 +11,12 @@ family at call time (the kernel specializes on it). Two paths, one tactic type:
 - ``path="unpack"``: expand the weight once to the activation dtype (alpha folded in),
   then cuBLAS; ``block_r`` x ``tile_k`` is the unpack tile, ``tile_m``/``tile_n`` are
   nominal 128. Offered for M >= `UNPACK_MIN_M`.
+- ``path="gemv"``: the tensor-core-free decode kernel of
+  `fp4_dispatch.backends.sm90.gemm_w4a16_decode` (fp32 FMAs in registers, no tensor
+  cores; not yet run on hardware, its estimate unfitted): ``tile_m`` tokens (1, 2, 4:
+  the padded M, one token tile), ``tile_n`` weight rows (16-64), ``tile_k``
+  (256-1024), ``split_k``, warps, ``num_stages`` 1 (plain loads) or 2 (Triton's
+  cp.async pipeline). Offered for M <= `GEMV_MAX_M`.
 
 Orientation is the kernel's own (weights always on the wide side), so every tactic has
 ``swap_ab=False``. ``operations = ("w4a16",)`` says which operation the backend serves;
@@ -39,6 +45,7 @@ from fp4_dispatch.tactics import Problem, Tactic
 
 if TYPE_CHECKING:
     from fp4_dispatch.backends.sm90.gemm_w4a16 import W4A16Config
+    from fp4_dispatch.backends.sm90.gemm_w4a16_decode import W4A16GemvConfig
 
 TILE_M = (16, 32, 64, 128)
 TILE_N = (64, 128)
@@ -47,6 +54,21 @@ SPLIT_K = (1, 2, 4, 8, 16)
 WARPS = (4, 8)
 STAGES = (3, 4, 6)
 BLOCK_R = (32, 64, 128)
+#: gemv (decode) knobs: tokens per CTA, weight rows per CTA, K per step, splits, stages
+GEMV_TILE_M = (1, 2, 4)
+GEMV_TILE_N = (16, 32, 64)
+GEMV_TILE_K = (256, 512, 1024)
+GEMV_SPLIT_K = (1, 2, 4, 8)
+GEMV_STAGES = (1, 2)
+#: each token costs one FMA per weight element (plus its share of the block sums): past 4
+#: tokens the wgmma kernel does the products for free
+GEMV_MAX_M = 4
+#: weight bytes one thread holds per K step, (min, max): fewer leaves the loop overhead
+#: unamortised, more spills the dequantized values (registers)
+GEMV_THREAD_BYTES = (16, 64)
+#: the grid split-K may grow a gemv grid to (16 CTAs per SM: several rounds of the 3-7
+#: that fit at once, `gemv_ctas_per_sm`; more only adds split-K partials)
+GEMV_MAX_CTAS_PER_SM = 16
 #: the direct kernel re-streams the whole weight per token tile: past this M the unpack
 #: path (one expansion, then cuBLAS) is cheaper (W4A4 measurement: RESULTS.md, "Hopper")
 DIRECT_MAX_M = 1024
@@ -58,16 +80,16 @@ class TritonSm90W4A16Tactic(Tactic):
     """One variant of the W4A16 backend (see the module docstring for the knobs)."""
 
     backend: Literal["triton-sm90-w4a16"] = "triton-sm90-w4a16"
-    path: Literal["direct", "unpack"] = "direct"
-    tile_m: Literal[16, 32, 64, 128] = 16
-    tile_n: Literal[64, 128] = 128
+    path: Literal["direct", "unpack", "gemv"] = "direct"
+    tile_m: Literal[1, 2, 4, 16, 32, 64, 128] = 16
+    tile_n: Literal[16, 32, 64, 128] = 128
     cluster_m: Literal[1] = 1
     cluster_n: Literal[1] = 1
     swap_ab: Literal[False] = False
-    tile_k: Literal[64, 128, 256] = 128
+    tile_k: Literal[64, 128, 256, 512, 1024] = 128
     split_k: Literal[1, 2, 4, 8, 16] = 1
     num_warps: Literal[4, 8] = 4
-    num_stages: Literal[3, 4, 6] = 3
+    num_stages: Literal[1, 2, 3, 4, 6] = 3
     block_r: Literal[32, 64, 128] = 64
 
     def kernel_config(self) -> W4A16Config:
@@ -75,6 +97,12 @@ class TritonSm90W4A16Tactic(Tactic):
         from fp4_dispatch.backends.sm90.gemm_w4a16 import W4A16Config  # noqa: PLC0415 - optional: Triton
 
         return triton_config(W4A16Config, self)
+
+    def gemv_config(self) -> W4A16GemvConfig:
+        """The gemv kernel's compile-time config (gemv path only)."""
+        from fp4_dispatch.backends.sm90.gemm_w4a16_decode import W4A16GemvConfig  # noqa: PLC0415 - optional: Triton
+
+        return triton_config(W4A16GemvConfig, self)
 
 
 def smem_bytes(tile_n: int, tile_m: int, tile_k: int, stages: int) -> int:
@@ -93,6 +121,9 @@ def _why_invalid_direct(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo
         return "block_r is an unpack knob (64 for direct tactics)"
     if t.tile_m not in TILE_M or t.tile_m > max(16, _pow2_at_least(p.m)):
         return f"tile_m={t.tile_m} does not fit M={p.m} (16..128, <= M padded to a power of 2)"
+    if t.tile_n not in TILE_N or t.tile_k not in TILE_K or t.num_stages not in STAGES:
+        return (f"direct tiles: tile_n in {TILE_N}, tile_k in {TILE_K}, num_stages in "
+                f"{STAGES} (got {t.tile_n}, {t.tile_k}, {t.num_stages})")  # fmt: skip
     if t.tile_n > max(64, _pow2_at_least(p.n)):
         return f"tile_n={t.tile_n} exceeds N={p.n}"
     if t.tile_k > max(64, _pow2_at_least(p.k)):
@@ -121,10 +152,49 @@ def _why_invalid_unpack(t: TritonSm90W4A16Tactic, p: Problem) -> str | None:
     defaults = (t.tile_m, t.tile_n, t.split_k, t.num_warps, t.num_stages)
     if defaults != (128, 128, 1, 4, 3):
         return "unpack tactics keep tile 128x128, split_k 1, 4 warps, 3 stages (nominal)"
+    if t.tile_k not in TILE_K:
+        return f"unpack tile_k: expected one of {TILE_K}, got {t.tile_k}"
     if t.block_r * t.tile_k > 128 * 128:
         return f"unpack tile {t.block_r}x{t.tile_k} exceeds 16384 elements"
     if t.tile_k > max(64, _pow2_at_least(p.k)):
         return f"tile_k={t.tile_k} exceeds K={p.k}"
+    return None
+
+
+def gemv_thread_bytes(t: TritonSm90W4A16Tactic) -> float:
+    """Packed weight bytes one thread of a gemv CTA holds per K step."""
+    return t.tile_n * t.tile_k / 2 / (32 * t.num_warps)
+
+
+def _why_invalid_gemv(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -> str | None:
+    """Rules of the gemv path: M <= GEMV_MAX_M in one token tile, its own tile choices,
+    a per-thread register budget, split-K while the grid stays small (>= 2 K steps)."""
+    if p.m > GEMV_MAX_M:
+        return f"M={p.m} > {GEMV_MAX_M}: the wgmma kernel serves more tokens"
+    if t.tile_m != _pow2_at_least(p.m):
+        return f"gemv tile_m must be M={p.m} padded to a power of 2 (one token tile)"
+    if t.block_r != 64:
+        return "block_r is an unpack knob (64 for gemv tactics)"
+    if (t.tile_m not in GEMV_TILE_M or t.tile_n not in GEMV_TILE_N
+            or t.tile_k not in GEMV_TILE_K or t.split_k not in GEMV_SPLIT_K
+            or t.num_stages not in GEMV_STAGES):  # fmt: skip
+        return (f"gemv: tile_m in {GEMV_TILE_M}, tile_n in {GEMV_TILE_N}, tile_k in "
+                f"{GEMV_TILE_K}, split_k in {GEMV_SPLIT_K}, num_stages in "
+                f"{GEMV_STAGES}")  # fmt: skip
+    low, high = GEMV_THREAD_BYTES
+    if not low <= gemv_thread_bytes(t) <= high:
+        return f"gemv: {gemv_thread_bytes(t):g} weight bytes per thread and step (not {low}-{high})"
+    if t.tile_n > max(16, _pow2_at_least(p.n)):
+        return f"tile_n={t.tile_n} exceeds N={p.n}"
+    k_steps = -(-p.k // t.tile_k)
+    if t.tile_k > max(256, _pow2_at_least(p.k)):
+        return f"tile_k={t.tile_k} exceeds K={p.k}"
+    if t.split_k > 1:
+        ctas = -(-p.n // t.tile_n) * t.split_k
+        if ctas > GEMV_MAX_CTAS_PER_SM * device.sm_count:
+            return f"split-K beyond {GEMV_MAX_CTAS_PER_SM} CTAs per SM ({ctas} CTAs)"
+        if k_steps < 2 * t.split_k:
+            return f"split_k={t.split_k} leaves < 2 K steps per split ({k_steps} steps)"
     return None
 
 
@@ -134,17 +204,45 @@ def why_invalid(t: TritonSm90W4A16Tactic, problem: Problem, device: DeviceInfo) 
         return f"K={problem.k} must be a multiple of 32"
     if t.path == "direct":
         return _why_invalid_direct(t, problem, device)
+    if t.path == "gemv":
+        return _why_invalid_gemv(t, problem, device)
     return _why_invalid_unpack(t, problem)
 
 
-# Calibration (v0, NOT fitted: no W4A16 kernel had run on an H200 when it was written):
-# the constants are the "w4a16" part of plugins/sm90/cost_model.json (`_c()`). The W4A4
+# Calibration (v0, NOT fitted: no W4A16 sweep of every tactic has run on an H200): the
+# constants are the "w4a16" part of plugins/sm90/cost_model.json (`_c()`). The W4A4
 # kernel's dequantizer ran at ~4.0e4 elements/SM/us in its fitted model at ~4.5 SASS
 # instructions per element (sm_90 compile, Triton 3.9); the W4A16 main loop compiles to
 # ~5.5 per weight element (fp16 activations; 7.7 with bf16), so the rate is 4.0e4 x 4.5 /
-# 5.5. step_us: one weight tile load's latency per K step, overlapped by stages;
-# mma_eff: wgmma efficiency by tile_m (its N side: tokens); unpack_launch_us: unpack +
+# 5.5. mma_eff: wgmma efficiency by tile_m (its N side: tokens); unpack_launch_us: unpack +
 # GEMM (no alpha pass). The others as in the W4A4 model.
+#
+# Decode is latency-bound (RESULTS.md, "Hopper W4A16" run 2: 38% of HBM at 1x8192²), so
+# the direct kernel's time is its chain of dependent K steps: ``step_us`` per 128-wide K
+# step (scaled by sqrt(tile_k / 128): a wider step carries more bytes but the same
+# chain), times the rounds of CTAs the busiest SM runs (`direct_ctas_per_sm`). That
+# residency is a PROXY fitted to the measured order at decode (1x8192²: 128x16x128 at 4
+# stages 25.2 µs, at 6 stages 34.7, 128x16x256 at 3 stages 29.4): the SM's 228 KiB over
+# `smem_bytes` (an upper estimate) gives 2, 1 and 1 CTAs. The compiled kernels' real
+# limits differ (sm_90, Triton 3.9: 161 registers a thread for 128x16x128, 255 and a
+# 24-byte spill for 128x16x256, i.e. 3 and 2 CTAs per SM; 44 and 70 KB of shared memory
+# at 4 and 6 stages): why 6 stages is slower is not established. step_us = 1.14
+# reproduces 25.2 µs (16 steps x 1.14 + launch 4 + split reduction 3).
+#
+# gemv (`_estimate_gemv`): bound by issue or by memory. Issue: SASS instructions per
+# weight element of its main loop (static counts of the sm_90 cubin, Triton 3.9:
+# ``gemv_instr`` at one token and 1 stage, ``gemv_instr_per_token`` for each further
+# token, ``gemv_instr_pipelined`` extra with Triton's cp.async pipeline), issued at
+# ``gemv_instr_per_sm_us`` thread-instructions per SM and µs (4 schedulers x 32 lanes x
+# 1.98 GHz x an assumed 60% issue efficiency). Memory: HBM at bw_fraction, reduced when
+# the resident CTAs keep fewer than ``gemv_in_flight_bytes`` in flight (Little's law:
+# ~4.25 TB/s x ~1.4 µs of loaded latency). Not measured yet: bench_w4a16_decode.py
+# gives the data to fit these on.
+
+#: shared memory of one Hopper SM, bytes (228 KiB; CTAs of one SM share it), and what
+#: the system reserves per resident CTA on top of the kernel's own (1 KiB, sm80 and later)
+SM_SMEM_BYTES = 233472
+CTA_SMEM_RESERVED = 1024
 
 
 def _c() -> dict:
@@ -157,6 +255,14 @@ def w4a16_min_bytes(problem: Problem) -> float:
     return m * k * 2.0 + n * k * (0.5 + 1.0 / 16) + 2.0 * m * n
 
 
+def direct_ctas_per_sm(t: TritonSm90W4A16Tactic) -> int:
+    """Direct-kernel CTAs one SM runs at once in the model: its cap, fewer where the
+    shared-memory estimate `smem_bytes` runs out first (a fitted proxy: see above)."""
+    need = smem_bytes(t.tile_n, t.tile_m, t.tile_k, t.num_stages) + CTA_SMEM_RESERVED
+    fit = SM_SMEM_BYTES // need
+    return max(1, min(int(_c()["ctas_per_sm"]), fit))
+
+
 def _estimate_direct(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -> float:
     """max(step latency, weight dequantization, MMA, memory) + launch + split reduction."""
     c = _c()
@@ -165,19 +271,59 @@ def _estimate_direct(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -
     ctas = m_tiles * n_tiles * split
     steps = math.ceil(p.k / split / tk)
     per_sm = math.ceil(ctas / device.sm_count)
-    latency = math.ceil(per_sm / c["ctas_per_sm"]) * steps * c["step_us"]
+    resident = direct_ctas_per_sm(t)
+    waves = per_sm / resident  # the busiest SM's CTAs, `resident` at a time
+    latency = waves * steps * c["step_us"] * math.sqrt(tk / 128)
     dequant = per_sm * steps * tn * tk / c["dequant_elems_per_sm_us"]
     mma_rate = device.bf16_tflops * 1e6 / device.sm_count * c["mma_eff"][str(tm)]
     mma = per_sm * steps * 2.0 * tm * tn * tk / mma_rate
     # weights are re-read once per token tile; activations once per weight tile (L2)
     weight_bytes = p.n * p.k * (0.5 + 1.0 / 16) * m_tiles
     partial = 8.0 * ctas * tm * tn if split > 1 else 0.0
-    resident = min(ctas, device.sm_count * c["ctas_per_sm"])
-    in_flight = resident * t.num_stages * tn * tk / 2
+    # bytes in flight: as fitted before the residency rule (the model's CTA cap only)
+    in_flight = min(ctas, device.sm_count * c["ctas_per_sm"]) * t.num_stages * tn * tk / 2
     bw = device.mem_bw_gbps * 1e3 * c["bw_fraction"] * min(1.0, in_flight / c["in_flight_bytes"])
     memory = (weight_bytes + p.m * p.k * 2.0 + 2.0 * p.m * p.n + partial) / bw
     reduce = c["split_reduce_us"] * math.log2(split)
     return max(latency, dequant, mma, memory) + c["launch_us"] + reduce
+
+
+def gemv_instr_per_element(t: TritonSm90W4A16Tactic) -> float:
+    """SASS instructions per weight element of the gemv main loop (calibration above)."""
+    c = _c()
+    extra = c["gemv_instr_pipelined"] if t.num_stages > 1 else 0.0
+    return c["gemv_instr"] + c["gemv_instr_per_token"] * (t.tile_m - 1) + extra
+
+
+def gemv_ctas_per_sm(t: TritonSm90W4A16Tactic) -> int:
+    """Gemv CTAs one SM holds at once, by registers (65536 per SM, allocated in units of
+    8 per thread; at most 32 CTAs). Registers per thread are a proxy fitted to sm_90
+    compiles (Triton 3.9, ptxas): ~2 per weight byte a thread holds, 40% more per extra
+    token, + 8 (69 at 32 bytes and one token, 127 at 64 bytes, 155 at 32 bytes and four
+    tokens; 4 warps)."""
+    regs = 2.0 * gemv_thread_bytes(t) * (1 + 0.4 * (t.tile_m - 1)) + 8
+    regs = min(255, 8 * math.ceil(regs / 8))
+    return max(1, min(32, 65536 // (regs * 32 * t.num_warps)))
+
+
+def _estimate_gemv(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -> float:
+    """max(instruction issue, memory) + launch + split reduction (calibration above).
+
+    Issue: the busiest SM's CTAs times each CTA's instructions, at the SM's issue rate
+    (the SM is the shared resource, whatever its residency). Memory: the resident CTAs
+    (`gemv_ctas_per_sm`) keep ``num_stages`` K tiles each in flight."""
+    c = _c()
+    ctas = -(-p.m // t.tile_m) * -(-p.n // t.tile_n) * t.split_k
+    per_cta = -(-p.k // t.split_k) * t.tile_n * gemv_instr_per_element(t)
+    issue = math.ceil(ctas / device.sm_count) * per_cta / c["gemv_instr_per_sm_us"]
+    resident = min(ctas, device.sm_count * gemv_ctas_per_sm(t))
+    in_flight = resident * t.num_stages * t.tile_n * t.tile_k / 2
+    bw = device.mem_bw_gbps * 1e3 * c["bw_fraction"]
+    bw *= min(1.0, in_flight / c["gemv_in_flight_bytes"])
+    partial = 8.0 * ctas * t.tile_m * t.tile_n if t.split_k > 1 else 0.0
+    memory = (w4a16_min_bytes(p) + partial) / bw
+    reduce = c["split_reduce_us"] * math.log2(t.split_k)
+    return max(issue, memory) + c["launch_us"] + reduce
 
 
 def _estimate_unpack(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -> float:
@@ -217,6 +363,14 @@ class TritonSm90W4A16Backend(Backend):
             t = _tactic("unpack", 128, 128, tk, 1, 4, 3, br)
             if why_invalid(t, problem, device) is None:
                 yield t
+        if problem.m <= GEMV_MAX_M:
+            tm = _pow2_at_least(problem.m)
+            for tn, tk, split, warps, stages in itertools.product(
+                GEMV_TILE_N, GEMV_TILE_K, GEMV_SPLIT_K, WARPS, GEMV_STAGES
+            ):
+                t = _tactic("gemv", tm, tn, tk, split, warps, stages, 64)
+                if why_invalid(t, problem, device) is None:
+                    yield t
 
     def validate(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> str | None:
         checked = TritonSm90W4A16Tactic.model_validate(tactic.model_dump())
@@ -227,6 +381,8 @@ class TritonSm90W4A16Backend(Backend):
         assert isinstance(tactic, TritonSm90W4A16Tactic)
         if tactic.path == "direct":
             return _estimate_direct(tactic, problem, device)
+        if tactic.path == "gemv":
+            return _estimate_gemv(tactic, problem, device)
         return _estimate_unpack(tactic, problem, device)
 
     def precompile(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> object:
@@ -241,6 +397,7 @@ class TritonSm90W4A16Backend(Backend):
         if tactic.path == "unpack":
             kernel.precompile(problem.n, problem.k, dtype)  # type: ignore[attr-defined]
             return kernel
+        # direct and gemv kernels: the same precompile signature
         return kernel.precompile(problem.m, problem.n, problem.k, dtype)  # type: ignore[attr-defined]
 
     def precompile_key(self, tactic: Tactic, problem: Problem) -> tuple:
@@ -252,6 +409,8 @@ class TritonSm90W4A16Backend(Backend):
         assert isinstance(tactic, TritonSm90W4A16Tactic)
         if tactic.path == "unpack":
             return _unpack_kernel_for(tactic.block_r, tactic.tile_k)
+        if tactic.path == "gemv":
+            return _gemv_kernel_for(tactic.gemv_config())
         return _kernel_for(tactic.kernel_config())
 
 
@@ -278,6 +437,14 @@ def _kernel_for(cfg: W4A16Config) -> Kernel:
     from fp4_dispatch.backends.sm90 import gemm_w4a16  # noqa: PLC0415 - optional: Triton
 
     return gemm_w4a16.build(cfg)
+
+
+@functools.cache
+def _gemv_kernel_for(cfg: W4A16GemvConfig) -> Kernel:
+    """One gemv kernel object per config (shared compiled code and split-K workspace)."""
+    from fp4_dispatch.backends.sm90 import gemm_w4a16_decode  # noqa: PLC0415 - optional: Triton
+
+    return gemm_w4a16_decode.build_gemv(cfg)
 
 
 @functools.cache
