@@ -71,8 +71,14 @@ for m, n, k, cfg, dtype_name in json.loads(sys.argv[1]):
         out_p = torch.full((m, n), float("nan"), dtype=dtype)
         kernel(prep, out_p)
         same_p = bool(torch.equal(out, out_p))
+    # the bias epilogue (DenseOperands.bias): a @ dq(b).T + bias, one rounding
+    bias = ((torch.rand(n, generator=g, dtype=torch.float64) + 0.5) * ref.abs().mean()).to(dtype)
+    out_b = torch.full((m, n), float("nan"), dtype=dtype)
+    kernel(w4.W4A16Operands(x, q.data, q.scale, q.global_scale.reshape(1), bias=bias), out_b)
     rows.append([m, n, k, cfg, dtype_name, rel_err(out, ref), rel_err(out_t.t(), ref),
-                 bool(torch.equal(out, again)), counters, same_p])
+                 bool(torch.equal(out, again)), counters, same_p,
+                 rel_err(out_b, ref + bias.double()),
+                 float(bias.double().norm() * m**0.5 / ref.norm())])
 print(json.dumps(rows))
 """
 
@@ -106,8 +112,15 @@ def test_gemv_matches_float64(interpreted):
         assert transposed <= bound, f"{m}x{n}x{k} {cfg} {dt} (out.T): rel err {transposed}"
 
 
+def test_gemv_adds_the_bias_in_its_epilogue(interpreted):
+    for row in interpreted:
+        err, weight = row[10], row[11]
+        assert weight > 0.3, row[:5]  # the bias is not negligible next to the product
+        assert err <= 1e-2, f"{row[:5]}: rel err {err} against a @ dq(b).T + bias"
+
+
 def test_gemv_is_deterministic_and_resets_split_k_counters(interpreted):
-    for m, n, k, cfg, dt, _, _, same, counters, _ in interpreted:
+    for m, n, k, cfg, dt, _, _, same, counters, *_ in interpreted:
         assert same, f"{m}x{n}x{k} {cfg} {dt}: two calls differ"
         assert counters == 0, f"{m}x{n}x{k} {cfg} {dt}: counters left at {counters}"
     assert any(r[3].get("split_k", 1) > 1 for r in interpreted), "no split-K case ran"
@@ -115,10 +128,10 @@ def test_gemv_is_deterministic_and_resets_split_k_counters(interpreted):
 
 def test_gemv_prepared_weights_give_identical_results(interpreted):
     """The sm90-prepared layout is read in the same block and byte order: same bits."""
-    checked = [r for r in interpreted if r[-1] is not None]
+    checked = [r for r in interpreted if r[9] is not None]
     assert checked, "no case with K % 64 == 0"
-    for m, n, k, cfg, dt, *_, same_p in checked:
-        assert same_p, f"{m}x{n}x{k} {cfg} {dt}: prepared differs from natural"
+    for row in checked:  # column 9: prepared == natural, bit for bit
+        assert row[9], f"{row[:5]}: prepared differs from natural"
 
 
 def test_gemv_config_rejects_bad_knobs():
@@ -246,6 +259,9 @@ class Recorder:
         self.seen = []
 
     def __call__(self, grid, args):
+        self.seen.append((grid, args))
+
+    def launch_keyed(self, key, grid, args):
         self.seen.append((grid, args))
 
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import triton
@@ -54,7 +55,7 @@ import triton.language as tl
 from fp4_dispatch.backends.sm90.gemm_w4a16 import _USE_ASM, W4A16Operands, _pair
 from fp4_dispatch.backends.sm90.splitk import k_tile_range, store_tile
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
-from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher
+from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher, all_aligned
 from fp4_dispatch.backends.workspace import Scratch
 from fp4_dispatch.nvfp4 import swizzled_scale_shape
 
@@ -247,12 +248,13 @@ def _column(total, col, t: tl.constexpr):
 # ---- the kernel -----------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["M", "N"])
+@triton.jit(do_not_specialize=["M", "N", "has_bias"])
 def _w4a16_gemv_kernel(
     x_ptr,
     b_ptr,
     bs_ptr,
     alpha_ptr,
+    bias_ptr,
     out_ptr,
     ws_ptr,
     cnt_ptr,
@@ -263,6 +265,7 @@ def _w4a16_gemv_kernel(
     stride_om,
     stride_on,
     b_sblk,
+    has_bias,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -338,8 +341,14 @@ def _w4a16_gemv_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None] * stride_on
     out_mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    # the bias of each output column n: a runtime flag (one compiled variant for both),
+    # as in `gemm_w4a16._w4a16_kernel`
+    bias = tl.zeros((BLOCK_N, 1), dtype=tl.float32)
+    if has_bias != 0:
+        bias = tl.load(bias_ptr + offs_n[:, None], mask=offs_n[:, None] < N, other=0.0)
+        bias = bias.to(tl.float32)
     store_tile(total, scale, out_ptrs, out_mask, ws_ptr, cnt_ptr, pid, pid_k, BLOCK_N, BLOCK_M,
-               SPLIT_K)  # fmt: skip
+               SPLIT_K, bias, True)  # fmt: skip
 
 
 _GEMV_LAUNCH = CachedLauncher(_w4a16_gemv_kernel)
@@ -355,6 +364,7 @@ class W4A16GemvKernel:
     """
 
     cfg: W4A16GemvConfig
+    bias_epilogue: ClassVar[bool] = True
     _scratch: Scratch = field(default_factory=Scratch, repr=False)
     #: the Triton launch handle of the latest compiling call (its ``asm``: PTX, cubin)
     compiled: object = field(default=None, repr=False)
@@ -367,20 +377,30 @@ class W4A16GemvKernel:
         return self._scratch.get(device, elems, tiles)
 
     def __call__(self, operands: W4A16Operands, out: torch.Tensor) -> None:
+        """Launch on `operands` (host work as `gemm_w4a16.W4A16Kernel.__call__`: a launch
+        key for aligned pointers, the bias into the epilogue)."""
         cfg = self.cfg
-        m, n, k = operands.m, operands.n, operands.k
+        a, b, sb, alpha = operands.a, operands.b_data, operands.b_scale, operands.alpha
+        m, n, k = a.shape[0], b.shape[0], a.shape[1]
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         if cfg.split_k > 1:
             ws, cnt = self.workspace(out.device, tiles)
         else:
             ws = cnt = out  # unused by the SPLIT_K == 1 variant
         bound = self._binding(k, bool(getattr(operands, "prepared", False)))
-        bound(
-            (tiles, cfg.split_k),
-            (operands.a, operands.b_data, operands.b_scale, operands.alpha, out, ws, cnt,
-             m, n, k, operands.a.stride(0), out.stride(0), out.stride(1),
-             operands.b_scale.shape[1] * 128),
-        )  # fmt: skip
+        bias = operands.bias
+        has_bias = bias is not None
+        if not has_bias:
+            bias = out  # never read (has_bias == 0); same dtype: the same compiled variant
+        sa0, (so0, so1) = a.stride(0), out.stride()
+        grid = (tiles, cfg.split_k)
+        args = (a, b, sb, alpha, bias, out, ws, cnt, m, n, k, sa0, so0, so1,
+                sb.shape[1] * 128, int(has_bias))  # fmt: skip
+        if all_aligned(a, b, sb, alpha, bias, out):
+            key = (m, n, k, sa0, so0, so1, a.dtype, out.dtype, bias.dtype)
+            bound.launch_keyed(key, grid, args)
+        else:
+            bound(grid, args)
         self.compiled = bound.last_compiled
 
     def precompile(
@@ -396,8 +416,8 @@ class W4A16GemvKernel:
         cfg = self.cfg
         ws, cnt = (torch.float32, torch.int32) if cfg.split_k > 1 else (dtype, dtype)
         sblk = swizzled_scale_shape(n, k)[1] * 128
-        args = (dtype, torch.uint8, torch.float8_e4m3fn, torch.float32, dtype, ws, cnt,
-                m, n, k, k, n, 1, sblk)  # fmt: skip
+        args = (dtype, torch.uint8, torch.float8_e4m3fn, torch.float32, dtype, dtype, ws, cnt,
+                m, n, k, k, n, 1, sblk, 0)  # fmt: skip
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         return self._binding(k, prepared).warmup((tiles, cfg.split_k), args)
 
