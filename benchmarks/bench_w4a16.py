@@ -69,7 +69,7 @@ from fp4_dispatch.plugins.sm90.w4a16 import (
     _unpack_kernel_for,
     w4a16_min_bytes,
 )
-from fp4_dispatch.profiles import simulated
+from fp4_dispatch.profiles import rated, simulated
 from fp4_dispatch.tactics import Problem, tactic_label
 
 MAIN_M = (1, 16, 64, 256, 4096)
@@ -434,7 +434,9 @@ def main() -> None:
         print("no CUDA device: this script measures on an H200 (sm90)", file=sys.stderr)
         sys.exit(2)
     device = torch.device("cuda")
-    info = detect(device.index or 0)  # detect takes a CUDA index (a torch.device read as CPU)
+    # detect takes a CUDA index (a torch.device read as CPU); rated: the compute rates the
+    # dispatcher uses (detect alone leaves placeholders that skew every estimate)
+    info = rated(detect(device.index or 0))
     if info.cc is None or not 90 <= info.cc < 100:
         print(f"warning: {info.name} is not sm90; using simulated sm90 tactic rules", flush=True)
         info = simulated("sm90")

@@ -49,7 +49,7 @@ from fp4_dispatch.plugins.sm90.w4a16 import (
     TritonSm90W4A16Tactic,
     w4a16_min_bytes,
 )
-from fp4_dispatch.profiles import simulated
+from fp4_dispatch.profiles import rated, simulated
 from fp4_dispatch.tactics import Problem, tactic_label
 
 MS = (1, 4, 16)
@@ -301,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: run on an H200, or pass --smoke for a CPU check", file=sys.stderr)
         return 2
     device = torch.device("cuda" if cuda else "cpu")
-    info = detect(0) if cuda else simulated("sm90")
+    # the rated device, as the dispatcher sees it (`detect` alone leaves the compute rates
+    # at their placeholders: the first run's estimates were off by 10^4 for that reason)
+    info = rated(detect(0)) if cuda else simulated("sm90")
     if cuda and (info.cc is None or not 90 <= info.cc < 100):
         print(f"warning: {info.name} is not sm90; using the simulated sm90 rules", flush=True)
         info = simulated("sm90")

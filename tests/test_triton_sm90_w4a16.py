@@ -324,9 +324,11 @@ def test_tactics_are_valid_and_round_trip(m, n, k):
     assert ("unpack" in paths) == (m >= UNPACK_MIN_M)
 
 
-def test_estimate_picks_gemv_then_direct_for_decode_and_unpack_for_prefill():
+def test_estimate_picks_direct_for_decode_and_unpack_for_prefill():
+    """At 1x8192x8192 the direct kernel measured faster than the best gemv on the H200
+    (25.9 vs 27.8 µs, RESULTS.md "W4A16 decode"): the untuned pick is the direct kernel."""
     b = TritonSm90W4A16Backend()
-    for m, want in ((1, "gemv"), (16, "direct"), (4096, "unpack")):
+    for m, want in ((1, "direct"), (16, "direct"), (4096, "unpack")):
         p = Problem(m=m, n=8192, k=8192)
         best = min(b.tactics(p, SM90), key=lambda t: b.estimate_us(p, SM90, t))
         assert best.path == want, f"M={m}: picked {best}"

@@ -20,6 +20,7 @@ from conftest import run_interpreted
 
 from fp4_dispatch.plugins.sm90.w4a16 import (
     GEMV_MAX_M,
+    GEMV_OFFERED_MAX_M,
     GEMV_THREAD_BYTES,
     TritonSm90W4A16Backend,
     TritonSm90W4A16Tactic,
@@ -157,8 +158,15 @@ def test_gemv_config_rejects_bad_knobs():
 def test_gemv_tactics_are_valid_and_round_trip(m, n, k):
     b = TritonSm90W4A16Backend()
     p = Problem(m=m, n=n, k=k, operation="w4a16")
-    gemv = [t for t in b.tactics(p, SM90) if t.path == "gemv"]
-    assert gemv, f"no gemv tactic for {p}"
+    offered = [t for t in b.tactics(p, SM90) if t.path == "gemv"]
+    assert bool(offered) == (m <= GEMV_OFFERED_MAX_M), f"gemv offered for {p}: {len(offered)}"
+    # every combination of the kernel's knobs that the rules accept, offered or not
+    tm = 1 << (m - 1).bit_length()
+    gemv = [t for tn in (16, 32, 64) for tk in (256, 512, 1024) for s in (1, 2, 4)
+            for t in [TritonSm90W4A16Tactic(path="gemv", tile_m=tm, tile_n=tn, tile_k=tk,
+                                            split_k=s, num_stages=1)]
+            if b.validate(t, p, SM90) is None]  # fmt: skip
+    assert gemv, f"no valid gemv tactic for {p}"
     low, high = GEMV_THREAD_BYTES
     for t in gemv:
         assert b.validate(t, p, SM90) is None

@@ -60,8 +60,15 @@ GEMV_TILE_N = (16, 32, 64)
 GEMV_TILE_K = (256, 512, 1024)
 GEMV_SPLIT_K = (1, 2, 4, 8)
 GEMV_STAGES = (1, 2)
-#: each token costs one FMA per weight element (plus its share of the block sums): past 4
-#: tokens the wgmma kernel does the products for free
+#: the gemv tactics offered (a subset of what the kernel and `_why_invalid_gemv` accept):
+#: on the H200 decode sweep (2026-12-01, RESULTS.md "W4A16 decode") the best gemv of every
+#: M = 1 shape had tile_k 256 and one stage; 512/1024-wide K steps and the cp.async
+#: pipeline measured 1.1-2x slower, and at M = 2-4 every gemv took 1.3-3.9x the direct
+#: kernel's best (one FMA per token and weight element: the wgmma kernel's products are free)
+GEMV_OFFERED_TILE_K = (256,)
+GEMV_OFFERED_STAGES = (1,)
+GEMV_OFFERED_MAX_M = 1
+#: the largest M the gemv kernel runs (validity); more tokens: the wgmma kernel
 GEMV_MAX_M = 4
 #: weight bytes one thread holds per K step, (min, max): fewer leaves the loop overhead
 #: unamortised, more spills the dequantized values (registers)
@@ -323,7 +330,9 @@ def _estimate_gemv(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -> 
     partial = 8.0 * ctas * t.tile_m * t.tile_n if t.split_k > 1 else 0.0
     memory = (w4a16_min_bytes(p) + partial) / bw
     reduce = c["split_reduce_us"] * math.log2(t.split_k)
-    return max(issue, memory) + c["launch_us"] + reduce
+    # measured / estimated time, median over the H200 decode sweep's gemv tactics: the
+    # terms above are not fitted yet, this keeps the scale honest against the direct path
+    return (max(issue, memory) + c["launch_us"] + reduce) * c["gemv_time_scale"]
 
 
 def _estimate_unpack(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -> float:
@@ -363,10 +372,10 @@ class TritonSm90W4A16Backend(Backend):
             t = _tactic("unpack", 128, 128, tk, 1, 4, 3, br)
             if why_invalid(t, problem, device) is None:
                 yield t
-        if problem.m <= GEMV_MAX_M:
+        if problem.m <= GEMV_OFFERED_MAX_M:
             tm = _pow2_at_least(problem.m)
             for tn, tk, split, warps, stages in itertools.product(
-                GEMV_TILE_N, GEMV_TILE_K, GEMV_SPLIT_K, WARPS, GEMV_STAGES
+                GEMV_TILE_N, GEMV_OFFERED_TILE_K, GEMV_SPLIT_K, WARPS, GEMV_OFFERED_STAGES
             ):
                 t = _tactic("gemv", tm, tn, tk, split, warps, stages, 64)
                 if why_invalid(t, problem, device) is None:
