@@ -50,7 +50,8 @@ without masks.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -84,8 +85,27 @@ _MAX_PARTIALS = 256
 #: Rows of zero scales stored per step in the swizzled row padding.
 _PAD_ROWS = 32
 
+#: Under TRITON_INTERPRET=1 programs run one after another on the CPU and PTX cannot run
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
+#: The e4m3 block scale in one PTX conversion (`_e4m3_rn`) on GPUs; False: the integer
+#: rounding (the same bits; the only choice under the interpreter)
+_USE_ASM = not _INTERPRETING
+#: One thread per 16-element block (`_load_halves`); False: the [BM, NB, 16] layout of
+#: the earlier kernel (two threads a block, the per-block work done by both)
+_SPLIT_HALVES = True
+#: The dynamic scale of a tensor over `_FUSED_ELEMS` in ONE cooperative launch (grid
+#: barrier, `_grid_amax`) where its grid fits on the device at once: None = wherever
+#: that is safe (`_cooperative_ok`), False = never (partial-amax kernel + quantize)
+_COOPERATIVE: bool | None = None
+
 # g modes (constexpr): where the global (decode) scale comes from
-_G_PTR, _G_VALUE, _G_PARTIALS, _G_FUSED = 0, 1, 2, 3
+_G_PTR, _G_VALUE, _G_PARTIALS, _G_FUSED, _G_BARRIER = 0, 1, 2, 3, 4
+
+#: e4m3fn byte (low 8 bits) of fp32 $1: round to nearest even, saturating (sm89+)
+_E4M3_ASM = tl.constexpr(
+    "{ .reg .b16 t; .reg .f32 z; mov.f32 z, 0f00000000;"
+    " cvt.rn.satfinite.e4m3x2.f32 t, z, $1; cvt.u32.u16 $0, t; }"
+)
 
 
 @triton.jit
@@ -114,6 +134,32 @@ def _load_blocks(
 
 
 @triton.jit
+def _load_halves(
+    x_ptr, stride_xm, row0, col0, M, K, BM: tl.constexpr, NB: tl.constexpr,
+    EVEN: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """The tile as its blocks' two 8-element halves, float32 ``[BM, NB, 8]`` each.
+
+    SPLIT: two loads of the same shape, so one thread holds both halves of a block
+    (same shape, same layout) and the per-block work (scale, thresholds) is done once
+    a block, not by each of the two threads of a 16-byte-vector layout of
+    ``[BM, NB, 16]``. Otherwise the ``[BM, NB, 16]`` load split in registers (the
+    layout of the earlier kernel, kept to measure against).
+    """
+    if SPLIT:
+        rows = row0 + tl.arange(0, BM)
+        cols = col0 + tl.arange(0, NB)[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
+        ptrs = x_ptr + rows.to(tl.int64)[:, None, None] * stride_xm + cols
+        if EVEN:
+            return tl.load(ptrs).to(tl.float32), tl.load(ptrs + 8).to(tl.float32)
+        mask = (rows < M)[:, None, None] & (cols < K)  # K % 16 == 0: one test a block
+        xa = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        return xa, tl.load(ptrs + 8, mask=mask, other=0.0).to(tl.float32)
+    xt = _load_blocks(x_ptr, stride_xm, row0, col0, M, K, BM, NB, EVEN)
+    return tl.split(tl.permute(tl.reshape(xt, [BM, NB, 2, 8]), [0, 1, 3, 2]))
+
+
+@triton.jit
 def _finite_amax(xb):
     """max |x| over the finite values of a tile (0.0 when none)."""
     ax = tl.abs(xb)
@@ -136,6 +182,25 @@ def _e4m3(v):
     s_sub = mi.to(tl.float32) * 0.001953125
     normal = v >= 0.015625
     return tl.where(normal, b_norm, mi), tl.where(normal, s_norm, s_sub)
+
+
+@triton.jit
+def _e4m3_value(b):
+    """fp32 value of e4m3fn byte ``b`` in [0, 0x7E]: the exponent rebias (120 = 127 - 7)
+    for normals (b >= 8), ``b * 2**-9`` for subnormals."""
+    norm = ((b << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    return tl.where(b >= 8, norm, b.to(tl.float32) * 0.001953125)
+
+
+@triton.jit
+def _e4m3_rn(v, USE_ASM: tl.constexpr):
+    """`_e4m3` in one PTX conversion on GPUs (``cvt.rn.satfinite``: round to nearest
+    even, the same bits for ``0 <= v <= 448``); the integer arithmetic where PTX cannot
+    run (TRITON_INTERPRET=1)."""
+    if USE_ASM:
+        b = tl.inline_asm_elementwise(_E4M3_ASM, "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+        return b, _e4m3_value(b)
+    return _e4m3(v)
 
 
 @triton.jit
@@ -204,8 +269,19 @@ def _e2m1_from_bounds(a, sign8, t0, t1, t2, t3, t4, t5, t6):
     w_lo = _pick(t2, t2 ^ t0, l1)
     w_hi = _pick(t6, t6 ^ t4, l1)
     l0 = _below(a, _pick(w_hi, w_hi ^ w_lo, l3))
-    mag = 7 + 4 * l3 + 2 * l1 + l0
-    return mag | (sign8 & ((0 - mag) >> 31))
+    mag = 7 + 4 * l3 + 2 * l1 + l0  # 0 exactly where l3 = l1 = l0 = -1
+    return mag | (sign8 & ~(l3 & l1 & l0))
+
+
+@triton.jit
+def _packed_half(u, a, t0, t1, t2, t3, t4, t5, t6):
+    """The 8 codes of a half block as one int32 word ``[BM, NB]`` (code j in bits
+    4j..4j+3: little-endian bytes ``code(2i) | code(2i+1) << 4``, the reference's
+    packing); ``u``: x's int32 bits, ``a`` = ``u & 0x7FFFFFFF``. The fields do not
+    overlap, so the sum is their bitwise or."""
+    # the sign as an integer (8 or 0), not a boolean (see `_below`)
+    codes = _e2m1_from_bounds(a, (u >> 28) & 8, t0, t1, t2, t3, t4, t5, t6)
+    return tl.sum(codes << (tl.arange(0, 8) * 4)[None, None, :], 2)
 
 
 @triton.jit
@@ -227,21 +303,21 @@ def _scale_offsets(rows, kb, KB, NUM_K_TILES, SWIZZLED: tl.constexpr):
 
 @triton.jit
 def _quantize_store(
-    xb, g, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES,
+    ua, ub, aa, ab, bmax, g, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES,
     SWIZZLED: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr,
+    USE_ASM: tl.constexpr,
 ):  # fmt: skip
-    """Quantize a loaded ``[BM, NB, 16]`` tile with decode scale g and store it."""
+    """Quantize a loaded tile (`_load_halves`: int32 bits ``u*`` and ``a* = |u*|`` of
+    the halves, ``bmax`` their per-block max) with decode scale g and store it."""
     # |x| as int32 bits: positive floats order like their bits, and every NaN/inf has
     # bits above FLT_MAX's, so one integer max per block gives both the block amax and
     # whether the block holds a non-finite value (scale byte 0x7F and codes 0 then)
-    abits = xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    bmax = tl.max(abits, 2)
     bad = bmax > 0x7F7FFFFF
     bamax = tl.where(bad, 0, bmax).to(tl.float32, bitcast=True)
     gb = tl.full(bamax.shape, 1.0, tl.float32) * g
     v = tl.math.div_rn(tl.math.div_rn(bamax, tl.full(bamax.shape, 6.0, tl.float32)), gb)
     v = tl.minimum(v, 448.0)
-    sbyte, s = _e4m3(v)
+    sbyte, s = _e4m3_rn(v, USE_ASM)
     sbyte = tl.where(bad, 0x7F, sbyte)
     denom = s * gb
     ok = (denom > 0.0) & (bad == 0)
@@ -256,21 +332,20 @@ def _quantize_store(
     t4 = _bits_or_none(t4, ok)
     t5 = _bits_or_none(t5, ok)
     t6 = _bits_or_none(t6, ok)
-    # the sign as an integer (8 or 0), not a boolean (see `_below`)
-    sign8 = (xb.to(tl.int32, bitcast=True) >> 28) & 8
-    codes = _e2m1_from_bounds(abits, sign8, t0, t1, t2, t3, t4, t5, t6)
-    lo, hi = tl.split(tl.reshape(codes, [BM, NB, 8, 2]))
-    packed = (lo | (hi << 4)).to(tl.uint8)
+    wa = _packed_half(ua, aa, t0, t1, t2, t3, t4, t5, t6)
+    wb = _packed_half(ub, ab, t0, t1, t2, t3, t4, t5, t6)
+    words = tl.join(wa, wb)  # [BM, NB, 2]: the block's 8 bytes
 
     rows = row0 + tl.arange(0, BM)
     rmask = rows < M
-    half_k = K // 2
-    dcols = col0 // 2 + tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    dptrs = data_ptr + rows.to(tl.int64)[:, None, None] * half_k + dcols
+    wpr = K // 8  # int32 words a data row (K % 16 == 0)
+    wcols = col0 // 8 + tl.arange(0, NB)[:, None] * 2 + tl.arange(0, 2)[None, :]
+    dptrs = data_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    dptrs = dptrs + rows.to(tl.int64)[:, None, None] * wpr + wcols[None, :, :]
     if EVEN:
-        tl.store(dptrs, packed)
+        tl.store(dptrs, words)
     else:
-        tl.store(dptrs, packed, mask=rmask[:, None, None] & (dcols < half_k))
+        tl.store(dptrs, words, mask=rmask[:, None, None] & (wcols < wpr)[None, :, :])
 
     kb = col0 // 16 + tl.arange(0, NB)
     KB = K // 16
@@ -303,18 +378,59 @@ def _zero_row_padding(scale_ptr, col0, M, M_PAD, NUM_K_TILES, NB: tl.constexpr):
 
 
 @triton.jit
+def _grid_amax(ws_ptr, part):
+    """The grid-wide max of every program's ``part`` (int32 bits of a non-negative
+    float), through a barrier on the two-int32 workspace ``ws_ptr`` (``[amax, count]``,
+    zero between launches). Returns ``(amax bits, whether this program resets ws)``.
+
+    Every program: atomic max into ws[0]; arrival (acq_rel: its max is visible before
+    the count moves) and a spin until all ``n`` arrived; read ws[0]; a second arrival
+    (acq_rel: after its read). The program whose second arrival makes the count
+    ``2n`` resets both words (`_grid_reset`), so the next launch - stream-ordered after
+    this one - finds zeros (no memset launch). Needs every program resident at once:
+    the launch is cooperative (``launch_cooperative_grid``), and never under
+    TRITON_INTERPRET=1 with more than one program (programs run one after another
+    there; `_cooperative_ok`).
+    """
+    n = tl.num_programs(0) * tl.num_programs(1)
+    tl.atomic_max(ws_ptr, part, sem="relaxed", scope="gpu")
+    seen = tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel", scope="gpu") + 1
+    while seen < n:
+        seen = tl.atomic_add(ws_ptr + 1, 0, sem="acquire", scope="gpu")
+    amax = tl.atomic_max(ws_ptr, 0, sem="relaxed", scope="gpu")
+    left = tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    return amax, left == 2 * n - 1
+
+
+@triton.jit
+def _grid_reset(ws_ptr):
+    """Zero the barrier workspace of `_grid_amax` (by its last program only)."""
+    tl.atomic_xchg(ws_ptr, 0, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(ws_ptr + 1, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _nvfp4_quantize_kernel(
     x_ptr, stride_xm, data_ptr, scale_ptr, g_ptr, g_value, g_out_ptr, part_ptr, n_part,
     M, K, M_PAD, NUM_K_TILES,
     G_MODE: tl.constexpr, SWIZZLED: tl.constexpr,
     BM: tl.constexpr, NB: tl.constexpr, PART_BLOCK: tl.constexpr,
     FM: tl.constexpr, FNB: tl.constexpr, EVEN: tl.constexpr,
+    SPLIT: tl.constexpr, USE_ASM: tl.constexpr,
 ):  # fmt: skip
+    """One ``[BM, NB * 16]`` tile. G_MODE (`_G_PTR`...): where g comes from; in
+    `_G_BARRIER` mode ``part_ptr`` is the int32 barrier workspace of `_grid_amax`."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     row0 = pid_m * BM
     col0 = pid_k * NB * 16
-    xb = _load_blocks(x_ptr, stride_xm, row0, col0, M, K, BM, NB, EVEN)
+    xa, xb = _load_halves(x_ptr, stride_xm, row0, col0, M, K, BM, NB, EVEN, SPLIT)
+    ua = xa.to(tl.int32, bitcast=True)
+    ub = xb.to(tl.int32, bitcast=True)
+    aa = ua & 0x7FFFFFFF
+    ab = ub & 0x7FFFFFFF
+    bmax = tl.maximum(tl.max(aa, 2), tl.max(ab, 2))  # [BM, NB]: |x| bits, NaN/inf above
+    reset = False
     if G_MODE == 0:
         g = tl.load(g_ptr)
     elif G_MODE == 1:
@@ -323,16 +439,24 @@ def _nvfp4_quantize_kernel(
         pidx = tl.arange(0, PART_BLOCK)
         parts = tl.load(part_ptr + pidx, mask=pidx < n_part, other=0.0)
         g = _g_from_amax(tl.max(parts, 0))
-    else:  # small tensor: every program reduces all of it (one [FM, FNB*16] load)
+    elif G_MODE == 3:  # small tensor: every program reduces all of it (one [FM, FNB*16] load)
         g = _g_from_amax(_finite_amax(_load_blocks(x_ptr, stride_xm, 0, 0, M, K, FM, FNB)))
+    else:  # grid barrier: the finite block maxima of every program's own tile
+        finite = tl.where(bmax > 0x7F7FFFFF, 0, bmax)
+        amax, reset = _grid_amax(part_ptr, tl.max(tl.max(finite, 1), 0))
+        g = _g_from_amax(amax.to(tl.float32, bitcast=True))
     if (pid_m == 0) & (pid_k == 0):
         tl.store(g_out_ptr, g)
     _quantize_store(
-        xb, g, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES, SWIZZLED, BM, NB, EVEN
-    )
+        ua, ub, aa, ab, bmax, g, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES,
+        SWIZZLED, BM, NB, EVEN, USE_ASM,
+    )  # fmt: skip
     if SWIZZLED:  # noqa: SIM102 (static constexpr branch around a runtime one)
         if pid_m == tl.num_programs(0) - 1:
             _zero_row_padding(scale_ptr, col0, M, M_PAD, NUM_K_TILES, NB)
+    if G_MODE == 4:  # noqa: SIM102 (static constexpr branch around a runtime one)
+        if reset:
+            _grid_reset(part_ptr)
 
 
 @triton.jit
@@ -372,11 +496,27 @@ class _Plan:
     n_part: int
     launch: BoundLaunch
     amax_launch: BoundLaunch | None
+    #: `_G_BARRIER`: the two-int32 barrier workspace of each device (`barrier_workspace`)
+    workspaces: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+
+    def barrier_workspace(self, device: torch.device) -> torch.Tensor:
+        """The zeroed ``[amax, count]`` int32 words `_grid_amax` synchronises through.
+
+        Allocated once per device (the first call, outside any CUDA graph capture when
+        the caller warms up first) and left zero by every launch, so calls and graph
+        replays reuse it without a memset. Two launches of one plan must not run
+        concurrently (on two streams): they would share the counter.
+        """
+        ws = self.workspaces.get(device)
+        if ws is None:
+            ws = self.workspaces[device] = torch.zeros(2, dtype=torch.int32, device=device)
+        return ws
 
 
 _plans: dict[tuple, _Plan] = {}
 _quant_launch = CachedLauncher(_nvfp4_quantize_kernel)
 _amax_launch = CachedLauncher(_partial_amax_kernel)
+_sm_counts: dict[int, int] = {}
 
 
 def _next_pow2(n: int) -> int:
@@ -398,6 +538,31 @@ def _fused_tile(m: int, k: int) -> tuple[int, int] | None:
     return (bm, bk) if bm * bk <= min(_FUSED_ELEMS, 2 * _TILE_ELEMS) else None
 
 
+def _cooperative_ok(programs: int) -> bool:
+    """Whether the dynamic scale may use the one-launch grid barrier for this grid.
+
+    Under TRITON_INTERPRET=1 only a one-program grid (programs run one after another
+    there: a second one would wait for ever), whatever `_COOPERATIVE` says. On a GPU
+    (auto, ``_COOPERATIVE is None``) while the grid has at most one program per SM of
+    the current device: co-resident whatever the occupancy, and the cooperative launch
+    makes the driver check it (an error, never a hang). ``_COOPERATIVE = True`` drops
+    the size rule (the driver still checks), False turns the path off.
+    """
+    if _COOPERATIVE is False:
+        return False
+    if _INTERPRETING:
+        return programs == 1 and _COOPERATIVE is True
+    if _COOPERATIVE is True:
+        return True
+    if not torch.cuda.is_available():
+        return False
+    dev = torch.cuda.current_device()
+    sms = _sm_counts.get(dev)
+    if sms is None:
+        sms = _sm_counts[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return programs <= sms
+
+
 def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
     kb = k // 16
     num_k_tiles = -(-kb // 4)
@@ -412,6 +577,8 @@ def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
     if kind == "dynamic":
         if fused:
             g_mode = _G_FUSED
+        elif _cooperative_ok(grid[0] * grid[1]):
+            g_mode = _G_BARRIER
         else:
             gk = grid[1]
             bm_amax = max(1, min(_next_pow2(m), _AMAX_ELEMS // bk))
@@ -422,7 +589,10 @@ def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
     num_warps = _NUM_WARPS or (8 if max(bm * bk, fm * fk // 2) >= 8192 else 4)
     meta = {"G_MODE": g_mode, "SWIZZLED": swizzled, "BM": bm, "NB": bk // 16,
             "PART_BLOCK": part_block, "FM": fm, "FNB": fk // 16,
-            "EVEN": m % bm == 0 and k % bk == 0}  # fmt: skip
+            "EVEN": m % bm == 0 and k % bk == 0, "SPLIT": _SPLIT_HALVES,
+            "USE_ASM": _USE_ASM and not _INTERPRETING}  # fmt: skip
+    if g_mode == _G_BARRIER:  # a launch option, passed with the constexprs to kernel[grid]
+        meta["launch_cooperative_grid"] = True
     launch = _quant_launch.bind(meta, num_warps)
     amax_launch = None
     if amax_grid is not None:
@@ -527,6 +697,8 @@ def _quantize(
     elif plan.amax_grid is not None:
         parts = torch.empty((plan.n_part,), dtype=torch.float32, device=dev)
         plan.amax_launch.launch_keyed(key, plan.amax_grid, (x, stride, parts, m, k))
+    elif plan.g_mode == _G_BARRIER:  # one launch: the barrier words take parts' place
+        parts = plan.barrier_workspace(dev)
     plan.launch.launch_keyed(
         key,
         plan.grid,

@@ -208,6 +208,109 @@ def test_near_tie_cases_straddle_the_midpoints(results: list[dict]) -> None:
     assert big and all(r["at_midpoint"] >= 1000 for r in big)
 
 
+PATHS_SCRIPT = r"""
+import json, sys
+import torch
+from fp4_dispatch.backends import quantize as kq
+from fp4_dispatch.nvfp4 import quantize_nvfp4
+
+
+def same(x, layout):
+    d, s, g = kq.quantize_triton(x, None, layout)
+    q = quantize_nvfp4(x, None, layout)
+    return (torch.equal(d, q.data) and torch.equal(g, q.global_scale)
+            and torch.equal(s.view(torch.uint8), q.scale.view(torch.uint8)))
+
+
+gen = torch.Generator().manual_seed(7)
+out = {"auto_modes": {}, "barrier": [], "workspace_zero": [], "forced_multi": None,
+       "layout_v1": []}
+# the choice under the interpreter with the default knobs: never the barrier
+for m, k in ((16, 8192), (256, 4096), (3, 80)):
+    out["auto_modes"][f"{m}x{k}"] = kq._make_plan(m, k, True, "dynamic").g_mode
+# the barrier path forced, on one-program grids (the only ones that can run here)
+kq._COOPERATIVE, kq._FUSED_ELEMS = True, 0
+kq._plans.clear()
+for m, k, kind in ((3, 80, "random"), (1, 16, "random"), (5, 48, "nonfinite"),
+                   (4, 64, "allzero"), (2, 128, "tiny"), (3, 80, "random")):
+    x = torch.randn(m, k, generator=gen) * torch.exp(2 * torch.randn(m, k, generator=gen))
+    if kind == "nonfinite":
+        x[1, 3], x[2, 20], x[4, k - 1] = float("nan"), float("inf"), float("-inf")
+    elif kind == "allzero":
+        x.zero_()
+    elif kind == "tiny":
+        x = x * 2.0**-130
+    for layout in ("swizzled", "linear"):
+        plan = kq._make_plan(m, k, layout == "swizzled", "dynamic")
+        ok = same(x.to(torch.bfloat16) if m == 1 else x, layout)
+        ws = kq._plans[(m, k, layout, "dynamic")].workspaces[x.device]
+        out["barrier"].append({"m": m, "k": k, "kind": kind, "layout": layout,
+                               "g_mode": plan.g_mode, "grid": list(plan.grid), "equal": ok})
+        out["workspace_zero"].append(ws.tolist())
+# forced, but a grid of several programs: the two-launch path all the same
+out["forced_multi"] = kq._make_plan(16, 8192, True, "dynamic").g_mode
+# the earlier [BM, NB, 16] layout (a benchmark knob) computes the same bytes
+kq._COOPERATIVE, kq._FUSED_ELEMS, kq._SPLIT_HALVES = None, 16384, False
+kq._plans.clear()
+for m, k in ((3, 80), (33, 512)):
+    x = torch.randn(m, k, generator=gen) * 3
+    out["layout_v1"].append(same(x, "swizzled") and same(x, "linear"))
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def paths() -> dict:
+    return run_interpreted(PATHS_SCRIPT, [])
+
+
+def test_interpreter_never_picks_the_grid_barrier_for_several_programs(paths: dict) -> None:
+    """Programs run one after another under TRITON_INTERPRET=1, so a spin-wait would
+    hang: multi-program dynamic grids take the partial-amax + quantize launches there,
+    even when the barrier is forced (`_COOPERATIVE = True`)."""
+    from fp4_dispatch.backends import quantize as kq
+
+    modes = paths["auto_modes"]
+    assert modes["16x8192"] == kq._G_PARTIALS and modes["256x4096"] == kq._G_PARTIALS
+    assert modes["3x80"] == kq._G_FUSED
+    assert paths["forced_multi"] == kq._G_PARTIALS
+
+
+def test_grid_barrier_path_equals_reference_and_resets_its_workspace(paths: dict) -> None:
+    """The one-launch dynamic scale (`_grid_amax`) on one-program grids: bytes equal to
+    the reference, and the barrier words are zero again after every launch (the next
+    call and graph replays need no memset)."""
+    from fp4_dispatch.backends import quantize as kq
+
+    runs = paths["barrier"]
+    assert len(runs) == 12
+    assert all(r["g_mode"] == kq._G_BARRIER and r["grid"] == [1, 1] for r in runs), runs
+    assert all(r["equal"] for r in runs), [r for r in runs if not r["equal"]]
+    assert paths["workspace_zero"] == [[0, 0]] * len(runs)
+
+
+def test_earlier_block_layout_knob_equals_reference(paths: dict) -> None:
+    assert paths["layout_v1"] == [True, True]
+
+
+def test_cooperative_choice_on_a_gpu_follows_the_sm_count(monkeypatch) -> None:
+    """Outside the interpreter (auto): the barrier while the grid has at most one
+    program per SM; never when turned off; any grid when forced."""
+    pytest.importorskip("triton")
+    from fp4_dispatch.backends import quantize as kq
+
+    monkeypatch.setattr(kq, "_INTERPRETING", False)
+    monkeypatch.setattr(kq.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kq.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(kq, "_sm_counts", {0: 132})
+    monkeypatch.setattr(kq, "_COOPERATIVE", None)
+    assert kq._cooperative_ok(132) and not kq._cooperative_ok(133)
+    monkeypatch.setattr(kq, "_COOPERATIVE", False)
+    assert not kq._cooperative_ok(1)
+    monkeypatch.setattr(kq, "_COOPERATIVE", True)
+    assert kq._cooperative_ok(4096)
+
+
 def test_specialization_key_separates_what_triton_specializes_on() -> None:
     base = torch.zeros(64, dtype=torch.float32)
     aligned, misaligned = base[:16], base[1:17]
@@ -313,10 +416,12 @@ def test_cached_launcher_falls_back_when_the_convention_differs(monkeypatch, cap
     assert "direct launch unavailable" in caplog.text
 
 
-@pytest.mark.parametrize(("arch", "g_mode"), [(90, 0), (100, 3)])
+@pytest.mark.parametrize(("arch", "g_mode"), [(90, 0), (90, 4), (100, 3)])
 def test_kernel_compiles_for_hopper_and_blackwell_with_16_byte_loads(arch: int, g_mode: int):
     """Compiled (to PTX, on the CPU: no GPU needed) for sm90 and sm100; with aligned
-    pointers and strides the bf16 loads are 16-byte vectors (``ld.global.v4``)."""
+    pointers and strides the bf16 loads are 16-byte vectors (``ld.global.v4``), the
+    block scale is one ``cvt.rn.satfinite.e4m3x2.f32``, and the grid-barrier mode
+    (4) synchronises through acquire/release atomics."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -330,8 +435,10 @@ def test_kernel_compiles_for_hopper_and_blackwell_with_16_byte_loads(arch: int, 
         "g_ptr": "*fp32", "g_value": "fp32", "g_out_ptr": "*fp32", "part_ptr": "*fp32",
         "n_part": "i32", "M": "i32", "K": "i32", "M_PAD": "i32", "NUM_K_TILES": "i32",
     }  # fmt: skip
+    if g_mode == 4:  # the barrier words take the partials' place
+        types["part_ptr"] = "*i32"
     consts = {"G_MODE": g_mode, "SWIZZLED": True, "BM": 8, "NB": 64, "PART_BLOCK": 1,
-              "FM": 8, "FNB": 64, "EVEN": False}  # fmt: skip
+              "FM": 8, "FNB": 64, "EVEN": False, "SPLIT": True, "USE_ASM": True}  # fmt: skip
     aligned = ("x_ptr", "stride_xm", "data_ptr", "scale_ptr", "g_ptr", "g_out_ptr", "K")
     src = ASTSource(
         fn=kernel,
@@ -343,6 +450,11 @@ def test_kernel_compiles_for_hopper_and_blackwell_with_16_byte_loads(arch: int, 
     ptx = compiled.asm["ptx"]
     assert "ld.global.v4" in ptx or "ld.global.nc.v4" in ptx
     assert "div.rn.f32" in ptx  # IEEE division, not the approximate default
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    if g_mode == 4:
+        # arrival (acq_rel add), the partial max, the spin (an acquire load of the count)
+        assert "atom.global.gpu.acq_rel.add" in ptx and "gpu.relaxed.max.s32" in ptx
+        assert "ld.global.gpu.acquire" in ptx
 
 
 @pytest.mark.parametrize(
