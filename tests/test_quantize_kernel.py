@@ -223,8 +223,7 @@ def same(x, layout):
 
 
 gen = torch.Generator().manual_seed(7)
-out = {"auto_modes": {}, "barrier": [], "workspace_zero": [], "forced_multi": None,
-       "layout_v1": []}
+out = {"auto_modes": {}, "barrier": [], "workspace_zero": [], "forced_multi": None}
 # the choice under the interpreter with the default knobs: never the barrier
 for m, k in ((16, 8192), (256, 4096), (3, 80)):
     out["auto_modes"][f"{m}x{k}"] = kq._make_plan(m, k, True, "dynamic").g_mode
@@ -249,12 +248,6 @@ for m, k, kind in ((3, 80, "random"), (1, 16, "random"), (5, 48, "nonfinite"),
         out["workspace_zero"].append(ws.tolist())
 # forced, but a grid of several programs: the two-launch path all the same
 out["forced_multi"] = kq._make_plan(16, 8192, True, "dynamic").g_mode
-# the earlier [BM, NB, 16] layout (a benchmark knob) computes the same bytes
-kq._COOPERATIVE, kq._FUSED_ELEMS, kq._SPLIT_HALVES = None, 16384, False
-kq._plans.clear()
-for m, k in ((3, 80), (33, 512)):
-    x = torch.randn(m, k, generator=gen) * 3
-    out["layout_v1"].append(same(x, "swizzled") and same(x, "linear"))
 print(json.dumps(out))
 """
 
@@ -287,10 +280,6 @@ def test_grid_barrier_path_equals_reference_and_resets_its_workspace(paths: dict
     assert all(r["g_mode"] == kq._G_BARRIER and r["grid"] == [1, 1] for r in runs), runs
     assert all(r["equal"] for r in runs), [r for r in runs if not r["equal"]]
     assert paths["workspace_zero"] == [[0, 0]] * len(runs)
-
-
-def test_earlier_block_layout_knob_equals_reference(paths: dict) -> None:
-    assert paths["layout_v1"] == [True, True]
 
 
 def test_cooperative_choice_on_a_gpu_follows_the_sm_count(monkeypatch) -> None:
@@ -438,7 +427,7 @@ def test_kernel_compiles_for_hopper_and_blackwell_with_16_byte_loads(arch: int, 
     if g_mode == 4:  # the barrier words take the partials' place
         types["part_ptr"] = "*i32"
     consts = {"G_MODE": g_mode, "SWIZZLED": True, "BM": 8, "NB": 64, "PART_BLOCK": 1,
-              "FM": 8, "FNB": 64, "EVEN": False, "SPLIT": True, "USE_ASM": True}  # fmt: skip
+              "FM": 8, "FNB": 64, "EVEN": False, "USE_ASM": True}  # fmt: skip
     aligned = ("x_ptr", "stride_xm", "data_ptr", "scale_ptr", "g_ptr", "g_out_ptr", "K")
     src = ASTSource(
         fn=kernel,
