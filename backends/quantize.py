@@ -95,6 +95,9 @@ _USE_ASM = not _INTERPRETING
 #: that is safe (`_cooperative_ok`), False = never (partial-amax kernel + quantize)
 _COOPERATIVE: bool | None = None
 
+#: bf16 input two elements a 32-bit operation (`_pair_codes`); False: one an operation
+_PAIRS = True
+
 # g modes (constexpr): where the global (decode) scale comes from
 _G_PTR, _G_VALUE, _G_PARTIALS, _G_FUSED, _G_BARRIER = 0, 1, 2, 3, 4
 
@@ -135,7 +138,7 @@ def _load_halves(
     x_ptr, stride_xm, row0, col0, M, K, BM: tl.constexpr, NB: tl.constexpr,
     EVEN: tl.constexpr,
 ):  # fmt: skip
-    """The tile as its blocks' two 8-element halves, float32 ``[BM, NB, 8]`` each.
+    """The tile as its blocks' two 8-element halves, ``[BM, NB, 8]`` each (x's dtype).
 
     Two loads of the same shape, so one thread holds both halves of a block (same
     shape, same layout: a 16-byte vector of each for bf16/fp16) and the per-block work
@@ -147,10 +150,9 @@ def _load_halves(
     cols = col0 + tl.arange(0, NB)[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
     ptrs = x_ptr + rows.to(tl.int64)[:, None, None] * stride_xm + cols
     if EVEN:
-        return tl.load(ptrs).to(tl.float32), tl.load(ptrs + 8).to(tl.float32)
+        return tl.load(ptrs), tl.load(ptrs + 8)
     mask = (rows < M)[:, None, None] & (cols < K)  # K % 16 == 0: one test a block
-    xa = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    return xa, tl.load(ptrs + 8, mask=mask, other=0.0).to(tl.float32)
+    return tl.load(ptrs, mask=mask, other=0.0), tl.load(ptrs + 8, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -207,7 +209,23 @@ def _ceil_f32(b, STRICT: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_bounds(d):
+def _bound_f32(b, STRICT: tl.constexpr, USE_ASM: tl.constexpr):
+    """`_ceil_f32` by directed conversions on GPUs: ``cvt.rp`` is the smallest float32
+    ``>= b``; the one after ``cvt.rm`` (the largest ``<= b``) the smallest ``> b``."""
+    if not USE_ASM:
+        return _ceil_f32(b, STRICT)
+    if STRICT:
+        f = tl.inline_asm_elementwise(
+            "cvt.rm.f32.f64 $0, $1;", "=f,d", [b], dtype=tl.float32, is_pure=True, pack=1
+        )
+        return (f.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True)
+    return tl.inline_asm_elementwise(
+        "cvt.rp.f32.f64 $0, $1;", "=f,d", [b], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _e2m1_bounds(d, USE_ASM: tl.constexpr):
     """The seven float32 thresholds T_i of a block with divisor ``d`` (float32 > 0):
     ``fl(|x| / d)`` passes e2m1 midpoint i exactly when ``|x| >= T_i``.
 
@@ -217,13 +235,13 @@ def _e2m1_bounds(d):
     per-element division.
     """
     d64 = d.to(tl.float64)
-    t0 = _ceil_f32(d64 * 0.25000001490116119384765625, True)  # 0.25 + 2**-26: >
-    t1 = _ceil_f32(d64 * 0.749999970197677612304687500, False)  # 0.75 - 2**-25: >=
-    t2 = _ceil_f32(d64 * 1.25000005960464477539062500, True)  # 1.25 + 2**-24: >
-    t3 = _ceil_f32(d64 * 1.74999994039535522460937500, False)  # 1.75 - 2**-24: >=
-    t4 = _ceil_f32(d64 * 2.50000011920928955078125000, True)  # 2.5 + 2**-23: >
-    t5 = _ceil_f32(d64 * 3.49999988079071044921875000, False)  # 3.5 - 2**-23: >=
-    t6 = _ceil_f32(d64 * 5.00000023841857910156250000, True)  # 5 + 2**-22: >
+    t0 = _bound_f32(d64 * 0.25000001490116119384765625, True, USE_ASM)  # 0.25 + 2**-26: >
+    t1 = _bound_f32(d64 * 0.749999970197677612304687500, False, USE_ASM)  # 0.75 - 2**-25: >=
+    t2 = _bound_f32(d64 * 1.25000005960464477539062500, True, USE_ASM)  # 1.25 + 2**-24: >
+    t3 = _bound_f32(d64 * 1.74999994039535522460937500, False, USE_ASM)  # 1.75 - 2**-24: >=
+    t4 = _bound_f32(d64 * 2.50000011920928955078125000, True, USE_ASM)  # 2.5 + 2**-23: >
+    t5 = _bound_f32(d64 * 3.49999988079071044921875000, False, USE_ASM)  # 3.5 - 2**-23: >=
+    t6 = _bound_f32(d64 * 5.00000023841857910156250000, True, USE_ASM)  # 5 + 2**-22: >
     return t0, t1, t2, t3, t4, t5, t6
 
 
@@ -296,16 +314,11 @@ def _scale_offsets(rows, kb, KB, NUM_K_TILES, SWIZZLED: tl.constexpr):
 
 
 @triton.jit
-def _quantize_store(
-    ua, ub, aa, ab, bmax, g, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES,
-    SWIZZLED: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr,
-    USE_ASM: tl.constexpr,
-):  # fmt: skip
-    """Quantize a loaded tile (`_load_halves`: int32 bits ``u*`` and ``a* = |u*|`` of
-    the halves, ``bmax`` their per-block max) with decode scale g and store it."""
-    # |x| as int32 bits: positive floats order like their bits, and every NaN/inf has
-    # bits above FLT_MAX's, so one integer max per block gives both the block amax and
-    # whether the block holds a non-finite value (scale byte 0x7F and codes 0 then)
+def _block_scale(bmax, g, USE_ASM: tl.constexpr):
+    """Per-block e4m3 scale of the blocks' max ``|x|`` int32 bits ``bmax`` [BM, NB]
+    (NaN/inf above FLT_MAX's bits: scale byte 0x7F, codes 0): ``(byte, ok, d)``, ``d``
+    the divisor ``scale * g`` of the usable blocks (``ok``: nonzero, finite), 1.0
+    elsewhere."""
     bad = bmax > 0x7F7FFFFF
     bamax = tl.where(bad, 0, bmax).to(tl.float32, bitcast=True)
     gb = tl.full(bamax.shape, 1.0, tl.float32) * g
@@ -315,10 +328,17 @@ def _quantize_store(
     sbyte = tl.where(bad, 0x7F, sbyte)
     denom = s * gb
     ok = (denom > 0.0) & (bad == 0)
+    return sbyte, ok, tl.where(ok, denom, 1.0)
+
+
+@triton.jit
+def _codes_f32(ua, ub, ok, d, USE_ASM: tl.constexpr):
+    """Packed codes ``[BM, NB, 2]`` int32 of the halves' float32 bits ``ua``, ``ub``:
+    one element an operation (fp32/fp16 input)."""
     # thresholds as int32 bits (non-negative floats order like their bits); unusable
     # blocks (zero or underflowed scale, non-finite values) get INT32_MIN, which no
     # magnitude passes, so their codes are 0
-    t0, t1, t2, t3, t4, t5, t6 = _e2m1_bounds(tl.where(ok, denom, 1.0))
+    t0, t1, t2, t3, t4, t5, t6 = _e2m1_bounds(d, USE_ASM)
     t0 = _bits_or_none(t0, ok)
     t1 = _bits_or_none(t1, ok)
     t2 = _bits_or_none(t2, ok)
@@ -326,10 +346,18 @@ def _quantize_store(
     t4 = _bits_or_none(t4, ok)
     t5 = _bits_or_none(t5, ok)
     t6 = _bits_or_none(t6, ok)
-    wa = _packed_half(ua, aa, t0, t1, t2, t3, t4, t5, t6)
-    wb = _packed_half(ub, ab, t0, t1, t2, t3, t4, t5, t6)
-    words = tl.join(wa, wb)  # [BM, NB, 2]: the block's 8 bytes
+    wa = _packed_half(ua, ua & 0x7FFFFFFF, t0, t1, t2, t3, t4, t5, t6)
+    wb = _packed_half(ub, ub & 0x7FFFFFFF, t0, t1, t2, t3, t4, t5, t6)
+    return tl.join(wa, wb)  # [BM, NB, 2]: the block's 8 bytes
 
+
+@triton.jit
+def _store_tile(
+    words, sbyte, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES,
+    SWIZZLED: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    """Store a tile's packed codes (``[BM, NB, 2]`` int32: 8 bytes a block) and its
+    scale bytes ``[BM, NB]`` (swizzled or linear)."""
     rows = row0 + tl.arange(0, BM)
     rmask = rows < M
     wpr = K // 8  # int32 words a data row (K % 16 == 0)
@@ -353,6 +381,114 @@ def _quantize_store(
         tl.store(scale_bytes + off, sbyte.to(tl.uint8))
     else:
         tl.store(scale_bytes + off, sbyte.to(tl.uint8), mask=rmask[:, None] & kmask[None, :])
+
+
+# ---- bf16 input: two elements a 32-bit operation ---------------------------------------
+#
+# A bf16 magnitude's 15 bits order like its value, and ``h >= T`` for a float32
+# threshold T and the float32 ``h << 16`` holds exactly when ``h >= ceil(T / 2**16)``
+# (`_pair_bound`). So two elements share one int32 word ``lo | hi << 16`` (elements 2j,
+# 2j+1) and every comparison of the binary search is one subtraction for both: with
+# ``o = w | 0x80008000`` and a threshold word ``t * 0x10001`` (t <= 0x8000), each 16-bit
+# lane of ``o - T`` is ``0x8000 + h - t``, in [0, 0x10000) (no borrow between lanes),
+# whose top bit says ``h >= t``. A lane mask is that bit replicated (`_lane_mask`: one
+# PRMT). 0x8000 is the "no threshold" of unusable blocks: no magnitude reaches it.
+
+
+@triton.jit
+def _pair_words(x, BM: tl.constexpr, NB: tl.constexpr, USE_ASM: tl.constexpr):
+    """bf16 ``[BM, NB, 8]`` -> int32 ``[BM, NB, 4]`` words ``bits(2j) | bits(2j+1) << 16``."""
+    lo, hi = tl.split(tl.reshape(x, [BM, NB, 4, 2]))
+    if USE_ASM:  # the register pair as loaded: no arithmetic once ptxas folds the moves
+        return tl.inline_asm_elementwise(
+            "mov.b32 $0, {$1, $2};", "=r,h,h", [lo, hi], dtype=tl.int32, is_pure=True, pack=1
+        )
+    lo32 = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return lo32 | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def _max_u16x2_asm(x, y):
+    """Lane-wise max of two words of two unsigned 16-bit lanes (sm90 ``max.u16x2``)."""
+    return tl.inline_asm_elementwise(
+        "max.u16x2 $0, $1, $2;", "=r,r,r", [x, y], dtype=tl.int32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _max_u16x2_int(x, y):
+    """`_max_u16x2_asm` in plain integer operations (TRITON_INTERPRET=1)."""
+    lo = tl.maximum(x & 0xFFFF, y & 0xFFFF)
+    return (tl.maximum((x >> 16) & 0xFFFF, (y >> 16) & 0xFFFF) << 16) | lo
+
+
+@triton.jit
+def _pair_block_max(pa, pb, USE_ASM: tl.constexpr):
+    """Max ``|x|`` of each block as float32 bits ``[BM, NB]`` from its 8 pair words."""
+    a = pa & 0x7FFF7FFF
+    b = pb & 0x7FFF7FFF
+    if USE_ASM:
+        m = _max_u16x2_asm(tl.reduce(a, 2, _max_u16x2_asm), tl.reduce(b, 2, _max_u16x2_asm))
+    else:
+        m = _max_u16x2_int(tl.reduce(a, 2, _max_u16x2_int), tl.reduce(b, 2, _max_u16x2_int))
+    return tl.maximum(m & 0xFFFF, (m >> 16) & 0xFFFF) << 16
+
+
+@triton.jit
+def _pair_bound(t, ok):
+    """Float32 threshold ``t`` [BM, NB] as a pair word ``[BM, NB, 1]``: the smallest
+    bf16 magnitude bits ``>= t`` in both lanes; 0x8000 (reached by nothing) where not ok."""
+    t16 = (t.to(tl.int32, bitcast=True) + 0xFFFF) >> 16
+    return (tl.where(ok, t16, 0x8000) * 0x10001)[:, :, None]
+
+
+@triton.jit
+def _lane_mask(d, USE_ASM: tl.constexpr):
+    """Each 16-bit lane of ``d`` -> 0xFFFF where its top bit is set, else 0."""
+    if USE_ASM:  # PRMT selectors 9 and B: bytes 1 and 3 with their sign replicated
+        return tl.inline_asm_elementwise(
+            "prmt.b32 $0, $1, 0, 0xBB99;", "=r,r", [d], dtype=tl.int32, is_pure=True, pack=1
+        )
+    return ((d >> 15) & 0x10001) * 0xFFFF
+
+
+@triton.jit
+def _pair_codes(w, t0, t1, t2, t3, t4, t5, t6, USE_ASM: tl.constexpr):
+    """The e2m1 codes of the two bf16 lanes of ``w`` (`_pair_words`) against a block's
+    threshold words (`_pair_bound`), code j in bits 0-3 of lane j: the binary search of
+    `_e2m1_from_bounds` on both lanes at once (``p*``: lane masks of "passed")."""
+    o = w | -2147450880  # 0x80008000
+    p3 = _lane_mask(o - t3, USE_ASM)
+    p1 = _lane_mask(o - (t1 ^ ((t5 ^ t1) & p3)), USE_ASM)
+    w_lo = t0 ^ ((t2 ^ t0) & p1)
+    w_hi = t4 ^ ((t6 ^ t4) & p1)
+    p0 = _lane_mask(o - (w_lo ^ ((w_hi ^ w_lo) & p3)), USE_ASM)
+    mag = (p3 & 0x40004) | (p1 & 0x20002) | (p0 & 0x10001)
+    # the sign (bits 15, 31 -> 3, 19) where the magnitude code is not 0 (no -0)
+    return mag | ((w >> 12) & 0x80008 & (p3 | p1 | p0))
+
+
+@triton.jit
+def _pair_packed(w, t0, t1, t2, t3, t4, t5, t6, USE_ASM: tl.constexpr):
+    """A half block's four pair words -> its 4 packed bytes as one int32 ``[BM, NB]``."""
+    c = _pair_codes(w, t0, t1, t2, t3, t4, t5, t6, USE_ASM)
+    byte = (c | (c >> 12)) & 0xFF  # code(2j) | code(2j+1) << 4
+    return tl.sum(byte << (tl.arange(0, 4) * 8)[None, None, :], 2)
+
+
+@triton.jit
+def _codes_pairs(pa, pb, ok, d, USE_ASM: tl.constexpr):
+    """`_codes_f32` for bf16 input, two elements an operation."""
+    t0, t1, t2, t3, t4, t5, t6 = _e2m1_bounds(d, USE_ASM)
+    t0 = _pair_bound(t0, ok)
+    t1 = _pair_bound(t1, ok)
+    t2 = _pair_bound(t2, ok)
+    t3 = _pair_bound(t3, ok)
+    t4 = _pair_bound(t4, ok)
+    t5 = _pair_bound(t5, ok)
+    t6 = _pair_bound(t6, ok)
+    wa = _pair_packed(pa, t0, t1, t2, t3, t4, t5, t6, USE_ASM)
+    return tl.join(wa, _pair_packed(pb, t0, t1, t2, t3, t4, t5, t6, USE_ASM))
 
 
 @triton.jit
@@ -410,7 +546,7 @@ def _nvfp4_quantize_kernel(
     G_MODE: tl.constexpr, SWIZZLED: tl.constexpr,
     BM: tl.constexpr, NB: tl.constexpr, PART_BLOCK: tl.constexpr,
     FM: tl.constexpr, FNB: tl.constexpr, EVEN: tl.constexpr,
-    USE_ASM: tl.constexpr,
+    USE_ASM: tl.constexpr, PAIRS: tl.constexpr,
 ):  # fmt: skip
     """One ``[BM, NB * 16]`` tile. G_MODE (`_G_PTR`...): where g comes from; in
     `_G_BARRIER` mode ``part_ptr`` is the int32 barrier workspace of `_grid_amax`."""
@@ -419,11 +555,17 @@ def _nvfp4_quantize_kernel(
     row0 = pid_m * BM
     col0 = pid_k * NB * 16
     xa, xb = _load_halves(x_ptr, stride_xm, row0, col0, M, K, BM, NB, EVEN)
-    ua = xa.to(tl.int32, bitcast=True)
-    ub = xb.to(tl.int32, bitcast=True)
-    aa = ua & 0x7FFFFFFF
-    ab = ub & 0x7FFFFFFF
-    bmax = tl.maximum(tl.max(aa, 2), tl.max(ab, 2))  # [BM, NB]: |x| bits, NaN/inf above
+    if PAIRS and (xa.dtype == tl.bfloat16):  # static: two bf16 elements an operation
+        ua = _pair_words(xa, BM, NB, USE_ASM)
+        ub = _pair_words(xb, BM, NB, USE_ASM)
+        bmax = _pair_block_max(ua, ub, USE_ASM)
+    else:
+        ua = xa.to(tl.float32).to(tl.int32, bitcast=True)
+        ub = xb.to(tl.float32).to(tl.int32, bitcast=True)
+        bmax = tl.maximum(tl.max(ua & 0x7FFFFFFF, 2), tl.max(ub & 0x7FFFFFFF, 2))
+    # bmax [BM, NB]: the blocks' max |x| as int32 bits (positive floats order like their
+    # bits, every NaN/inf is above FLT_MAX's: one integer max gives the amax and whether
+    # the block holds a non-finite value)
     reset = False
     if G_MODE == 0:
         g = tl.load(g_ptr)
@@ -441,9 +583,14 @@ def _nvfp4_quantize_kernel(
         g = _g_from_amax(amax.to(tl.float32, bitcast=True))
     if (pid_m == 0) & (pid_k == 0):
         tl.store(g_out_ptr, g)
-    _quantize_store(
-        ua, ub, aa, ab, bmax, g, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES,
-        SWIZZLED, BM, NB, EVEN, USE_ASM,
+    sbyte, ok, d = _block_scale(bmax, g, USE_ASM)
+    if PAIRS and (xa.dtype == tl.bfloat16):
+        words = _codes_pairs(ua, ub, ok, d, USE_ASM)
+    else:
+        words = _codes_f32(ua, ub, ok, d, USE_ASM)
+    _store_tile(
+        words, sbyte, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES, SWIZZLED, BM, NB,
+        EVEN,
     )  # fmt: skip
     if SWIZZLED:  # noqa: SIM102 (static constexpr branch around a runtime one)
         if pid_m == tl.num_programs(0) - 1:
@@ -584,7 +731,7 @@ def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
     meta = {"G_MODE": g_mode, "SWIZZLED": swizzled, "BM": bm, "NB": bk // 16,
             "PART_BLOCK": part_block, "FM": fm, "FNB": fk // 16,
             "EVEN": m % bm == 0 and k % bk == 0,
-            "USE_ASM": _USE_ASM and not _INTERPRETING}  # fmt: skip
+            "USE_ASM": _USE_ASM and not _INTERPRETING, "PAIRS": _PAIRS}  # fmt: skip
     if g_mode == _G_BARRIER:  # a launch option, passed with the constexprs to kernel[grid]
         meta["launch_cooperative_grid"] = True
     launch = _quant_launch.bind(meta, num_warps)

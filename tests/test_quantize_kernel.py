@@ -93,6 +93,15 @@ def make(c):
         x[r, k - 1] = float("-inf")
     elif kind == "neartie":  # |x| / d within 2 ulps of every e2m1 midpoint, any d
         x = near_ties(m, k, float(c["g"]), gen)
+    elif kind == "neartie16":  # the same in bf16: 0..2 bf16 ulps around each midpoint
+        x = near_ties(m, k, float(c["g"]), gen).to(torch.bfloat16)
+        steps = torch.randint(-2, 3, (m, k), generator=gen)
+        steps[:, 0::16] = 0
+        for _ in range(2):
+            up = torch.nextafter(x, torch.tensor(float("inf"), dtype=x.dtype))
+            down = torch.nextafter(x, torch.tensor(0.0, dtype=x.dtype))
+            x = torch.where(steps > 0, up, torch.where(steps < 0, down, x))
+            steps = steps - steps.sign()
     x = x.to(DT[c["dtype"]])
     if c.get("strided"):
         wide = torch.zeros(m, k + 48, dtype=x.dtype)
@@ -102,11 +111,15 @@ def make(c):
 
 
 out = []
-for tile in (None, 256):
-    if tile:
-        kq._TILE_ELEMS = kq._AMAX_ELEMS = tile
-        kq._plans.clear()
+# (tile, pairs): the default tile, a tiny one, and the bf16 inputs once more through the
+# one-element-an-operation path (the bf16 pair path off)
+for tile, pairs in ((None, True), (256, True), (None, False)):
+    kq._TILE_ELEMS = kq._AMAX_ELEMS = tile or 4096
+    kq._PAIRS = pairs
+    kq._plans.clear()
     for c in json.loads(sys.argv[1]):
+        if not pairs and c["dtype"] != "bf16":
+            continue
         x = make(c)
         gs = c["g"]
         if isinstance(gs, str):
@@ -117,6 +130,7 @@ for tile in (None, 256):
             {
                 "case": c,
                 "tile": tile,
+                "pairs": pairs,
                 "data": torch.equal(d, q.data),
                 "scale": torch.equal(s.view(torch.uint8), q.scale.view(torch.uint8)),
                 "shape": list(s.shape) == list(q.scale.shape),
@@ -167,6 +181,12 @@ def _cases() -> list[dict]:
     ):
         for layout in ("swizzled", "linear"):
             cases.append({"kind": kind, "m": 3, "k": 64, "dtype": "fp32", "layout": layout, "g": g})
+    # the same adversarial values in bf16 (the pair path: two elements an operation)
+    for kind, g in (("ties", 1.0), ("huge", None), ("tiny", 1.0), ("zeros", None),
+                    ("negzero", "1.0"), ("nonfinite", None), ("neartie16", 0.37),
+                    ("neartie16", "3.1e-5"), ("neartie16", 1.0)):  # fmt: skip
+        cases.append({"kind": kind, "m": 5, "k": 128, "dtype": "bf16", "layout": "swizzled",
+                      "g": g})  # fmt: skip
     for g, m, layout in ((0.37, 33, "linear"), ("2.9e-3", 33, "linear"), (1.0, 32, "swizzled")):
         # M = 32: whole tiles (the kernel's unmasked EVEN variant)
         cases.append({"kind": "neartie", "m": m, "k": 512, "dtype": "fp32",
@@ -184,7 +204,10 @@ def results() -> list[dict]:
 
 
 def test_every_case_ran_at_both_tile_sizes(results: list[dict]) -> None:
-    assert len(results) == 2 * len(_cases())
+    n_bf16 = sum(c["dtype"] == "bf16" for c in _cases())
+    assert n_bf16 >= 20
+    assert len(results) == 2 * len(_cases()) + n_bf16
+    assert sum(not r["pairs"] for r in results) == n_bf16
 
 
 def test_kernel_bytes_equal_reference(results: list[dict]) -> None:
