@@ -679,6 +679,17 @@ def _fused_tile(m: int, k: int) -> tuple[int, int] | None:
     return (bm, bk) if bm * bk <= min(_FUSED_ELEMS, 2 * _TILE_ELEMS) else None
 
 
+def _triton_launches_cooperative() -> bool:
+    """Whether this Triton has the ``launch_cooperative_grid`` launch option (its NVIDIA
+    backend's options; the launcher then sets CU_LAUNCH_ATTRIBUTE_COOPERATIVE, which
+    CUDA graphs keep on the kernel node)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions  # noqa: PLC0415
+    except ImportError:
+        return False
+    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
 def _cooperative_ok(programs: int) -> bool:
     """Whether the dynamic scale may use the one-launch grid barrier for this grid.
 
@@ -693,6 +704,8 @@ def _cooperative_ok(programs: int) -> bool:
         return False
     if _INTERPRETING:
         return programs == 1 and _COOPERATIVE is True
+    if not _triton_launches_cooperative():
+        return False
     if _COOPERATIVE is True:
         return True
     if not torch.cuda.is_available():

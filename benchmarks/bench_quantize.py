@@ -21,14 +21,15 @@
    tile, warps) at 1x8192, 16x8192 and 4096x8192, given and dynamic scale, so that the
    next change of the defaults rests on a measurement.
 
-5. **variants** (``--variants``): the kernel's code-path knobs side by side, given and
-   dynamic scale, M in {1, 16, 256, 4096} x K in {4096, 8192}, each checked bit for bit
-   against `quantize_blocks` run on the GPU (+ `swizzle_scales`): ``v1`` (the earlier
-   kernel, frozen in benchmarks/quantize_baseline.py), ``int-e4m3`` (the current
-   layout, integer e4m3 rounding, two-launch dynamic), ``2-launch`` (+ PTX e4m3),
-   ``new`` (the defaults: + the one-launch cooperative dynamic scale), ``new-nofused``
-   (the barrier also where the one-load fused path would run, M=1) and ``new-8k``
-   (8192-element tiles).
+5. **variants** (``--variants``): the kernel's code paths side by side, given and dynamic
+   scale, M in {1, 16, 256, 4096} x K in {4096, 8192}, each checked bit for bit against
+   `quantize_blocks` run on the GPU (+ `swizzle_scales`): ``v1`` (the earlier kernel,
+   frozen in benchmarks/quantize_baseline.py); the current one with ``int-2launch``
+   (integer e4m3 and thresholds, one element an operation, two-launch dynamic),
+   ``asm-2launch`` (+ PTX conversions), ``pairs-2launch`` (+ bf16 two elements an
+   operation), ``new`` (the defaults: + the one-launch cooperative dynamic scale),
+   ``new-nofused`` (the barrier also where the one-load fused path would run, M=1)
+   and ``new-8k`` (8192-element tiles).
 6. **SASS** (``--sass``, no GPU needed): instructions per element of the quantize kernel
    compiled for sm_90 on this machine's Triton, default tile: v1 and the current one.
 
@@ -308,13 +309,14 @@ def sweep() -> list[dict]:
 #: (benchmarks/quantize_baseline.py), the others this one with knobs changed
 VARIANTS = (
     ("v1", "baseline", {}),
-    ("int-e4m3", "current", {"_USE_ASM": False, "_COOPERATIVE": False}),
-    ("2-launch", "current", {"_COOPERATIVE": False}),
+    ("int-2launch", "current", {"_USE_ASM": False, "_PAIRS": False, "_COOPERATIVE": False}),
+    ("asm-2launch", "current", {"_PAIRS": False, "_COOPERATIVE": False}),
+    ("pairs-2launch", "current", {"_COOPERATIVE": False}),
     ("new", "current", {}),
     ("new-nofused", "current", {"_FUSED_ELEMS": 0}),
     ("new-8k", "current", {"_TILE_ELEMS": 8192, "_MAX_BK": 1024}),
 )
-_KNOBS = ("_USE_ASM", "_COOPERATIVE", "_FUSED_ELEMS", "_TILE_ELEMS", "_MAX_BK")
+_KNOBS = ("_USE_ASM", "_PAIRS", "_COOPERATIVE", "_FUSED_ELEMS", "_TILE_ELEMS", "_MAX_BK")
 
 
 def _baseline():
@@ -438,8 +440,9 @@ def sass_counts() -> list[dict]:
     rows = []
     for name, kernel, extra in (
         ("v1", _baseline()._nvfp4_quantize_kernel, {}),
-        ("int-e4m3", kq._nvfp4_quantize_kernel, {"USE_ASM": False}),
-        ("new", kq._nvfp4_quantize_kernel, {"USE_ASM": True}),
+        ("int", kq._nvfp4_quantize_kernel, {"USE_ASM": False, "PAIRS": False}),
+        ("asm", kq._nvfp4_quantize_kernel, {"USE_ASM": True, "PAIRS": False}),
+        ("new", kq._nvfp4_quantize_kernel, {"USE_ASM": True, "PAIRS": True}),
     ):
         for swz in (True, False):
             consts = {"G_MODE": 0, "SWIZZLED": swz, "BM": 8, "NB": 32, "PART_BLOCK": 1,

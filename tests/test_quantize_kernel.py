@@ -307,7 +307,8 @@ def test_grid_barrier_path_equals_reference_and_resets_its_workspace(paths: dict
 
 def test_cooperative_choice_on_a_gpu_follows_the_sm_count(monkeypatch) -> None:
     """Outside the interpreter (auto): the barrier while the grid has at most one
-    program per SM; never when turned off; any grid when forced."""
+    program per SM; never when turned off or when Triton lacks the cooperative launch
+    option; any grid when forced."""
     pytest.importorskip("triton")
     from fp4_dispatch.backends import quantize as kq
 
@@ -321,6 +322,9 @@ def test_cooperative_choice_on_a_gpu_follows_the_sm_count(monkeypatch) -> None:
     assert not kq._cooperative_ok(1)
     monkeypatch.setattr(kq, "_COOPERATIVE", True)
     assert kq._cooperative_ok(4096)
+    # a Triton without the cooperative launch option: never
+    monkeypatch.setattr(kq, "_triton_launches_cooperative", lambda: False)
+    assert not kq._cooperative_ok(1)
 
 
 def test_specialization_key_separates_what_triton_specializes_on() -> None:
@@ -450,7 +454,7 @@ def test_kernel_compiles_for_hopper_and_blackwell_with_16_byte_loads(arch: int, 
     if g_mode == 4:  # the barrier words take the partials' place
         types["part_ptr"] = "*i32"
     consts = {"G_MODE": g_mode, "SWIZZLED": True, "BM": 8, "NB": 64, "PART_BLOCK": 1,
-              "FM": 8, "FNB": 64, "EVEN": False, "USE_ASM": True}  # fmt: skip
+              "FM": 8, "FNB": 64, "EVEN": False, "USE_ASM": True, "PAIRS": True}  # fmt: skip
     aligned = ("x_ptr", "stride_xm", "data_ptr", "scale_ptr", "g_ptr", "g_out_ptr", "K")
     src = ASTSource(
         fn=kernel,
@@ -463,6 +467,10 @@ def test_kernel_compiles_for_hopper_and_blackwell_with_16_byte_loads(arch: int, 
     assert "ld.global.v4" in ptx or "ld.global.nc.v4" in ptx
     assert "div.rn.f32" in ptx  # IEEE division, not the approximate default
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    # bf16: two elements an operation (lane masks by PRMT, lane-wise block max) and the
+    # thresholds by directed conversions
+    assert "prmt.b32" in ptx and "max.u16x2" in ptx
+    assert "cvt.rp.f32.f64" in ptx and "cvt.rm.f32.f64" in ptx
     if g_mode == 4:
         # arrival (acq_rel add), the partial max, the spin (an acquire load of the count)
         assert "atom.global.gpu.acq_rel.add" in ptx and "gpu.relaxed.max.s32" in ptx
