@@ -11,18 +11,26 @@ Launches: a given global scale (a one-element float32 device tensor, or a Python
 baked in as a kernel argument) is ONE launch. The dynamic scale (``amax / (6 * 448)``
 over the finite values) is one launch when the whole tensor has at most
 `_FUSED_ELEMS` elements (decode rows up to K = 16384: every program of the grid
-reduces the whole small tensor itself, one load, then quantizes its own tile),
-otherwise a partial-amax kernel (at most `_MAX_PARTIALS` partial maxima, no memset:
-every slot is written) followed by the quantize kernel, whose programs each reduce the
-partials. Host side, a call is one plan look-up, the three output allocations and
-`BoundLaunch.launch_keyed` (no specialization key, no argument re-binding).
+reduces the whole small tensor itself, one load, then quantizes its own tile); else,
+on a GPU, one COOPERATIVE launch while the grid has at most one program per SM
+(`_cooperative_ok`; M <= 16 up to K = 16384 and more at the default tile): each
+program reduces its own loaded tile, the programs meet at a grid barrier
+(`_grid_amax`: atomic max, arrival count, spin; the plan's two-int32 workspace is
+left zero by the last program, so there is no memset and graph replays reuse it),
+then quantize. Otherwise - and always under TRITON_INTERPRET=1, where programs run one
+after another and a spin would never end - a partial-amax kernel (at most
+`_MAX_PARTIALS` partial maxima, no memset: every slot is written) followed by the
+quantize kernel, whose programs each reduce the partials. Host side, a call is one
+plan look-up, the three output allocations and `BoundLaunch.launch_keyed` (no
+specialization key, no argument re-binding).
 
 Bit-exactness with the reference (the tests compare bytes):
 - the block scale: ``block_amax / 6 / g`` divides twice with ``tl.math.div_rn`` as the
-  reference does (Triton's ``/`` is approximate on GPU); the e4m3 rounding is integer
-  arithmetic on the fp32 bits (round to nearest even on 3 mantissa bits for normals,
-  ``round-half-even(v * 2**9)`` for subnormals), independent of how a Triton version
-  lowers the float8 cast;
+  reference does (Triton's ``/`` is approximate on GPU); the e4m3 rounding is one
+  ``cvt.rn.satfinite.e4m3x2.f32`` on GPUs and integer arithmetic on the fp32 bits under
+  the interpreter (round to nearest even on 3 mantissa bits for normals,
+  ``round-half-even(v * 2**9)`` for subnormals): the same bits for 0 <= v <= 448,
+  independent of how a Triton version lowers the float8 cast;
 - the e2m1 codes need no per-element division. The reference rounds the float32
   quotient ``q = fl(|x| / d)`` (``d = scale * g``) against the midpoints t (0.25, 0.75,
   ... 5; ``>`` where the lower code is even, ``>=`` where it is odd: ties to even).
@@ -40,11 +48,19 @@ Bit-exactness with the reference (the tests compare bytes):
   amax ignores non-finite values. The block amax and the non-finite flag are one
   integer max over ``|x|``'s bits (every NaN/inf is above FLT_MAX's bits).
 
-Tiles: a program handles ``[BM, BK]`` elements loaded as ``[BM, BK/16, 16]`` (16
-contiguous elements per block, so a thread's loads are 16-byte vectors and the block
-reduction stays within a thread/warp), `_TILE_ELEMS` elements per program (4096: the
-H200 sweep in benchmarks/RESULTS.md); whole tiles (``EVEN``) are loaded and stored
-without masks.
+bf16 input takes two elements a 32-bit operation (`_pair_codes`; the comment above
+`_pair_words` says why that is exact); fp16/fp32 one an operation. PTX pieces
+(``USE_ASM``: the e4m3 and directed float64 -> float32 conversions, PRMT lane masks,
+``max.u16x2``) have integer twins that compute the same bits under the interpreter,
+where the CI tests run; the GPU benchmark checks the PTX path's bytes.
+
+Tiles: a program handles ``[BM, BK]`` elements loaded as two ``[BM, BK/16, 8]`` halves
+(`_load_halves`: one thread holds a whole 16-element block, two 16-byte loads for
+bf16, so the per-block scale work is done once a block), `_TILE_ELEMS` elements per
+program (4096: the H200 sweep in benchmarks/RESULTS.md, made with the earlier kernel);
+whole tiles (``EVEN``) are loaded and stored without masks. SASS for sm_90 (Triton
+3.9, 8x512 tile, bf16, swizzled, static count): 49.5 instructions an element before,
+28.2 now (``python benchmarks/bench_quantize.py --sass``).
 """
 
 from __future__ import annotations
@@ -65,9 +81,12 @@ __all__ = ["quantize_checked", "quantize_triton"]
 
 #: fp32 max: ``|v| <= FLT_MAX`` is False exactly for NaN and ±inf.
 _FLT_MAX = 3.4028234663852886e38
-#: Elements per program: 4096 (32 a thread at 4 warps; ~126 registers, 4 programs an
-#: SM). Measured on the H200 (RESULTS.md, issue 11 run 2 sweep): at 4096x8192 given
-#: scale 59.9 µs against 69.9 µs for 8192 and 103-143 µs for 16K-32K elements.
+#: Elements per program: 4096 (32 a thread at 4 warps). Measured on the H200 with the
+#: earlier kernel (~126 registers; RESULTS.md, issue 11 run 2 sweep): at 4096x8192
+#: given scale 59.9 µs against 69.9 µs for 8192 and 103-143 µs for 16K-32K elements.
+#: This kernel needs 55 registers at 4096 and 72-96 at 8192 elements on 4 warps
+#: (sm_90, Triton 3.9), where fixed costs drop to 23 instructions an element: the
+#: ``--variants`` run of benchmarks/bench_quantize.py decides the next default.
 _TILE_ELEMS = 4096
 #: Widest K tile of the multi-program grid: a decode row of K=8192 spreads over 16
 #: programs (16 SMs load in parallel): 2.5 µs at 1x8192 against 3.6 µs for 1024.

@@ -29,7 +29,8 @@
    ``asm-2launch`` (+ PTX conversions), ``pairs-2launch`` (+ bf16 two elements an
    operation), ``new`` (the defaults: + the one-launch cooperative dynamic scale),
    ``new-nofused`` (the barrier also where the one-load fused path would run, M=1)
-   and ``new-8k`` (8192-element tiles).
+   and ``new-8k*`` (8192-element tiles: 8 warps, the default rule, or 4 warps, 64
+   elements a thread, BK 512 or 1024).
 6. **SASS** (``--sass``, no GPU needed): instructions per element of the quantize kernel
    compiled for sm_90 on this machine's Triton, default tile: v1 and the current one.
 
@@ -315,8 +316,18 @@ VARIANTS = (
     ("new", "current", {}),
     ("new-nofused", "current", {"_FUSED_ELEMS": 0}),
     ("new-8k", "current", {"_TILE_ELEMS": 8192, "_MAX_BK": 1024}),
+    ("new-8k-4w", "current", {"_TILE_ELEMS": 8192, "_MAX_BK": 512, "_NUM_WARPS": 4}),
+    ("new-8k1k-4w", "current", {"_TILE_ELEMS": 8192, "_MAX_BK": 1024, "_NUM_WARPS": 4}),
 )
-_KNOBS = ("_USE_ASM", "_PAIRS", "_COOPERATIVE", "_FUSED_ELEMS", "_TILE_ELEMS", "_MAX_BK")
+_KNOBS = (
+    "_USE_ASM",
+    "_PAIRS",
+    "_COOPERATIVE",
+    "_FUSED_ELEMS",
+    "_TILE_ELEMS",
+    "_MAX_BK",
+    "_NUM_WARPS",
+)
 
 
 def _baseline():
