@@ -30,7 +30,9 @@
    operation), ``new`` (the defaults: + the one-launch cooperative dynamic scale),
    ``new-nofused`` (the barrier also where the one-load fused path would run, M=1)
    and ``new-8k*`` (8192-element tiles: 8 warps, the default rule, or 4 warps, 64
-   elements a thread, BK 512 or 1024).
+   elements a thread, BK 512 or 1024); for M >= 256 also ``amax-8k`` and ``parts-1k``
+   (the partial-amax pass of the two-launch dynamic scale: 8192-element steps, up to
+   1024 partial maxima).
 6. **SASS** (``--sass``, no GPU needed): instructions per element of the quantize kernel
    compiled for sm_90 on this machine's Triton, default tile: v1 and the current one.
 
@@ -318,7 +320,12 @@ VARIANTS = (
     ("new-8k", "current", {"_TILE_ELEMS": 8192, "_MAX_BK": 1024}),
     ("new-8k-4w", "current", {"_TILE_ELEMS": 8192, "_MAX_BK": 512, "_NUM_WARPS": 4}),
     ("new-8k1k-4w", "current", {"_TILE_ELEMS": 8192, "_MAX_BK": 1024, "_NUM_WARPS": 4}),
+    # the two-launch dynamic scale of large M: the partial-amax pass's tile and count
+    ("amax-8k", "current", {"_AMAX_ELEMS": 8192}),
+    ("parts-1k", "current", {"_MAX_PARTIALS": 1024}),
 )
+#: variants measured only from this M up (they change nothing below)
+_MIN_M = {"amax-8k": 256, "parts-1k": 256}
 _KNOBS = (
     "_USE_ASM",
     "_PAIRS",
@@ -381,6 +388,8 @@ def variants() -> list[dict]:
                 setattr(kq, n, knobs.get(n, saved[n]))
             kq._plans.clear()
             for x in xs.values():
+                if x.shape[0] < _MIN_M.get(name, 0):
+                    continue
                 try:
                     r = _variant_shape(name, mods[mod_name], x, g, want)
                 except Exception as exc:  # reported (a failed check), the run goes on
@@ -409,14 +418,20 @@ def print_variants(rows: list[dict]) -> None:
         for k in (4096, 8192):
             cells = []
             for n in names:
-                r = next(r for r in rows if r["variant"] == n and r["m"] == m and r["k"] == k)
+                r = next((r for r in rows if r["variant"] == n and r["m"] == m and r["k"] == k),
+                         None)  # fmt: skip
+                if r is None:
+                    cells.append(f"{'-':>16}")
+                    continue
                 bad = "" if r["equal_given"] and r["equal_dynamic"] else "*"
                 cells.append(f"{r['gpu_us_given']:6.2f} /{r['gpu_us_dynamic']:7.2f}{bad:1}")
             print(f"{m:>5} {k:>5} | " + " | ".join(cells))
 
 
-def _sass_count(kernel, consts: dict) -> int:
-    """SASS instructions of `kernel` compiled for sm_90 on the CPU (bf16 x, aligned)."""
+def _sass_count(kernel, consts: dict) -> tuple[int, int]:
+    """SASS instructions of `kernel` compiled for sm_90 on the CPU (bf16 x, aligned):
+    all of them, and those up to the first EXIT (the straight path of a program that
+    writes no swizzled row padding, without the never-taken division slow path)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -439,7 +454,9 @@ def _sass_count(kernel, consts: dict) -> int:
         f.write(compiled.asm["cubin"])
         f.flush()
         text = subprocess.run([tool, "-c", f.name], capture_output=True, text=True).stdout
-    return sum(bool(re.match(r"/\*[0-9a-f]+\*/\s+\S", ln.strip())) for ln in text.splitlines())
+    ins = [ln for ln in text.splitlines() if re.match(r"/\*[0-9a-f]+\*/\s+\S", ln.strip())]
+    first_exit = next((i + 1 for i, ln in enumerate(ins) if "EXIT" in ln), len(ins))
+    return len(ins), first_exit
 
 
 def sass_counts() -> list[dict]:
@@ -458,10 +475,12 @@ def sass_counts() -> list[dict]:
         for swz in (True, False):
             consts = {"G_MODE": 0, "SWIZZLED": swz, "BM": 8, "NB": 32, "PART_BLOCK": 1,
                       "FM": 1, "FNB": 1, "EVEN": True, **extra}  # fmt: skip
-            n = _sass_count(kernel, consts)
-            rows.append({"kernel": name, "swizzled": swz, "instr": n, "per_elem": n / 32})
+            n, path = _sass_count(kernel, consts)
+            rows.append({"kernel": name, "swizzled": swz, "instr": n, "per_elem": n / 32,
+                         "path_instr": path, "path_per_elem": path / 32})  # fmt: skip
             print(f"SASS {name:>8} swizzled={swz!s:>5}: {n} instructions, {n / 32:.1f} an "
-                  f"element (sm_90, triton {triton.__version__})")  # fmt: skip
+                  f"element; to the first EXIT {path}, {path / 32:.1f} an element "
+                  f"(sm_90, triton {triton.__version__})")  # fmt: skip
     return rows
 
 
