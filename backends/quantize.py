@@ -59,8 +59,9 @@ Tiles: a program handles ``[BM, BK]`` elements loaded as two ``[BM, BK/16, 8]`` 
 bf16, so the per-block scale work is done once a block), `_TILE_ELEMS` elements per
 program (4096: the H200 sweep in benchmarks/RESULTS.md, made with the earlier kernel);
 whole tiles (``EVEN``) are loaded and stored without masks. SASS for sm_90 (Triton
-3.9, 8x512 tile, bf16, swizzled, static count): 49.5 instructions an element before,
-28.2 now (``python benchmarks/bench_quantize.py --sass``).
+3.9, 8x512 tile, bf16, swizzled): 49.5 instructions an element before, 27.0 now; on
+the straight path (to the first EXIT: no row padding, no division slow path) 43.3
+before, 20.8 now (``python benchmarks/bench_quantize.py --sass``).
 """
 
 from __future__ import annotations
@@ -162,8 +163,9 @@ def _load_halves(
     Two loads of the same shape, so one thread holds both halves of a block (same
     shape, same layout: a 16-byte vector of each for bf16/fp16) and the per-block work
     (scale, thresholds) is done once a block - not by each of the two threads that a
-    16-byte-vector layout of ``[BM, NB, 16]`` spreads a block over (the earlier kernel:
-    49.5 SASS instructions an element against 38.8, sm_90, Triton 3.9, 8x512 tile).
+    16-byte-vector layout of ``[BM, NB, 16]`` spreads a block over (with nothing else
+    changed: 49.5 SASS instructions an element before, 39.5 after; sm_90, Triton 3.9,
+    8x512 tile).
     """
     rows = row0 + tl.arange(0, BM)
     cols = col0 + tl.arange(0, NB)[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
@@ -396,6 +398,7 @@ def _store_tile(
     else:
         kmask = kb < KB
     off = _scale_offsets(rows.to(tl.int64)[:, None], kb[None, :], KB, NUM_K_TILES, SWIZZLED)
+    off = tl.max_contiguous(off, [1, 1])  # bytes stored where computed: no smem shuffle
     if EVEN:  # in range: K % BK == 0 with BK a multiple of 64 pads no scale column
         tl.store(scale_bytes + off, sbyte.to(tl.uint8))
     else:
