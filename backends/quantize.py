@@ -215,7 +215,7 @@ def _e4m3_rn(v, USE_ASM: tl.constexpr):
     even, the same bits for ``0 <= v <= 448``); the integer arithmetic where PTX cannot
     run (TRITON_INTERPRET=1)."""
     if USE_ASM:
-        b = tl.inline_asm_elementwise(_E4M3_ASM, "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+        b = tl.inline_asm_elementwise(_E4M3_ASM, "=r,f", [v], dtype=tl.int32, is_pure=True, pack=1)
         return b, _e4m3_value(b)
     return _e4m3(v)
 
@@ -420,13 +420,12 @@ def _store_tile(
 @triton.jit
 def _pair_words(x, BM: tl.constexpr, NB: tl.constexpr, USE_ASM: tl.constexpr):
     """bf16 ``[BM, NB, 8]`` -> int32 ``[BM, NB, 4]`` words ``bits(2j) | bits(2j+1) << 16``."""
-    lo, hi = tl.split(tl.reshape(x, [BM, NB, 4, 2]))
+    lo, hi = tl.split(tl.reshape(x.to(tl.int16, bitcast=True), [BM, NB, 4, 2]))
     if USE_ASM:  # the register pair as loaded: no arithmetic once ptxas folds the moves
         return tl.inline_asm_elementwise(
             "mov.b32 $0, {$1, $2};", "=r,h,h", [lo, hi], dtype=tl.int32, is_pure=True, pack=1
         )
-    lo32 = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return lo32 | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+    return (lo.to(tl.int32) & 0xFFFF) | (hi.to(tl.int32) << 16)
 
 
 @triton.jit
