@@ -107,8 +107,9 @@ _PAD_ROWS = 32
 
 #: Under TRITON_INTERPRET=1 programs run one after another on the CPU and PTX cannot run
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
-#: The e4m3 block scale in one PTX conversion (`_e4m3_rn`) on GPUs; False: the integer
-#: rounding (the same bits; the only choice under the interpreter)
+#: The PTX pieces (`_e4m3_rn`, `_bound_f32`, `_lane_mask`, ``max.u16x2``) on sm_90+
+#: GPUs (`_asm_ok`); False: their integer twins everywhere (the same bits; the only
+#: choice under the interpreter and before sm_90)
 _USE_ASM = not _INTERPRETING
 #: The dynamic scale of a tensor over `_FUSED_ELEMS` in ONE cooperative launch (grid
 #: barrier, `_grid_amax`) where its grid fits on the device at once: None = wherever
@@ -679,6 +680,7 @@ _plans: dict[tuple, _Plan] = {}
 _quant_launch = CachedLauncher(_nvfp4_quantize_kernel)
 _amax_launch = CachedLauncher(_partial_amax_kernel)
 _sm_counts: dict[int, int] = {}
+_capabilities: dict[int, tuple[int, int]] = {}
 
 
 def _next_pow2(n: int) -> int:
@@ -698,6 +700,19 @@ def _fused_tile(m: int, k: int) -> tuple[int, int] | None:
     can reduce the whole tensor itself (one load, from L2 after the first program)."""
     bm, bk = _next_pow2(m), max(64, _next_pow2(k))
     return (bm, bk) if bm * bk <= min(_FUSED_ELEMS, 2 * _TILE_ELEMS) else None
+
+
+def _asm_ok() -> bool:
+    """Whether the PTX pieces run here: not under the interpreter, and a current device
+    of compute capability 9.0+ (``max.u16x2`` needs sm_90, the e4m3 conversion sm_89);
+    older GPUs take the integer twins (the same bits)."""
+    if _INTERPRETING or not torch.cuda.is_available():
+        return False
+    dev = torch.cuda.current_device()
+    cap = _capabilities.get(dev)
+    if cap is None:
+        cap = _capabilities[dev] = torch.cuda.get_device_capability(dev)
+    return cap >= (9, 0)
 
 
 def _triton_launches_cooperative() -> bool:
@@ -765,7 +780,7 @@ def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
     meta = {"G_MODE": g_mode, "SWIZZLED": swizzled, "BM": bm, "NB": bk // 16,
             "PART_BLOCK": part_block, "FM": fm, "FNB": fk // 16,
             "EVEN": m % bm == 0 and k % bk == 0,
-            "USE_ASM": _USE_ASM and not _INTERPRETING, "PAIRS": _PAIRS}  # fmt: skip
+            "USE_ASM": _USE_ASM and _asm_ok(), "PAIRS": _PAIRS}  # fmt: skip
     if g_mode == _G_BARRIER:  # a launch option, passed with the constexprs to kernel[grid]
         meta["launch_cooperative_grid"] = True
     launch = _quant_launch.bind(meta, num_warps)

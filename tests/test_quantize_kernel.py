@@ -305,6 +305,28 @@ def test_grid_barrier_path_equals_reference_and_resets_its_workspace(paths: dict
     assert paths["workspace_zero"] == [[0, 0]] * len(runs)
 
 
+def test_ptx_paths_only_on_sm90_and_later(monkeypatch) -> None:
+    """``max.u16x2`` needs sm_90 (the e4m3 conversion sm_89): older GPUs, the
+    interpreter and CPU-only hosts get the integer twins."""
+    pytest.importorskip("triton")
+    from fp4_dispatch.backends import quantize as kq
+
+    monkeypatch.setattr(kq, "_INTERPRETING", False)
+    monkeypatch.setattr(kq.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kq.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(kq, "_capabilities", {0: (9, 0)})
+    assert kq._asm_ok()
+    monkeypatch.setattr(kq, "_capabilities", {0: (8, 9)})
+    assert not kq._asm_ok()
+    monkeypatch.setattr(kq, "_capabilities", {0: (10, 0)})
+    assert kq._asm_ok()
+    monkeypatch.setattr(kq, "_INTERPRETING", True)
+    assert not kq._asm_ok()
+    monkeypatch.setattr(kq, "_INTERPRETING", False)
+    monkeypatch.setattr(kq.torch.cuda, "is_available", lambda: False)
+    assert not kq._asm_ok()
+
+
 def test_cooperative_choice_on_a_gpu_follows_the_sm_count(monkeypatch) -> None:
     """Outside the interpreter (auto): the barrier while the grid has at most one
     program per SM; never when turned off or when Triton lacks the cooperative launch
