@@ -11,18 +11,26 @@ Launches: a given global scale (a one-element float32 device tensor, or a Python
 baked in as a kernel argument) is ONE launch. The dynamic scale (``amax / (6 * 448)``
 over the finite values) is one launch when the whole tensor has at most
 `_FUSED_ELEMS` elements (decode rows up to K = 16384: every program of the grid
-reduces the whole small tensor itself, one load, then quantizes its own tile),
-otherwise a partial-amax kernel (at most `_MAX_PARTIALS` partial maxima, no memset:
-every slot is written) followed by the quantize kernel, whose programs each reduce the
-partials. Host side, a call is one plan look-up, the three output allocations and
-`BoundLaunch.launch_keyed` (no specialization key, no argument re-binding).
+reduces the whole small tensor itself, one load, then quantizes its own tile); else,
+on a GPU, one COOPERATIVE launch while the grid has at most one program per SM
+(`_cooperative_ok`; M <= 16 up to K = 16384 and more at the default tile): each
+program reduces its own loaded tile, the programs meet at a grid barrier
+(`_grid_amax`: atomic max, arrival count, spin; the plan's two-int32 workspace is
+left zero by the last program, so there is no memset and graph replays reuse it),
+then quantize. Otherwise - and always under TRITON_INTERPRET=1, where programs run one
+after another and a spin would never end - a partial-amax kernel (at most
+`_MAX_PARTIALS` partial maxima, no memset: every slot is written) followed by the
+quantize kernel, whose programs each reduce the partials. Host side, a call is one
+plan look-up, the three output allocations and `BoundLaunch.launch_keyed` (no
+specialization key, no argument re-binding).
 
 Bit-exactness with the reference (the tests compare bytes):
 - the block scale: ``block_amax / 6 / g`` divides twice with ``tl.math.div_rn`` as the
-  reference does (Triton's ``/`` is approximate on GPU); the e4m3 rounding is integer
-  arithmetic on the fp32 bits (round to nearest even on 3 mantissa bits for normals,
-  ``round-half-even(v * 2**9)`` for subnormals), independent of how a Triton version
-  lowers the float8 cast;
+  reference does (Triton's ``/`` is approximate on GPU); the e4m3 rounding is one
+  ``cvt.rn.satfinite.e4m3x2.f32`` on GPUs and integer arithmetic on the fp32 bits under
+  the interpreter (round to nearest even on 3 mantissa bits for normals,
+  ``round-half-even(v * 2**9)`` for subnormals): the same bits for 0 <= v <= 448,
+  independent of how a Triton version lowers the float8 cast;
 - the e2m1 codes need no per-element division. The reference rounds the float32
   quotient ``q = fl(|x| / d)`` (``d = scale * g``) against the midpoints t (0.25, 0.75,
   ... 5; ``>`` where the lower code is even, ``>=`` where it is odd: ties to even).
@@ -40,17 +48,27 @@ Bit-exactness with the reference (the tests compare bytes):
   amax ignores non-finite values. The block amax and the non-finite flag are one
   integer max over ``|x|``'s bits (every NaN/inf is above FLT_MAX's bits).
 
-Tiles: a program handles ``[BM, BK]`` elements loaded as ``[BM, BK/16, 16]`` (16
-contiguous elements per block, so a thread's loads are 16-byte vectors and the block
-reduction stays within a thread/warp), `_TILE_ELEMS` elements per program (4096: the
-H200 sweep in benchmarks/RESULTS.md); whole tiles (``EVEN``) are loaded and stored
-without masks.
+bf16 input takes two elements a 32-bit operation (`_pair_codes`; the comment above
+`_pair_words` says why that is exact); fp16/fp32 one an operation. PTX pieces
+(``USE_ASM``: the e4m3 and directed float64 -> float32 conversions, PRMT lane masks,
+``max.u16x2``) have integer twins that compute the same bits under the interpreter,
+where the CI tests run; the GPU benchmark checks the PTX path's bytes.
+
+Tiles: a program handles ``[BM, BK]`` elements loaded as two ``[BM, BK/16, 8]`` halves
+(`_load_halves`: one thread holds a whole 16-element block, two 16-byte loads for
+bf16, so the per-block scale work is done once a block), `_TILE_ELEMS` elements per
+program (4096: the H200 sweep in benchmarks/RESULTS.md, made with the earlier kernel);
+whole tiles (``EVEN``) are loaded and stored without masks. SASS for sm_90 (Triton
+3.9, 8x512 tile, bf16, swizzled): 49.5 instructions an element before, 27.0 now; on
+the straight path (to the first EXIT: no row padding, no division slow path) 43.3
+before, 20.8 now (``python benchmarks/bench_quantize.py --sass``).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -64,9 +82,12 @@ __all__ = ["quantize_checked", "quantize_triton"]
 
 #: fp32 max: ``|v| <= FLT_MAX`` is False exactly for NaN and ±inf.
 _FLT_MAX = 3.4028234663852886e38
-#: Elements per program: 4096 (32 a thread at 4 warps; ~126 registers, 4 programs an
-#: SM). Measured on the H200 (RESULTS.md, issue 11 run 2 sweep): at 4096x8192 given
-#: scale 59.9 µs against 69.9 µs for 8192 and 103-143 µs for 16K-32K elements.
+#: Elements per program: 4096 (32 a thread at 4 warps). Measured on the H200 with the
+#: earlier kernel (~126 registers; RESULTS.md, issue 11 run 2 sweep): at 4096x8192
+#: given scale 59.9 µs against 69.9 µs for 8192 and 103-143 µs for 16K-32K elements.
+#: This kernel needs 55 registers at 4096 and 72-96 at 8192 elements on 4 warps
+#: (sm_90, Triton 3.9), where fixed costs drop to 23 instructions an element: the
+#: ``--variants`` run of benchmarks/bench_quantize.py decides the next default.
 _TILE_ELEMS = 4096
 #: Widest K tile of the multi-program grid: a decode row of K=8192 spreads over 16
 #: programs (16 SMs load in parallel): 2.5 µs at 1x8192 against 3.6 µs for 1024.
@@ -84,8 +105,28 @@ _MAX_PARTIALS = 256
 #: Rows of zero scales stored per step in the swizzled row padding.
 _PAD_ROWS = 32
 
+#: Under TRITON_INTERPRET=1 programs run one after another on the CPU and PTX cannot run
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
+#: The PTX pieces (`_e4m3_rn`, `_bound_f32`, `_lane_mask`, ``max.u16x2``) on sm_90+
+#: GPUs (`_asm_ok`); False: their integer twins everywhere (the same bits; the only
+#: choice under the interpreter and before sm_90)
+_USE_ASM = not _INTERPRETING
+#: The dynamic scale of a tensor over `_FUSED_ELEMS` in ONE cooperative launch (grid
+#: barrier, `_grid_amax`) where its grid fits on the device at once: None = wherever
+#: that is safe (`_cooperative_ok`), False = never (partial-amax kernel + quantize)
+_COOPERATIVE: bool | None = None
+
+#: bf16 input two elements a 32-bit operation (`_pair_codes`); False: one an operation
+_PAIRS = True
+
 # g modes (constexpr): where the global (decode) scale comes from
-_G_PTR, _G_VALUE, _G_PARTIALS, _G_FUSED = 0, 1, 2, 3
+_G_PTR, _G_VALUE, _G_PARTIALS, _G_FUSED, _G_BARRIER = 0, 1, 2, 3, 4
+
+#: e4m3fn byte (low 8 bits) of fp32 $1: round to nearest even, saturating (sm89+)
+_E4M3_ASM = tl.constexpr(
+    "{ .reg .b16 t; .reg .f32 z; mov.f32 z, 0f00000000;"
+    " cvt.rn.satfinite.e4m3x2.f32 t, z, $1; cvt.u32.u16 $0, t; }"
+)
 
 
 @triton.jit
@@ -114,6 +155,29 @@ def _load_blocks(
 
 
 @triton.jit
+def _load_halves(
+    x_ptr, stride_xm, row0, col0, M, K, BM: tl.constexpr, NB: tl.constexpr,
+    EVEN: tl.constexpr,
+):  # fmt: skip
+    """The tile as its blocks' two 8-element halves, ``[BM, NB, 8]`` each (x's dtype).
+
+    Two loads of the same shape, so one thread holds both halves of a block (same
+    shape, same layout: a 16-byte vector of each for bf16/fp16) and the per-block work
+    (scale, thresholds) is done once a block - not by each of the two threads that a
+    16-byte-vector layout of ``[BM, NB, 16]`` spreads a block over (with nothing else
+    changed: 49.5 SASS instructions an element before, 39.5 after; sm_90, Triton 3.9,
+    8x512 tile).
+    """
+    rows = row0 + tl.arange(0, BM)
+    cols = col0 + tl.arange(0, NB)[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
+    ptrs = x_ptr + rows.to(tl.int64)[:, None, None] * stride_xm + cols
+    if EVEN:
+        return tl.load(ptrs), tl.load(ptrs + 8)
+    mask = (rows < M)[:, None, None] & (cols < K)  # K % 16 == 0: one test a block
+    return tl.load(ptrs, mask=mask, other=0.0), tl.load(ptrs + 8, mask=mask, other=0.0)
+
+
+@triton.jit
 def _finite_amax(xb):
     """max |x| over the finite values of a tile (0.0 when none)."""
     ax = tl.abs(xb)
@@ -139,6 +203,25 @@ def _e4m3(v):
 
 
 @triton.jit
+def _e4m3_value(b):
+    """fp32 value of e4m3fn byte ``b`` in [0, 0x7E]: the exponent rebias (120 = 127 - 7)
+    for normals (b >= 8), ``b * 2**-9`` for subnormals."""
+    norm = ((b << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    return tl.where(b >= 8, norm, b.to(tl.float32) * 0.001953125)
+
+
+@triton.jit
+def _e4m3_rn(v, USE_ASM: tl.constexpr):
+    """`_e4m3` in one PTX conversion on GPUs (``cvt.rn.satfinite``: round to nearest
+    even, the same bits for ``0 <= v <= 448``); the integer arithmetic where PTX cannot
+    run (TRITON_INTERPRET=1)."""
+    if USE_ASM:
+        b = tl.inline_asm_elementwise(_E4M3_ASM, "=r,f", [v], dtype=tl.int32, is_pure=True, pack=1)
+        return b, _e4m3_value(b)
+    return _e4m3(v)
+
+
+@triton.jit
 def _ceil_f32(b, STRICT: tl.constexpr):
     """The smallest float32 ``>= b`` (``> b`` when STRICT) of non-negative float64 ``b``."""
     f = b.to(tl.float32)  # round to nearest
@@ -148,7 +231,23 @@ def _ceil_f32(b, STRICT: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_bounds(d):
+def _bound_f32(b, STRICT: tl.constexpr, USE_ASM: tl.constexpr):
+    """`_ceil_f32` by directed conversions on GPUs: ``cvt.rp`` is the smallest float32
+    ``>= b``; the one after ``cvt.rm`` (the largest ``<= b``) the smallest ``> b``."""
+    if not USE_ASM:
+        return _ceil_f32(b, STRICT)
+    if STRICT:
+        f = tl.inline_asm_elementwise(
+            "cvt.rm.f32.f64 $0, $1;", "=f,d", [b], dtype=tl.float32, is_pure=True, pack=1
+        )
+        return (f.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True)
+    return tl.inline_asm_elementwise(
+        "cvt.rp.f32.f64 $0, $1;", "=f,d", [b], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _e2m1_bounds(d, USE_ASM: tl.constexpr):
     """The seven float32 thresholds T_i of a block with divisor ``d`` (float32 > 0):
     ``fl(|x| / d)`` passes e2m1 midpoint i exactly when ``|x| >= T_i``.
 
@@ -158,13 +257,13 @@ def _e2m1_bounds(d):
     per-element division.
     """
     d64 = d.to(tl.float64)
-    t0 = _ceil_f32(d64 * 0.25000001490116119384765625, True)  # 0.25 + 2**-26: >
-    t1 = _ceil_f32(d64 * 0.749999970197677612304687500, False)  # 0.75 - 2**-25: >=
-    t2 = _ceil_f32(d64 * 1.25000005960464477539062500, True)  # 1.25 + 2**-24: >
-    t3 = _ceil_f32(d64 * 1.74999994039535522460937500, False)  # 1.75 - 2**-24: >=
-    t4 = _ceil_f32(d64 * 2.50000011920928955078125000, True)  # 2.5 + 2**-23: >
-    t5 = _ceil_f32(d64 * 3.49999988079071044921875000, False)  # 3.5 - 2**-23: >=
-    t6 = _ceil_f32(d64 * 5.00000023841857910156250000, True)  # 5 + 2**-22: >
+    t0 = _bound_f32(d64 * 0.25000001490116119384765625, True, USE_ASM)  # 0.25 + 2**-26: >
+    t1 = _bound_f32(d64 * 0.749999970197677612304687500, False, USE_ASM)  # 0.75 - 2**-25: >=
+    t2 = _bound_f32(d64 * 1.25000005960464477539062500, True, USE_ASM)  # 1.25 + 2**-24: >
+    t3 = _bound_f32(d64 * 1.74999994039535522460937500, False, USE_ASM)  # 1.75 - 2**-24: >=
+    t4 = _bound_f32(d64 * 2.50000011920928955078125000, True, USE_ASM)  # 2.5 + 2**-23: >
+    t5 = _bound_f32(d64 * 3.49999988079071044921875000, False, USE_ASM)  # 3.5 - 2**-23: >=
+    t6 = _bound_f32(d64 * 5.00000023841857910156250000, True, USE_ASM)  # 5 + 2**-22: >
     return t0, t1, t2, t3, t4, t5, t6
 
 
@@ -204,8 +303,19 @@ def _e2m1_from_bounds(a, sign8, t0, t1, t2, t3, t4, t5, t6):
     w_lo = _pick(t2, t2 ^ t0, l1)
     w_hi = _pick(t6, t6 ^ t4, l1)
     l0 = _below(a, _pick(w_hi, w_hi ^ w_lo, l3))
-    mag = 7 + 4 * l3 + 2 * l1 + l0
-    return mag | (sign8 & ((0 - mag) >> 31))
+    mag = 7 + 4 * l3 + 2 * l1 + l0  # 0 exactly where l3 = l1 = l0 = -1
+    return mag | (sign8 & ~(l3 & l1 & l0))
+
+
+@triton.jit
+def _packed_half(u, a, t0, t1, t2, t3, t4, t5, t6):
+    """The 8 codes of a half block as one int32 word ``[BM, NB]`` (code j in bits
+    4j..4j+3: little-endian bytes ``code(2i) | code(2i+1) << 4``, the reference's
+    packing); ``u``: x's int32 bits, ``a`` = ``u & 0x7FFFFFFF``. The fields do not
+    overlap, so the sum is their bitwise or."""
+    # the sign as an integer (8 or 0), not a boolean (see `_below`)
+    codes = _e2m1_from_bounds(a, (u >> 28) & 8, t0, t1, t2, t3, t4, t5, t6)
+    return tl.sum(codes << (tl.arange(0, 8) * 4)[None, None, :], 2)
 
 
 @triton.jit
@@ -226,29 +336,31 @@ def _scale_offsets(rows, kb, KB, NUM_K_TILES, SWIZZLED: tl.constexpr):
 
 
 @triton.jit
-def _quantize_store(
-    xb, g, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES,
-    SWIZZLED: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr,
-):  # fmt: skip
-    """Quantize a loaded ``[BM, NB, 16]`` tile with decode scale g and store it."""
-    # |x| as int32 bits: positive floats order like their bits, and every NaN/inf has
-    # bits above FLT_MAX's, so one integer max per block gives both the block amax and
-    # whether the block holds a non-finite value (scale byte 0x7F and codes 0 then)
-    abits = xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    bmax = tl.max(abits, 2)
+def _block_scale(bmax, g, USE_ASM: tl.constexpr):
+    """Per-block e4m3 scale of the blocks' max ``|x|`` int32 bits ``bmax`` [BM, NB]
+    (NaN/inf above FLT_MAX's bits: scale byte 0x7F, codes 0): ``(byte, ok, d)``, ``d``
+    the divisor ``scale * g`` of the usable blocks (``ok``: nonzero, finite), 1.0
+    elsewhere."""
     bad = bmax > 0x7F7FFFFF
     bamax = tl.where(bad, 0, bmax).to(tl.float32, bitcast=True)
     gb = tl.full(bamax.shape, 1.0, tl.float32) * g
     v = tl.math.div_rn(tl.math.div_rn(bamax, tl.full(bamax.shape, 6.0, tl.float32)), gb)
     v = tl.minimum(v, 448.0)
-    sbyte, s = _e4m3(v)
+    sbyte, s = _e4m3_rn(v, USE_ASM)
     sbyte = tl.where(bad, 0x7F, sbyte)
     denom = s * gb
     ok = (denom > 0.0) & (bad == 0)
+    return sbyte, ok, tl.where(ok, denom, 1.0)
+
+
+@triton.jit
+def _codes_f32(ua, ub, ok, d, USE_ASM: tl.constexpr):
+    """Packed codes ``[BM, NB, 2]`` int32 of the halves' float32 bits ``ua``, ``ub``:
+    one element an operation (fp32/fp16 input)."""
     # thresholds as int32 bits (non-negative floats order like their bits); unusable
     # blocks (zero or underflowed scale, non-finite values) get INT32_MIN, which no
     # magnitude passes, so their codes are 0
-    t0, t1, t2, t3, t4, t5, t6 = _e2m1_bounds(tl.where(ok, denom, 1.0))
+    t0, t1, t2, t3, t4, t5, t6 = _e2m1_bounds(d, USE_ASM)
     t0 = _bits_or_none(t0, ok)
     t1 = _bits_or_none(t1, ok)
     t2 = _bits_or_none(t2, ok)
@@ -256,21 +368,28 @@ def _quantize_store(
     t4 = _bits_or_none(t4, ok)
     t5 = _bits_or_none(t5, ok)
     t6 = _bits_or_none(t6, ok)
-    # the sign as an integer (8 or 0), not a boolean (see `_below`)
-    sign8 = (xb.to(tl.int32, bitcast=True) >> 28) & 8
-    codes = _e2m1_from_bounds(abits, sign8, t0, t1, t2, t3, t4, t5, t6)
-    lo, hi = tl.split(tl.reshape(codes, [BM, NB, 8, 2]))
-    packed = (lo | (hi << 4)).to(tl.uint8)
+    wa = _packed_half(ua, ua & 0x7FFFFFFF, t0, t1, t2, t3, t4, t5, t6)
+    wb = _packed_half(ub, ub & 0x7FFFFFFF, t0, t1, t2, t3, t4, t5, t6)
+    return tl.join(wa, wb)  # [BM, NB, 2]: the block's 8 bytes
 
+
+@triton.jit
+def _store_tile(
+    words, sbyte, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES,
+    SWIZZLED: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    """Store a tile's packed codes (``[BM, NB, 2]`` int32: 8 bytes a block) and its
+    scale bytes ``[BM, NB]`` (swizzled or linear)."""
     rows = row0 + tl.arange(0, BM)
     rmask = rows < M
-    half_k = K // 2
-    dcols = col0 // 2 + tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    dptrs = data_ptr + rows.to(tl.int64)[:, None, None] * half_k + dcols
+    wpr = K // 8  # int32 words a data row (K % 16 == 0)
+    wcols = col0 // 8 + tl.arange(0, NB)[:, None] * 2 + tl.arange(0, 2)[None, :]
+    dptrs = data_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    dptrs = dptrs + rows.to(tl.int64)[:, None, None] * wpr + wcols[None, :, :]
     if EVEN:
-        tl.store(dptrs, packed)
+        tl.store(dptrs, words)
     else:
-        tl.store(dptrs, packed, mask=rmask[:, None, None] & (dcols < half_k))
+        tl.store(dptrs, words, mask=rmask[:, None, None] & (wcols < wpr)[None, :, :])
 
     kb = col0 // 16 + tl.arange(0, NB)
     KB = K // 16
@@ -280,10 +399,118 @@ def _quantize_store(
     else:
         kmask = kb < KB
     off = _scale_offsets(rows.to(tl.int64)[:, None], kb[None, :], KB, NUM_K_TILES, SWIZZLED)
+    off = tl.max_contiguous(off, [1, 1])  # bytes stored where computed: no smem shuffle
     if EVEN:  # in range: K % BK == 0 with BK a multiple of 64 pads no scale column
         tl.store(scale_bytes + off, sbyte.to(tl.uint8))
     else:
         tl.store(scale_bytes + off, sbyte.to(tl.uint8), mask=rmask[:, None] & kmask[None, :])
+
+
+# ---- bf16 input: two elements a 32-bit operation ---------------------------------------
+#
+# A bf16 magnitude's 15 bits order like its value, and ``h >= T`` for a float32
+# threshold T and the float32 ``h << 16`` holds exactly when ``h >= ceil(T / 2**16)``
+# (`_pair_bound`). So two elements share one int32 word ``lo | hi << 16`` (elements 2j,
+# 2j+1) and every comparison of the binary search is one subtraction for both: with
+# ``o = w | 0x80008000`` and a threshold word ``t * 0x10001`` (t <= 0x8000), each 16-bit
+# lane of ``o - T`` is ``0x8000 + h - t``, in [0, 0x10000) (no borrow between lanes),
+# whose top bit says ``h >= t``. A lane mask is that bit replicated (`_lane_mask`: one
+# PRMT). 0x8000 is the "no threshold" of unusable blocks: no magnitude reaches it.
+
+
+@triton.jit
+def _pair_words(x, BM: tl.constexpr, NB: tl.constexpr, USE_ASM: tl.constexpr):
+    """bf16 ``[BM, NB, 8]`` -> int32 ``[BM, NB, 4]`` words ``bits(2j) | bits(2j+1) << 16``."""
+    lo, hi = tl.split(tl.reshape(x.to(tl.int16, bitcast=True), [BM, NB, 4, 2]))
+    if USE_ASM:  # the register pair as loaded: no arithmetic once ptxas folds the moves
+        return tl.inline_asm_elementwise(
+            "mov.b32 $0, {$1, $2};", "=r,h,h", [lo, hi], dtype=tl.int32, is_pure=True, pack=1
+        )
+    return (lo.to(tl.int32) & 0xFFFF) | (hi.to(tl.int32) << 16)
+
+
+@triton.jit
+def _max_u16x2_asm(x, y):
+    """Lane-wise max of two words of two unsigned 16-bit lanes (sm90 ``max.u16x2``)."""
+    return tl.inline_asm_elementwise(
+        "max.u16x2 $0, $1, $2;", "=r,r,r", [x, y], dtype=tl.int32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _max_u16x2_int(x, y):
+    """`_max_u16x2_asm` in plain integer operations (TRITON_INTERPRET=1)."""
+    lo = tl.maximum(x & 0xFFFF, y & 0xFFFF)
+    return (tl.maximum((x >> 16) & 0xFFFF, (y >> 16) & 0xFFFF) << 16) | lo
+
+
+@triton.jit
+def _pair_block_max(pa, pb, USE_ASM: tl.constexpr):
+    """Max ``|x|`` of each block as float32 bits ``[BM, NB]`` from its 8 pair words."""
+    a = pa & 0x7FFF7FFF
+    b = pb & 0x7FFF7FFF
+    if USE_ASM:
+        m = _max_u16x2_asm(tl.reduce(a, 2, _max_u16x2_asm), tl.reduce(b, 2, _max_u16x2_asm))
+    else:
+        m = _max_u16x2_int(tl.reduce(a, 2, _max_u16x2_int), tl.reduce(b, 2, _max_u16x2_int))
+    return tl.maximum(m & 0xFFFF, (m >> 16) & 0xFFFF) << 16
+
+
+@triton.jit
+def _pair_bound(t, ok):
+    """Float32 threshold ``t`` [BM, NB] as a pair word ``[BM, NB, 1]``: the smallest
+    bf16 magnitude bits ``>= t`` in both lanes; 0x8000 (reached by nothing) where not ok."""
+    t16 = (t.to(tl.int32, bitcast=True) + 0xFFFF) >> 16
+    return (tl.where(ok, t16, 0x8000) * 0x10001)[:, :, None]
+
+
+@triton.jit
+def _lane_mask(d, USE_ASM: tl.constexpr):
+    """Each 16-bit lane of ``d`` -> 0xFFFF where its top bit is set, else 0."""
+    if USE_ASM:  # PRMT selectors 9 and B: bytes 1 and 3 with their sign replicated
+        return tl.inline_asm_elementwise(
+            "prmt.b32 $0, $1, 0, 0xBB99;", "=r,r", [d], dtype=tl.int32, is_pure=True, pack=1
+        )
+    return ((d >> 15) & 0x10001) * 0xFFFF
+
+
+@triton.jit
+def _pair_codes(w, t0, t1, t2, t3, t4, t5, t6, USE_ASM: tl.constexpr):
+    """The e2m1 codes of the two bf16 lanes of ``w`` (`_pair_words`) against a block's
+    threshold words (`_pair_bound`), code j in bits 0-3 of lane j: the binary search of
+    `_e2m1_from_bounds` on both lanes at once (``p*``: lane masks of "passed")."""
+    o = w | -2147450880  # 0x80008000
+    p3 = _lane_mask(o - t3, USE_ASM)
+    p1 = _lane_mask(o - (t1 ^ ((t5 ^ t1) & p3)), USE_ASM)
+    w_lo = t0 ^ ((t2 ^ t0) & p1)
+    w_hi = t4 ^ ((t6 ^ t4) & p1)
+    p0 = _lane_mask(o - (w_lo ^ ((w_hi ^ w_lo) & p3)), USE_ASM)
+    mag = (p3 & 0x40004) | (p1 & 0x20002) | (p0 & 0x10001)
+    # the sign (bits 15, 31 -> 3, 19) where the magnitude code is not 0 (no -0)
+    return mag | ((w >> 12) & 0x80008 & (p3 | p1 | p0))
+
+
+@triton.jit
+def _pair_packed(w, t0, t1, t2, t3, t4, t5, t6, USE_ASM: tl.constexpr):
+    """A half block's four pair words -> its 4 packed bytes as one int32 ``[BM, NB]``."""
+    c = _pair_codes(w, t0, t1, t2, t3, t4, t5, t6, USE_ASM)
+    byte = (c | (c >> 12)) & 0xFF  # code(2j) | code(2j+1) << 4
+    return tl.sum(byte << (tl.arange(0, 4) * 8)[None, None, :], 2)
+
+
+@triton.jit
+def _codes_pairs(pa, pb, ok, d, USE_ASM: tl.constexpr):
+    """`_codes_f32` for bf16 input, two elements an operation."""
+    t0, t1, t2, t3, t4, t5, t6 = _e2m1_bounds(d, USE_ASM)
+    t0 = _pair_bound(t0, ok)
+    t1 = _pair_bound(t1, ok)
+    t2 = _pair_bound(t2, ok)
+    t3 = _pair_bound(t3, ok)
+    t4 = _pair_bound(t4, ok)
+    t5 = _pair_bound(t5, ok)
+    t6 = _pair_bound(t6, ok)
+    wa = _pair_packed(pa, t0, t1, t2, t3, t4, t5, t6, USE_ASM)
+    return tl.join(wa, _pair_packed(pb, t0, t1, t2, t3, t4, t5, t6, USE_ASM))
 
 
 @triton.jit
@@ -303,18 +530,65 @@ def _zero_row_padding(scale_ptr, col0, M, M_PAD, NUM_K_TILES, NB: tl.constexpr):
 
 
 @triton.jit
+def _grid_amax(ws_ptr, part):
+    """The grid-wide max of every program's ``part`` (int32 bits of a non-negative
+    float), through a barrier on the two-int32 workspace ``ws_ptr`` (``[amax, count]``,
+    zero between launches). Returns ``(amax bits, whether this program resets ws)``.
+
+    Every program: atomic max into ws[0]; arrival (acq_rel: its max is visible before
+    the count moves) and a spin until all ``n`` arrived; read ws[0]; a second arrival
+    (acq_rel: after its read). The program whose second arrival makes the count
+    ``2n`` resets both words (`_grid_reset`), so the next launch - stream-ordered after
+    this one - finds zeros (no memset launch). Needs every program resident at once:
+    the launch is cooperative (``launch_cooperative_grid``), and never under
+    TRITON_INTERPRET=1 with more than one program (programs run one after another
+    there; `_cooperative_ok`).
+    """
+    n = tl.num_programs(0) * tl.num_programs(1)
+    tl.atomic_max(ws_ptr, part, sem="relaxed", scope="gpu")
+    seen = tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel", scope="gpu") + 1
+    while seen < n:
+        seen = tl.atomic_add(ws_ptr + 1, 0, sem="acquire", scope="gpu")
+    amax = tl.atomic_max(ws_ptr, 0, sem="relaxed", scope="gpu")
+    left = tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    return amax, left == 2 * n - 1
+
+
+@triton.jit
+def _grid_reset(ws_ptr):
+    """Zero the barrier workspace of `_grid_amax` (by its last program only)."""
+    tl.atomic_xchg(ws_ptr, 0, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(ws_ptr + 1, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _nvfp4_quantize_kernel(
     x_ptr, stride_xm, data_ptr, scale_ptr, g_ptr, g_value, g_out_ptr, part_ptr, n_part,
     M, K, M_PAD, NUM_K_TILES,
     G_MODE: tl.constexpr, SWIZZLED: tl.constexpr,
     BM: tl.constexpr, NB: tl.constexpr, PART_BLOCK: tl.constexpr,
     FM: tl.constexpr, FNB: tl.constexpr, EVEN: tl.constexpr,
+    USE_ASM: tl.constexpr, PAIRS: tl.constexpr,
 ):  # fmt: skip
+    """One ``[BM, NB * 16]`` tile. G_MODE (`_G_PTR`...): where g comes from; in
+    `_G_BARRIER` mode ``part_ptr`` is the int32 barrier workspace of `_grid_amax`."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     row0 = pid_m * BM
     col0 = pid_k * NB * 16
-    xb = _load_blocks(x_ptr, stride_xm, row0, col0, M, K, BM, NB, EVEN)
+    xa, xb = _load_halves(x_ptr, stride_xm, row0, col0, M, K, BM, NB, EVEN)
+    if PAIRS and (xa.dtype == tl.bfloat16):  # static: two bf16 elements an operation
+        ua = _pair_words(xa, BM, NB, USE_ASM)
+        ub = _pair_words(xb, BM, NB, USE_ASM)
+        bmax = _pair_block_max(ua, ub, USE_ASM)
+    else:
+        ua = xa.to(tl.float32).to(tl.int32, bitcast=True)
+        ub = xb.to(tl.float32).to(tl.int32, bitcast=True)
+        bmax = tl.maximum(tl.max(ua & 0x7FFFFFFF, 2), tl.max(ub & 0x7FFFFFFF, 2))
+    # bmax [BM, NB]: the blocks' max |x| as int32 bits (positive floats order like their
+    # bits, every NaN/inf is above FLT_MAX's: one integer max gives the amax and whether
+    # the block holds a non-finite value)
+    reset = False
     if G_MODE == 0:
         g = tl.load(g_ptr)
     elif G_MODE == 1:
@@ -323,16 +597,29 @@ def _nvfp4_quantize_kernel(
         pidx = tl.arange(0, PART_BLOCK)
         parts = tl.load(part_ptr + pidx, mask=pidx < n_part, other=0.0)
         g = _g_from_amax(tl.max(parts, 0))
-    else:  # small tensor: every program reduces all of it (one [FM, FNB*16] load)
+    elif G_MODE == 3:  # small tensor: every program reduces all of it (one [FM, FNB*16] load)
         g = _g_from_amax(_finite_amax(_load_blocks(x_ptr, stride_xm, 0, 0, M, K, FM, FNB)))
+    else:  # grid barrier: the finite block maxima of every program's own tile
+        finite = tl.where(bmax > 0x7F7FFFFF, 0, bmax)
+        amax, reset = _grid_amax(part_ptr, tl.max(tl.max(finite, 1), 0))
+        g = _g_from_amax(amax.to(tl.float32, bitcast=True))
     if (pid_m == 0) & (pid_k == 0):
         tl.store(g_out_ptr, g)
-    _quantize_store(
-        xb, g, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES, SWIZZLED, BM, NB, EVEN
-    )
+    sbyte, ok, d = _block_scale(bmax, g, USE_ASM)
+    if PAIRS and (xa.dtype == tl.bfloat16):
+        words = _codes_pairs(ua, ub, ok, d, USE_ASM)
+    else:
+        words = _codes_f32(ua, ub, ok, d, USE_ASM)
+    _store_tile(
+        words, sbyte, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES, SWIZZLED, BM, NB,
+        EVEN,
+    )  # fmt: skip
     if SWIZZLED:  # noqa: SIM102 (static constexpr branch around a runtime one)
         if pid_m == tl.num_programs(0) - 1:
             _zero_row_padding(scale_ptr, col0, M, M_PAD, NUM_K_TILES, NB)
+    if G_MODE == 4:  # noqa: SIM102 (static constexpr branch around a runtime one)
+        if reset:
+            _grid_reset(part_ptr)
 
 
 @triton.jit
@@ -372,11 +659,28 @@ class _Plan:
     n_part: int
     launch: BoundLaunch
     amax_launch: BoundLaunch | None
+    #: `_G_BARRIER`: the two-int32 barrier workspace of each device (`barrier_workspace`)
+    workspaces: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+
+    def barrier_workspace(self, device: torch.device) -> torch.Tensor:
+        """The zeroed ``[amax, count]`` int32 words `_grid_amax` synchronises through.
+
+        Allocated once per device (the first call, outside any CUDA graph capture when
+        the caller warms up first) and left zero by every launch, so calls and graph
+        replays reuse it without a memset. Two launches of one plan must not run
+        concurrently (on two streams): they would share the counter.
+        """
+        ws = self.workspaces.get(device)
+        if ws is None:
+            ws = self.workspaces[device] = torch.zeros(2, dtype=torch.int32, device=device)
+        return ws
 
 
 _plans: dict[tuple, _Plan] = {}
 _quant_launch = CachedLauncher(_nvfp4_quantize_kernel)
 _amax_launch = CachedLauncher(_partial_amax_kernel)
+_sm_counts: dict[int, int] = {}
+_capabilities: dict[int, tuple[int, int]] = {}
 
 
 def _next_pow2(n: int) -> int:
@@ -398,6 +702,57 @@ def _fused_tile(m: int, k: int) -> tuple[int, int] | None:
     return (bm, bk) if bm * bk <= min(_FUSED_ELEMS, 2 * _TILE_ELEMS) else None
 
 
+def _asm_ok() -> bool:
+    """Whether the PTX pieces run here: not under the interpreter, and a current device
+    of compute capability 9.0+ (``max.u16x2`` needs sm_90, the e4m3 conversion sm_89);
+    older GPUs take the integer twins (the same bits)."""
+    if _INTERPRETING or not torch.cuda.is_available():
+        return False
+    dev = torch.cuda.current_device()
+    cap = _capabilities.get(dev)
+    if cap is None:
+        cap = _capabilities[dev] = torch.cuda.get_device_capability(dev)
+    return cap >= (9, 0)
+
+
+def _triton_launches_cooperative() -> bool:
+    """Whether this Triton has the ``launch_cooperative_grid`` launch option (its NVIDIA
+    backend's options; the launcher then sets CU_LAUNCH_ATTRIBUTE_COOPERATIVE, which
+    CUDA graphs keep on the kernel node)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions  # noqa: PLC0415
+    except ImportError:
+        return False
+    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def _cooperative_ok(programs: int) -> bool:
+    """Whether the dynamic scale may use the one-launch grid barrier for this grid.
+
+    Under TRITON_INTERPRET=1 only a one-program grid (programs run one after another
+    there: a second one would wait for ever), whatever `_COOPERATIVE` says. On a GPU
+    (auto, ``_COOPERATIVE is None``) while the grid has at most one program per SM of
+    the current device: co-resident whatever the occupancy, and the cooperative launch
+    makes the driver check it (an error, never a hang). ``_COOPERATIVE = True`` drops
+    the size rule (the driver still checks), False turns the path off.
+    """
+    if _COOPERATIVE is False:
+        return False
+    if _INTERPRETING:
+        return programs == 1 and _COOPERATIVE is True
+    if not _triton_launches_cooperative():
+        return False
+    if _COOPERATIVE is True:
+        return True
+    if not torch.cuda.is_available():
+        return False
+    dev = torch.cuda.current_device()
+    sms = _sm_counts.get(dev)
+    if sms is None:
+        sms = _sm_counts[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return programs <= sms
+
+
 def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
     kb = k // 16
     num_k_tiles = -(-kb // 4)
@@ -412,6 +767,8 @@ def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
     if kind == "dynamic":
         if fused:
             g_mode = _G_FUSED
+        elif _cooperative_ok(grid[0] * grid[1]):
+            g_mode = _G_BARRIER
         else:
             gk = grid[1]
             bm_amax = max(1, min(_next_pow2(m), _AMAX_ELEMS // bk))
@@ -422,7 +779,10 @@ def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
     num_warps = _NUM_WARPS or (8 if max(bm * bk, fm * fk // 2) >= 8192 else 4)
     meta = {"G_MODE": g_mode, "SWIZZLED": swizzled, "BM": bm, "NB": bk // 16,
             "PART_BLOCK": part_block, "FM": fm, "FNB": fk // 16,
-            "EVEN": m % bm == 0 and k % bk == 0}  # fmt: skip
+            "EVEN": m % bm == 0 and k % bk == 0,
+            "USE_ASM": _USE_ASM and _asm_ok(), "PAIRS": _PAIRS}  # fmt: skip
+    if g_mode == _G_BARRIER:  # a launch option, passed with the constexprs to kernel[grid]
+        meta["launch_cooperative_grid"] = True
     launch = _quant_launch.bind(meta, num_warps)
     amax_launch = None
     if amax_grid is not None:
@@ -527,6 +887,8 @@ def _quantize(
     elif plan.amax_grid is not None:
         parts = torch.empty((plan.n_part,), dtype=torch.float32, device=dev)
         plan.amax_launch.launch_keyed(key, plan.amax_grid, (x, stride, parts, m, k))
+    elif plan.g_mode == _G_BARRIER:  # one launch: the barrier words take parts' place
+        parts = plan.barrier_workspace(dev)
     plan.launch.launch_keyed(
         key,
         plan.grid,

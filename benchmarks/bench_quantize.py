@@ -21,7 +21,23 @@
    tile, warps) at 1x8192, 16x8192 and 4096x8192, given and dynamic scale, so that the
    next change of the defaults rests on a measurement.
 
-    python benchmarks/bench_quantize.py [--sweep]   # JSON to $OUT/quantize.json if OUT is set
+5. **variants** (``--variants``): the kernel's code paths side by side, given and dynamic
+   scale, M in {1, 16, 256, 4096} x K in {4096, 8192}, each checked bit for bit against
+   `quantize_blocks` run on the GPU (+ `swizzle_scales`): ``v1`` (the earlier kernel,
+   frozen in benchmarks/quantize_baseline.py); the current one with ``int-2launch``
+   (integer e4m3 and thresholds, one element an operation, two-launch dynamic),
+   ``asm-2launch`` (+ PTX conversions), ``pairs-2launch`` (+ bf16 two elements an
+   operation), ``new`` (the defaults: + the one-launch cooperative dynamic scale),
+   ``new-nofused`` (the barrier also where the one-load fused path would run, M=1)
+   and ``new-8k*`` (8192-element tiles: 8 warps, the default rule, or 4 warps, 64
+   elements a thread, BK 512 or 1024); for M >= 256 also ``amax-8k`` and ``parts-1k``
+   (the partial-amax pass of the two-launch dynamic scale: 8192-element steps, up to
+   1024 partial maxima).
+6. **SASS** (``--sass``, no GPU needed): instructions per element of the quantize kernel
+   compiled for sm_90 on this machine's Triton, default tile: v1 and the current one.
+
+    python benchmarks/bench_quantize.py [--sweep] [--variants] [--sass]
+    # JSON to $OUT/quantize.json if OUT is set
 
 Exit status 1 when any equality or graph check fails.
 """
@@ -30,8 +46,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -289,12 +308,191 @@ def sweep() -> list[dict]:
     return rows
 
 
+#: (name, module, knob values) of `variants`: "v1" is the frozen earlier kernel
+#: (benchmarks/quantize_baseline.py), the others this one with knobs changed
+VARIANTS = (
+    ("v1", "baseline", {}),
+    ("int-2launch", "current", {"_USE_ASM": False, "_PAIRS": False, "_COOPERATIVE": False}),
+    ("asm-2launch", "current", {"_PAIRS": False, "_COOPERATIVE": False}),
+    ("pairs-2launch", "current", {"_COOPERATIVE": False}),
+    ("new", "current", {}),
+    ("new-nofused", "current", {"_FUSED_ELEMS": 0}),
+    ("new-8k", "current", {"_TILE_ELEMS": 8192, "_MAX_BK": 1024}),
+    ("new-8k-4w", "current", {"_TILE_ELEMS": 8192, "_MAX_BK": 512, "_NUM_WARPS": 4}),
+    ("new-8k1k-4w", "current", {"_TILE_ELEMS": 8192, "_MAX_BK": 1024, "_NUM_WARPS": 4}),
+    # the two-launch dynamic scale of large M: the partial-amax pass's tile and count
+    ("amax-8k", "current", {"_AMAX_ELEMS": 8192}),
+    ("parts-1k", "current", {"_MAX_PARTIALS": 1024}),
+)
+#: variants measured only from this M up (they change nothing below)
+_MIN_M = {"amax-8k": 256, "parts-1k": 256}
+_KNOBS = (
+    "_USE_ASM",
+    "_PAIRS",
+    "_COOPERATIVE",
+    "_FUSED_ELEMS",
+    "_TILE_ELEMS",
+    "_MAX_BK",
+    "_NUM_WARPS",
+)
+
+
+def _baseline():
+    """The frozen earlier kernel module (next to this script)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import quantize_baseline
+
+    return quantize_baseline
+
+
+def gpu_reference(x: torch.Tensor, g: torch.Tensor | None) -> tuple:
+    """`quantize_blocks` on the GPU (IEEE division there too), swizzled scales."""
+    xf = x.float()
+    if g is None:
+        finite = torch.where(torch.isfinite(xf), xf.abs(), 0.0).amax() / 2688.0
+        g = torch.where(finite == 0, torch.ones_like(finite), finite)
+    d, s = quantize_blocks(xf, g)
+    return d, swizzle_scales(s), g
+
+
+def _variant_shape(name: str, mod, x: torch.Tensor, g: torch.Tensor, want: dict) -> dict:
+    m, k = x.shape
+    row = {"variant": name, "m": m, "k": k}
+    for kind in ("given", "dynamic"):
+        gs = g if kind == "given" else None
+        got = mod.quantize_triton(x, gs)  # compiles; allocates the barrier words
+        d, s, gw = want[((m, k), kind)]
+        ok = torch.equal(got[0], d) and torch.equal(got[2], gw)
+        ok = ok and torch.equal(got[1].view(torch.uint8), s.view(torch.uint8))
+        check(f"variant {name} {m}x{k} {kind} bit equality", ok)
+        row[f"equal_{kind}"] = ok
+        plan = mod._plans[(m, k, "swizzled", "tensor" if gs is not None else "dynamic")]
+        row[f"g_mode_{kind}"] = plan.g_mode
+        row[f"gpu_us_{kind}"] = harness_gpu_us(lambda gs=gs: mod.quantize_triton(x, gs))
+    return row
+
+
+def variants() -> list[dict]:
+    """GPU time and bit equality of each `VARIANTS` entry (module docstring, 5.)."""
+    saved = {n: getattr(kq, n) for n in _KNOBS}
+    mods = {"baseline": _baseline(), "current": kq}
+    rows = []
+    shapes = [(m, k) for m in (1, 16, 256, 4096) for k in (4096, 8192)]
+    xs = {mk: torch.randn(*mk, device="cuda", dtype=torch.bfloat16) * 3 for mk in shapes}
+    g = torch.tensor(0.01, device="cuda")
+    want = {(mk, kind): gpu_reference(xs[mk], g if kind == "given" else None)
+            for mk in shapes for kind in ("given", "dynamic")}  # fmt: skip
+    try:
+        for name, mod_name, knobs in VARIANTS:
+            for n in _KNOBS:
+                setattr(kq, n, knobs.get(n, saved[n]))
+            kq._plans.clear()
+            for x in xs.values():
+                if x.shape[0] < _MIN_M.get(name, 0):
+                    continue
+                try:
+                    r = _variant_shape(name, mods[mod_name], x, g, want)
+                except Exception as exc:  # reported (a failed check), the run goes on
+                    check(f"variant {name} {tuple(x.shape)}: {type(exc).__name__}: {exc}", False)
+                    r = {"variant": name, "m": x.shape[0], "k": x.shape[1], "error": str(exc),
+                         "equal_given": False, "equal_dynamic": False, "g_mode_dynamic": -1,
+                         "gpu_us_given": float("nan"), "gpu_us_dynamic": float("nan")}  # fmt: skip
+                rows.append(r)
+                print(
+                    f"variant {name:>12} {r['m']:>4}x{r['k']:<5}: given {r['gpu_us_given']:7.2f}"
+                    f" us, dynamic {r['gpu_us_dynamic']:7.2f} us (g mode {r['g_mode_dynamic']})",
+                    flush=True,
+                )
+    finally:
+        for n, v in saved.items():
+            setattr(kq, n, v)
+        kq._plans.clear()
+    return rows
+
+
+def print_variants(rows: list[dict]) -> None:
+    names = [n for n, _, _ in VARIANTS]
+    print("\nvariants: GPU us per call (cold L2), given / dynamic; * = not bit-equal")
+    print(f"{'M':>5} {'K':>5} | " + " | ".join(f"{n:>15}" for n in names))
+    for m in (1, 16, 256, 4096):
+        for k in (4096, 8192):
+            cells = []
+            for n in names:
+                r = next((r for r in rows if r["variant"] == n and r["m"] == m and r["k"] == k),
+                         None)  # fmt: skip
+                if r is None:
+                    cells.append(f"{'-':>16}")
+                    continue
+                bad = "" if r["equal_given"] and r["equal_dynamic"] else "*"
+                cells.append(f"{r['gpu_us_given']:6.2f} /{r['gpu_us_dynamic']:7.2f}{bad:1}")
+            print(f"{m:>5} {k:>5} | " + " | ".join(cells))
+
+
+def _sass_count(kernel, consts: dict) -> tuple[int, int]:
+    """SASS instructions of `kernel` compiled for sm_90 on the CPU (bf16 x, aligned):
+    all of them, and those up to the first EXIT (the straight path of a program that
+    writes no swizzled row padding, without the never-taken division slow path)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(kernel.arg_names)
+    types = {"x_ptr": "*bf16", "stride_xm": "i32", "data_ptr": "*u8", "scale_ptr": "*u8",
+             "g_ptr": "*fp32", "g_value": "fp32", "g_out_ptr": "*fp32",
+             "part_ptr": "*fp32", "n_part": "i32", "M": "i32", "K": "i32", "M_PAD": "i32",
+             "NUM_K_TILES": "i32"}  # fmt: skip
+    aligned = ("x_ptr", "stride_xm", "data_ptr", "scale_ptr", "g_ptr", "g_out_ptr", "K", "M")
+    src = ASTSource(
+        fn=kernel,
+        signature={n: "constexpr" if n in consts else types[n] for n in names},
+        constexprs={(names.index(n),): v for n, v in consts.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([tool, "-c", f.name], capture_output=True, text=True).stdout
+    ins = [ln for ln in text.splitlines() if re.match(r"/\*[0-9a-f]+\*/\s+\S", ln.strip())]
+    first_exit = next((i + 1 for i, ln in enumerate(ins) if "EXIT" in ln), len(ins))
+    return len(ins), first_exit
+
+
+def sass_counts() -> list[dict]:
+    """SASS instructions per element of the earlier and the current quantize kernel,
+    compiled for sm_90 on this machine's Triton: the default 8x512 tile at 4 warps (32
+    elements a thread), bf16 input, given scale, whole tiles, both layouts."""
+    import triton
+
+    rows = []
+    for name, kernel, extra in (
+        ("v1", _baseline()._nvfp4_quantize_kernel, {}),
+        ("int", kq._nvfp4_quantize_kernel, {"USE_ASM": False, "PAIRS": False}),
+        ("asm", kq._nvfp4_quantize_kernel, {"USE_ASM": True, "PAIRS": False}),
+        ("new", kq._nvfp4_quantize_kernel, {"USE_ASM": True, "PAIRS": True}),
+    ):
+        for swz in (True, False):
+            consts = {"G_MODE": 0, "SWIZZLED": swz, "BM": 8, "NB": 32, "PART_BLOCK": 1,
+                      "FM": 1, "FNB": 1, "EVEN": True, **extra}  # fmt: skip
+            n, path = _sass_count(kernel, consts)
+            rows.append({"kernel": name, "swizzled": swz, "instr": n, "per_elem": n / 32,
+                         "path_instr": path, "path_per_elem": path / 32})  # fmt: skip
+            print(f"SASS {name:>8} swizzled={swz!s:>5}: {n} instructions, {n / 32:.1f} an "
+                  f"element; to the first EXIT {path}, {path / 32:.1f} an element "
+                  f"(sm_90, triton {triton.__version__})")  # fmt: skip
+    return rows
+
+
 def main() -> int:
+    if "--sass" in sys.argv:
+        sass_counts()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check (this script is for the H200)")
         return 0
     t0 = time.perf_counter()
     swept = sweep() if "--sweep" in sys.argv else []  # first: printed as it goes
+    varied = variants() if "--variants" in sys.argv else []
     equality_checks()
     graph_checks()
     rate = copy_rate()
@@ -311,6 +509,8 @@ def main() -> int:
             f"{r['eager_us_given']:11.1f} {r['eager_us_dynamic']:9.1f}    | {r['gbps_given']:5.0f} "
             f"{100 * r['copy_frac_given']:4.0f}%"
         )
+    if varied:
+        print_variants(varied)
     print(f"\n{len(FAILS)} failed checks; {time.perf_counter() - t0:.1f} s")
     out = os.environ.get("OUT")
     if out:
@@ -322,6 +522,7 @@ def main() -> int:
                     "fails": FAILS,
                     "rows": rows,
                     "sweep": swept,
+                    "variants": varied,
                 },
                 f,
                 indent=1,

@@ -93,6 +93,15 @@ def make(c):
         x[r, k - 1] = float("-inf")
     elif kind == "neartie":  # |x| / d within 2 ulps of every e2m1 midpoint, any d
         x = near_ties(m, k, float(c["g"]), gen)
+    elif kind == "neartie16":  # the same in bf16: 0..2 bf16 ulps around each midpoint
+        x = near_ties(m, k, float(c["g"]), gen).to(torch.bfloat16)
+        steps = torch.randint(-2, 3, (m, k), generator=gen)
+        steps[:, 0::16] = 0
+        for _ in range(2):
+            up = torch.nextafter(x, torch.tensor(float("inf"), dtype=x.dtype))
+            down = torch.nextafter(x, torch.tensor(0.0, dtype=x.dtype))
+            x = torch.where(steps > 0, up, torch.where(steps < 0, down, x))
+            steps = steps - steps.sign()
     x = x.to(DT[c["dtype"]])
     if c.get("strided"):
         wide = torch.zeros(m, k + 48, dtype=x.dtype)
@@ -102,11 +111,15 @@ def make(c):
 
 
 out = []
-for tile in (None, 256):
-    if tile:
-        kq._TILE_ELEMS = kq._AMAX_ELEMS = tile
-        kq._plans.clear()
+# (tile, pairs): the default tile, a tiny one, and the bf16 inputs once more through the
+# one-element-an-operation path (the bf16 pair path off)
+for tile, pairs in ((None, True), (256, True), (None, False)):
+    kq._TILE_ELEMS = kq._AMAX_ELEMS = tile or 4096
+    kq._PAIRS = pairs
+    kq._plans.clear()
     for c in json.loads(sys.argv[1]):
+        if not pairs and c["dtype"] != "bf16":
+            continue
         x = make(c)
         gs = c["g"]
         if isinstance(gs, str):
@@ -117,6 +130,7 @@ for tile in (None, 256):
             {
                 "case": c,
                 "tile": tile,
+                "pairs": pairs,
                 "data": torch.equal(d, q.data),
                 "scale": torch.equal(s.view(torch.uint8), q.scale.view(torch.uint8)),
                 "shape": list(s.shape) == list(q.scale.shape),
@@ -167,6 +181,12 @@ def _cases() -> list[dict]:
     ):
         for layout in ("swizzled", "linear"):
             cases.append({"kind": kind, "m": 3, "k": 64, "dtype": "fp32", "layout": layout, "g": g})
+    # the same adversarial values in bf16 (the pair path: two elements an operation)
+    for kind, g in (("ties", 1.0), ("huge", None), ("tiny", 1.0), ("zeros", None),
+                    ("negzero", "1.0"), ("nonfinite", None), ("neartie16", 0.37),
+                    ("neartie16", "3.1e-5"), ("neartie16", 1.0)):  # fmt: skip
+        cases.append({"kind": kind, "m": 5, "k": 128, "dtype": "bf16", "layout": "swizzled",
+                      "g": g})  # fmt: skip
     for g, m, layout in ((0.37, 33, "linear"), ("2.9e-3", 33, "linear"), (1.0, 32, "swizzled")):
         # M = 32: whole tiles (the kernel's unmasked EVEN variant)
         cases.append({"kind": "neartie", "m": m, "k": 512, "dtype": "fp32",
@@ -184,7 +204,10 @@ def results() -> list[dict]:
 
 
 def test_every_case_ran_at_both_tile_sizes(results: list[dict]) -> None:
-    assert len(results) == 2 * len(_cases())
+    n_bf16 = sum(c["dtype"] == "bf16" for c in _cases())
+    assert n_bf16 >= 20
+    assert len(results) == 2 * len(_cases()) + n_bf16
+    assert sum(not r["pairs"] for r in results) == n_bf16
 
 
 def test_kernel_bytes_equal_reference(results: list[dict]) -> None:
@@ -206,6 +229,124 @@ def test_near_tie_cases_straddle_the_midpoints(results: list[dict]) -> None:
     assert near and all(r["at_midpoint"] >= 7 for r in near)
     big = [r for r in near if r["case"]["m"] >= 32]
     assert big and all(r["at_midpoint"] >= 1000 for r in big)
+
+
+PATHS_SCRIPT = r"""
+import json, sys
+import torch
+from fp4_dispatch.backends import quantize as kq
+from fp4_dispatch.nvfp4 import quantize_nvfp4
+
+
+def same(x, layout):
+    d, s, g = kq.quantize_triton(x, None, layout)
+    q = quantize_nvfp4(x, None, layout)
+    return (torch.equal(d, q.data) and torch.equal(g, q.global_scale)
+            and torch.equal(s.view(torch.uint8), q.scale.view(torch.uint8)))
+
+
+gen = torch.Generator().manual_seed(7)
+out = {"auto_modes": {}, "barrier": [], "workspace_zero": [], "forced_multi": None}
+# the choice under the interpreter with the default knobs: never the barrier
+for m, k in ((16, 8192), (256, 4096), (3, 80)):
+    out["auto_modes"][f"{m}x{k}"] = kq._make_plan(m, k, True, "dynamic").g_mode
+# the barrier path forced, on one-program grids (the only ones that can run here)
+kq._COOPERATIVE, kq._FUSED_ELEMS = True, 0
+kq._plans.clear()
+for m, k, kind in ((3, 80, "random"), (1, 16, "random"), (5, 48, "nonfinite"),
+                   (4, 64, "allzero"), (2, 128, "tiny"), (3, 80, "random")):
+    x = torch.randn(m, k, generator=gen) * torch.exp(2 * torch.randn(m, k, generator=gen))
+    if kind == "nonfinite":
+        x[1, 3], x[2, 20], x[4, k - 1] = float("nan"), float("inf"), float("-inf")
+    elif kind == "allzero":
+        x.zero_()
+    elif kind == "tiny":
+        x = x * 2.0**-130
+    for layout in ("swizzled", "linear"):
+        plan = kq._make_plan(m, k, layout == "swizzled", "dynamic")
+        ok = same(x.to(torch.bfloat16) if m == 1 else x, layout)
+        ws = kq._plans[(m, k, layout, "dynamic")].workspaces[x.device]
+        out["barrier"].append({"m": m, "k": k, "kind": kind, "layout": layout,
+                               "g_mode": plan.g_mode, "grid": list(plan.grid), "equal": ok})
+        out["workspace_zero"].append(ws.tolist())
+# forced, but a grid of several programs: the two-launch path all the same
+out["forced_multi"] = kq._make_plan(16, 8192, True, "dynamic").g_mode
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def paths() -> dict:
+    return run_interpreted(PATHS_SCRIPT, [])
+
+
+def test_interpreter_never_picks_the_grid_barrier_for_several_programs(paths: dict) -> None:
+    """Programs run one after another under TRITON_INTERPRET=1, so a spin-wait would
+    hang: multi-program dynamic grids take the partial-amax + quantize launches there,
+    even when the barrier is forced (`_COOPERATIVE = True`)."""
+    from fp4_dispatch.backends import quantize as kq
+
+    modes = paths["auto_modes"]
+    assert modes["16x8192"] == kq._G_PARTIALS and modes["256x4096"] == kq._G_PARTIALS
+    assert modes["3x80"] == kq._G_FUSED
+    assert paths["forced_multi"] == kq._G_PARTIALS
+
+
+def test_grid_barrier_path_equals_reference_and_resets_its_workspace(paths: dict) -> None:
+    """The one-launch dynamic scale (`_grid_amax`) on one-program grids: bytes equal to
+    the reference, and the barrier words are zero again after every launch (the next
+    call and graph replays need no memset)."""
+    from fp4_dispatch.backends import quantize as kq
+
+    runs = paths["barrier"]
+    assert len(runs) == 12
+    assert all(r["g_mode"] == kq._G_BARRIER and r["grid"] == [1, 1] for r in runs), runs
+    assert all(r["equal"] for r in runs), [r for r in runs if not r["equal"]]
+    assert paths["workspace_zero"] == [[0, 0]] * len(runs)
+
+
+def test_ptx_paths_only_on_sm90_and_later(monkeypatch) -> None:
+    """``max.u16x2`` needs sm_90 (the e4m3 conversion sm_89): older GPUs, the
+    interpreter and CPU-only hosts get the integer twins."""
+    pytest.importorskip("triton")
+    from fp4_dispatch.backends import quantize as kq
+
+    monkeypatch.setattr(kq, "_INTERPRETING", False)
+    monkeypatch.setattr(kq.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kq.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(kq, "_capabilities", {0: (9, 0)})
+    assert kq._asm_ok()
+    monkeypatch.setattr(kq, "_capabilities", {0: (8, 9)})
+    assert not kq._asm_ok()
+    monkeypatch.setattr(kq, "_capabilities", {0: (10, 0)})
+    assert kq._asm_ok()
+    monkeypatch.setattr(kq, "_INTERPRETING", True)
+    assert not kq._asm_ok()
+    monkeypatch.setattr(kq, "_INTERPRETING", False)
+    monkeypatch.setattr(kq.torch.cuda, "is_available", lambda: False)
+    assert not kq._asm_ok()
+
+
+def test_cooperative_choice_on_a_gpu_follows_the_sm_count(monkeypatch) -> None:
+    """Outside the interpreter (auto): the barrier while the grid has at most one
+    program per SM; never when turned off or when Triton lacks the cooperative launch
+    option; any grid when forced."""
+    pytest.importorskip("triton")
+    from fp4_dispatch.backends import quantize as kq
+
+    monkeypatch.setattr(kq, "_INTERPRETING", False)
+    monkeypatch.setattr(kq.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kq.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(kq, "_sm_counts", {0: 132})
+    monkeypatch.setattr(kq, "_COOPERATIVE", None)
+    assert kq._cooperative_ok(132) and not kq._cooperative_ok(133)
+    monkeypatch.setattr(kq, "_COOPERATIVE", False)
+    assert not kq._cooperative_ok(1)
+    monkeypatch.setattr(kq, "_COOPERATIVE", True)
+    assert kq._cooperative_ok(4096)
+    # a Triton without the cooperative launch option: never
+    monkeypatch.setattr(kq, "_triton_launches_cooperative", lambda: False)
+    assert not kq._cooperative_ok(1)
 
 
 def test_specialization_key_separates_what_triton_specializes_on() -> None:
@@ -347,10 +488,12 @@ def test_cached_launcher_falls_back_when_the_convention_differs(monkeypatch, cap
     assert "direct launch unavailable" in caplog.text
 
 
-@pytest.mark.parametrize(("arch", "g_mode"), [(90, 0), (100, 3)])
+@pytest.mark.parametrize(("arch", "g_mode"), [(90, 0), (90, 4), (100, 3)])
 def test_kernel_compiles_for_hopper_and_blackwell_with_16_byte_loads(arch: int, g_mode: int):
     """Compiled (to PTX, on the CPU: no GPU needed) for sm90 and sm100; with aligned
-    pointers and strides the bf16 loads are 16-byte vectors (``ld.global.v4``)."""
+    pointers and strides the bf16 loads are 16-byte vectors (``ld.global.v4``), the
+    block scale is one ``cvt.rn.satfinite.e4m3x2.f32``, and the grid-barrier mode
+    (4) synchronises through acquire/release atomics."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -364,8 +507,10 @@ def test_kernel_compiles_for_hopper_and_blackwell_with_16_byte_loads(arch: int, 
         "g_ptr": "*fp32", "g_value": "fp32", "g_out_ptr": "*fp32", "part_ptr": "*fp32",
         "n_part": "i32", "M": "i32", "K": "i32", "M_PAD": "i32", "NUM_K_TILES": "i32",
     }  # fmt: skip
+    if g_mode == 4:  # the barrier words take the partials' place
+        types["part_ptr"] = "*i32"
     consts = {"G_MODE": g_mode, "SWIZZLED": True, "BM": 8, "NB": 64, "PART_BLOCK": 1,
-              "FM": 8, "FNB": 64, "EVEN": False}  # fmt: skip
+              "FM": 8, "FNB": 64, "EVEN": False, "USE_ASM": True, "PAIRS": True}  # fmt: skip
     aligned = ("x_ptr", "stride_xm", "data_ptr", "scale_ptr", "g_ptr", "g_out_ptr", "K")
     src = ASTSource(
         fn=kernel,
@@ -377,6 +522,15 @@ def test_kernel_compiles_for_hopper_and_blackwell_with_16_byte_loads(arch: int, 
     ptx = compiled.asm["ptx"]
     assert "ld.global.v4" in ptx or "ld.global.nc.v4" in ptx
     assert "div.rn.f32" in ptx  # IEEE division, not the approximate default
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    # bf16: two elements an operation (lane masks by PRMT, lane-wise block max) and the
+    # thresholds by directed conversions
+    assert "prmt.b32" in ptx and "max.u16x2" in ptx
+    assert "cvt.rp.f32.f64" in ptx and "cvt.rm.f32.f64" in ptx
+    if g_mode == 4:
+        # arrival (acq_rel add), the partial max, the spin (an acquire load of the count)
+        assert "atom.global.gpu.acq_rel.add" in ptx and "gpu.relaxed.max.s32" in ptx
+        assert "ld.global.gpu.acquire" in ptx
 
 
 @pytest.mark.parametrize(

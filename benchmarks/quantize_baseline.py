@@ -1,0 +1,541 @@
+"""FROZEN BASELINE for benchmarks/bench_quantize.py ``--variants``: the quantize kernel as of
+commit b208f81 (before issue 11's kernel-speed round), kept verbatim but for this
+paragraph and an absolute import, so that one device run times the earlier kernel
+beside the current one. Not part of the package; do not edit or import elsewhere.
+
+Fused NVFP4 activation quantization in Triton: one launch, no host synchronisation.
+
+Why: the torch reference (`fp4_dispatch.nvfp4.quantize_blocks` + `swizzle_scales`) is
+~50 small kernels; a decode step needs one. `quantize_triton` reads ``x`` once and
+writes the packed e2m1 codes and the e4m3 block scales - directly in the 128x4
+swizzled layout (storage formula in the `fp4_dispatch.nvfp4` module docstring, padding
+entries written as zero by the kernel, so the output is a plain ``torch.empty``) or in
+the linear ``[M, K/16]`` layout.
+
+Launches: a given global scale (a one-element float32 device tensor, or a Python float
+baked in as a kernel argument) is ONE launch. The dynamic scale (``amax / (6 * 448)``
+over the finite values) is one launch when the whole tensor has at most
+`_FUSED_ELEMS` elements (decode rows up to K = 16384: every program of the grid
+reduces the whole small tensor itself, one load, then quantizes its own tile),
+otherwise a partial-amax kernel (at most `_MAX_PARTIALS` partial maxima, no memset:
+every slot is written) followed by the quantize kernel, whose programs each reduce the
+partials. Host side, a call is one plan look-up, the three output allocations and
+`BoundLaunch.launch_keyed` (no specialization key, no argument re-binding).
+
+Bit-exactness with the reference (the tests compare bytes):
+- the block scale: ``block_amax / 6 / g`` divides twice with ``tl.math.div_rn`` as the
+  reference does (Triton's ``/`` is approximate on GPU); the e4m3 rounding is integer
+  arithmetic on the fp32 bits (round to nearest even on 3 mantissa bits for normals,
+  ``round-half-even(v * 2**9)`` for subnormals), independent of how a Triton version
+  lowers the float8 cast;
+- the e2m1 codes need no per-element division. The reference rounds the float32
+  quotient ``q = fl(|x| / d)`` (``d = scale * g``) against the midpoints t (0.25, 0.75,
+  ... 5; ``>`` where the lower code is even, ``>=`` where it is odd: ties to even).
+  ``fl(q) >= t`` holds exactly when ``|x| / d`` reaches the real midpoint between t and
+  its float32 neighbour below, ``fl(q) > t`` when it passes the one above (a quotient
+  of two float32 values is never such a midpoint), so each block gets seven float32
+  thresholds: those boundaries times d, exact in float64 (25-bit times 24-bit), rounded
+  up to float32 (`_e2m1_bounds`). Comparing ``|x|`` with them is the reference's
+  division and comparison, bit for bit; a code is a 3-level binary search of ``|x|``'s
+  int32 bits against the thresholds' (`_e2m1_from_bounds`), in wrapping integer
+  arithmetic rather than booleans (see `_below` for why). A zero magnitude gets code
+  0, never -0 (code 8);
+- non-finite semantics (`fp4_dispatch.nvfp4` docstring): a 16-element block holding
+  NaN/inf gets scale byte 0x7F and codes 0 (its thresholds pass nothing); the dynamic
+  amax ignores non-finite values. The block amax and the non-finite flag are one
+  integer max over ``|x|``'s bits (every NaN/inf is above FLT_MAX's bits).
+
+Tiles: a program handles ``[BM, BK]`` elements loaded as ``[BM, BK/16, 16]`` (16
+contiguous elements per block, so a thread's loads are 16-byte vectors and the block
+reduction stays within a thread/warp), `_TILE_ELEMS` elements per program (4096: the
+H200 sweep in benchmarks/RESULTS.md); whole tiles (``EVEN``) are loaded and stored
+without masks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher
+
+log = logging.getLogger(__name__)
+
+__all__ = ["quantize_checked", "quantize_triton"]
+
+#: fp32 max: ``|v| <= FLT_MAX`` is False exactly for NaN and ±inf.
+_FLT_MAX = 3.4028234663852886e38
+#: Elements per program: 4096 (32 a thread at 4 warps; ~126 registers, 4 programs an
+#: SM). Measured on the H200 (RESULTS.md, issue 11 run 2 sweep): at 4096x8192 given
+#: scale 59.9 µs against 69.9 µs for 8192 and 103-143 µs for 16K-32K elements.
+_TILE_ELEMS = 4096
+#: Widest K tile of the multi-program grid: a decode row of K=8192 spreads over 16
+#: programs (16 SMs load in parallel): 2.5 µs at 1x8192 against 3.6 µs for 1024.
+_MAX_BK = 512
+#: Elements a partial-amax program loads per step (its own, larger tile: each program
+#: loops over many row tiles, so more bytes in flight per step is what it needs)
+_AMAX_ELEMS = 16384
+#: Largest tensor of the one-launch dynamic scale, where every program first reduces the
+#: whole tensor (one load; 16K elements is 64 fp32 registers a thread at 8 warps)
+_FUSED_ELEMS = 16384
+#: Warps per program; None: 8 for 8K-element tiles and more, else 4 (benchmarks sweep it)
+_NUM_WARPS: int | None = None
+#: Upper bound on partial maxima of the dynamic scale (each quantize program reads all).
+_MAX_PARTIALS = 256
+#: Rows of zero scales stored per step in the swizzled row padding.
+_PAD_ROWS = 32
+
+# g modes (constexpr): where the global (decode) scale comes from
+_G_PTR, _G_VALUE, _G_PARTIALS, _G_FUSED = 0, 1, 2, 3
+
+
+@triton.jit
+def _g_from_amax(amax):
+    """Dynamic decode scale: amax / (6 * 448), 1.0 when that is 0 (all zero or underflow)."""
+    # amax is a 0-d value (never inf/NaN here): amax * 0 + c is c as a same-typed operand
+    g = tl.math.div_rn(amax, amax * 0.0 + 2688.0)
+    return tl.where(g == 0.0, 1.0, g)
+
+
+@triton.jit
+def _load_blocks(
+    x_ptr, stride_xm, row0, col0, M, K, BM: tl.constexpr, NB: tl.constexpr,
+    EVEN: tl.constexpr = False,
+):  # fmt: skip
+    """``[BM, NB, 16]`` float32 tile at (row0, col0); out-of-range elements are 0.
+    EVEN: the tile is known to be in range (no masks: they cost registers and, kept
+    alive until the stores, predicate-packing instructions)."""
+    rows = row0 + tl.arange(0, BM)
+    cols = col0 + tl.arange(0, NB)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    ptrs = x_ptr + rows.to(tl.int64)[:, None, None] * stride_xm + cols
+    if EVEN:
+        return tl.load(ptrs).to(tl.float32)
+    mask = (rows < M)[:, None, None] & (cols < K)
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _finite_amax(xb):
+    """max |x| over the finite values of a tile (0.0 when none)."""
+    ax = tl.abs(xb)
+    return tl.max(tl.max(tl.max(tl.where(ax <= 3.4028234663852886e38, ax, 0.0), 2), 1), 0)
+
+
+@triton.jit
+def _e4m3(v):
+    """Round non-negative fp32 ``v <= 448`` to e4m3fn (nearest even): (byte, fp32 value)."""
+    bits = v.to(tl.int32, bitcast=True)
+    r = bits + 0x7FFFF + ((bits >> 20) & 1)
+    r = (r >> 20) << 20
+    s_norm = r.to(tl.float32, bitcast=True)
+    b_norm = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+    t = v * 512.0  # subnormal step 2**-9; exact scaling
+    ti = t.to(tl.int32)  # truncation = floor for t >= 0
+    fr = t - ti.to(tl.float32)  # exact
+    up = (fr > 0.5) | ((fr == 0.5) & ((ti & 1) == 1))
+    mi = ti + up.to(tl.int32)  # 8 is 2**-6, the smallest normal: byte 0x08 either way
+    s_sub = mi.to(tl.float32) * 0.001953125
+    normal = v >= 0.015625
+    return tl.where(normal, b_norm, mi), tl.where(normal, s_norm, s_sub)
+
+
+@triton.jit
+def _ceil_f32(b, STRICT: tl.constexpr):
+    """The smallest float32 ``>= b`` (``> b`` when STRICT) of non-negative float64 ``b``."""
+    f = b.to(tl.float32)  # round to nearest
+    fb = f.to(tl.float64)
+    up = (fb < b) | (fb == b) if STRICT else fb < b
+    return tl.where(up, (f.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True), f)
+
+
+@triton.jit
+def _e2m1_bounds(d):
+    """The seven float32 thresholds T_i of a block with divisor ``d`` (float32 > 0):
+    ``fl(|x| / d)`` passes e2m1 midpoint i exactly when ``|x| >= T_i``.
+
+    ``c_i * d`` is exact in float64 (25-bit c_i times a 24-bit d), so T_i is exactly
+    the first float32 on the passing side of the real boundary (`_BOUNDS`): comparing
+    ``|x|`` with T_i is the reference's division and comparison, bit for bit, with no
+    per-element division.
+    """
+    d64 = d.to(tl.float64)
+    t0 = _ceil_f32(d64 * 0.25000001490116119384765625, True)  # 0.25 + 2**-26: >
+    t1 = _ceil_f32(d64 * 0.749999970197677612304687500, False)  # 0.75 - 2**-25: >=
+    t2 = _ceil_f32(d64 * 1.25000005960464477539062500, True)  # 1.25 + 2**-24: >
+    t3 = _ceil_f32(d64 * 1.74999994039535522460937500, False)  # 1.75 - 2**-24: >=
+    t4 = _ceil_f32(d64 * 2.50000011920928955078125000, True)  # 2.5 + 2**-23: >
+    t5 = _ceil_f32(d64 * 3.49999988079071044921875000, False)  # 3.5 - 2**-23: >=
+    t6 = _ceil_f32(d64 * 5.00000023841857910156250000, True)  # 5 + 2**-22: >
+    return t0, t1, t2, t3, t4, t5, t6
+
+
+@triton.jit
+def _bits_or_none(t, ok):
+    """Threshold ``t`` ``[BM, NB]`` as int32 bits ``[BM, NB, 1]``, INT32_MIN where not ok."""
+    return tl.where(ok, t.to(tl.int32, bitcast=True), -2147483648)[:, :, None]
+
+
+@triton.jit
+def _below(a, t):
+    """-1 where ``a < t`` else 0, for int32 float bits ``a`` in [0, 2**31) and ``t`` in
+    [0, 0x7F800001] or INT32_MIN (below nothing: ``a - INT32_MIN`` wraps negative).
+
+    An arithmetic shift of a wrapping difference, never a boolean: Triton emits one
+    operation over the whole tile at a time, so a boolean an element stays alive across
+    the next operations, and sm90 has 7 predicate registers - the rest are packed into
+    bit masks at 2 instructions each (seen in the SASS of an earlier version)."""
+    return (a - t) >> 31
+
+
+@triton.jit
+def _pick(hi, x, below):
+    """``x ^ hi`` is the other candidate: ``lo`` where below is -1, else ``hi``."""
+    return hi ^ (x & below)
+
+
+@triton.jit
+def _e2m1_from_bounds(a, sign8, t0, t1, t2, t3, t4, t5, t6):
+    """e2m1 code of ``|x|``'s int32 bits ``a`` (``sign8``: 8 for a negative x, else 0)
+    against a block's threshold bits ``[BM, NB, 1]`` (`_e2m1_bounds`; INT32_MIN in
+    blocks that get codes 0): the number of thresholds passed, found by a 3-level
+    binary search over the sorted thresholds in integer arithmetic. A zero magnitude
+    code never carries the sign (no -0, code 8)."""
+    l3 = _below(a, t3)
+    l1 = _below(a, _pick(t5, t5 ^ t1, l3))
+    w_lo = _pick(t2, t2 ^ t0, l1)
+    w_hi = _pick(t6, t6 ^ t4, l1)
+    l0 = _below(a, _pick(w_hi, w_hi ^ w_lo, l3))
+    mag = 7 + 4 * l3 + 2 * l1 + l0
+    return mag | (sign8 & ((0 - mag) >> 31))
+
+
+@triton.jit
+def _scale_offsets(rows, kb, KB, NUM_K_TILES, SWIZZLED: tl.constexpr):
+    """Storage offsets of scale entries (rows [R, 1], kb [1, NB]); the swizzled formula is
+    the one in the `fp4_dispatch.nvfp4` module docstring."""
+    if SWIZZLED:
+        off = (
+            (rows // 128) * (NUM_K_TILES * 512)
+            + (kb // 4) * 512
+            + (rows % 32) * 16
+            + ((rows % 128) // 32) * 4
+            + (kb % 4)
+        )
+    else:
+        off = rows * KB + kb
+    return off
+
+
+@triton.jit
+def _quantize_store(
+    xb, g, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES,
+    SWIZZLED: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    """Quantize a loaded ``[BM, NB, 16]`` tile with decode scale g and store it."""
+    # |x| as int32 bits: positive floats order like their bits, and every NaN/inf has
+    # bits above FLT_MAX's, so one integer max per block gives both the block amax and
+    # whether the block holds a non-finite value (scale byte 0x7F and codes 0 then)
+    abits = xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    bmax = tl.max(abits, 2)
+    bad = bmax > 0x7F7FFFFF
+    bamax = tl.where(bad, 0, bmax).to(tl.float32, bitcast=True)
+    gb = tl.full(bamax.shape, 1.0, tl.float32) * g
+    v = tl.math.div_rn(tl.math.div_rn(bamax, tl.full(bamax.shape, 6.0, tl.float32)), gb)
+    v = tl.minimum(v, 448.0)
+    sbyte, s = _e4m3(v)
+    sbyte = tl.where(bad, 0x7F, sbyte)
+    denom = s * gb
+    ok = (denom > 0.0) & (bad == 0)
+    # thresholds as int32 bits (non-negative floats order like their bits); unusable
+    # blocks (zero or underflowed scale, non-finite values) get INT32_MIN, which no
+    # magnitude passes, so their codes are 0
+    t0, t1, t2, t3, t4, t5, t6 = _e2m1_bounds(tl.where(ok, denom, 1.0))
+    t0 = _bits_or_none(t0, ok)
+    t1 = _bits_or_none(t1, ok)
+    t2 = _bits_or_none(t2, ok)
+    t3 = _bits_or_none(t3, ok)
+    t4 = _bits_or_none(t4, ok)
+    t5 = _bits_or_none(t5, ok)
+    t6 = _bits_or_none(t6, ok)
+    # the sign as an integer (8 or 0), not a boolean (see `_below`)
+    sign8 = (xb.to(tl.int32, bitcast=True) >> 28) & 8
+    codes = _e2m1_from_bounds(abits, sign8, t0, t1, t2, t3, t4, t5, t6)
+    lo, hi = tl.split(tl.reshape(codes, [BM, NB, 8, 2]))
+    packed = (lo | (hi << 4)).to(tl.uint8)
+
+    rows = row0 + tl.arange(0, BM)
+    rmask = rows < M
+    half_k = K // 2
+    dcols = col0 // 2 + tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    dptrs = data_ptr + rows.to(tl.int64)[:, None, None] * half_k + dcols
+    if EVEN:
+        tl.store(dptrs, packed)
+    else:
+        tl.store(dptrs, packed, mask=rmask[:, None, None] & (dcols < half_k))
+
+    kb = col0 // 16 + tl.arange(0, NB)
+    KB = K // 16
+    scale_bytes = scale_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)  # e4m3 bit patterns
+    if SWIZZLED:  # noqa: SIM108 (a static branch on a constexpr, clearer in jit code)
+        kmask = kb < NUM_K_TILES * 4  # column padding is written (zero: masked loads)
+    else:
+        kmask = kb < KB
+    off = _scale_offsets(rows.to(tl.int64)[:, None], kb[None, :], KB, NUM_K_TILES, SWIZZLED)
+    if EVEN:  # in range: K % BK == 0 with BK a multiple of 64 pads no scale column
+        tl.store(scale_bytes + off, sbyte.to(tl.uint8))
+    else:
+        tl.store(scale_bytes + off, sbyte.to(tl.uint8), mask=rmask[:, None] & kmask[None, :])
+
+
+@triton.jit
+def _zero_row_padding(scale_ptr, col0, M, M_PAD, NUM_K_TILES, NB: tl.constexpr):
+    """Zero the swizzled scale rows [M, M_PAD) of one K tile."""
+    kb = col0 // 16 + tl.arange(0, NB)
+    kmask = kb < NUM_K_TILES * 4
+    for r0 in range(M, M_PAD, 32):
+        rows = r0 + tl.arange(0, 32)
+        off = _scale_offsets(rows.to(tl.int64)[:, None], kb[None, :], 0, NUM_K_TILES, True)
+        zeros = tl.zeros([32, NB], tl.uint8)
+        tl.store(
+            scale_ptr.to(tl.pointer_type(tl.uint8), bitcast=True) + off,
+            zeros,
+            mask=(rows < M_PAD)[:, None] & kmask[None, :],
+        )
+
+
+@triton.jit
+def _nvfp4_quantize_kernel(
+    x_ptr, stride_xm, data_ptr, scale_ptr, g_ptr, g_value, g_out_ptr, part_ptr, n_part,
+    M, K, M_PAD, NUM_K_TILES,
+    G_MODE: tl.constexpr, SWIZZLED: tl.constexpr,
+    BM: tl.constexpr, NB: tl.constexpr, PART_BLOCK: tl.constexpr,
+    FM: tl.constexpr, FNB: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    row0 = pid_m * BM
+    col0 = pid_k * NB * 16
+    xb = _load_blocks(x_ptr, stride_xm, row0, col0, M, K, BM, NB, EVEN)
+    if G_MODE == 0:
+        g = tl.load(g_ptr)
+    elif G_MODE == 1:
+        g = g_value
+    elif G_MODE == 2:
+        pidx = tl.arange(0, PART_BLOCK)
+        parts = tl.load(part_ptr + pidx, mask=pidx < n_part, other=0.0)
+        g = _g_from_amax(tl.max(parts, 0))
+    else:  # small tensor: every program reduces all of it (one [FM, FNB*16] load)
+        g = _g_from_amax(_finite_amax(_load_blocks(x_ptr, stride_xm, 0, 0, M, K, FM, FNB)))
+    if (pid_m == 0) & (pid_k == 0):
+        tl.store(g_out_ptr, g)
+    _quantize_store(
+        xb, g, data_ptr, scale_ptr, row0, col0, M, K, NUM_K_TILES, SWIZZLED, BM, NB, EVEN
+    )
+    if SWIZZLED:  # noqa: SIM102 (static constexpr branch around a runtime one)
+        if pid_m == tl.num_programs(0) - 1:
+            _zero_row_padding(scale_ptr, col0, M, M_PAD, NUM_K_TILES, NB)
+
+
+@triton.jit
+def _partial_amax_kernel(
+    x_ptr, stride_xm, part_ptr, M, K, BM: tl.constexpr, NB: tl.constexpr
+):  # fmt: skip
+    """Partial finite amax: program (pm, pk) reduces row tiles pm, pm + GM, ... of K tile
+    pk into ``part_ptr[pm * GK + pk]``."""
+    pm = tl.program_id(0)
+    pk = tl.program_id(1)
+    gm = tl.num_programs(0)
+    acc = tl.zeros([BM, NB, 16], tl.float32)
+    for row0 in range(pm * BM, M, gm * BM):
+        ax = tl.abs(_load_blocks(x_ptr, stride_xm, row0, pk * NB * 16, M, K, BM, NB))
+        acc = tl.maximum(acc, tl.where(ax <= 3.4028234663852886e38, ax, 0.0))
+    amax = tl.max(tl.max(tl.max(acc, 2), 1), 0)
+    tl.store(part_ptr + pm * tl.num_programs(1) + pk, amax)
+
+
+# ---- host side -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Grid and meta-parameters of one (shape, stride, dtype, layout, scale kind)."""
+
+    grid: tuple[int, int]
+    bm: int
+    nb: int
+    num_warps: int
+    g_mode: int
+    m_pad: int
+    num_k_tiles: int
+    scale_shape: tuple[int, int]
+    amax_grid: tuple[int, int] | None
+    part_block: int
+    n_part: int
+    launch: BoundLaunch
+    amax_launch: BoundLaunch | None
+
+
+_plans: dict[tuple, _Plan] = {}
+_quant_launch = CachedLauncher(_nvfp4_quantize_kernel)
+_amax_launch = CachedLauncher(_partial_amax_kernel)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _tile(m: int, k: int, elems: int, max_bk: int) -> tuple[int, int]:
+    """(BM, BK): BK a power of two >= 64 (whole groups of 4 scale columns, so the last K
+    tile also writes the swizzled column padding), BM*BK <= elems where M allows."""
+    bk = max(64, min(_next_pow2(k), elems, max_bk))
+    bm = max(1, min(_next_pow2(m), elems // bk))
+    return bm, bk
+
+
+def _fused_tile(m: int, k: int) -> tuple[int, int] | None:
+    """The one tile covering all of ``[m, k]`` when it is small enough that every program
+    can reduce the whole tensor itself (one load, from L2 after the first program)."""
+    bm, bk = _next_pow2(m), max(64, _next_pow2(k))
+    return (bm, bk) if bm * bk <= min(_FUSED_ELEMS, 2 * _TILE_ELEMS) else None
+
+
+def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
+    kb = k // 16
+    num_k_tiles = -(-kb // 4)
+    m_pad = -(-m // 128) * 128 if swizzled else m
+    scale_shape = (m_pad, num_k_tiles * 4) if swizzled else (m, kb)
+    fused = _fused_tile(m, k) if kind == "dynamic" else None
+    bm, bk = _tile(m, k, _TILE_ELEMS, min(_MAX_BK, _TILE_ELEMS))
+    grid = (-(-m // bm), -(-k // bk))
+    g_mode = {"tensor": _G_PTR, "value": _G_VALUE}.get(kind, _G_PARTIALS)
+    amax_grid = None
+    part_block = 1
+    if kind == "dynamic":
+        if fused:
+            g_mode = _G_FUSED
+        else:
+            gk = grid[1]
+            bm_amax = max(1, min(_next_pow2(m), _AMAX_ELEMS // bk))
+            gm = max(1, min(-(-m // bm_amax), _MAX_PARTIALS // gk))
+            amax_grid = (gm, gk)
+            part_block = _next_pow2(gm * gk)
+    fm, fk = fused or (1, 16)
+    num_warps = _NUM_WARPS or (8 if max(bm * bk, fm * fk // 2) >= 8192 else 4)
+    meta = {"G_MODE": g_mode, "SWIZZLED": swizzled, "BM": bm, "NB": bk // 16,
+            "PART_BLOCK": part_block, "FM": fm, "FNB": fk // 16,
+            "EVEN": m % bm == 0 and k % bk == 0}  # fmt: skip
+    launch = _quant_launch.bind(meta, num_warps)
+    amax_launch = None
+    if amax_grid is not None:
+        warps = 8 if bm_amax * bk >= 8192 else 4
+        amax_launch = _amax_launch.bind({"BM": bm_amax, "NB": bk // 16}, warps)
+    return _Plan(
+        grid, bm, bk // 16, num_warps, g_mode, m_pad, num_k_tiles, scale_shape, amax_grid,
+        part_block, amax_grid[0] * amax_grid[1] if amax_grid else 0, launch, amax_launch,
+    )  # fmt: skip
+
+
+def _check(x: torch.Tensor, g: object, layout: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"x: expected dtype float32, float16 or bfloat16, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-D tensor [M, K], got shape {tuple(x.shape)}")
+    if x.shape[1] % 16:
+        raise ValueError(f"x: K must be a multiple of 16, got K={x.shape[1]}")
+    if x.stride(1) != 1:
+        raise ValueError(f"x: expected unit stride along K, got strides {x.stride()}")
+    if layout not in ("swizzled", "linear"):
+        raise ValueError(f"layout: expected 'swizzled' or 'linear', got {layout!r}")
+    if isinstance(g, torch.Tensor):
+        if g.dtype != torch.float32 or g.numel() != 1:
+            raise TypeError(
+                f"global_scale: expected a one-element float32 tensor, "
+                f"got dtype {g.dtype} with shape {tuple(g.shape)}"
+            )
+        if g.device != x.device:
+            raise ValueError(f"global_scale: expected a tensor on {x.device}, got {g.device}")
+    elif g is not None and (not isinstance(g, (int, float)) or isinstance(g, bool)):
+        raise TypeError(f"global_scale: expected a tensor, a float or None, got {type(g)}")
+
+
+def quantize_triton(
+    x: torch.Tensor,
+    global_scale: torch.Tensor | float | None = None,
+    layout: str = "swizzled",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4-quantize ``x [M, K]`` in one fused kernel (two for a large dynamic scale).
+
+    ``global_scale``: the decode multiplier as a one-element float32 tensor on x's
+    device (read by the kernel, never on the host), a Python float (passed as a kernel
+    argument), or None for ``amax(finite |x|) / (6 * 448)`` (1.0 when that is 0).
+    Nothing is validated that would need a host sync (see `quantize_nvfp4`).
+    Returns ``(data uint8 [M, K/2], scale float8_e4m3fn, g float32 0-dim)``; scale is
+    ``[ceil128(M), ceil4(K/16)]`` swizzled or ``[M, K/16]`` linear.
+    """
+    _check(x, global_scale, layout)
+    return quantize_checked(x, global_scale, layout)
+
+
+def quantize_checked(
+    x: torch.Tensor, global_scale: torch.Tensor | float | None, layout: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_triton` minus its argument checks, for callers that made them already
+    (`fp4_dispatch.nvfp4.quantize_fields`): a CUDA ``x`` with unit stride along K."""
+    m, k = x.shape
+    if m == 0 or k == 0:
+        raise ValueError(f"x: quantize_triton needs M, K > 0, got shape {tuple(x.shape)}")
+    index = x.device.index
+    if index is not None and index != torch.cuda.current_device():
+        with torch.cuda.device(index):  # Triton launches on the current device
+            return _quantize(x, global_scale, layout)
+    return _quantize(x, global_scale, layout)
+
+
+def _quantize(
+    x: torch.Tensor, global_scale: torch.Tensor | float | None, layout: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hot path: one plan look-up, the three outputs, one or two launches.
+
+    The launch key (`BoundLaunch.launch_keyed`) is what can vary for a fixed plan: the
+    input's dtype, alignment and row stride, and the alignment of a given scale tensor
+    (the outputs are fresh caching-allocator blocks, always 16-byte aligned).
+    """
+    m, k = x.shape
+    if global_scale is None:
+        kind = "dynamic"
+    elif isinstance(global_scale, torch.Tensor):
+        kind = "tensor"
+    else:
+        kind = "value"
+    pkey = (m, k, layout, kind)
+    plan = _plans.get(pkey)
+    if plan is None:
+        plan = _plans[pkey] = _make_plan(m, k, layout == "swizzled", kind)
+    dev = x.device
+    data = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
+    scale = torch.empty(plan.scale_shape, dtype=torch.float8_e4m3fn, device=dev)
+    g_out = torch.empty((), dtype=torch.float32, device=dev)
+    stride = x.stride(0)
+    key = (x.dtype, x.data_ptr() % 16, stride)
+    g_ptr, g_value, parts = x, 1.0, x
+    if kind == "tensor":
+        g_ptr = global_scale  # one element: the kernel loads it through its data pointer
+        key = (*key, global_scale.data_ptr() % 16)
+    elif kind == "value":
+        g_value = float(global_scale)
+    elif plan.amax_grid is not None:
+        parts = torch.empty((plan.n_part,), dtype=torch.float32, device=dev)
+        plan.amax_launch.launch_keyed(key, plan.amax_grid, (x, stride, parts, m, k))
+    plan.launch.launch_keyed(
+        key,
+        plan.grid,
+        (x, stride, data, scale, g_ptr, g_value, g_out, parts, plan.n_part, m, k,
+         plan.m_pad, plan.num_k_tiles),
+    )  # fmt: skip
+    return data, scale, g_out
