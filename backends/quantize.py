@@ -104,6 +104,15 @@ _NUM_WARPS: int | None = None
 _MAX_PARTIALS = 256
 #: Rows of zero scales stored per step in the swizzled row padding.
 _PAD_ROWS = 32
+#: From this many elements on, programs take `_LARGE_TILE` = (elements, widest K tile,
+#: warps): H200, 2026-12-01 (`bench_quantize.py --variants`, RESULTS.md "Serving hot path"
+#: run 4): 8192-element tiles 1024 wide on 4 warps took 33.6 µs at 4096x8192 and 19.8 µs
+#: at 4096x4096 (given scale) against 37.4 and 20.7 for the default tile, but 4.4 against
+#: 3.1 µs at 16x8192 and 5.9 against 5.6 at 256x8192: the large tile pays off only once
+#: the grid is many waves deep.
+_LARGE_ELEMS = 1 << 23
+_LARGE_TILE = (8192, 1024, 4)
+_DEFAULT_TILE = (_TILE_ELEMS, _MAX_BK, _NUM_WARPS)
 
 #: Under TRITON_INTERPRET=1 programs run one after another on the CPU and PTX cannot run
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
@@ -753,13 +762,23 @@ def _cooperative_ok(programs: int) -> bool:
     return programs <= sms
 
 
+def _tile_knobs(m: int, k: int) -> tuple[int, int, int | None]:
+    """(elements a program, widest K tile, warps or None for the rule) for ``[m, k]``: the
+    module knobs, or `_LARGE_TILE` from `_LARGE_ELEMS` elements on (unless the knobs were
+    changed from their defaults, as the benchmark's variants do)."""
+    if m * k >= _LARGE_ELEMS and (_TILE_ELEMS, _MAX_BK, _NUM_WARPS) == _DEFAULT_TILE:
+        return _LARGE_TILE
+    return _TILE_ELEMS, _MAX_BK, None
+
+
 def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
     kb = k // 16
     num_k_tiles = -(-kb // 4)
     m_pad = -(-m // 128) * 128 if swizzled else m
     scale_shape = (m_pad, num_k_tiles * 4) if swizzled else (m, kb)
     fused = _fused_tile(m, k) if kind == "dynamic" else None
-    bm, bk = _tile(m, k, _TILE_ELEMS, min(_MAX_BK, _TILE_ELEMS))
+    elems, max_bk, warps = _tile_knobs(m, k)
+    bm, bk = _tile(m, k, elems, min(max_bk, elems))
     grid = (-(-m // bm), -(-k // bk))
     g_mode = {"tensor": _G_PTR, "value": _G_VALUE}.get(kind, _G_PARTIALS)
     amax_grid = None
@@ -776,7 +795,7 @@ def _make_plan(m: int, k: int, swizzled: bool, kind: str) -> _Plan:
             amax_grid = (gm, gk)
             part_block = _next_pow2(gm * gk)
     fm, fk = fused or (1, 16)
-    num_warps = _NUM_WARPS or (8 if max(bm * bk, fm * fk // 2) >= 8192 else 4)
+    num_warps = _NUM_WARPS or warps or (8 if max(bm * bk, fm * fk // 2) >= 8192 else 4)
     meta = {"G_MODE": g_mode, "SWIZZLED": swizzled, "BM": bm, "NB": bk // 16,
             "PART_BLOCK": part_block, "FM": fm, "FNB": fk // 16,
             "EVEN": m % bm == 0 and k % bk == 0,
