@@ -63,7 +63,7 @@ def load(path: Path) -> dict[str, Any]:
     need = {
         "direct": ("step_us", "ctas_per_sm", "a_side_cost", "dequant_elems_per_sm_us",
                    "mma_eff", "bw_fraction", "in_flight_bytes", "launch_us",
-                   "split_reduce_us", "log_factor"),
+                   "split_reduce_us", "sat_warps", "log_factor"),
         "unpack": ("gemm_eff", "bw_fraction", "cta_us", "launch_us", "log_factor"),
         "w4a16": ("dequant_elems_per_sm_us", "step_us", "ctas_per_sm", "bw_fraction",
                   "launch_us", "in_flight_bytes", "split_reduce_us", "mma_eff",
@@ -78,6 +78,65 @@ def load(path: Path) -> dict[str, Any]:
 
 # ---- triton-sm90 ---------------------------------------------------------------------
 
+#: Hopper's per-SM limits (compute capability 9.0; CUDA C++ Programming Guide, "Technical
+#: Specifications per Compute Capability"): 228 KiB of shared memory for resident CTAs,
+#: 1 KiB of it reserved per CTA, 64K 32-bit registers allocated per warp in units of
+#: 256, 64 resident warps, 32 resident CTAs
+SM_SHARED_BYTES = 228 * 1024
+CTA_RESERVED_BYTES = 1024
+SM_REGISTERS = 65536
+REGISTER_UNIT = 256
+SM_MAX_WARPS = 64
+SM_MAX_CTAS = 32
+#: registers per thread assumed for a kernel absent from the occupancy table (Triton's
+#: per-thread cap: the pessimistic end)
+FALLBACK_REGISTERS = 255
+
+
+class _Scalar:
+    """The element-wise operations the formulas use, on Python floats; the fitting script
+    passes numpy instead (one formula for the plugin and the vectorized fit)."""
+
+    ceil = staticmethod(math.ceil)
+    minimum = staticmethod(min)
+    maximum = staticmethod(max)
+
+    @staticmethod
+    def lookup(table: dict[str, float], key: float) -> float:
+        return table[str(int(key))]
+
+
+def occupancy_key(tactic: Tactic) -> str:
+    """The occupancy table's key of a direct tactic: what decides the compiled kernel's
+    registers and shared memory (tile, K tile, warps, and whether split-K's epilogue is
+    compiled in); swap, raster and the problem do not."""
+    t: Any = tactic
+    return f"{t.tile_m}x{t.tile_n}x{t.tile_k}/w{t.num_warps}" + ("/splitk" if t.split_k > 1 else "")
+
+
+def resident_ctas(registers: int, shared: int, warps: int) -> int:
+    """CTAs of a kernel (`registers` per thread, `shared` bytes per CTA, `warps` per CTA)
+    that one Hopper SM holds at once: the least of the register file, shared memory, warp
+    and CTA limits (the occupancy calculation of the CUDA guide, at least 1)."""
+    per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    by_regs = SM_REGISTERS // (per_warp * warps)
+    by_smem = SM_SHARED_BYTES // (shared + CTA_RESERVED_BYTES)
+    return max(1, min(by_regs, by_smem, SM_MAX_WARPS // warps, SM_MAX_CTAS))
+
+
+def kernel_resources(tactic: Tactic) -> tuple[int, int, int]:
+    """(registers per thread, shared memory bytes per CTA, stack frame bytes per thread) of
+    `tactic`'s compiled kernel: the shipped file's occupancy table (``occupancy.kernels``,
+    measured by compiling each kernel for sm_90), else `FALLBACK_REGISTERS`, the plugin's
+    upper estimate of shared memory (`smem_bytes`) and no spills."""
+    from fp4_dispatch.plugins.sm90 import smem_bytes  # noqa: PLC0415 - the plugin imports us
+
+    t: Any = tactic
+    row = constants().get("occupancy", {}).get("kernels", {}).get(occupancy_key(t))
+    if row is None:
+        return FALLBACK_REGISTERS, smem_bytes(t.tile_m, t.tile_n, t.tile_k, t.num_stages), 0
+    return int(row[0]), int(row[1]), int(row[2])
+
 
 def direct_terms(problem: Problem, device: DeviceInfo, tactic: Tactic) -> dict[str, float]:
     """The constant-free quantities of the direct model (the fit precomputes them once)."""
@@ -88,6 +147,7 @@ def direct_terms(problem: Problem, device: DeviceInfo, tactic: Tactic) -> dict[s
     ctas = -(-p.m // tm) * -(-p.n // tn) * split
     steps = math.ceil(p.k / split / tk)
     per_sm = math.ceil(ctas / device.sm_count)
+    regs, shared, _ = kernel_resources(tactic)
     return {
         "ctas": ctas,
         "per_sm_steps": per_sm * steps,
@@ -101,7 +161,9 @@ def direct_terms(problem: Problem, device: DeviceInfo, tactic: Tactic) -> dict[s
         "tile_bytes": stages * (tm + tn) * tk / 2,
         "bw_us": device.mem_bw_gbps * 1e3,
         "sms": device.sm_count,
-        "log2_split": math.log2(split),
+        "split_m1": split - 1.0,
+        "resident": resident_ctas(regs, shared, tactic.num_warps),  # type: ignore[attr-defined]
+        "warps": tactic.num_warps,  # type: ignore[attr-defined]
         "tile_m": tm,
     }
 
@@ -132,17 +194,21 @@ def direct_features(problem: Problem, tactic: Tactic) -> dict[str, float]:
     return feats
 
 
-def direct_base_us(x: dict[str, float], c: dict[str, Any]) -> float:
-    """The roofline part of the direct model from `direct_terms` and constants `c`."""
-    cps = c["ctas_per_sm"]
-    latency = math.ceil(x["per_sm"] / cps) * x["steps"] * c["step_us"]
-    dequant = (x["a_elems"] * c["a_side_cost"] + x["b_elems"]) / c["dequant_elems_per_sm_us"]
-    mma = x["mma_flop"] / (x["sm_flops_us"] * c["mma_eff"][str(int(x["tile_m"]))])
-    resident = min(x["ctas"], x["sms"] * cps)
-    fill = min(1.0, resident * x["tile_bytes"] / c["in_flight_bytes"])
+def direct_base_us(x: dict[str, Any], c: dict[str, Any], xp: Any = _Scalar) -> float:
+    """The roofline part of the direct model from `direct_terms` and constants `c` (module
+    doc); `xp`: the element-wise operations (numpy arrays in the fit, floats here)."""
+    resident = xp.minimum(x["resident"], c["ctas_per_sm"])
+    latency = xp.ceil(x["per_sm"] / resident) * x["steps"] * c["step_us"]
+    occupancy = xp.minimum(1.0, xp.minimum(x["per_sm"], resident) * x["warps"] / c["sat_warps"])
+    dequant = (x["a_elems"] * c["a_side_cost"] + x["b_elems"]) / (
+        c["dequant_elems_per_sm_us"] * occupancy
+    )
+    mma = x["mma_flop"] / (x["sm_flops_us"] * xp.lookup(c["mma_eff"], x["tile_m"]) * occupancy)
+    in_flight = xp.minimum(x["ctas"], x["sms"] * resident) * x["tile_bytes"]
+    fill = xp.minimum(1.0, in_flight / c["in_flight_bytes"])
     memory = x["bytes"] / (x["bw_us"] * c["bw_fraction"] * fill)
-    extra = c["launch_us"] + c["split_reduce_us"] * x["log2_split"]
-    return max(latency, dequant, mma, memory) + extra
+    extra = c["launch_us"] + c["split_reduce_us"] * x["split_m1"]
+    return xp.maximum(xp.maximum(latency, dequant), xp.maximum(mma, memory)) + extra
 
 
 def factor(features: dict[str, float], table: dict[str, float]) -> float:
@@ -188,10 +254,11 @@ def unpack_features(problem: Problem, tactic: Tactic) -> dict[str, float]:
     return {f"block={t.block_r}x{t.block_k}": 1.0, "unpack*logm": log_m(problem)}
 
 
-def unpack_base_us(x: dict[str, float], c: dict[str, Any]) -> float:
+def unpack_base_us(x: dict[str, Any], c: dict[str, Any], xp: Any = _Scalar) -> float:
+    """The unpack model's time from `unpack_terms` and constants `c` (module doc)."""
     bw = x["bw_us"] * c["bw_fraction"]
     unpack = x["unpack_bytes"] / bw + x["ctas_per_sm"] * c["cta_us"]
-    gemm = max(x["flop"] / (x["flops_us"] * c["gemm_eff"]), x["gemm_bytes"] / bw)
+    gemm = xp.maximum(x["flop"] / (x["flops_us"] * c["gemm_eff"]), x["gemm_bytes"] / bw)
     return unpack + gemm + x["alpha_bytes"] / bw + c["launch_us"]
 
 
