@@ -67,7 +67,8 @@ LEARNING_RATE = 0.01
 #: driver's memory clock x bus width; recovered from the files' own est_us to 1e-4
 H200_MEM_BW_GBPS = 4814.4
 DIRECT_KNOBS = ("step_us", "a_side_cost", "dequant_elems_per_sm_us", "bw_fraction",
-                "in_flight_bytes", "launch_us", "split_reduce_us", "ctas_per_sm", "sat_warps")  # fmt: skip
+                "in_flight_bytes", "launch_us", "split_reduce_us", "ctas_per_sm",
+                "sat_warps")  # fmt: skip
 UNPACK_KNOBS = ("gemm_eff", "bw_fraction", "cta_us", "launch_us")
 #: where every fit's coordinate search starts (the module doc of the plugin says what
 #: each is): round physical values, not a previous fit, so that a fit and each
@@ -428,7 +429,7 @@ def cubin_resources(cubin: bytes) -> tuple[int, int]:
     """(registers per thread, stack frame bytes per thread) of the one kernel in `cubin`:
     the ``EIATTR_REGCOUNT`` and ``EIATTR_FRAME_SIZE`` records of its ``.nv.info`` section
     (what ``ptxas -v`` prints as "Used N registers" and "N bytes stack frame")."""
-    import struct  # noqa: PLC0415
+    import struct
 
     shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
     entsize, count, strndx = struct.unpack_from("<HHH", cubin, 0x3A)
@@ -458,9 +459,9 @@ def occupancy(log=print) -> dict[str, Any]:
     of every direct kernel config
     (``TMxTNxTK/wW``, with and without split-K) compiled for sm_90 by this process's
     Triton and ptxas, no GPU needed (a target-only driver, as tests/test_precompile.py)."""
-    import triton  # noqa: PLC0415 - optional: only this subcommand compiles
-    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
-    from triton.runtime import driver  # noqa: PLC0415
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
 
     class TargetOnly:  # compile for sm_90, launch nothing
         def get_current_device(self) -> int:
@@ -473,9 +474,9 @@ def occupancy(log=print) -> dict[str, Any]:
             return GPUTarget("cuda", 90, 32)
 
     driver.set_active(TargetOnly())
-    from fp4_dispatch.backend import kernel_problem  # noqa: PLC0415
-    from fp4_dispatch.plugins.sm90 import cost_model as cm  # noqa: PLC0415
-    from fp4_dispatch.tactics import Problem  # noqa: PLC0415
+    from fp4_dispatch.backend import kernel_problem
+    from fp4_dispatch.plugins.sm90 import cost_model as cm
+    from fp4_dispatch.tactics import Problem
 
     b, dev = backends()["triton-sm90"], device()
     configs: dict[str, Any] = {}
