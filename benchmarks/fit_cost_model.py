@@ -3,35 +3,51 @@
 Input: one or more selection JSON files of ``benchmarks/bench_selection.py`` (every valid
 tactic of each shape timed; ``rows[*].all``: tactic, est_us, us, method - "pruned" rows
 carry a single-launch probe time). Output: ``plugins/sm90/cost_model.json`` (the
-constants the plugin loads) and the in-sample quality.
+constants the plugin loads), recording the files and grids it was fitted on, the date
+and the cross-validation figures.
 
-Model (documented in the plugin module): a per-SM roofline of one CTA step times
-per-knob efficiency factors ``exp(sum log_factor[feature] * value)``. The factors are
-fitted here; the roofline constants are kept from the file (``--search`` also moves them,
-by coordinate search in log space). The objective, per shape, is the expected log-regret
-of a soft pick - a softmin over the estimates at temperature T picks tactic i with
-probability p_i, the loss is ``sum_i p_i log(us_i / best)`` - annealed from T = 0.2 to
-0.03 (log units) towards the hard pick the dispatcher makes; plus ``ALPHA`` x a weighted
-squared log error (weights ``exp(-log(us / best) / TAU)``, floor ``W_FLOOR``, pruned
-probes x0.5) that keeps the scale calibrated across the two backends, and a ridge
-penalty (``RIDGE``) that pulls rare knobs to factor 1 (the roofline). Adam on numpy, no
-scipy (not on the device). A regression-only fit ranked worse (14/24 in-sample): what
-decides a pick is the order of the near-best tactics, not the mean error. Absolute
-times shift when a kernel changes (e.g. a new dequantizer); the selection loss reads only
-ratios within a shape, so the fit is of relative structure.
+Model (documented in the plugin module): a roofline of the busiest SM (latency rounds,
+waves at the compiled kernels' occupancy, dequantizer, MMA, memory) times per-knob
+efficiency factors ``exp(sum log_factor[feature] * value)``. The roofline constants are
+found by coordinate search in log space (steps x2, x1.41, x1.19) starting from
+`PRIOR_DIRECT` / `PRIOR_UNPACK` (round physical values, never a previous fit:
+``--no-search`` keeps them); for each trial the factors are re-fitted. The objective,
+per shape, is the expected log-regret of a soft pick - a softmin over the estimates at
+temperature T picks tactic i with probability p_i, the loss is ``sum_i p_i log(us_i /
+best)`` - annealed from T = 0.2 to 0.03 (log units) towards the hard pick the dispatcher
+makes; plus ``ALPHA`` x a weighted squared log error (weights ``exp(-log(us / best) /
+TAU)``, floor ``W_FLOOR``, pruned probes x0.5) that keeps the scale calibrated across
+the two backends, and a ridge penalty (``RIDGE``) that pulls rare knobs to factor 1 (the
+roofline). Adam on numpy, no scipy (not on the device). A regression-only fit ranked
+worse (14/24 in-sample, v4): what decides a pick is the order of the near-best tactics,
+not the mean error.
+
+The plugin's formulas are evaluated on numpy arrays (`_Numpy`), so the fit optimizes
+exactly the function the plugin computes (`consistent` checks it on every row).
+
+Occupancy (``--occupancy``): every direct kernel config the backend offers is compiled
+for sm_90 on the CPU (Triton's target-only driver, ptxas) and its registers per thread,
+shared memory and stack frame are written into the data file (``occupancy``): the
+measured input of the occupancy and spill terms. Re-run it when the kernel changes.
 
 Quality is counted the way the dispatcher picks (`Ranker.pick`: lowest estimate of the
 M bucket, ties by backend and tactic JSON): a shape is a hit when the pick's measured time
 is within ``HIT`` (1.15) x the best measured. In-sample, leave-one-(N, K)-out and
-leave-one-M-out (factors re-fitted per fold); the figures are written into the file.
+leave-one-M-out: per fold the whole fit (constant search and factors, from the same
+priors) re-runs without the left-out group; the figures are written into the file.
 
 Usage::
 
-    # fit on the training grid, write the plugin's data file, print the in-sample quality
-    python benchmarks/fit_cost_model.py benchmarks/data/sm90_w4a4_train.json
+    # fit on the training files, write the plugin's data file, print the CV figures
+    python benchmarks/fit_cost_model.py benchmarks/data/sm90_w4a4_train_run3.json \
+        benchmarks/data/sm90_w4a4_heldout1_run3.json
 
-    # the held-out check (the CURRENT installed model, never fitted on this file)
-    python benchmarks/fit_cost_model.py --check benchmarks/data/sm90_w4a4_heldout.json
+    # the held-out check (the CURRENT installed model, never fitted on this file);
+    # with --out also the result as JSON
+    python benchmarks/fit_cost_model.py --check held_out_selection.json [--out check.json]
+
+    # the compiled kernels' registers / shared memory / spills into the data file
+    python benchmarks/fit_cost_model.py --occupancy
 
     # a small copy of a selection file (only what the fit and the check read)
     python benchmarks/fit_cost_model.py --slim selection.json benchmarks/data/x.json
@@ -68,8 +84,8 @@ LEARNING_RATE = 0.01
 H200_MEM_BW_GBPS = 4814.4
 DIRECT_KNOBS = ("step_us", "a_side_cost", "dequant_elems_per_sm_us", "bw_fraction",
                 "in_flight_bytes", "launch_us", "split_reduce_us", "ctas_per_sm",
-                "sat_warps")  # fmt: skip
-UNPACK_KNOBS = ("gemm_eff", "bw_fraction", "cta_us", "launch_us")
+                "sat_warps", "natural_order_cost", "overlap_p")  # fmt: skip
+UNPACK_KNOBS = ("gemm_eff", "bw_fraction", "cta_us", "launch_us", "wave_exp")
 #: where every fit's coordinate search starts (the module doc of the plugin says what
 #: each is): round physical values, not a previous fit, so that a fit and each
 #: cross-validation fold are reproducible from the data alone
@@ -84,9 +100,17 @@ PRIOR_DIRECT: dict[str, Any] = {
     "launch_us": 4.0,  # kernel launch and tail under CUDA graphs
     "split_reduce_us": 1.0,  # per extra split: its partial tile read by the last split
     "sat_warps": 8.0,  # resident warps per SM that saturate dequant and MMA issue
+    # the natural-order dequantizer's cost per element vs the dot-order one's (SASS count
+    # of issue 13 run 2: 6.1-7.0 vs 4.2 instructions per element)
+    "natural_order_cost": 1.5,
+    # how the latency, dequant, MMA and memory times combine: the p-norm of the four (p = 1:
+    # they add up, nothing overlaps; large p: the largest alone, perfect overlap)
+    "overlap_p": 4.0,
 }
 PRIOR_UNPACK: dict[str, Any] = {"gemm_eff": 1.0, "bw_fraction": 0.85, "cta_us": 0.03,
-                                "launch_us": 10.0}  # fmt: skip
+                                "launch_us": 10.0,
+                                # share of cuBLAS's wave quantization it does not hide
+                                "wave_exp": 0.5}  # fmt: skip
 
 
 # ---- data ----------------------------------------------------------------------------
@@ -170,6 +194,7 @@ class _Numpy:
     `cost_model._Scalar` on floats)."""
 
     ceil = staticmethod(np.ceil)
+    floor = staticmethod(np.floor)
     minimum = staticmethod(np.minimum)
     maximum = staticmethod(np.maximum)
 
@@ -529,7 +554,9 @@ def main(argv: list[str] | None = None) -> int:
     global RIDGE, ALPHA
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("train", nargs="*", help="selection JSON files to fit on")
-    ap.add_argument("--out", default=None, help="data file (default: the plugin's)")
+    ap.add_argument(
+        "--out", default=None, help="data file (default: the plugin's); with --check: result JSON"
+    )
     ap.add_argument("--check", default=None, help="held-out selection JSON: check only")
     ap.add_argument(
         "--model", default=None, help="with --check: this model file, not the installed one"
@@ -569,6 +596,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"held-out grid N,K {res['grid_nk']} x M {res['grid_m']} "
               f"({'never fitted on' if res['held_out'] else 'OVERLAPS the fit'}): "
               f"{res['summary']}")  # fmt: skip
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+            print(f"wrote {args.out}")
         return 0
     if not args.train:
         ap.error("give training files (or --check / --slim / --occupancy)")
