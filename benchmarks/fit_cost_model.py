@@ -107,6 +107,27 @@ PRIOR_DIRECT: dict[str, Any] = {
     # they add up, nothing overlaps; large p: the largest alone, perfect overlap)
     "overlap_p": 4.0,
 }
+#: the physical range of each searched constant (the search stays inside): a constant at
+#: its bound says the data wants more than the term's physics allows - a missing term
+BOUNDS: dict[str, tuple[float, float]] = {
+    "step_us": (0.1, 5.0),
+    "ctas_per_sm": (1.0, 32.0),  # Hopper's resident CTA limit
+    "a_side_cost": (0.5, 2.0),  # both operands run the same dequantizer
+    "dequant_elems_per_sm_us": (5e3, 3e5),
+    "mma_eff": (0.05, 1.0),  # of the bf16 peak
+    "bw_fraction": (0.3, 1.0),  # of the peak HBM bandwidth
+    "in_flight_bytes": (1e6, 1e8),
+    "launch_us": (1.0, 20.0),  # a launch under CUDA graphs
+    "split_reduce_us": (0.01, 10.0),
+    "sat_warps": (4.0, 32.0),  # one warp per scheduler up to 8 per scheduler
+    "natural_order_cost": (1.0, 2.0),  # the natural order has more instructions per element
+    "overlap_p": (1.0, 16.0),
+    "unpack.gemm_eff": (0.3, 1.0),
+    "unpack.bw_fraction": (0.3, 1.0),
+    "unpack.cta_us": (0.0, 1.0),
+    "unpack.launch_us": (1.0, 40.0),  # three launches and cuBLAS's
+    "unpack.wave_exp": (0.0, 1.0),
+}
 PRIOR_UNPACK: dict[str, Any] = {"gemm_eff": 1.0, "bw_fraction": 0.85, "cta_us": 0.03,
                                 "launch_us": 10.0,
                                 # share of cuBLAS's wave quantization it does not hide
@@ -314,8 +335,9 @@ def _set(c, part, knob, value):
 
 def fit(design: Design, c0: dict[str, Any], search: bool = True, log=print):
     """Factors by `Design.solve`; with `search`, the roofline constants by coordinate
-    search in log space (steps x2, x1.41, x1.19), each trial scored by the objective at
-    the final temperature after re-fitting the factors from the current ones."""
+    search in log space (steps x2, x1.41, x1.19) inside their physical `BOUNDS`, each
+    trial scored by the objective at the final temperature after re-fitting the factors
+    from the current ones."""
     c = json.loads(json.dumps(c0))
     theta = design.solve(design.base(c))
     final = SCHEDULE[-1][0]
@@ -327,9 +349,13 @@ def fit(design: Design, c0: dict[str, Any], search: bool = True, log=print):
                 improved = False
                 for part, knob in _knobs():
                     for sign in (1, -1):
-                        value = _get(c, part, knob) * math.exp(sign * step)
-                        if knob in ("bw_fraction", "gemm_eff") or knob.startswith("mma_eff."):
-                            value = min(value, 1.5)
+                        now = _get(c, part, knob)
+                        lo, hi = BOUNDS[
+                            knob.split(".")[0] if part == "direct" else part + "." + knob
+                        ]
+                        value = min(hi, max(lo, now * math.exp(sign * step)))
+                        if value == now:
+                            continue
                         trial = _set(c, part, knob, value)
                         logbase = design.base(trial)
                         th = design.solve(logbase, theta, SEARCH_SCHEDULE)

@@ -55,7 +55,7 @@ factor 1, so a tactic far from the data falls back to the roofline terms.
 **triton-sm90-unpack**: unpack pass (bytes at ``bw_fraction``, padded tiles, a fixed
 cost per CTA) + bf16 GEMM (max of its FLOPs at ``bf16 rate * gemm_eff``, times cuBLAS's
 wave quantization `gemm_waves` to the power ``wave_exp``, and its bytes) + alpha pass +
-``launch_us``, times the fitted factors of `unpack_features`.
+``launch_us``, times the fitted factor of its unpack tile (`unpack_features`).
 """
 
 from __future__ import annotations
@@ -203,13 +203,6 @@ def direct_terms(problem: Problem, device: DeviceInfo, tactic: Tactic) -> dict[s
     }
 
 
-def log_m(problem: Problem) -> float:
-    """The regime coordinate: ``(log2 M - 6) / 6`` of the caller's M (-1 at M = 1, 0 at
-    64, 1 at 4096), clamped to [-1, 1.5] so that shapes beyond the data extrapolate
-    no further than M = 32768."""
-    return min(1.5, max(-1.0, (math.log2(problem.m) - 6.0) / 6.0))
-
-
 def direct_features(problem: Problem, tactic: Tactic) -> dict[str, float]:
     """The fitted factors that apply to `tactic` on `problem`, with their values (module
     doc): one indicator per value of each knob in the kernel's orientation (``tile_m=``,
@@ -317,9 +310,10 @@ def unpack_terms(problem: Problem, device: DeviceInfo, tactic: Tactic) -> dict[s
 
 
 def unpack_features(problem: Problem, tactic: Tactic) -> dict[str, float]:
-    """An indicator per unpack tile, and ``unpack*logm`` (the path's efficiency in log M)."""
+    """An indicator per unpack tile (a slope in log M, v4's ``unpack*logm``, changed no
+    cross-validated pick on the run-3 data and was dropped)."""
     t: Any = tactic
-    return {f"block={t.block_r}x{t.block_k}": 1.0, "unpack*logm": log_m(problem)}
+    return {f"block={t.block_r}x{t.block_k}": 1.0}
 
 
 def unpack_base_us(x: dict[str, Any], c: dict[str, Any], xp: Any = _Scalar) -> float:
