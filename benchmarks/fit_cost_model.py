@@ -259,8 +259,11 @@ class Design:
         self.starts = np.flatnonzero(np.r_[True, np.diff(self.shape_of) != 0])
         self.gap = np.array(self.logus) - np.log([shapes[i].best_us for i in self.shape_of])
         self.logus, self.w = np.array(self.logus), np.array(self.w)
-        self.d = {k: np.array([t[k] for t in terms["direct"]]) for k in terms["direct"][0]}
-        self.u = {k: np.array([t[k] for t in terms["unpack"]]) for k in terms["unpack"][0]}
+        # a fold may hold no rows of one backend (e.g. no M >= 256): its terms stay empty
+        self.d = {k: np.array([t[k] for t in terms["direct"]]) for t0 in terms["direct"][:1]
+                  for k in t0}  # fmt: skip
+        self.u = {k: np.array([t[k] for t in terms["unpack"]]) for t0 in terms["unpack"][:1]
+                  for k in t0}  # fmt: skip
         self.names = sorted({f for fs in feats for f in fs})
         col = {f: i for i, f in enumerate(self.names)}
         self.x = np.zeros((len(feats), len(self.names)))
@@ -274,8 +277,10 @@ class Design:
         from fp4_dispatch.plugins.sm90 import cost_model as cm
 
         out = np.empty(len(self.kind))
-        out[self.kind == 0] = np.log(cm.direct_base_us(self.d, c["direct"], _Numpy))
-        out[self.kind == 1] = np.log(cm.unpack_base_us(self.u, c["unpack"], _Numpy))
+        if self.d:
+            out[self.kind == 0] = np.log(cm.direct_base_us(self.d, c["direct"], _Numpy))
+        if self.u:
+            out[self.kind == 1] = np.log(cm.unpack_base_us(self.u, c["unpack"], _Numpy))
         return out
 
     def objective(self, theta: np.ndarray, logbase: np.ndarray, temp: float):
@@ -642,6 +647,18 @@ def starting_constants(c_file: dict[str, Any]) -> dict[str, Any]:
     return c
 
 
+def at_bounds(c: dict[str, Any]) -> list[str]:
+    """The searched constants of `c` that sit at a `BOUNDS` end (the data pulls them past
+    what the term's physics allows: the term stands in for something it does not model)."""
+    out = []
+    for part, knob in _knobs():
+        lo, hi = BOUNDS[knob.split(".")[0] if part == "direct" else part + "." + knob]
+        value = _get(c, part, knob)
+        if math.isclose(value, lo, rel_tol=1e-6) or math.isclose(value, hi, rel_tol=1e-6):
+            out.append(f"{part}.{knob}={value:.4g}")
+    return out
+
+
 def grid_of(shapes: list[Shape]) -> dict[str, Any]:
     return {"nk": sorted({(s.n, s.k) for s in shapes}), "m": sorted({s.m for s in shapes}),
             "shapes": len(shapes)}  # fmt: skip
@@ -677,10 +694,11 @@ def fit_files(paths: list[str], out: Path | None, mem_bw: float, search: bool = 
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }  # fmt: skip
     c["in_sample"] = quality(after)
+    c["at_bounds"] = at_bounds(c)
     print(f"fitted in {time.time() - t0:.0f} s on {len(shapes)} shapes, {len(design.kind)} "
           f"tactics; loss {loss:.3f}")  # fmt: skip
     print(f"in-sample with the file's previous constants: {before}")
-    print(f"in-sample after: {c['in_sample']}")
+    print(f"in-sample after: {c['in_sample']}; constants at a bound: {c['at_bounds']}")
     if cv:
         c["cv_protocol"] = ("leave one group out; per fold the whole fit (constants "
                             + ("searched" if search else "kept") + " from PRIOR_*, factors) "

@@ -145,12 +145,25 @@ def test_fit_recovers_a_planted_model_and_checks_held_out_shapes(tmp_path):
     script = str(root / "benchmarks" / "fit_cost_model.py")
     model = tmp_path / "model.json"
     bw = str(SM90.mem_bw_gbps)
-    fit = subprocess.run([sys.executable, script, str(train), "--out", str(model), "--no-cv",
+    fit = subprocess.run([sys.executable, script, str(train), "--out", str(model),
                           "--mem-bw", bw], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert fit.returncode == 0, fit.stderr[-3000:]
     assert "in-sample after: 5/5 shapes" in fit.stdout, fit.stdout
     c = cm.load(model)  # the plugin accepts what the script wrote
     assert c["fitted_on"]["nk"] == [[4096, 4096], [8192, 2048]]
+    assert c["fitted_on"]["files"] == ["train.json"]
+    assert c["fitted_on"]["grids"]["train.json"]["m"] == [1, 32, 256, 4096]
+    assert c["fitted_on"]["date"].endswith("Z")  # UTC, to the second
+    # the cross-validation ran (whole fit per fold) and its figures are in the file
+    for name, groups in (("leave_one_nk_out", 2), ("leave_one_m_out", 4)):
+        assert c[name]["shapes"] == 5 and 0 <= c[name]["hits"] <= 5, c[name]
+        assert fit.stdout.count(f"/{groups} (without") >= 1, fit.stdout
+    assert "searched" in c["cv_protocol"]
+    # the searched constants stay inside their physical bounds, and the file says which
+    # of them sit at one
+    assert 0.3 <= c["direct"]["bw_fraction"] <= 1.0
+    assert 1.0 <= c["direct"]["natural_order_cost"] <= 2.0
+    assert isinstance(c["at_bounds"], list)
     assert c["direct"]["log_factor"]["tile_n=32"] < -0.1  # the planted sign is found
     chk = subprocess.run([sys.executable, script, "--check", str(held), "--model", str(model),
                           "--mem-bw", bw], capture_output=True, text=True, timeout=600)  # fmt: skip

@@ -38,7 +38,8 @@ Why each term:
 - *Dequantizer order*: tiles of >= 64 rows and >= 128 K use the dot-order dequantizer
   (`gemm_direct`'s ``DOT_ORDER``), the others the natural order at ``natural_order_cost``
   per element (``order``); SASS counts of issue 13 run 2: 6.1-7.0 vs 4.2 instructions
-  per element.
+  per element. (The run-3 fit put it at its lower bound, 1: with ``a_side_cost`` at 2
+  the times show no further order cost. The file's ``at_bounds`` lists such constants.)
 - *Memory*: ``fill = min(1, bytes in flight / in_flight_bytes)`` (Little's law:
   resident CTAs x their pipelined tiles).
 - *Overlap*: the four times overlap imperfectly: their ``overlap_p``-norm (1: they add,
