@@ -68,6 +68,9 @@ from typing import Any
 import numpy as np
 
 HIT = 1.15
+#: the structure of plugins/sm90/cost_model.py this script fits (v5: occupancy, waves,
+#: p-norm overlap, knob indicators + spill; v4: per-tile factors with log-M slopes)
+MODEL_VERSION = 5
 #: calibration weights: exp(-log(us / best) / TAU), at least W_FLOOR; pruned probes x0.5
 TAU = 0.25
 W_FLOOR = 0.05
@@ -681,7 +684,7 @@ def fit_files(paths: list[str], out: Path | None, mem_bw: float, search: bool = 
     c, loss = fit(design, start, search=search)
     consistent(design, c)
     after = picks(shapes, dev, c)
-    c["version"] = int(c_file.get("version", 4)) + 1
+    c["version"] = MODEL_VERSION
     c["note"] = ("fitted by benchmarks/fit_cost_model.py: roofline constants by coordinate "
                  "search from its PRIOR_* constants, log_factor by the regret objective "
                  "(module doc); occupancy from --occupancy (compiled kernels)")  # fmt: skip
