@@ -27,9 +27,10 @@ Why each term:
 - *Occupancy* (`resident_ctas`): how many CTAs an SM holds is set by the compiled
   kernel's registers and shared memory (Hopper: 64K registers, 228 KiB); both are
   measured per kernel config by compiling it for sm_90 (``occupancy`` in the data file,
-  ``fit_cost_model.py --occupancy``: e.g. 16x128x256 uses 250 registers, 2 CTAs per SM;
-  64x16x128 80 registers, 6). The upper shared-memory estimate `smem_bytes` guards
-  validity only; it overstates what Triton allocates by up to 3x.
+  ``fit_cost_model.py --occupancy``, with the H200 runs' Triton 3.6: e.g. 16x128x256
+  uses 252 registers, 2 CTAs per SM; 64x16x128 96 registers, 5). The upper shared-memory
+  estimate `smem_bytes` guards validity only; it overstates what Triton allocates by up
+  to 3x.
 - *Latency*: a K step waits on its loads; CTAs beyond the resident ones run in later
   rounds, so a grid one CTA per SM over the resident count pays a whole extra round.
 - *Waves* (`sm_ctas`): a round of n resident CTAs issues at ``min(1, n * warps /
