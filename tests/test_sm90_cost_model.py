@@ -21,6 +21,7 @@ from fp4_dispatch.plugins.sm90 import (
     TritonSm90Backend,
     TritonSm90Tactic,
     TritonSm90UnpackBackend,
+    smem_bytes,
 )
 from fp4_dispatch.plugins.sm90 import cost_model as cm
 from fp4_dispatch.profiles import simulated
@@ -71,15 +72,13 @@ def test_without_factors_the_estimate_is_the_roofline():
     x = cm.direct_terms(p, SM90, t)
     assert (x["ctas"], x["per_sm"], x["steps"]) == (256, 2, 8)
     # one factor multiplies by exactly exp(value); unknown features are ignored
-    c["direct"]["log_factor"] = {"tile=32x128": 0.5, "no-such-feature": 9.0}
+    c["direct"]["log_factor"] = {"tile_n=128": 0.5, "no-such-feature": 9.0}
     assert cm.direct_us(p, SM90, t, c["direct"]) == pytest.approx(base * math.exp(0.5))
 
 
-def test_log_m_interpolates_and_clamps():
-    vals = [cm.log_m(Problem(m=m, n=64, k=64)) for m in (1, 64, 4096, 1 << 30)]
-    assert vals == [-1.0, 0.0, 1.0, 1.5]
+def test_the_features_are_knob_indicators():
     f = cm.direct_features(Problem(m=4096, n=64, k=64), TritonSm90Tactic(tile_m=64, tile_n=64))
-    assert f["tile=64x64"] == 1.0 and f["tile=64x64*logm"] == 1.0
+    assert f["tile_m=64"] == 1.0 and f["tile_n=64"] == 1.0 and f["split_k=1"] == 1.0
     assert "swap=nonpreferred" not in f  # unswapped is preferred at M = 4096
 
 
@@ -109,8 +108,8 @@ def test_estimates_are_positive_and_finite_far_from_the_data(m, n, k):
 
 # ---- the fitting script ------------------------------------------------------------------
 
-PLANTED = {"tile=64x32": -0.4, "warps=8": 0.3, "tile_k=256": 0.15, "split_k=8*logm": 0.3,
-           "tile=16x256": -0.2}  # fmt: skip
+PLANTED = {"tile_n=32": -0.4, "warps=8": 0.3, "tile_k=256": 0.15, "split_k=8": 0.3,
+           "tile_m=16": -0.2}  # fmt: skip
 
 
 def _selection(shapes, c, path: Path) -> None:
@@ -146,14 +145,130 @@ def test_fit_recovers_a_planted_model_and_checks_held_out_shapes(tmp_path):
     script = str(root / "benchmarks" / "fit_cost_model.py")
     model = tmp_path / "model.json"
     bw = str(SM90.mem_bw_gbps)
-    fit = subprocess.run([sys.executable, script, str(train), "--out", str(model), "--no-cv",
+    fit = subprocess.run([sys.executable, script, str(train), "--out", str(model),
                           "--mem-bw", bw], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert fit.returncode == 0, fit.stderr[-3000:]
     assert "in-sample after: 5/5 shapes" in fit.stdout, fit.stdout
     c = cm.load(model)  # the plugin accepts what the script wrote
     assert c["fitted_on"]["nk"] == [[4096, 4096], [8192, 2048]]
-    assert c["direct"]["log_factor"]["tile=64x32"] < -0.1  # the planted sign is found
+    assert c["fitted_on"]["files"] == ["train.json"]
+    assert c["fitted_on"]["grids"]["train.json"]["m"] == [1, 32, 256, 4096]
+    assert c["fitted_on"]["date"].endswith("Z")  # UTC, to the second
+    # the cross-validation ran (whole fit per fold) and its figures are in the file
+    for name, groups in (("leave_one_nk_out", 2), ("leave_one_m_out", 4)):
+        assert c[name]["shapes"] == 5 and 0 <= c[name]["hits"] <= 5, c[name]
+        assert fit.stdout.count(f"/{groups} (without") >= 1, fit.stdout
+    assert "searched" in c["cv_protocol"]
+    # the searched constants stay inside their physical bounds, and the file says which
+    # of them sit at one
+    assert 0.3 <= c["direct"]["bw_fraction"] <= 1.0
+    assert 1.0 <= c["direct"]["natural_order_cost"] <= 2.0
+    assert isinstance(c["at_bounds"], list)
+    assert c["direct"]["log_factor"]["tile_n=32"] < -0.1  # the planted sign is found
     chk = subprocess.run([sys.executable, script, "--check", str(held), "--model", str(model),
                           "--mem-bw", bw], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert chk.returncode == 0, chk.stderr[-3000:]
     assert "(never fitted on): 3/3 shapes" in chk.stdout, chk.stdout
+
+
+# ---- occupancy, waves and the combination of the roofline terms ---------------------------
+
+
+@pytest.mark.parametrize(
+    "regs,shared,warps,expected",
+    [
+        (80, 15360, 4, 6),  # registers: 2560 per warp (80 x 32), 6 CTAs of 4 warps in 64K
+        (250, 41216, 4, 2),  # 250 -> 8192 per warp: the register file holds 2 CTAs
+        (64, 120832, 4, 1),  # shared memory: 228 KiB holds one CTA of 118 KiB (+1 KiB)
+        (32, 0, 4, 16),  # neither: 64 resident warps / 4
+        (32, 0, 1, 32),  # the 32-CTA limit
+    ],
+)
+def test_resident_ctas_follows_the_hopper_occupancy_limits(regs, shared, warps, expected):
+    assert cm.resident_ctas(regs, shared, warps) == expected
+
+
+def _offered_configs() -> set[str]:
+    backend = TritonSm90Backend()
+    keys = set()
+    for m in (1, 16, 48, 160, 1024, 8192):
+        for n, k in ((4096, 4096), (4608, 3584), (3584, 18944), (28672, 8192)):
+            keys |= {cm.occupancy_key(t) for t in backend.tactics(Problem(m=m, n=n, k=k), SM90)}
+    return keys
+
+
+def test_the_occupancy_table_covers_every_offered_kernel():
+    """Every kernel config the backend offers has measured registers and shared memory
+    (the fallback is for configs the file predates, not for the shipped tactic space)."""
+    table = cm.constants()["occupancy"]["kernels"]
+    missing = _offered_configs() - set(table)
+    assert not missing, f"not in cost_model.json's occupancy table: {sorted(missing)}"
+    for key, (regs, shared, frame) in table.items():
+        assert 16 <= regs <= 255 and 0 < shared <= 227 * 1024 and frame >= 0, key
+
+
+def test_a_kernel_missing_from_the_table_falls_back_to_the_pessimistic_estimate(monkeypatch):
+    c = json.loads(json.dumps(cm.constants()))
+    c["occupancy"]["kernels"] = {}
+    monkeypatch.setattr(cm, "constants", lambda: c)
+    t = TritonSm90Tactic(tile_m=64, tile_n=16)
+    regs, shared, frame = cm.kernel_resources(t)
+    assert (regs, frame) == (cm.FALLBACK_REGISTERS, 0)
+    assert shared == smem_bytes(64, 16, 128, 3)
+
+
+def test_a_tail_round_costs_like_an_underoccupied_full_round():
+    """4 CTAs per SM, 3 resident: the 4th runs alone at 4 of the 8 warps that saturate
+    the SM, so it costs 2 CTA-times, not 1 (wave quantization, not the average)."""
+    c = {"ctas_per_sm": 32.0, "sat_warps": 8.0}
+    x = {"per_sm": 4, "resident": 3, "warps": 4}
+    assert cm.sm_ctas(x, c) == pytest.approx(3 + 2)
+    assert cm.sm_ctas({**x, "per_sm": 3}, c) == pytest.approx(3)
+    # one CTA on the SM: half the issue rate, the same time as two
+    assert cm.sm_ctas({**x, "per_sm": 1}, c) == cm.sm_ctas({**x, "per_sm": 2}, c)
+    # the fitted cap lowers the rounds' size
+    assert cm.sm_ctas(x, {**c, "ctas_per_sm": 2.0}) == pytest.approx(4)
+
+
+def test_overlap_p_interpolates_between_adding_and_the_largest_term():
+    c = json.loads(json.dumps(_no_factors()["direct"]))
+    p = Problem(m=96, n=5120, k=5120)
+    t = TritonSm90Tactic(tile_m=64, tile_n=64, split_k=2)
+    x = cm.direct_terms(p, SM90, t)
+    extra = c["launch_us"] + c["split_reduce_us"] * x["split_m1"]
+    totals = [cm.direct_base_us(x, {**c, "overlap_p": q}) - extra for q in (1.0, 2.0, 64.0)]
+    assert totals[0] > totals[1] > totals[2] > 0
+    c1 = {**c, "overlap_p": 1.0, "step_us": 0.0, "in_flight_bytes": 1.0}
+    alone = cm.direct_base_us(x, c1) - extra  # latency zeroed: dequant + mma + memory
+    c2 = {**c1, "dequant_elems_per_sm_us": 1e30}
+    assert alone > cm.direct_base_us(x, c2) - extra  # dropping one term lowers the sum
+
+
+def test_the_dot_order_rule_is_the_kernels():
+    """The model's dequantizer-order threshold is the one the kernel compiles in (read from
+    the installed kernel's source, which needs no Triton import)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("fp4_dispatch.backends.sm90.gemm_direct")
+    assert spec is not None and spec.origin is not None
+    src = Path(spec.origin).read_text()
+    rule = (f"DOT_ORDER: tl.constexpr = BLOCK_M >= {cm.DOT_ORDER_MIN_M} and "
+            f"BLOCK_K >= {cm.DOT_ORDER_MIN_K}")  # fmt: skip
+    assert rule in src
+    x = cm.direct_terms(Problem(m=2, n=4096, k=4096), SM90, TritonSm90Tactic(tile_m=16, tile_n=64))
+    assert x["natural"] == 1.0
+    swapped = TritonSm90Tactic(tile_m=64, tile_n=16, swap_ab=True)
+    assert cm.direct_terms(Problem(m=2, n=4096, k=4096), SM90, swapped)["natural"] == 0.0
+
+
+def test_spill_is_the_compiled_kernels_stack_frame():
+    """128x128x128 with 4 warps runs out of registers (255) and spills; with 8 warps it
+    does not: the feature comes from the occupancy table, per 256 bytes per thread."""
+    table = cm.constants()["occupancy"]["kernels"]
+    p = Problem(m=4096, n=4096, k=4096)
+    four = TritonSm90Tactic(tile_m=128, tile_n=128, num_warps=4)
+    eight = TritonSm90Tactic(tile_m=128, tile_n=128, num_warps=8)
+    frame = table["128x128x128/w4"][2]
+    assert frame > 0 and table["128x128x128/w8"][2] == 0
+    assert cm.direct_features(p, four)["spill"] == frame / cm.SPILL_UNIT_BYTES
+    assert "spill" not in cm.direct_features(p, eight)
