@@ -23,8 +23,7 @@
 
 5. **variants** (``--variants``): the kernel's code paths side by side, given and dynamic
    scale, M in {1, 16, 256, 4096} x K in {4096, 8192}, each checked bit for bit against
-   `quantize_blocks` run on the GPU (+ `swizzle_scales`): ``v1`` (the earlier kernel,
-   frozen in benchmarks/quantize_baseline.py); the current one with ``int-2launch``
+   `quantize_blocks` run on the GPU (+ `swizzle_scales`): the kernel with ``int-2launch``
    (integer e4m3 and thresholds, one element an operation, two-launch dynamic),
    ``asm-2launch`` (+ PTX conversions), ``pairs-2launch`` (+ bf16 two elements an
    operation), ``new`` (the defaults: + the one-launch cooperative dynamic scale),
@@ -309,10 +308,10 @@ def sweep() -> list[dict]:
     return rows
 
 
-#: (name, module, knob values) of `variants`: "v1" is the frozen earlier kernel
-#: (benchmarks/quantize_baseline.py), the others this one with knobs changed
+#: (name, module, knob values) of `variants`: this kernel with knobs changed (the
+#: earlier kernel, "v1", ran beside them once - RESULTS.md "Serving hot path" run 4 - from
+#: a frozen copy kept in git history only: commit 054de8d, benchmarks/quantize_baseline.py)
 VARIANTS = (
-    ("v1", "baseline", {}),
     ("int-2launch", "current", {"_USE_ASM": False, "_PAIRS": False, "_COOPERATIVE": False}),
     ("asm-2launch", "current", {"_PAIRS": False, "_COOPERATIVE": False}),
     ("pairs-2launch", "current", {"_COOPERATIVE": False}),
@@ -338,14 +337,6 @@ _KNOBS = (
     "_AMAX_ELEMS",
     "_MAX_PARTIALS",
 )
-
-
-def _baseline():
-    """The frozen earlier kernel module (next to this script)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import quantize_baseline
-
-    return quantize_baseline
 
 
 def gpu_reference(x: torch.Tensor, g: torch.Tensor | None) -> tuple:
@@ -378,7 +369,7 @@ def _variant_shape(name: str, mod, x: torch.Tensor, g: torch.Tensor, want: dict)
 def variants() -> list[dict]:
     """GPU time and bit equality of each `VARIANTS` entry (module docstring, 5.)."""
     saved = {n: getattr(kq, n) for n in _KNOBS}
-    mods = {"baseline": _baseline(), "current": kq}
+    mods = {"current": kq}
     rows = []
     shapes = [(m, k) for m in (1, 16, 256, 4096) for k in (4096, 8192)]
     xs = {mk: torch.randn(*mk, device="cuda", dtype=torch.bfloat16) * 3 for mk in shapes}
@@ -463,14 +454,13 @@ def _sass_count(kernel, consts: dict) -> tuple[int, int]:
 
 
 def sass_counts() -> list[dict]:
-    """SASS instructions per element of the earlier and the current quantize kernel,
+    """SASS instructions per element of the quantize kernel's code paths,
     compiled for sm_90 on this machine's Triton: the default 8x512 tile at 4 warps (32
     elements a thread), bf16 input, given scale, whole tiles, both layouts."""
     import triton
 
     rows = []
     for name, kernel, extra in (
-        ("v1", _baseline()._nvfp4_quantize_kernel, {}),
         ("int", kq._nvfp4_quantize_kernel, {"USE_ASM": False, "PAIRS": False}),
         ("asm", kq._nvfp4_quantize_kernel, {"USE_ASM": True, "PAIRS": False}),
         ("new", kq._nvfp4_quantize_kernel, {"USE_ASM": True, "PAIRS": True}),

@@ -665,29 +665,14 @@ class W4A16Kernel:
         """Launch on `operands` with the host work a decode step can afford (as
         `gemm_direct.Nvfp4GemmKernel.__call__`: integer ceil-divisions, a launch key)."""
         cfg = self.cfg
-        a, b, sb, alpha = operands.a, operands.b_data, operands.b_scale, operands.alpha
-        m, n, k = a.shape[0], b.shape[0], a.shape[1]
+        m, n, k = operands.a.shape[0], operands.b_data.shape[0], operands.a.shape[1]
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         if cfg.split_k > 1:
             ws, cnt = self.workspace(out.device, tiles)
         else:
             ws = cnt = out  # unused by the SPLIT_K == 1 variant
         bound = self._launch(operands, k)
-        sa0, (so0, so1) = a.stride(0), out.stride()
-        grid = (tiles, cfg.split_k)
-        bias = operands.bias
-        has_bias = bias is not None
-        if not has_bias:
-            bias = out  # never read (has_bias == 0); same dtype: the same compiled variant
-        args = (a, b, sb, alpha, bias, out, ws, cnt, m, n, k, sa0, so0, so1,
-                sb.shape[1] * 128, int(has_bias))  # fmt: skip
-        if all_aligned(a, b, sb, alpha, bias, out):
-            # sizes, strides and dtypes that vary between calls: what the compiled variant
-            # depends on beyond the binding's constexprs, given aligned pointers
-            key = (m, n, k, sa0, so0, so1, a.dtype, out.dtype, bias.dtype)
-            bound.launch_keyed(key, grid, args)
-        else:
-            bound(grid, args)
+        launch_dense(bound, (tiles, cfg.split_k), operands, out, ws, cnt)
         self.compiled = bound.last_compiled
 
     def precompile(
@@ -731,6 +716,37 @@ class W4A16Kernel:
 
 
 _W4A16_LAUNCH = CachedLauncher(_w4a16_kernel)
+
+
+def launch_dense(
+    bound: BoundLaunch,
+    grid: tuple[int, int],
+    operands: W4A16Operands,
+    out: torch.Tensor,
+    ws: torch.Tensor,
+    cnt: torch.Tensor,
+) -> None:
+    """Launch a W4A16 kernel of the shared signature (this module's direct kernel and
+    `gemm_w4a16_decode`'s gemv: x, weight, scales, alpha, bias, out, workspace, counters,
+    M, N, K, strides, scale row block, has_bias) on `operands`.
+
+    No bias: ``out`` stands in for the pointer (never read; the same dtype, so the same
+    compiled variant). Aligned pointers launch by a key of what varies between calls
+    (sizes, strides, dtypes: `BoundLaunch.launch_keyed`); anything else through Triton's
+    full specialization key."""
+    a, b, sb, alpha = operands.a, operands.b_data, operands.b_scale, operands.alpha
+    m, n, k = a.shape[0], b.shape[0], a.shape[1]
+    bias = operands.bias
+    has_bias = bias is not None
+    if not has_bias:
+        bias = out
+    sa0, (so0, so1) = a.stride(0), out.stride()
+    args = (a, b, sb, alpha, bias, out, ws, cnt, m, n, k, sa0, so0, so1,
+            sb.shape[1] * 128, int(has_bias))  # fmt: skip
+    if all_aligned(a, b, sb, alpha, bias, out):
+        bound.launch_keyed((m, n, k, sa0, so0, so1, a.dtype, out.dtype, bias.dtype), grid, args)
+    else:
+        bound(grid, args)
 
 
 # ---- the unpack path (large M) --------------------------------------------------------

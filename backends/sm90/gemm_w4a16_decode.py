@@ -52,10 +52,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4_dispatch.backends.sm90.gemm_w4a16 import _USE_ASM, W4A16Operands, _pair
+from fp4_dispatch.backends.sm90.gemm_w4a16 import _USE_ASM, W4A16Operands, _pair, launch_dense
 from fp4_dispatch.backends.sm90.splitk import k_tile_range, store_tile
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
-from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher, all_aligned
+from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher
 from fp4_dispatch.backends.workspace import Scratch
 from fp4_dispatch.nvfp4 import swizzled_scale_shape
 
@@ -380,27 +380,14 @@ class W4A16GemvKernel:
         """Launch on `operands` (host work as `gemm_w4a16.W4A16Kernel.__call__`: a launch
         key for aligned pointers, the bias into the epilogue)."""
         cfg = self.cfg
-        a, b, sb, alpha = operands.a, operands.b_data, operands.b_scale, operands.alpha
-        m, n, k = a.shape[0], b.shape[0], a.shape[1]
+        m, n, k = operands.a.shape[0], operands.b_data.shape[0], operands.a.shape[1]
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         if cfg.split_k > 1:
             ws, cnt = self.workspace(out.device, tiles)
         else:
             ws = cnt = out  # unused by the SPLIT_K == 1 variant
         bound = self._binding(k, bool(getattr(operands, "prepared", False)))
-        bias = operands.bias
-        has_bias = bias is not None
-        if not has_bias:
-            bias = out  # never read (has_bias == 0); same dtype: the same compiled variant
-        sa0, (so0, so1) = a.stride(0), out.stride()
-        grid = (tiles, cfg.split_k)
-        args = (a, b, sb, alpha, bias, out, ws, cnt, m, n, k, sa0, so0, so1,
-                sb.shape[1] * 128, int(has_bias))  # fmt: skip
-        if all_aligned(a, b, sb, alpha, bias, out):
-            key = (m, n, k, sa0, so0, so1, a.dtype, out.dtype, bias.dtype)
-            bound.launch_keyed(key, grid, args)
-        else:
-            bound(grid, args)
+        launch_dense(bound, (tiles, cfg.split_k), operands, out, ws, cnt)
         self.compiled = bound.last_compiled
 
     def precompile(
