@@ -745,3 +745,17 @@ def test_sm90_prepared_layout_rejects_bad_arguments():
         Nvfp4Tensor(q.data, q.scale, q.global_scale, q.layout, q.shape, "sm90-prepared")
     with pytest.raises(TypeError, match="uint8"):
         sm90_prepare_data(torch.zeros(2, 16, dtype=torch.int16))
+
+
+def test_a_ready_scale_tensor_is_used_as_is_and_never_aliased():
+    """A float32 0-dim scale on x's device skips the conversions; the result's global
+    scale is still a tensor of its own (writing it never changes the caller's)."""
+    from fp4_dispatch.nvfp4 import _scale_tensor
+
+    g = torch.tensor(0.02)
+    assert _scale_tensor(g, "global_scale", g.device) is g
+    assert _scale_tensor(torch.tensor([0.02]), "global_scale", g.device).dim() == 0
+    q = quantize_nvfp4(torch.randn(4, 64), g)
+    assert q.global_scale is not g and q.global_scale.data_ptr() != g.data_ptr()
+    q.global_scale.fill_(1.0)
+    assert float(g) == pytest.approx(0.02)
