@@ -297,7 +297,7 @@ for spec in json.loads(sys.argv[1]):
     kernel(ops, res)
     kernel._binding = binding
     (grid, args), = rec.seen
-    binding(k, False).warmup(grid, args)
+    binding(k, False, dtype).warmup(grid, args)
     out[spec["name"]] = {"new_by_precompile": after - before,
                          "new_by_real_args": len(cache) - after,
                          "type": type(compiled).__name__}

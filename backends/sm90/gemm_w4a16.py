@@ -71,7 +71,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import triton
@@ -315,6 +315,15 @@ _DEQUANT_BF16_V2_ASM = tl.constexpr(_BF16_PREPARED)
 
 
 @triton.jit
+def _dequant_asm_call(asm: tl.constexpr, x, s, dtype: tl.constexpr):
+    """One of the dequantizers' PTX blocks (`_dequant_asm`): 4 packed bytes and their
+    per-byte scales -> (even K, odd K) pairs of ``dtype``, two values per register."""
+    return tl.inline_asm_elementwise(
+        asm, "=r,=r,=r,=r,r,r,r", [x, s], dtype=(dtype.value, dtype.value), is_pure=True, pack=4
+    )
+
+
+@triton.jit
 def _dequant_elementwise_bf16(x, s32, PREPARED: tl.constexpr):
     """Element-wise twin of the bf16 PTX, in fp32: the same bit placement one exponent
     field wider (fp32 ``e2m1 * 2**-126``, code 1 on the fp32 subnormal 2**-127; the
@@ -344,24 +353,8 @@ def _dequant_scaled_bf16(
     s32 = s.to(tl.float32) * 5.192296858534828e33  # 2**112, exact
     if USE_ASM:
         sb = _scale_per_byte(s32.to(tl.bfloat16), ROWS, KB, ORDER)
-        if PREPARED:
-            lo, hi = tl.inline_asm_elementwise(
-                _DEQUANT_BF16_V2_ASM,
-                "=r,=r,=r,=r,r,r,r",
-                [x, sb],
-                dtype=(tl.bfloat16, tl.bfloat16),
-                is_pure=True,
-                pack=4,
-            )
-        else:
-            lo, hi = tl.inline_asm_elementwise(
-                _DEQUANT_BF16_NATURAL_ASM,
-                "=r,=r,=r,=r,r,r,r",
-                [x, sb],
-                dtype=(tl.bfloat16, tl.bfloat16),
-                is_pure=True,
-                pack=4,
-            )
+        asm: tl.constexpr = _DEQUANT_BF16_V2_ASM if PREPARED else _DEQUANT_BF16_NATURAL_ASM
+        lo, hi = _dequant_asm_call(asm, x, sb, tl.bfloat16)
     else:
         sf = _scale_per_byte(s32, ROWS, KB, ORDER)
         lo, hi = _dequant_elementwise_bf16(x, sf, PREPARED)
@@ -399,24 +392,8 @@ def _dequant_scaled(
     """
     s16 = _scale_per_byte(s.to(tl.float16), ROWS, KB, ORDER)
     if USE_ASM:
-        if PREPARED:
-            lo, hi = tl.inline_asm_elementwise(
-                _DEQUANT_F16_PREPARED_ASM,
-                "=r,=r,=r,=r,r,r,r",
-                [x, s16],
-                dtype=(tl.float16, tl.float16),
-                is_pure=True,
-                pack=4,
-            )
-        else:
-            lo, hi = tl.inline_asm_elementwise(
-                _DEQUANT_F16_NATURAL_ASM,
-                "=r,=r,=r,=r,r,r,r",
-                [x, s16],
-                dtype=(tl.float16, tl.float16),
-                is_pure=True,
-                pack=4,
-            )
+        asm: tl.constexpr = _DEQUANT_F16_PREPARED_ASM if PREPARED else _DEQUANT_F16_NATURAL_ASM
+        lo, hi = _dequant_asm_call(asm, x, s16, tl.float16)
     else:
         lo, hi = _dequant_elementwise(x, s16, PREPARED)
     return lo, hi
@@ -586,10 +563,21 @@ def _w4a16_kernel(
         x_ptrs += BLOCK_K
 
     scale = tl.load(alpha_ptr) * 16384.0  # alpha * 2**14
+    store_dense(acc, scale, bias_ptr, has_bias, out_ptr, offs_m, offs_n, M, N, stride_om,
+                stride_on, ws_ptr, cnt_ptr, pid, pid_k, BLOCK_N, BLOCK_M, SPLIT_K)  # fmt: skip
+
+
+@triton.jit
+def store_dense(acc, scale, bias_ptr, has_bias, out_ptr, offs_m, offs_n, M, N, stride_om,
+                stride_on, ws_ptr, cnt_ptr, pid, pid_k, BLOCK_N: tl.constexpr,
+                BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):  # fmt: skip
+    """The W4A16 epilogue both kernels share (this module's and `gemm_w4a16_decode`'s):
+    ``acc [BLOCK_N, BLOCK_M]`` (weight rows x tokens) times ``scale`` plus the bias of each
+    output column n, stored to the transposed tile of ``out`` through `store_tile`. The
+    bias is a runtime flag, not a constexpr: one compiled variant serves layers with and
+    without bias, so the precompile covers both."""
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None] * stride_on
     out_mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
-    # the bias of each output column n (a runtime flag, not a constexpr: one compiled
-    # variant serves layers with and without bias, so the precompile covers both)
     bias = tl.zeros((BLOCK_N, 1), dtype=tl.float32)
     if has_bias != 0:
         bias = tl.load(bias_ptr + offs_n[:, None], mask=offs_n[:, None] < N, other=0.0)
@@ -637,23 +625,25 @@ def check_operands(operands: W4A16Operands, out: torch.Tensor) -> None:
 
 
 @dataclass
-class W4A16Kernel:
-    """A built direct kernel: ``kernel(operands, out)``; ``out = alpha * a @ dequant(b).T``
-    plus ``operands.bias`` (``bias_epilogue``: added in fp32 before the one rounding).
+class DenseKernel:
+    """What the W4A16 kernels with the shared signature (`launch_dense`) have in common:
+    ``kernel(operands, out)``, the kept split-K workspace, the precompile. A subclass
+    gives ``cfg`` (block_n, block_m, block_k, split_k) and `_binding`.
 
-    Owns the split-K workspace: one fp32 partial buffer and one int32 counter array per
-    (device, tile count), made outside CUDA-graph pools on the first call that needs it
-    (`fp4_dispatch.backends.workspace`) and reused after; the kernel resets every
-    counter it uses, so no call writes a memset. Run the first call outside capture.
+    The split-K workspace (one fp32 partial buffer and one int32 counter array per
+    (device, tile count)) is made outside CUDA-graph pools on the first call that needs
+    it (`fp4_dispatch.backends.workspace`) and reused after; the kernel resets every
+    counter it uses, so no call writes a memset. Run the first call outside capture; one
+    object must not run on two streams at once.
     """
 
-    cfg: W4A16Config
+    cfg: Any
     bias_epilogue: ClassVar[bool] = True
     _scratch: Scratch = field(default_factory=Scratch, repr=False)
-    #: the Triton launch handle of the latest call (its ``asm`` holds PTX/cubin: the
-    #: benchmark counts SASS instructions per element from it)
+    #: the Triton launch handle of the latest compiling call (its ``asm`` holds PTX and
+    #: cubin: the benchmarks count SASS instructions per element from it)
     compiled: object = field(default=None, repr=False)
-    #: (EVEN_K, PREPARED, BF16_NATIVE) -> cached launcher binding
+    #: the binding's constexpr key -> cached launcher binding (`_binding`)
     _bound: dict = field(default_factory=dict, repr=False)
 
     def workspace(self, device: torch.device, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -671,7 +661,8 @@ class W4A16Kernel:
             ws, cnt = self.workspace(out.device, tiles)
         else:
             ws = cnt = out  # unused by the SPLIT_K == 1 variant
-        bound = self._launch(operands, k)
+        prepared = bool(getattr(operands, "prepared", False))
+        bound = self._binding(k, prepared, operands.a.dtype)
         launch_dense(bound, (tiles, cfg.split_k), operands, out, ws, cnt)
         self.compiled = bound.last_compiled
 
@@ -682,7 +673,7 @@ class W4A16Kernel:
 
         Mirrors `__call__` for contiguous ``dtype`` activations and output (what
         `Dispatcher.gemm` and the tuner pass), each tensor given by its dtype (Triton's
-        placeholder, 16-byte aligned like every allocation). The kernel does not
+        placeholder, 16-byte aligned like every allocation). The kernels do not
         specialize on M or N (``do_not_specialize``): K, N's row stride and the dtypes
         decide the variant, so one compile serves every M bucket of an (N, K).
         """
@@ -694,11 +685,16 @@ class W4A16Kernel:
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         return self._binding(k, prepared, dtype).warmup((tiles, cfg.split_k), args)
 
-    def _launch(self, operands: W4A16Operands, k: int) -> BoundLaunch:
-        """The cached launcher binding of this call's constexprs (`backends.triton_launch`:
-        after the first call of a specialization the compiled kernel is launched
-        directly, not through ``JITFunction.run``)."""
-        return self._binding(k, bool(getattr(operands, "prepared", False)), operands.a.dtype)
+    def _binding(self, k: int, prepared: bool, act_dtype: torch.dtype) -> BoundLaunch:
+        raise NotImplementedError
+
+
+@dataclass
+class W4A16Kernel(DenseKernel):
+    """A built direct (wgmma) kernel: ``kernel(operands, out)``; ``out = alpha * a @
+    dequant(b).T`` plus ``operands.bias`` (added in fp32 before the one rounding)."""
+
+    cfg: W4A16Config
 
     def _binding(self, k: int, prepared: bool, act_dtype: torch.dtype) -> BoundLaunch:
         """The launcher binding of (even K, prepared, native bf16 dequant), made once."""

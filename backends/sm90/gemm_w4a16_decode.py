@@ -45,19 +45,21 @@ prepared layout); K need not divide by the K tile. ``x`` must have unit stride a
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import ClassVar
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from fp4_dispatch.backends.sm90.gemm_w4a16 import _USE_ASM, W4A16Operands, _pair, launch_dense
-from fp4_dispatch.backends.sm90.splitk import k_tile_range, store_tile
+from fp4_dispatch.backends.sm90.gemm_w4a16 import (
+    _USE_ASM,
+    DenseKernel,
+    _pair,
+    store_dense,
+)
+from fp4_dispatch.backends.sm90.splitk import k_tile_range
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
 from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher
-from fp4_dispatch.backends.workspace import Scratch
-from fp4_dispatch.nvfp4 import swizzled_scale_shape
 
 log = logging.getLogger(__name__)
 
@@ -339,77 +341,23 @@ def _w4a16_gemv_kernel(
         total = _column(total, tl.sum(acc2, axis=1), 2)
         total = _column(total, tl.sum(acc3, axis=1), 3)
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None] * stride_on
-    out_mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
-    # the bias of each output column n: a runtime flag (one compiled variant for both),
-    # as in `gemm_w4a16._w4a16_kernel`
-    bias = tl.zeros((BLOCK_N, 1), dtype=tl.float32)
-    if has_bias != 0:
-        bias = tl.load(bias_ptr + offs_n[:, None], mask=offs_n[:, None] < N, other=0.0)
-        bias = bias.to(tl.float32)
-    store_tile(total, scale, out_ptrs, out_mask, ws_ptr, cnt_ptr, pid, pid_k, BLOCK_N, BLOCK_M,
-               SPLIT_K, bias, True)  # fmt: skip
+    store_dense(total, scale, bias_ptr, has_bias, out_ptr, offs_m, offs_n, M, N, stride_om,
+                stride_on, ws_ptr, cnt_ptr, pid, pid_k, BLOCK_N, BLOCK_M, SPLIT_K)  # fmt: skip
 
 
 _GEMV_LAUNCH = CachedLauncher(_w4a16_gemv_kernel)
 
 
 @dataclass
-class W4A16GemvKernel:
-    """A built GEMV kernel: ``kernel(operands, out)``; ``out = alpha * a @ dequant(b).T``.
-
-    Same ownership rules as `gemm_w4a16.W4A16Kernel`: the split-K workspace is made on
-    the first call that needs it (outside CUDA-graph pools) and reused; the first call
-    of a shape must run outside a capture; one object must not run on two streams at once.
-    """
+class W4A16GemvKernel(DenseKernel):
+    """A built GEMV kernel: ``kernel(operands, out)``; ``out = alpha * a @ dequant(b).T``
+    plus ``operands.bias``. Calls, workspace and precompile as every `DenseKernel`."""
 
     cfg: W4A16GemvConfig
-    bias_epilogue: ClassVar[bool] = True
-    _scratch: Scratch = field(default_factory=Scratch, repr=False)
-    #: the Triton launch handle of the latest compiling call (its ``asm``: PTX, cubin)
-    compiled: object = field(default=None, repr=False)
-    #: (EVEN_K, PREPARED) -> cached launcher binding
-    _bound: dict = field(default_factory=dict, repr=False)
 
-    def workspace(self, device: torch.device, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(fp32 partials, int32 counters) for ``tiles`` output tiles on ``device``."""
-        elems = tiles * self.cfg.split_k * self.cfg.block_n * self.cfg.block_m
-        return self._scratch.get(device, elems, tiles)
-
-    def __call__(self, operands: W4A16Operands, out: torch.Tensor) -> None:
-        """Launch on `operands` (host work as `gemm_w4a16.W4A16Kernel.__call__`: a launch
-        key for aligned pointers, the bias into the epilogue)."""
-        cfg = self.cfg
-        m, n, k = operands.a.shape[0], operands.b_data.shape[0], operands.a.shape[1]
-        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-        if cfg.split_k > 1:
-            ws, cnt = self.workspace(out.device, tiles)
-        else:
-            ws = cnt = out  # unused by the SPLIT_K == 1 variant
-        bound = self._binding(k, bool(getattr(operands, "prepared", False)))
-        launch_dense(bound, (tiles, cfg.split_k), operands, out, ws, cnt)
-        self.compiled = bound.last_compiled
-
-    def precompile(
-        self, m: int, n: int, k: int, dtype: torch.dtype, prepared: bool = False
-    ) -> object:
-        """Compile the variant a call of these sizes launches, launching nothing.
-
-        Mirrors `__call__` for contiguous ``dtype`` activations and output (what
-        `Dispatcher.gemm` and the tuner pass), each tensor given by its dtype (Triton's
-        placeholder, 16-byte aligned). No specialization on M or N (``do_not_specialize``):
-        K, N's row stride and the dtypes decide the variant.
-        """
-        cfg = self.cfg
-        ws, cnt = (torch.float32, torch.int32) if cfg.split_k > 1 else (dtype, dtype)
-        sblk = swizzled_scale_shape(n, k)[1] * 128
-        args = (dtype, torch.uint8, torch.float8_e4m3fn, torch.float32, dtype, dtype, ws, cnt,
-                m, n, k, k, n, 1, sblk, 0)  # fmt: skip
-        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-        return self._binding(k, prepared).warmup((tiles, cfg.split_k), args)
-
-    def _binding(self, k: int, prepared: bool) -> BoundLaunch:
-        """The launcher binding of (even K, prepared), made once per kernel object."""
+    def _binding(self, k: int, prepared: bool, act_dtype: torch.dtype) -> BoundLaunch:
+        """The launcher binding of (even K, prepared), made once per kernel object (the
+        activation dtype changes no constexpr of the gemv)."""
         cfg = self.cfg
         key = (k % cfg.block_k == 0, prepared)
         bound = self._bound.get(key)
