@@ -133,10 +133,10 @@ def _direct_runner(compiled: Any, grid3: tuple[int, int, int], device: int, stan
     cached per device) and the stream comes from ``torch._C._cuda_getCurrentRawStream``
     (0.1 µs, vs 4.7 µs for ``torch.cuda.current_stream().cuda_stream``), and empty
     launch-hook chains are not called. Launch hooks (profilers such as proton add them)
-    need the metadata: while one is set, calls go
-    through Triton's own runner, ``standard`` (``compiled[grid3]``, which also loaded
-    the binary). None when this Triton's compiled kernel lacks the pieces (``run``,
-    ``function``, ``packed_metadata``, ``triton.knobs``).
+    need the metadata: while one is set, calls go through Triton's own runner,
+    ``standard`` (``compiled[grid3]``, which also loaded the binary). None when this
+    Triton's compiled kernel lacks the pieces (``run``, ``function``, ``packed_metadata``,
+    ``triton.knobs``).
     """
     try:
         import triton  # noqa: PLC0415 - optional: Triton
@@ -253,7 +253,7 @@ class BoundLaunch:
         """`__call__` for callers that know their specialization: ``key`` must differ
         whenever `specialization_key` of ``args`` could differ between calls with that
         grid (e.g. the dtype, alignment and strides of the tensors a user passes, for a
-        plan whose other arguments are fixed; `alignment_bits` helps). The current device
+        plan whose other arguments are fixed; `all_aligned` helps). The current device
         is added here. A known key skips the specialization key and both cache look-ups:
         one dict get and the launch.
         """

@@ -33,13 +33,15 @@ class Scratch:
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        #: (device type, device index, floats, counters) -> pair (no ``str(device)``: this
+        #: look-up runs on every split-K call)
+        self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()
 
     def get(
         self, device: torch.device, floats: int, counters: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (str(device), floats, counters)
+        key = (device.type, device.index, floats, counters)
         pair = self._buffers.get(key)
         if pair is None:
             with self._lock:
@@ -56,21 +58,23 @@ class Scratch:
         return list(self._buffers.values())
 
 
-_ONES: dict[str, torch.Tensor] = {}
+_ONES: dict[tuple[bool, int], torch.Tensor] = {}
 
 
-def one(device: torch.device) -> torch.Tensor:
-    """A float32 ``[1]`` tensor holding 1.0 on `device`, made once per device outside
+def one_like(t: torch.Tensor) -> torch.Tensor:
+    """A float32 ``[1]`` tensor holding 1.0 on `t`'s device, made once per device outside
     CUDA-graph pools (like `Scratch`) and kept for the process: the neutral second
-    factor of a kernel that takes alpha as two (`fp4_dispatch.backend.GemmOperands`)."""
-    key = str(device)
-    t = _ONES.get(key)
-    if t is None:
+    factor of a kernel that takes alpha as two (`fp4_dispatch.backend.GemmOperands`).
+    Looked up by ``(t.is_cuda, t.get_device())``, not ``t.device`` (a hot-path call)."""
+    key = (t.is_cuda, t.get_device())
+    o = _ONES.get(key)
+    if o is None:
+        device = t.device
         ws, _ = _make_outside_pools(device, 1, 1)
-        t = _ONES[key] = ws.fill_(1.0)
+        o = _ONES[key] = ws.fill_(1.0)
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # once, off the hot path
-    return t
+    return o
 
 
 def _make(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:

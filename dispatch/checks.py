@@ -91,9 +91,18 @@ def k_dims(k_a: int, k_b: int, names: tuple[str, str] = ("qa", "qb")) -> int:
     return gemm_k(k_a, names[0])
 
 
+def on_device(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether `t` lives on `device`. A CUDA device with an index is compared by
+    ``get_device()`` (an int) first: ``t.device`` builds a ``torch.device`` object, a
+    microsecond or two per call on the eager hot path."""
+    if device.type == "cuda" and device.index is not None and t.get_device() == device.index:
+        return True
+    return t.device == device
+
+
 def same_device(device: torch.device, **tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
-        if t.device != device:
+        if not on_device(t, device):
             raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
 
 

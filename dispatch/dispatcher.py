@@ -103,9 +103,6 @@ class Dispatcher:
         self._torch_device = (
             None if self.device.is_simulated else torch.device(self.device.torch_device)
         )
-        #: the CUDA device index when running on one (`check_device`'s fast comparison)
-        dev = self._torch_device
-        self._cuda_index = (dev.index or 0) if dev is not None and dev.type == "cuda" else None
         self.winners = TunedWinners(self, _tuning_cache(cache), verify_cache)
         self._untuned_logged: set[BucketKey] = set()
         self._autotune_depth = 0
@@ -461,24 +458,19 @@ class Dispatcher:
         }  # fmt: skip
 
     def check_device(self, name: str, t: torch.Tensor) -> torch.device:
-        """The torch device this dispatcher runs on; raises unless `t` is there and it is real.
-
-        A CUDA tensor's ``get_device()`` (an int) is compared first: ``t.device`` builds a
-        ``torch.device`` object, a microsecond or two per call on the hot path."""
+        """The torch device this dispatcher runs on; raises unless `t` is there and it is real
+        (`checks.on_device`: a CUDA tensor is compared by index, without ``t.device``)."""
         want = self._torch_device
-        idx = self._cuda_index
-        if idx is not None and t.get_device() == idx:
-            return want  # type: ignore[return-value]
+        if want is not None and checks.on_device(t, want):
+            return want
         if want is None:
             raise RuntimeError(
                 f"{self.device.name} is simulated: it ranks and compiles but runs nothing; "
                 "use Dispatcher() on the real device to run a GEMM"
             )
-        if t.device != want:
-            raise ValueError(
-                f"{name}: expected a tensor on the dispatcher's device {want}, got {t.device}"
-            )
-        return want
+        raise ValueError(
+            f"{name}: expected a tensor on the dispatcher's device {want}, got {t.device}"
+        )
 
     def run_checked(
         self,
@@ -596,8 +588,7 @@ class Dispatcher:
         dtype = checks.out_dtype_name(out_dtype)
         checks.k_dims(qa.k, qb.k)
         device = self.check_device("qa", qa.data)
-        if qb.data.get_device() != qa.data.get_device() or qb.data.device != device:
-            checks.same_device(device, qb=qb.data)
+        checks.same_device(device, qb=qb.data)
         # backends read natural data order (an "sm90-prepared" weight is restored here)
         qa, qb = qa.with_layout("swizzled").natural(), qb.with_layout("swizzled").natural()
         if out is not None:
@@ -624,8 +615,7 @@ class Dispatcher:
         dtype = checks.out_dtype_name(out_dtype)
         checks.k_dims(a.shape[1], qb.k)
         device = self.check_device("qa", a)
-        if qb.data.device != device:
-            checks.same_device(device, qb=qb.data)
+        checks.same_device(device, qb=qb.data)
         qb = qb.with_layout("swizzled").natural()  # backends read natural data order
         if out is not None:
             out = checks.out_tensor(out, a.shape[0], qb.rows, out_dtype, device)

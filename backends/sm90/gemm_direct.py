@@ -53,7 +53,7 @@ from fp4_dispatch.backend import GemmOperands
 from fp4_dispatch.backends.sm90.splitk import k_tile_range, store_tile
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
 from fp4_dispatch.backends.triton_launch import CachedLauncher, all_aligned
-from fp4_dispatch.backends.workspace import Scratch, one
+from fp4_dispatch.backends.workspace import Scratch, one_like
 
 log = logging.getLogger(__name__)
 
@@ -325,21 +325,14 @@ class Nvfp4GemmKernel:
             for even in (False, True)
         }
         self._scratch = Scratch()
-        self._ones: dict[int, torch.Tensor] = {}  # device index -> `workspace.one`
-        #: (device index, tiles) -> the Scratch pair (skips Scratch's str(device) key)
-        self._kept: dict[tuple[int | None, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _workspace(self, device: torch.device, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Split-K partials and tile counters, kept per tile count (`backends.workspace`).
 
         The kernel's last split resets each counter to zero, so no call needs a memset.
         """
-        pair = self._kept.get((device.index, tiles))
-        if pair is None:
-            tile_elems = self.cfg.block_m * self.cfg.block_n
-            pair = self._scratch.get(device, tiles * self.cfg.split_k * tile_elems, tiles)
-            self._kept[(device.index, tiles)] = pair
-        return pair
+        tile_elems = self.cfg.block_m * self.cfg.block_n
+        return self._scratch.get(device, tiles * self.cfg.split_k * tile_elems, tiles)
 
     def __call__(self, operands: GemmOperands, out: torch.Tensor) -> None:
         """Launch on `operands`; the host work is kept to what a decode step can afford
@@ -350,9 +343,7 @@ class Nvfp4GemmKernel:
                                operands.b_scale, operands.alpha)  # fmt: skip
         # the neutral second factor, fetched on every call (a dict look-up) so that the
         # eager call before a capture has made it whichever path the capture takes
-        ones = self._ones.get(a.get_device())
-        if ones is None:
-            ones = self._ones[a.get_device()] = one(a.device)
+        ones = one_like(a)
         alpha_b = ones if operands.alpha_b is None else operands.alpha_b
         m, n, k = a.shape[0], b.shape[0], 2 * a.shape[1]
         cfg = self.cfg
