@@ -3,6 +3,7 @@
 One run (one device call, a few minutes on one H200):
 
     python3 benchmarks/bench_w4a16.py            # OUT=/some/dir also writes $OUT/w4a16.json
+    python3 benchmarks/bench_w4a16.py --ms 64 256  # only the rows of these M
 
 For every shape of the issue's grid (M in 1, 16, 64, 256, 4096 x (N, K) in (8192, 8192),
 (5120, 5120), (13824, 5120), (10240, 8192)) and of a HELD-OUT grid fixed below before any
@@ -94,10 +95,11 @@ W4A4_TACTICS = 2  # per W4A4 backend
 TOL = 1e-2
 
 
-def grid() -> list[tuple[int, int, int, bool]]:
+def grid(ms: tuple[int, ...] = ()) -> list[tuple[int, int, int, bool]]:
+    """Both grids, or only their rows whose M is in `ms` (``--ms 64 256``)."""
     main = [(m, n, k, False) for m in MAIN_M for n, k in MAIN_NK]
     held = [(m, n, k, True) for m in HELD_M for n, k in HELD_NK]
-    return main + held
+    return [s for s in main + held if not ms or s[0] in ms]
 
 
 def w4a16_tactics(problem: Problem, info) -> list[TritonSm90W4A16Tactic]:
@@ -440,7 +442,8 @@ def main() -> None:
     if info.cc is None or not 90 <= info.cc < 100:
         print(f"warning: {info.name} is not sm90; using simulated sm90 tactic rules", flush=True)
         info = simulated("sm90")
-    shapes = grid()
+    ms = tuple(int(v) for v in sys.argv[sys.argv.index("--ms") + 1 :]) if "--ms" in sys.argv else ()
+    shapes = grid(ms)
     problems = [Problem(m=m, n=n, k=k) for m, n, k, _ in shapes]
     w4a16 = TritonSm90W4A16Backend()
     w4_all = [(w4a16, t, p) for p in problems for t in w4a16_tactics(p, info)]

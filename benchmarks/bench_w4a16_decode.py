@@ -5,7 +5,9 @@ tensor-core-free gemv kernel) against bf16 cuBLAS and FP8 cuBLASLt, in one devic
     python3 benchmarks/bench_w4a16_decode.py --smoke  # CPU: tiny shapes, interpreter
 
 Grid: M in (1, 4, 16) x (N, K) in the issue's four shapes (8192², 5120², 13824x5120,
-10240x8192) and two more fixed before any measurement (4608x3584, 18944x3584). Per shape:
+10240x8192) and two more fixed before any measurement (4608x3584, 18944x3584); then M in
+(2, 8) x (6144, 4096), (28672, 8192), (4096, 14336), held out of the direct path's cost
+model fit (fixed before it). Per shape:
 
 1. bf16 ``torch.mm(x, w.T)`` and FP8 ``torch._scaled_mm`` (per-tensor scales) on the same
    dequantized weight, same run;
@@ -17,6 +19,8 @@ Grid: M in (1, 4, 16) x (N, K) in the issue's four shapes (8192², 5120², 13824
    dequant(W).T`` of the unquantized bf16 activation: relative Frobenius error <= 1e-2,
    else the tactic counts as failed and is not timed;
 4. GPU time `fp4_dispatch.harness.gpu_time_us` (CUDA graph, L2 flushed before every call);
+   eager wall per call (`eager_wall_us`: back to back, one synchronisation) of the
+   estimate's pick, bf16 and FP8;
    the best gemv and best direct tactic again on sm90-prepared weights;
 5. SASS instructions per weight element of the best gemv tactic's main loop (cubin).
 
@@ -54,9 +58,13 @@ from fp4_dispatch.tactics import Problem, tactic_label
 
 MS = (1, 4, 16)
 NK = ((8192, 8192), (5120, 5120), (13824, 5120), (10240, 8192), (4608, 3584), (18944, 3584))
+#: held out of the direct path's v1 fit (plugins/sm90/cost_model.json): fixed before it
+HELD_MS = (2, 8)
+HELD_NK = ((6144, 4096), (28672, 8192), (4096, 14336))
 SMOKE_MS = (1, 3)
 SMOKE_NK = ((72, 256), (40, 1056))
 TOL = 1e-2
+HELD = {(m, n, k) for m in HELD_MS for n, k in HELD_NK}
 #: gemv tactics (the estimate's best) every shape gets before any shape gets the rest
 FIRST_PASS_GEMV = 16
 #: copy rate of the H200 measured in earlier runs (RESULTS.md), bytes/µs, at 98%
@@ -134,9 +142,15 @@ def timed(fn, device: torch.device) -> float:
     return eager_wall_us(fn, calls=1, warmup=0)
 
 
+def eager(fn, device: torch.device) -> float:
+    """Eager wall µs per call: back-to-back calls, one synchronisation at the end (CUDA)."""
+    return eager_wall_us(fn) if device.type == "cuda" else math.nan
+
+
 def baselines(s: Shape) -> dict:
     """bf16 cuBLAS and FP8 cuBLASLt on the dequantized weight (the same run)."""
-    row = {"bf16_us": timed(lambda: torch.mm(s.x, s.w16.t(), out=s.out), s.device)}
+    bf16 = lambda: torch.mm(s.x, s.w16.t(), out=s.out)  # noqa: E731
+    row = {"bf16_us": timed(bf16, s.device), "bf16_eager_us": eager(bf16, s.device)}
     row["bf16_err"] = rel_err(torch.mm(s.x, s.w16.t()), s.ref)
     if s.device.type != "cuda":
         row["fp8_us"] = math.nan
@@ -144,9 +158,10 @@ def baselines(s: Shape) -> dict:
     one = torch.ones((), dtype=torch.float32, device=s.device)
     a8 = (s.x * 0.125).to(torch.float8_e4m3fn)
     b8 = (s.w16 * 0.125).to(torch.float8_e4m3fn)
+    fp8 = lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=s.dtype)  # noqa: E731
     try:
-        row["fp8_us"] = timed(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one,
-                                                       out_dtype=s.dtype), s.device)  # fmt: skip
+        row["fp8_us"] = timed(fp8, s.device)
+        row["fp8_eager_us"] = eager(fp8, s.device)
     except RuntimeError as exc:  # recorded: the table says n/a
         row["fp8_us"] = math.nan
         row["fp8_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -160,7 +175,8 @@ def _problem(s: Shape) -> Problem:
 
 def new_row(s: Shape, est_pick: TritonSm90W4A16Tactic) -> dict:
     """A shape's row: baselines, floor, the estimate's pick (tactics come later)."""
-    row: dict = {"m": s.m, "n": s.n, "k": s.k, **baselines(s), "tactics": {}, "skipped": []}
+    row: dict = {"m": s.m, "n": s.n, "k": s.k, **baselines(s), "tactics": {}, "skipped": [],
+                 "held_out": (s.m, s.n, s.k) in HELD}  # fmt: skip
     row["est_pick"] = est_pick.canonical_json()
     row["floor_us"] = w4a16_min_bytes(_problem(s)) / FLOOR_BYTES_PER_US
     return row
@@ -203,6 +219,10 @@ def finish(row: dict, s: Shape, info, deadline: float) -> None:
                 row["gemv_sass"] = sass(kernel)
     est = row["tactics"].get(row["est_pick"], {})
     row["est_pick_us"] = est.get("us", math.nan)
+    if "us" in est:  # the pick as the dispatcher runs it eagerly: the kernel object's call
+        kernel = BACKEND.build(TritonSm90W4A16Tactic.model_validate_json(row["est_pick"]),
+                               problem, info)  # fmt: skip
+        row["est_pick_eager_us"] = eager(lambda: kernel(s.ops, s.out), s.device)
     errs = [e.get("rel_err", math.nan) for e in row["tactics"].values()]
     row["failed"] = [tj for tj, e in row["tactics"].items() if not e.get("rel_err", 1) <= TOL]
     row["max_err"] = max((e for e in errs if math.isfinite(e)), default=math.nan)
@@ -238,19 +258,22 @@ def table(rows: list[dict]) -> str:
     def short(tj: str | None) -> str:
         return label(TritonSm90W4A16Tactic.model_validate_json(tj)) if tj else "-"
 
-    head = ["M", "N", "K", "bf16 µs", "FP8 µs", "gemv best µs", "gemv tactic",
+    head = ["M", "N", "K", "set", "bf16 µs", "FP8 µs", "gemv best µs", "gemv tactic",
             "direct best µs", "direct tactic", "est pick µs", "est pick", "floor µs",
-            "bf16 / best", "FP8 / best", "bf16 / est pick", "timed", "failed",
-            "max err"]  # fmt: skip
+            "bf16 / best", "FP8 / best", "bf16 / est pick", "eager: est pick µs",
+            "eager: bf16 µs", "eager: FP8 µs", "timed", "failed", "max err"]  # fmt: skip
     body = []
     for x in rows:
         best = min(x["best_gemv_us"], x["best_direct_us"], key=lambda v: v if v == v else 1e30)
         timed_n = sum("us" in e for e in x["tactics"].values())
-        body.append([str(x["m"]), str(x["n"]), str(x["k"]), f(x["bf16_us"]), f(x["fp8_us"]),
+        body.append([str(x["m"]), str(x["n"]), str(x["k"]),
+                     "held-out" if x.get("held_out") else "issue", f(x["bf16_us"]), f(x["fp8_us"]),
                      f(x["best_gemv_us"]), short(x["best_gemv"]), f(x["best_direct_us"]),
                      short(x["best_direct"]), f(x["est_pick_us"]), short(x["est_pick"]),
                      f(x["floor_us"]), r(x["bf16_us"], best), r(x["fp8_us"], best),
-                     r(x["bf16_us"], x["est_pick_us"]), f"{timed_n}+{len(x['skipped'])} skipped",
+                     r(x["bf16_us"], x["est_pick_us"]), f(x.get("est_pick_eager_us")),
+                     f(x.get("bf16_eager_us")), f(x.get("fp8_eager_us")),
+                     f"{timed_n}+{len(x['skipped'])} skipped",
                      str(len(x["failed"])), f"{x['max_err']:.2e}"])  # fmt: skip
     return markdown_table(head, body)
 
@@ -310,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     # fp16 under the interpreter: it mishandles bf16 operands of tl.dot (the direct kernel)
     dtype = torch.bfloat16 if cuda else torch.float16
     grid = [(m, n, k) for m in (MS if cuda else SMOKE_MS) for n, k in (NK if cuda else SMOKE_NK)]
+    if cuda:
+        grid += [(m, n, k) for m in HELD_MS for n, k in HELD_NK]
     plans = {}
     for m, n, k in grid:
         p = Problem(m=m, n=n, k=k, out_dtype=str(dtype).split(".")[1], operation="w4a16")

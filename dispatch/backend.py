@@ -97,6 +97,12 @@ class DenseOperands:
       add is one more launch per layer (~8 µs of host time eagerly, a few µs of GPU
       time in a graph at decode) and one more rounding.
 
+    - ``b_prepared`` (keyword only): None, or the same weight bytes in the
+      ``"sm90-prepared"`` order (`fp4_dispatch.nvfp4.sm90_prepare_data`), which Hopper
+      kernels dequantize in fewer instructions (`Nvfp4Linear` keeps both on sm90). A
+      kernel may read either; ``b_data`` stays natural, so kernels that never look at
+      this field are unaffected.
+
     The dispatcher never swaps these (``swap_ab`` is always False for W4A16 tactics): a
     kernel that wants the weight on the MMA's M side does it inside.
     """
@@ -106,6 +112,7 @@ class DenseOperands:
     b_scale: torch.Tensor
     alpha: torch.Tensor
     bias: torch.Tensor | None = field(default=None, kw_only=True)
+    b_prepared: torch.Tensor | None = field(default=None, kw_only=True)
 
     @property
     def m(self) -> int:

@@ -498,12 +498,15 @@ class Dispatcher:
         out: torch.Tensor,
         dtype: str,
         bias: torch.Tensor | None = None,
+        b_prepared: torch.Tensor | None = None,
     ) -> None:
         """The W4A16 hot path: dense ``a`` [M, K] times the NVFP4 ``b`` through their plan;
-        ``bias`` ([N], optional) is added to every row (`DenseOperands.bias`)."""
+        ``bias`` ([N], optional) is added to every row (`DenseOperands.bias`);
+        ``b_prepared``: ``b`` in the sm90-prepared byte order, or None
+        (`DenseOperands.b_prepared`)."""
         if a.shape[0] and b.shape[0]:
             self._run((a.shape[0], b.shape[0], a.shape[1], dtype, "w4a16"),
-                      (a, b, sb, alpha, out, bias))  # fmt: skip
+                      (a, b, sb, alpha, out, bias, b_prepared))  # fmt: skip
 
     def _run(self, key: PlanKey, args: tuple) -> None:
         """Run `args` through the plan of `key`.

@@ -76,9 +76,10 @@ class Plan:
 
 
 class DensePlan(Plan):
-    """A W4A16 plan: ``plan(a, b, sb, alpha, out, bias=None)`` with dense ``a`` (never
-    swapped); ``bias`` goes to kernels with a bias epilogue (``bias_epilogue``) and is
-    added after the kernel for the others (`DenseOperands`)."""
+    """A W4A16 plan: ``plan(a, b, sb, alpha, out, bias=None, b_prepared=None)`` with
+    dense ``a`` (never swapped); ``bias`` goes to kernels with a bias epilogue
+    (``bias_epilogue``) and is added after the kernel for the others; ``b_prepared`` is
+    handed on as it is (`DenseOperands`)."""
 
     __slots__ = ("fused_bias",)
 
@@ -94,11 +95,12 @@ class DensePlan(Plan):
         alpha: torch.Tensor,
         out: torch.Tensor,
         bias: torch.Tensor | None = None,
+        b_prepared: torch.Tensor | None = None,
     ) -> None:
         if bias is None or self.fused_bias:
-            self.kernel(DenseOperands(a, b, sb, alpha, bias=bias), out)
+            self.kernel(DenseOperands(a, b, sb, alpha, bias=bias, b_prepared=b_prepared), out)
         else:
-            self.kernel(DenseOperands(a, b, sb, alpha), out)
+            self.kernel(DenseOperands(a, b, sb, alpha, b_prepared=b_prepared), out)
             out.add_(bias)
 
 

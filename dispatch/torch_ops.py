@@ -118,6 +118,7 @@ class Runner(Protocol):
         out: torch.Tensor,
         dtype: str,
         bias: torch.Tensor | None = None,
+        b_prepared: torch.Tensor | None = None,
     ) -> None: ...
 
     def check_device(self, name: str, t: torch.Tensor) -> torch.device: ...
@@ -463,6 +464,7 @@ def run_w4a16(
     out_dtype: torch.dtype = torch.bfloat16,
     out: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    b_prepared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """W4A16 ``alpha * a @ dequant(b).T (+ bias)`` (dense ``a``) on checked operands.
 
@@ -470,6 +472,8 @@ def run_w4a16(
     it, where inductor can fuse it); eagerly the plan runs directly, the bias in the
     kernel's epilogue where it has one (same CUDA-graph rules as `run`). A caller's
     ``out`` is written through a copy under torch.compile (the op returns a new tensor).
+    ``b_prepared`` (the weight bytes in the sm90-prepared order, `DenseOperands`) reaches
+    the kernel eagerly; the op takes the natural bytes only.
     """
     if torch.compiler.is_compiling():
         did = DEFAULT if dispatcher is None else dispatcher.op_id
@@ -481,7 +485,7 @@ def run_w4a16(
     dtype = checks.out_dtype_name(out_dtype)
     if out is None:
         out = torch.empty((a.shape[0], b_data.shape[0]), dtype=out_dtype, device=a.device)
-    d.run_dense(a, b_data, b_scale, alpha, out, dtype, bias)
+    d.run_dense(a, b_data, b_scale, alpha, out, dtype, bias, b_prepared)
     return out
 
 

@@ -206,6 +206,44 @@ def test_weight_only_activations_keep_the_input_unrounded(layer):
     assert rel(w4a4, ref) > 10 * rel(y, ref)  # the W4A4 path does round x (tests can fail)
 
 
+def test_prepared_weight_copy_reaches_the_kernel_and_follows_the_weight(layer, monkeypatch):
+    """prepare_weight: where W4A16 runs on Hopper the layer hands the GEMM the weight bytes
+    in the sm90-prepared order too, made once and remade when weight_data changes; off
+    Hopper, or with prepare_weight=False, nothing is made. Here the CPU stands in for a
+    Hopper device (`_prepares_on` patched); the portable kernel ignores the copy."""
+    from fp4_dispatch.nvfp4 import sm90_prepare_data
+
+    seen = []
+    real = torch_ops.run_w4a16
+
+    def spy(*args):
+        seen.append(args[8] if len(args) > 8 else None)
+        return real(*args)
+
+    monkeypatch.setattr(torch_ops, "run_w4a16", spy)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    plain = Nvfp4Linear.from_linear(layer, activations="bf16", prepare_weight=False)
+    want = plain(x)
+    assert seen == [None]  # CPU, and no copy asked for
+    mod = Nvfp4Linear.from_linear(layer, activations="bf16")
+    mod(x)
+    assert seen[-1] is None  # not a Hopper device: no copy
+    monkeypatch.setattr(Nvfp4Linear, "_prepares_on", lambda self, device: True)
+    y = mod(x)
+    first = seen[-1]
+    assert torch.equal(first, sm90_prepare_data(mod.weight_data))
+    assert torch.equal(y, want)  # same values, whichever bytes the kernel reads
+    mod(x)
+    assert seen[-1] is first  # kept between calls
+    other = quantize_nvfp4(torch.randn(96, 256))
+    mod.load_quantized(other)  # an in-place load: the copy is made again
+    mod(x)
+    assert seen[-1] is not first and torch.equal(seen[-1], sm90_prepare_data(other.data))
+    assert "weight_data_prepared" not in mod.state_dict() and len(mod.state_dict()) == 4
+    with pytest.raises(TypeError, match="prepare_weight"):
+        Nvfp4Linear(64, 16, prepare_weight="yes")
+
+
 def test_auto_activations_follow_the_device():
     mod = Nvfp4Linear(64, 16)
     assert mod.activations == "auto" and mod.operation("cpu") == "w4a4"

@@ -78,7 +78,13 @@ for m, n, k, cfg in json.loads(sys.argv[1]):
                                  ops.alpha, prepared=True)
         out_p = torch.full((m, n), float("nan"), dtype=torch.float16)
         kernel(prep, out_p)
-        same_p = bool(torch.equal(out, out_p))
+        # the dispatcher's way in: natural b_data plus the prepared copy (b_prepared)
+        from fp4_dispatch.backend import DenseOperands
+        both = DenseOperands(ops.a, ops.b_data, ops.b_scale, ops.alpha,
+                             b_prepared=prep.b_data)
+        out_b = torch.full((m, n), float("nan"), dtype=torch.float16)
+        kernel(both, out_b)
+        same_p = bool(torch.equal(out, out_p)) and bool(torch.equal(out, out_b))
     results.append([m, n, k, cfg, rel_err(out, ref), rel_err(out_t.t(), ref),
                     bool(torch.equal(out, again)), counters, same_p])
 unpack = []
@@ -163,6 +169,8 @@ def test_unpack_path_matches_float64(interpreted):
 
 
 def test_prepared_weights_give_identical_results(interpreted):
+    """The sm90-prepared bytes (as W4A16Operands(prepared=True) and as the dispatcher's
+    DenseOperands.b_prepared beside natural b_data) give the natural run's exact bits."""
     ran = 0
     for m, n, k, cfg, *_, same in interpreted["direct"]:
         assert same is not False, f"direct {m}x{n}x{k} {cfg}: prepared layout changed it"

@@ -33,8 +33,8 @@ counter to zero. One launch, no host sync, no memset, CUDA-graph capturable. The
 workspace is owned by the kernel object (`backends.workspace`), so one kernel object
 must not run on two streams concurrently.
 
-Shapes: any M >= 1 and N >= 1 (row indices wrap modulo M/N inside the tile so loads
-stay unmasked and in bounds; the store is masked); ``K % 32 == 0`` (whole bytes per
+Shapes: any M >= 1 and N >= 1 (rows past M/N inside a tile are masked loads, zero
+filled, at wrapped in-bounds addresses; the store is masked); ``K % 32 == 0`` (whole bytes per
 16-element block pair, as every backend of this project requires); K need not be a
 multiple of the K tile (the tail is masked). The output may have any strides.
 """
@@ -237,12 +237,12 @@ def _nvfp4_gemm_kernel(
     pid_m = first_m + (pid % width) % group_size
     pid_n = (pid % width) // group_size
 
-    k_half = K // 2
+    k_half = tl.multiple_of(K // 2, 16)  # K % 32 == 0 (check_operands): 16-byte rows
     kt0, kt1 = k_tile_range(K, BLOCK_K, SPLIT_K, pid_k)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = offs_m % M  # wrapped rows: unmasked, in-bounds loads; never stored
+    rm = offs_m % M  # in-bounds addresses for the masked rows past M / N; never stored
     rn = offs_n % N
     rb = tl.arange(0, KB)
     rg = tl.arange(0, KG)
@@ -255,20 +255,24 @@ def _nvfp4_gemm_kernel(
     as_ptrs = as_ptr + a_row[:, None] + g_off[None, :]
     bs_ptrs = bs_ptr + b_row[:, None] + g_off[None, :]
 
+    # rows past M / N (decode: the token tile) are zero-filled with no memory traffic;
+    # wrapped rows re-read real ones (measured 2-5% slower at M <= 16, RESULTS.md)
+    arow = (offs_m < M)[:, None]
+    brow = (offs_n < N)[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kt in range(kt0, kt1):
         if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-            sa = tl.load(as_ptrs)
-            sb = tl.load(bs_ptrs)
+            a = tl.load(a_ptrs, mask=arow, other=0)
+            b = tl.load(b_ptrs, mask=brow, other=0)
+            sa = tl.load(as_ptrs, mask=arow, other=0.0)
+            sb = tl.load(bs_ptrs, mask=brow, other=0.0)
         else:
             kmask = (kt * KB + rb) < k_half
             gmask = (kt * KG + rg) < K // 16
-            a = tl.load(a_ptrs, mask=kmask[None, :], other=0)
-            b = tl.load(b_ptrs, mask=kmask[None, :], other=0)
-            sa = tl.load(as_ptrs, mask=gmask[None, :], other=0.0)
-            sb = tl.load(bs_ptrs, mask=gmask[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=arow & kmask[None, :], other=0)
+            b = tl.load(b_ptrs, mask=brow & kmask[None, :], other=0)
+            sa = tl.load(as_ptrs, mask=arow & gmask[None, :], other=0.0)
+            sb = tl.load(bs_ptrs, mask=brow & gmask[None, :], other=0.0)
         if DOT_ORDER:
             a = _dot_order(a, BLOCK_M, KB)
             b = _dot_order(b, BLOCK_N, KB)

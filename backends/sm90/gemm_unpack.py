@@ -126,7 +126,7 @@ def unpack_nvfp4_kernel(
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     rows64 = rows.to(tl.int64)
-    k_half = K // 2
+    k_half = tl.multiple_of(K // 2, 16)  # K % 32 == 0 (check_operands): 16-byte rows
 
     bcol = pid_k * KB + tl.arange(0, KB)
     x = tl.load(

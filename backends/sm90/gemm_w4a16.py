@@ -61,9 +61,10 @@ no memset and no allocation: CUDA-graph capturable once a first call has run out
 the capture (which compiling the Triton kernel requires anyway). One kernel object must
 not run on two streams concurrently.
 
-Shapes: any M, N >= 1 (rows wrap modulo M/N inside a tile so loads stay in bounds;
-stores are masked); ``K % 32 == 0``; K need not divide by the K tile. ``x`` must have
-unit stride along K; ``out`` may have any strides.
+Shapes: any M, N >= 1 (weight rows wrap modulo N inside a tile, token rows past M are
+masked loads, so every address is in bounds; stores are masked); ``K % 32 == 0``; K need
+not divide by the K tile. ``x`` must have unit stride along K; ``out`` may have any
+strides.
 """
 
 from __future__ import annotations
@@ -506,6 +507,10 @@ def _w4a16_kernel(
 ):
     KB: tl.constexpr = BLOCK_K // 2  # packed weight bytes per row of a K tile
     KG: tl.constexpr = BLOCK_K // 16  # block scales per row of a K tile
+    # one dot of K = BLOCK_K (the lo and hi halves side by side) instead of two of K/2:
+    # measured up to 5% faster at 128-wide K steps, up to 25% slower at 256 (H200,
+    # RESULTS.md); 64-wide steps were not measured that way
+    ONE_DOT: tl.constexpr = BLOCK_K == 128
 
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -514,13 +519,13 @@ def _w4a16_kernel(
     pid_n = pid % grid_n
     pid_m = pid // grid_n
 
-    k_half = K // 2
+    k_half = tl.multiple_of(K // 2, 16)  # K % 32 == 0 (check_operands): 16-byte rows
     kt0, kt1 = k_tile_range(K, BLOCK_K, SPLIT_K, pid_k)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = offs_n % N  # wrapped rows: unmasked, in-bounds loads; never stored
-    rm = offs_m % M
+    rm = offs_m % M  # tokens past M: masked loads (xrow below) at in-bounds addresses
     rb = tl.arange(0, KB)
     rg = tl.arange(0, KG)
 
@@ -530,17 +535,19 @@ def _w4a16_kernel(
     rk = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (kt0 * BLOCK_K + rk)[None, :]
 
+    # token rows past M: zero-filled, no memory traffic (wrapped rows would re-read x)
+    xrow = (offs_m < M)[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kt in range(kt0, kt1):
         if EVEN_K:
             w = tl.load(w_ptrs)
             s = tl.load(s_ptrs)
-            xv = tl.load(x_ptrs)
+            xv = tl.load(x_ptrs, mask=xrow, other=0.0)
         else:
             kmask = (kt * KB + rb) < k_half
             w = tl.load(w_ptrs, mask=kmask[None, :], other=0)
             s = tl.load(s_ptrs, mask=((kt * KG + rg) < K // 16)[None, :], other=0.0)
-            xv = tl.load(x_ptrs, mask=((kt * BLOCK_K + rk) < K)[None, :], other=0.0)
+            xv = tl.load(x_ptrs, mask=xrow & ((kt * BLOCK_K + rk) < K)[None, :], other=0.0)
         # the weight tile in the dot's byte order (each MMA lane's 4 bytes one 32-bit word
         # of memory); the activations are permuted to the same order
         w = _from_prepared(w, BLOCK_N, KB)
@@ -556,8 +563,13 @@ def _w4a16_kernel(
         else:
             xe = _from_prepared(xe, BLOCK_M, KB)
             xo = _from_prepared(xo, BLOCK_M, KB)
-        acc = tl.dot(w_lo.to(xv.dtype), tl.trans(xe), acc)
-        acc = tl.dot(w_hi.to(xv.dtype), tl.trans(xo), acc)
+        if ONE_DOT:  # [lo | hi] along K: one wgmma group and one wait per step
+            w2 = tl.reshape(tl.permute(tl.join(w_lo, w_hi), (0, 2, 1)), (BLOCK_N, BLOCK_K))
+            x2 = tl.reshape(tl.permute(tl.join(xe, xo), (0, 2, 1)), (BLOCK_M, BLOCK_K))
+            acc = tl.dot(w2.to(xv.dtype), tl.trans(x2), acc)
+        else:
+            acc = tl.dot(w_lo.to(xv.dtype), tl.trans(xe), acc)
+            acc = tl.dot(w_hi.to(xv.dtype), tl.trans(xo), acc)
         w_ptrs += KB
         s_ptrs += (KG // 4) * 512
         x_ptrs += BLOCK_K
@@ -661,9 +673,13 @@ class DenseKernel:
             ws, cnt = self.workspace(out.device, tiles)
         else:
             ws = cnt = out  # unused by the SPLIT_K == 1 variant
-        prepared = bool(getattr(operands, "prepared", False))
+        # the sm90-prepared bytes when the caller has them (`DenseOperands.b_prepared`)
+        b = getattr(operands, "b_prepared", None) if k % 64 == 0 else None  # its K rule
+        prepared = b is not None or bool(getattr(operands, "prepared", False))
+        if b is None:
+            b = operands.b_data
         bound = self._binding(k, prepared, operands.a.dtype)
-        launch_dense(bound, (tiles, cfg.split_k), operands, out, ws, cnt)
+        launch_dense(bound, (tiles, cfg.split_k), operands, out, ws, cnt, b)
         self.compiled = bound.last_compiled
 
     def precompile(
@@ -721,16 +737,18 @@ def launch_dense(
     out: torch.Tensor,
     ws: torch.Tensor,
     cnt: torch.Tensor,
+    b: torch.Tensor,
 ) -> None:
     """Launch a W4A16 kernel of the shared signature (this module's direct kernel and
     `gemm_w4a16_decode`'s gemv: x, weight, scales, alpha, bias, out, workspace, counters,
-    M, N, K, strides, scale row block, has_bias) on `operands`.
+    M, N, K, strides, scale row block, has_bias) on `operands`, reading the weight bytes
+    ``b`` (``operands.b_data`` or its sm90-prepared copy, as ``bound`` was compiled for).
 
     No bias: ``out`` stands in for the pointer (never read; the same dtype, so the same
     compiled variant). Aligned pointers launch by a key of what varies between calls
     (sizes, strides, dtypes: `BoundLaunch.launch_keyed`); anything else through Triton's
     full specialization key."""
-    a, b, sb, alpha = operands.a, operands.b_data, operands.b_scale, operands.alpha
+    a, sb, alpha = operands.a, operands.b_scale, operands.alpha
     m, n, k = a.shape[0], b.shape[0], a.shape[1]
     bias = operands.bias
     has_bias = bias is not None

@@ -286,7 +286,7 @@ def _w4a16_gemv_kernel(
     pid_n = pid % grid_n  # consecutive CTAs walk N: the tokens stay hot in L2
     pid_m = pid // grid_n
 
-    k_half = K // 2
+    k_half = tl.multiple_of(K // 2, 16)  # K % 32 == 0 (check_operands): 16-byte rows
     kt0, kt1 = k_tile_range(K, BLOCK_K, SPLIT_K, pid_k)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

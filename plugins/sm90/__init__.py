@@ -117,16 +117,19 @@ def smem_rule(smem: int) -> str | None:
     return "exceeds Hopper's 227 KiB of shared memory per CTA" if smem > SMEM_LIMIT else None
 
 
-def split_k_rule(split_k: int, tiles: int, k_steps: int, sm_count: int) -> str | None:
+def split_k_rule(
+    split_k: int, tiles: int, k_steps: int, sm_count: int, max_ctas_per_sm: int = 4
+) -> str | None:
     """Why `split_k` is not offered for a grid of `tiles` output tiles and `k_steps` K
-    steps, else None: split-K only while the grid is under two waves, at most four CTAs
-    per SM, each split keeping >= 2 K steps (the sm90 kernels' shared rule)."""
+    steps, else None: split-K only while the grid is under two waves, at most
+    `max_ctas_per_sm` CTAs per SM, each split keeping >= 2 K steps (the sm90 kernels'
+    shared rule; the W4A16 kernel's small decode CTAs run more per SM)."""
     if split_k <= 1:
         return None
     if tiles >= 2 * sm_count:
         return f"split-K only below two waves ({tiles} tiles)"
-    if tiles * split_k > 4 * sm_count:
-        return "split-K beyond four CTAs per SM"
+    if tiles * split_k > max_ctas_per_sm * sm_count:
+        return f"split-K beyond {max_ctas_per_sm} CTAs per SM"
     if k_steps < 2 * split_k:
         return f"split_k={split_k} leaves < 2 K steps per split ({k_steps} steps)"
     return None

@@ -93,7 +93,7 @@ def load(path: Path) -> dict[str, Any]:
                    "split_reduce_us", "sat_warps", "natural_order_cost", "overlap_p",
                    "log_factor"),
         "unpack": ("gemm_eff", "bw_fraction", "cta_us", "launch_us", "wave_exp", "log_factor"),
-        "w4a16": ("dequant_elems_per_sm_us", "step_us", "ctas_per_sm", "bw_fraction",
+        "w4a16": ("dequant_elems_per_sm_us", "step_us", "direct_bw_fraction", "bw_fraction",
                   "launch_us", "in_flight_bytes", "split_reduce_us", "mma_eff",
                   "unpack_gemm_eff", "unpack_launch_us"),
     }  # fmt: skip

@@ -79,6 +79,9 @@ GEMV_MAX_CTAS_PER_SM = 16
 #: the direct kernel re-streams the whole weight per token tile: past this M the unpack
 #: path (one expansion, then cuBLAS) is cheaper (W4A4 measurement: RESULTS.md, "Hopper")
 DIRECT_MAX_M = 1024
+#: split-K up to this many direct-kernel CTAs per SM (the W4A4 rule's 4 rejected the
+#: measured best decode tiles: 64 weight rows x split 4-8 run 4-6 CTAs per SM)
+DIRECT_MAX_CTAS_PER_SM = 8
 #: below this M the unpack pass alone costs about as much as the direct kernel
 UNPACK_MIN_M = 256
 
@@ -149,7 +152,8 @@ def _why_invalid_direct(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo
     if why:
         return why
     tiles = -(-p.m // t.tile_m) * -(-p.n // t.tile_n)
-    return split_k_rule(t.split_k, tiles, -(-p.k // t.tile_k), device.sm_count)
+    return split_k_rule(t.split_k, tiles, -(-p.k // t.tile_k), device.sm_count,
+                        DIRECT_MAX_CTAS_PER_SM)  # fmt: skip
 
 
 def _why_invalid_unpack(t: TritonSm90W4A16Tactic, p: Problem) -> str | None:
@@ -216,25 +220,21 @@ def why_invalid(t: TritonSm90W4A16Tactic, problem: Problem, device: DeviceInfo) 
     return _why_invalid_unpack(t, problem)
 
 
-# Calibration (v0, NOT fitted: no W4A16 sweep of every tactic has run on an H200): the
-# constants are the "w4a16" part of plugins/sm90/cost_model.json (`_c()`). The W4A4
-# kernel's dequantizer ran at ~4.0e4 elements/SM/us in its fitted model at ~4.5 SASS
-# instructions per element (sm_90 compile, Triton 3.9); the W4A16 main loop compiles to
-# ~5.5 per weight element (fp16 activations; 7.7 with bf16), so the rate is 4.0e4 x 4.5 /
-# 5.5. mma_eff: wgmma efficiency by tile_m (its N side: tokens); unpack_launch_us: unpack +
-# GEMM (no alpha pass). The others as in the W4A4 model.
+# Calibration: the "w4a16" part of plugins/sm90/cost_model.json (`_c()`).
 #
-# Decode is latency-bound (RESULTS.md, "Hopper W4A16" run 2: 38% of HBM at 1x8192²), so
-# the direct kernel's time is its chain of dependent K steps: ``step_us`` per 128-wide K
-# step (scaled by sqrt(tile_k / 128): a wider step carries more bytes but the same
-# chain), times the rounds of CTAs the busiest SM runs (`direct_ctas_per_sm`). That
-# residency is a PROXY fitted to the measured order at decode (1x8192²: 128x16x128 at 4
-# stages 25.2 µs, at 6 stages 34.7, 128x16x256 at 3 stages 29.4): the SM's 228 KiB over
-# `smem_bytes` (an upper estimate) gives 2, 1 and 1 CTAs. The compiled kernels' real
-# limits differ (sm_90, Triton 3.9: 161 registers a thread for 128x16x128, 255 and a
-# 24-byte spill for 128x16x256, i.e. 3 and 2 CTAs per SM; 44 and 70 KB of shared memory
-# at 4 and 6 stages): why 6 stages is slower is not established. step_us = 1.14
-# reproduces 25.2 µs (16 steps x 1.14 + launch 4 + split reduction 3).
+# Direct path (v1, fitted; the file's note says on what). The time is the largest of four
+# bounds plus launch and split-K reduction (`_estimate_direct`): the chain of dependent K
+# steps (``step_us`` per 128-wide step, scaled by sqrt(tile_k / 128): a wider step carries
+# more bytes but the same chain) times the rounds of CTAs the busiest SM runs; the weight
+# dequantization at ``dequant_elems_per_sm_us``; the MMA at ``mma_eff`` of the bf16 peak by
+# tile_m (its N side: tokens); and HBM at ``direct_bw_fraction``, reduced while the
+# resident CTAs keep fewer than ``in_flight_bytes`` of weights in their pipeline stages.
+# Residency (`direct_ctas_per_sm`) is the tightest of registers, shared memory and warps:
+# why 64-row weight tiles win at decode (74 registers a thread, 6 CTAs an SM, against 4 at
+# 128 rows). The four constants were chosen by a grid search for the best measured-pick
+# ratio over the sweep's shapes (mean 1.01, worst 1.04 in-sample), then the smallest
+# mean |log(estimate / measured)| (0.14). launch_us, split_reduce_us, mma_eff: v0's
+# (the W4A4 model's). The unpack path: ``unpack_gemm_eff`` and ``unpack_launch_us``.
 #
 # gemv (`_estimate_gemv`): bound by issue or by memory. Issue: SASS instructions per
 # weight element of its main loop (static counts of the sm_90 cubin, Triton 3.9:
@@ -250,6 +250,10 @@ def why_invalid(t: TritonSm90W4A16Tactic, problem: Problem, device: DeviceInfo) 
 #: the system reserves per resident CTA on top of the kernel's own (1 KiB, sm80 and later)
 SM_SMEM_BYTES = 233472
 CTA_SMEM_RESERVED = 1024
+#: 32-bit registers and resident warps of one Hopper SM (CUDA C++ Programming Guide,
+#: "Technical Specifications per Compute Capability", 9.0)
+SM_REGISTERS = 65536
+SM_WARPS = 64
 
 
 def _c() -> dict:
@@ -262,12 +266,24 @@ def w4a16_min_bytes(problem: Problem) -> float:
     return m * k * 2.0 + n * k * (0.5 + 1.0 / 16) + 2.0 * m * n
 
 
+def direct_registers(t: TritonSm90W4A16Tactic) -> int:
+    """Registers per thread of a direct-kernel variant, a formula read off the H200's
+    Triton 3.6 compiles (RESULTS.md, "Hopper W4A16" run 4: 128 for 128x16x128 at 4 warps,
+    74 at 64 rows, 75 at 8 warps, 234 and 140 for tile_k 256 at 4 and 8 warps): the
+    expanded weight tile (1.5 registers per 2 values a thread), the fp32 accumulator and
+    16 of addresses and loop state; allocated in units of 8, at most 255."""
+    threads = 32 * t.num_warps
+    regs = 16 + 1.5 * t.tile_n * t.tile_k / (2 * threads) + t.tile_n * t.tile_m / threads
+    return min(255, -(-math.ceil(regs) // 8) * 8)
+
+
 def direct_ctas_per_sm(t: TritonSm90W4A16Tactic) -> int:
-    """Direct-kernel CTAs one SM runs at once in the model: its cap, fewer where the
-    shared-memory estimate `smem_bytes` runs out first (a fitted proxy: see above)."""
+    """Direct-kernel CTAs one SM holds at once: the tightest of its registers
+    (`direct_registers`), shared memory (`smem_bytes`, an upper estimate) and warps."""
+    threads = 32 * t.num_warps
+    by_regs = SM_REGISTERS // (direct_registers(t) * threads)
     need = smem_bytes(t.tile_n, t.tile_m, t.tile_k, t.num_stages) + CTA_SMEM_RESERVED
-    fit = SM_SMEM_BYTES // need
-    return max(1, min(int(_c()["ctas_per_sm"]), fit))
+    return max(1, min(by_regs, SM_SMEM_BYTES // need, SM_WARPS // t.num_warps))
 
 
 def _estimate_direct(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -> float:
@@ -280,19 +296,22 @@ def _estimate_direct(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -
     per_sm = math.ceil(ctas / device.sm_count)
     resident = direct_ctas_per_sm(t)
     waves = per_sm / resident  # the busiest SM's CTAs, `resident` at a time
-    latency = waves * steps * c["step_us"] * math.sqrt(tk / 128)
+    latency = waves * steps * c["step_us"] * math.sqrt(max(tk, 128) / 128)
     dequant = per_sm * steps * tn * tk / c["dequant_elems_per_sm_us"]
     mma_rate = device.bf16_tflops * 1e6 / device.sm_count * c["mma_eff"][str(tm)]
     mma = per_sm * steps * 2.0 * tm * tn * tk / mma_rate
     # weights are re-read once per token tile; activations once per weight tile (L2)
     weight_bytes = p.n * p.k * (0.5 + 1.0 / 16) * m_tiles
     partial = 8.0 * ctas * tm * tn if split > 1 else 0.0
-    # bytes in flight: as fitted before the residency rule (the model's CTA cap only)
-    in_flight = min(ctas, device.sm_count * c["ctas_per_sm"]) * t.num_stages * tn * tk / 2
-    bw = device.mem_bw_gbps * 1e3 * c["bw_fraction"] * min(1.0, in_flight / c["in_flight_bytes"])
+    # weight bytes the resident CTAs keep in flight (their pipeline stages)
+    in_flight = min(ctas, device.sm_count * resident) * t.num_stages * tn * tk / 2
+    fill = min(1.0, in_flight / c["in_flight_bytes"])
+    bw = device.mem_bw_gbps * 1e3 * c["direct_bw_fraction"] * fill
     memory = (weight_bytes + p.m * p.k * 2.0 + 2.0 * p.m * p.n + partial) / bw
     reduce = c["split_reduce_us"] * math.log2(split)
-    return max(latency, dequant, mma, memory) + c["launch_us"] + reduce
+    # a smooth maximum (4-norm): near-equal bounds add up, so ties go to the smaller rest
+    bound = (latency**4 + dequant**4 + mma**4 + memory**4) ** 0.25
+    return bound + c["launch_us"] + reduce
 
 
 def gemv_instr_per_element(t: TritonSm90W4A16Tactic) -> float:
