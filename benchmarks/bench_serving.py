@@ -12,9 +12,9 @@ M in {1, 16, 256, 4096}:
   (GPU time, cold L2), with the relative error of Nvfp4Linear against float64.
 
 The dispatcher runs its heuristic pick unless ``--tune`` (then each bucket is tuned
-first; the tuning wall time is reported). Writes ``$OUT/serving.json`` (or ``--out``) and
-prints a table last. ``--smoke`` runs a tiny CPU version (script check; times mean
-nothing).
+first, for both operations; the tuning wall time is reported); ``--ms 1 16`` limits M.
+Writes ``$OUT/serving.json`` (or ``--out``) and prints a table last. ``--smoke`` runs a
+tiny CPU version (script check; times mean nothing).
 
 Run on the H200::
 
@@ -39,6 +39,7 @@ from torch import nn
 from fp4_dispatch import Dispatcher, dequantize, quantize_nvfp4, reference_gemm
 from fp4_dispatch.harness import eager_wall_samples, gpu_time_us, relative_error
 from fp4_dispatch.nn import Nvfp4Linear
+from fp4_dispatch.tactics import tactic_label
 
 NK = ((4096, 4096), (8192, 8192), (13824, 5120))
 MS = (1, 16, 256, 4096)
@@ -86,7 +87,8 @@ def one_shape(d: Dispatcher, m: int, n: int, k: int, device, smoke: bool, tune: 
     tune_s = None
     if tune and not smoke:
         t0 = time.perf_counter()
-        d.tune([(m, n, k)])
+        d.tune([(m, n, k)])  # the GEMM call's W4A4 and the layer's W4A16 (its op on Hopper)
+        d.tune([(m, n, k)], operation="w4a16")
         tune_s = time.perf_counter() - t0
     row["tune_s"] = tune_s
 
@@ -121,6 +123,10 @@ def one_shape(d: Dispatcher, m: int, n: int, k: int, device, smoke: bool, tune: 
     with torch.inference_mode():
         y = q(x)
         row["linear_op"] = q.operation(x.device)  # "auto": W4A16 on Hopper, W4A4 on sm100+
+        lp = d.select(m, n, k, "bfloat16", row["linear_op"])
+        row["linear_pick"] = f"{lp.backend} {tactic_label(lp.tactic)}"
+        # whether the layer keeps (and hands its kernel) the sm90-prepared weight copy
+        row["linear_prepared"] = q.__dict__.get("_prepared_cache") is not None
         xa = dequantize(quantize_nvfp4(x)) if row["linear_op"] == "w4a4" else x
         ref = xa.double() @ q.dequantized_weight().double().T + lin.bias.double()
         row["linear_rel_err"] = relative_error(y, ref)
@@ -145,7 +151,7 @@ def table(rows: list[dict]) -> str:
     head = (
         "| M | N x K | pick (W4A4) | Linear op | quant GPU µs | quant wall µs | gemm wall µs "
         "| fp8 wall µs | gemm GPU µs | bf16 GPU | fp8 GPU | Linear graph µs | bf16 Linear graph "
-        "| graph ratio | Linear wall µs | bf16 Linear wall | wall ratio | rel err |"
+        "| graph ratio | Linear wall µs | bf16 Linear wall | wall ratio | rel err | Linear pick |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -158,7 +164,8 @@ def table(rows: list[dict]) -> str:
             f"| {ratio(r['linear_gpu_us'], r['bf16_linear_gpu_us'])} "
             f"| {num(r['linear_wall_us'])} | {num(r['bf16_linear_wall_us'])} "
             f"| {ratio(r['linear_wall_us'], r['bf16_linear_wall_us'])} "
-            f"| {r['linear_rel_err']:.2e} |"
+            f"| {r['linear_rel_err']:.2e} | {r['linear_pick']}"
+            f"{' (prepared)' if r['linear_prepared'] else ''} |"
         )
     return "\n".join(lines)
 
@@ -168,12 +175,13 @@ def main() -> int:
     ap.add_argument("--tune", action="store_true", help="tune each bucket before timing")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run (checks the script)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for serving.json")
+    ap.add_argument("--ms", type=int, nargs="+", default=None, help=f"M values (default {MS})")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     smoke = args.smoke or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda")
     d = Dispatcher(device=str(device), cache=False)
-    nk, ms = (SMOKE_NK, SMOKE_MS) if smoke else (NK, MS)
+    nk, ms = (SMOKE_NK, SMOKE_MS) if smoke else (NK, tuple(args.ms or MS))
     rows = []
     for n, k in nk:
         for m in ms:

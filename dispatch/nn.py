@@ -286,17 +286,21 @@ class Nvfp4Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.operation(x.device) == "w4a16":
+            # the bias into the GEMM, as eagerly (same bits); natural weight bytes only:
+            # the kept prepared copy is eager state (`_prepared_weight`)
             alpha = self.weight_global_scale.reshape(1)
             y = torch_ops.run_w4a16(self.dispatcher, x2.to(out_dtype), self.weight_data,
-                                    self.weight_scale, alpha, out_dtype)  # fmt: skip
+                                    self.weight_scale, alpha, out_dtype, None,
+                                    self._bias_in(self.bias, out_dtype))  # fmt: skip
         else:
             a, sa, ga = torch_ops.quantize(x2, self.input_global_scale)
             alpha = (ga * self.weight_global_scale).reshape(1)
             y = torch_ops.run(
                 self.dispatcher, a, sa, self.weight_data, self.weight_scale, alpha, out_dtype
             )
-        if self.bias is not None:
-            y = y.add_(self.bias) if self.bias.dtype == out_dtype else y + self.bias.to(out_dtype)
+            if self.bias is not None:
+                b = self.bias
+                y = y.add_(b) if b.dtype == out_dtype else y + b.to(out_dtype)
         if torch.is_grad_enabled() and (x.requires_grad or self._bias_wants_grad()):
             wanting = [t for t in (x, self.bias) if t is not None and t.requires_grad]
             y = _NoGradient.apply(y, *wanting)

@@ -19,8 +19,9 @@ Ops, namespace ``fp4_dispatch`` (``torch.ops.fp4_dispatch.*``):
 - ``gemm(a_data, a_scale, b_data, b_scale, alpha, out_dtype, dispatcher=-1) -> out``:
   ``out = alpha * dequant(a) @ dequant(b).T`` through a dispatcher.
 - ``gemm_out(..., out, dispatcher=-1)``: the same, writing a caller's ``out``.
-- ``gemm_w4a16(a, b_data, b_scale, alpha, out_dtype, dispatcher=-1) -> out``: weight-only
-  ``out = alpha * a @ dequant(b).T`` with dense bf16/fp16 activations ``a``.
+- ``gemm_w4a16(a, b_data, b_scale, alpha, out_dtype, dispatcher=-1, bias=None,
+  b_prepared=None) -> out``: weight-only ``out = alpha * a @ dequant(b).T (+ bias)`` with
+  dense bf16/fp16 activations ``a`` (``b_prepared``: `DenseOperands.b_prepared`).
 
 ``dispatcher`` is an int: `dispatcher_id` of a registered dispatcher, or -1 for the
 per-device default (`default_dispatcher`). An int keeps the op schema plain and lets a
@@ -261,10 +262,13 @@ def _op_impl(
     b_scale: torch.Tensor,
     alpha: torch.Tensor,
     out: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    b_prepared: torch.Tensor | None = None,
 ) -> None:
     """Every GEMM op's body: check the plain-tensor operands (the ops are public), then
-    run. ``a_scale`` None: W4A16 (``a`` dense bf16/fp16 ``[M, K]``), else W4A4 (``a``
-    the packed ``[M, K/2]`` activation with its swizzled scales)."""
+    run. ``a_scale`` None: W4A16 (``a`` dense bf16/fp16 ``[M, K]``, optional ``bias``
+    and ``b_prepared`` as in `DenseOperands`), else W4A4 (``a`` the packed ``[M, K/2]``
+    activation with its swizzled scales)."""
     dense = a_scale is None
     a_name = "a" if dense else "a_data"
     if dense:
@@ -288,7 +292,22 @@ def _op_impl(
     if dense:
         checks.same_device(device, b_data=b_data, b_scale=b_scale, out=out)
         sb = checks.swizzled_scale("b_scale", b_scale, n, k)
-        d.run_dense(a, b_data, sb, checks.alpha_tensor(alpha, device), out, dtype)
+        if bias is not None:
+            if tuple(bias.shape) != (n,) or not bias.is_floating_point():
+                raise ValueError(
+                    f"bias: expected a float tensor of shape ({n},), got {bias.dtype} "
+                    f"with shape {tuple(bias.shape)}"
+                )
+            checks.same_device(device, bias=bias)
+        if b_prepared is not None:
+            if b_prepared.shape != b_data.shape or b_prepared.dtype != torch.uint8:
+                raise ValueError(
+                    f"b_prepared: expected uint8 of b_data's shape {tuple(b_data.shape)}, "
+                    f"got {b_prepared.dtype} with shape {tuple(b_prepared.shape)}"
+                )
+            checks.same_device(device, b_prepared=b_prepared)
+        d.run_dense(a, b_data, sb, checks.alpha_tensor(alpha, device), out, dtype, bias,
+                    b_prepared)  # fmt: skip
         return
     checks.same_device(device, a_scale=a_scale, b_data=b_data, b_scale=b_scale, out=out)
     sa = checks.swizzled_scale("a_scale", a_scale, m, k)
@@ -342,14 +361,17 @@ def _gemm_w4a16_op(
     alpha: torch.Tensor,
     out_dtype: torch.dtype,
     dispatcher: int = DEFAULT,
+    bias: torch.Tensor | None = None,
+    b_prepared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     out = torch.empty((a.shape[0], b_data.shape[0]), dtype=out_dtype, device=a.device)
-    _op_impl(dispatcher, a, None, b_data, b_scale, alpha, out)
+    _op_impl(dispatcher, a, None, b_data, b_scale, alpha, out, bias, b_prepared)
     return out
 
 
 @_gemm_w4a16_op.register_fake
-def _gemm_w4a16_fake(a, b_data, b_scale, alpha, out_dtype, dispatcher=DEFAULT):
+def _gemm_w4a16_fake(a, b_data, b_scale, alpha, out_dtype, dispatcher=DEFAULT, bias=None,
+                     b_prepared=None):  # fmt: skip
     return a.new_empty((a.shape[0], b_data.shape[0]), dtype=out_dtype)
 
 
@@ -468,18 +490,17 @@ def run_w4a16(
 ) -> torch.Tensor:
     """W4A16 ``alpha * a @ dequant(b).T (+ bias)`` (dense ``a``) on checked operands.
 
-    Under torch.compile this is the ``fp4_dispatch::gemm_w4a16`` op (``bias`` added after
-    it, where inductor can fuse it); eagerly the plan runs directly, the bias in the
-    kernel's epilogue where it has one (same CUDA-graph rules as `run`). A caller's
-    ``out`` is written through a copy under torch.compile (the op returns a new tensor).
-    ``b_prepared`` (the weight bytes in the sm90-prepared order, `DenseOperands`) reaches
-    the kernel eagerly; the op takes the natural bytes only.
+    Under torch.compile this is the ``fp4_dispatch::gemm_w4a16`` op; eagerly the plan
+    runs directly (same CUDA-graph rules as `run`). Both hand ``bias`` and ``b_prepared``
+    (the weight bytes in the sm90-prepared order) to the kernel (`DenseOperands`), so a
+    compiled model computes the eager bits: the bias in the kernel's epilogue where it
+    has one, in fp32 before the one rounding. A caller's ``out`` is written through a
+    copy under torch.compile (the op returns a new tensor).
     """
     if torch.compiler.is_compiling():
         did = DEFAULT if dispatcher is None else dispatcher.op_id
-        y = torch.ops.fp4_dispatch.gemm_w4a16(a, b_data, b_scale, alpha, out_dtype, did)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
+        y = torch.ops.fp4_dispatch.gemm_w4a16(a, b_data, b_scale, alpha, out_dtype, did, bias,
+                                              b_prepared)  # fmt: skip
         return y if out is None else out.copy_(y)
     d = _resolve(dispatcher, a.device)
     dtype = checks.out_dtype_name(out_dtype)

@@ -349,3 +349,41 @@ def test_linear_alpha_view_follows_its_buffer(dispatcher):
     bias = layer.bias.to(y1.dtype)
     torch.testing.assert_close(y2 - bias, 2 * (y1 - bias), rtol=2e-2, atol=1e-2)
     torch.testing.assert_close(y3 - bias, 0.5 * (y1 - bias), rtol=2e-2, atol=1e-2)
+
+
+def test_w4a16_op_hands_bias_and_prepared_bytes_to_the_plan(monkeypatch):
+    """Under torch.compile the W4A16 layer's bias and the op's ``b_prepared`` reach the
+    plan as eagerly (a bias-epilogue kernel then rounds once in both modes), and the op
+    checks them: a compiled layer computes the eager bits."""
+    from fp4_dispatch.nn import Nvfp4Linear
+    from fp4_dispatch.nvfp4 import sm90_prepare_data
+
+    d = Dispatcher(device="cpu")
+    seen = []
+    real = d.run_dense
+
+    def spy(a, b, sb, alpha, out, dtype, bias=None, b_prepared=None):
+        seen.append((bias, b_prepared))
+        real(a, b, sb, alpha, out, dtype, bias, b_prepared)
+
+    monkeypatch.setattr(d, "run_dense", spy)
+    layer = Nvfp4Linear.from_linear(torch.nn.Linear(128, 40, dtype=torch.bfloat16),
+                                    dispatcher=d, activations="bf16")  # fmt: skip
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = layer(x)
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(compiled, eager)
+    assert len(seen) == 2 and all(bias is not None for bias, _ in seen)
+    qb = layer.quantized_weight()
+    prepared = sm90_prepare_data(qb.data)
+    alpha = qb.global_scale.reshape(1)
+    y = torch.ops.fp4_dispatch.gemm_w4a16(x, qb.data, qb.scale, alpha, torch.bfloat16,
+                                          d.op_id, layer.bias, prepared)  # fmt: skip
+    assert seen[-1][1] is prepared and torch.equal(y, eager)
+    with pytest.raises(ValueError, match="bias: expected a float tensor of shape"):
+        torch.ops.fp4_dispatch.gemm_w4a16(x, qb.data, qb.scale, alpha, torch.bfloat16,
+                                          d.op_id, layer.bias[:7], None)  # fmt: skip
+    with pytest.raises(ValueError, match="b_prepared: expected uint8"):
+        torch.ops.fp4_dispatch.gemm_w4a16(x, qb.data, qb.scale, alpha, torch.bfloat16,
+                                          d.op_id, None, prepared[:, :8])  # fmt: skip

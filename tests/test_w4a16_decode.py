@@ -21,7 +21,11 @@ from conftest import run_interpreted
 from fp4_dispatch.plugins.sm90.w4a16 import (
     GEMV_MAX_M,
     GEMV_OFFERED_MAX_M,
+    GEMV_SPLIT_K,
+    GEMV_STAGES,
     GEMV_THREAD_BYTES,
+    GEMV_TILE_K,
+    GEMV_TILE_N,
     TritonSm90W4A16Backend,
     TritonSm90W4A16Tactic,
     gemv_thread_bytes,
@@ -333,6 +337,17 @@ def test_gemv_precompile_compiles_what_a_call_launches(tmp_path):
 # ---- GPU (the PTX path; the lead runs these with -m gpu) -------------------------------
 
 
+def gemv_space(m: int) -> list[TritonSm90W4A16Tactic]:
+    """Every gemv tactic of the kernel's own choices for M tokens (one token tile)."""
+    import itertools
+
+    tm = 1 << (m - 1).bit_length()
+    return [TritonSm90W4A16Tactic(path="gemv", tile_m=tm, tile_n=tn, tile_k=tk, split_k=sk,
+                                  num_warps=w, num_stages=st)
+            for tn, tk, sk, w, st in itertools.product(GEMV_TILE_N, GEMV_TILE_K, GEMV_SPLIT_K,
+                                                       (4, 8), GEMV_STAGES)]  # fmt: skip
+
+
 def _sm90_gpu() -> bool:
     import torch
 
@@ -361,7 +376,8 @@ def test_gpu_gemv_tactics_natural_and_prepared():
         prep = mod.prepare_weight(q.data) if k % 64 == 0 else None
         alpha = q.global_scale.reshape(1)
         p = Problem(m=m, n=n, k=k, operation="w4a16")
-        gemv = [t for t in b.tactics(p, info) if t.path == "gemv"]
+        # offered at M = 1 only; the kernel's rules (why_invalid) take up to GEMV_MAX_M
+        gemv = [t for t in gemv_space(m) if why_invalid(t, p, info) is None]
         assert gemv, p
         for dtype in (torch.bfloat16, torch.float16):
             x = x32.to(dtype).cuda()

@@ -159,16 +159,19 @@ class W4A16Config:
 
 
 def smem_estimate(cfg: W4A16Config) -> int:
-    """Shared memory of one CTA in bytes (upper estimate, for validity rules).
+    """Shared memory of one CTA in bytes (for validity rules and residency).
 
-    Per pipeline stage: weight bytes + scales + the activation tile (2 bytes/element);
-    plus the dequantized fp16 weight tile staged for the MMA and the activation halves;
-    or the epilogue's fp32 layout shuffle if that is larger.
+    ``num_stages - 1`` buffers of raw loads (weight bytes + scales + the activation tile
+    at 2 bytes an element: Triton's pipeline keeps one stage fewer than ``num_stages``)
+    plus the activation tile re-laid for the MMA's shared-memory operand (the dequantized
+    weights stay in registers); or the epilogue's fp32 layout shuffle if that is larger.
+    Equal to what the H200's Triton 3.6 allocated for the decode tiles measured
+    (RESULTS.md, "Hopper W4A16" run 4: 44032 bytes for 128x16x128 at 4 stages, 30720 at
+    3, 30208 for 64 weight rows at 4, 61440 for tile_k 256 at 3).
     """
     bn, bm, bk = cfg.block_n, cfg.block_m, cfg.block_k
     raw = bn * (bk // 2 + bk // 16) + bm * bk * 2
-    staged = bn * bk * 2 + bm * bk * 2
-    return max(cfg.num_stages * raw + staged, bn * bm * 4)
+    return max((cfg.num_stages - 1) * raw + bm * bk * 2, bn * bm * 4)
 
 
 # ---- the prepared weight layout -------------------------------------------------------

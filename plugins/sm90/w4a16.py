@@ -118,8 +118,7 @@ class TritonSm90W4A16Tactic(Tactic):
 def smem_bytes(tile_n: int, tile_m: int, tile_k: int, stages: int) -> int:
     """Mirror of `gemm_w4a16.smem_estimate` (kept here: no Triton import needed)."""
     raw = tile_n * (tile_k // 2 + tile_k // 16) + tile_m * tile_k * 2
-    staged = tile_n * tile_k * 2 + tile_m * tile_k * 2
-    return max(stages * raw + staged, tile_n * tile_m * 4)
+    return max((stages - 1) * raw + tile_m * tile_k * 2, tile_n * tile_m * 4)
 
 
 def _why_invalid_direct(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -> str | None:
@@ -138,16 +137,21 @@ def _why_invalid_direct(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo
         return f"tile_n={t.tile_n} exceeds N={p.n}"
     if t.tile_k > max(64, _pow2_at_least(p.k)):
         return f"tile_k={t.tile_k} exceeds K={p.k}"
-    if t.tile_k == 256 and t.tile_m > 32:
-        return "tile_k=256 only with tile_m <= 32 (registers of the expanded weight tile)"
+    if t.tile_k == 256:
+        # 1.2-1.4x slower than tile_k 128 on every decode shape of the H200 sweep (RESULTS.md,
+        # "Hopper W4A16" run 4; two wgmma groups a step, 234 registers at 128 rows); larger
+        # M never fitted its registers
+        return "tile_k=256: slower than 128 wherever it fits (measured), not offered"
     if t.num_warps == 8 and t.tile_n < 128:
         return "8 warps only with tile_n=128 (one 64-row warpgroup MMA per 4 warps)"
     if t.tile_m == 128 and (t.num_warps != 8 or t.tile_n != 128 or t.tile_k > 128):
         return "tile_m=128 only as 128x128 tiles, 8 warps, tile_k <= 128 (registers)"
     if t.num_stages == 4 and t.tile_k == 256:
         return "4 stages only with tile_k <= 128 (shared memory)"
-    if t.num_stages == 6 and (t.tile_k != 128 or t.tile_m > 32):
-        return "6 stages only for decode tiles: tile_k=128, tile_m <= 32"
+    if t.num_stages == 6:
+        # 1.05-1.2x slower than 4 stages on every decode shape measured (RESULTS.md, "Hopper
+        # W4A16" runs 2 and 4; why is not established)
+        return "6 stages: slower than 4 on every shape measured, not offered"
     why = smem_rule(smem_bytes(t.tile_n, t.tile_m, t.tile_k, t.num_stages))
     if why:
         return why
@@ -232,9 +236,10 @@ def why_invalid(t: TritonSm90W4A16Tactic, problem: Problem, device: DeviceInfo) 
 # Residency (`direct_ctas_per_sm`) is the tightest of registers, shared memory and warps:
 # why 64-row weight tiles win at decode (74 registers a thread, 6 CTAs an SM, against 4 at
 # 128 rows). The four constants were chosen by a grid search for the best measured-pick
-# ratio over the sweep's shapes (mean 1.01, worst 1.04 in-sample), then the smallest
-# mean |log(estimate / measured)| (0.14). launch_us, split_reduce_us, mma_eff: v0's
-# (the W4A4 model's). The unpack path: ``unpack_gemm_eff`` and ``unpack_launch_us``.
+# ratio over the sweep's shapes among the offered tactics (mean 1.01, worst 1.04
+# in-sample), then the smallest mean |log(estimate / measured)| (0.11). launch_us,
+# split_reduce_us, mma_eff: v0's (the W4A4 model's). The unpack path: ``unpack_gemm_eff``
+# and ``unpack_launch_us``.
 #
 # gemv (`_estimate_gemv`): bound by issue or by memory. Issue: SASS instructions per
 # weight element of its main loop (static counts of the sm_90 cubin, Triton 3.9:
