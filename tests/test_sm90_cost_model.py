@@ -272,3 +272,23 @@ def test_spill_is_the_compiled_kernels_stack_frame():
     assert frame > 0 and table["128x128x128/w8"][2] == 0
     assert cm.direct_features(p, four)["spill"] == frame / cm.SPILL_UNIT_BYTES
     assert "spill" not in cm.direct_features(p, eight)
+
+
+def test_w4a16_direct_model_picks_as_measured_on_the_committed_sweep():
+    """The W4A16 direct constants against the H200 decode sweep they were fitted on
+    (benchmarks/data/sm90_w4a16_decode_run4.json, benchmarks/fit_w4a16_model.py): the
+    untuned pick among the offered tactics within 5% of the measured best on every
+    in-sample shape and on every held-out one (M 2 and 8, shapes fixed before the fit).
+    Fails when the formula, the rules or the constants drift from the measurement."""
+    root = _source_root()
+    if root is None or not (root / "benchmarks" / "fit_w4a16_model.py").exists():
+        pytest.skip("benchmarks/ not found (set FP4_DISPATCH_SOURCE_ROOT)")
+    script = str(root / "benchmarks" / "fit_w4a16_model.py")
+    run = subprocess.run([sys.executable, script, "--check"], capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = {ln.split(":")[0]: ln for ln in run.stdout.splitlines() if "pick/best" in ln}
+    for name, shapes in (("in-sample", 18), ("held-out", 6)):
+        words = lines[name].replace(",", "").split()
+        worst = float(words[words.index("worst") + 1])
+        assert worst <= 1.05 and f"({shapes} shapes)" in lines[name], lines[name]

@@ -235,11 +235,11 @@ def why_invalid(t: TritonSm90W4A16Tactic, problem: Problem, device: DeviceInfo) 
 # resident CTAs keep fewer than ``in_flight_bytes`` of weights in their pipeline stages.
 # Residency (`direct_ctas_per_sm`) is the tightest of registers, shared memory and warps:
 # why 64-row weight tiles win at decode (74 registers a thread, 6 CTAs an SM, against 4 at
-# 128 rows). The four constants were chosen by a grid search for the best measured-pick
-# ratio over the sweep's shapes among the offered tactics (mean 1.01, worst 1.04
-# in-sample), then the smallest mean |log(estimate / measured)| (0.11). launch_us,
-# split_reduce_us, mma_eff: v0's (the W4A4 model's). The unpack path: ``unpack_gemm_eff``
-# and ``unpack_launch_us``.
+# 128 rows). The four constants come from benchmarks/fit_w4a16_model.py on the committed
+# H200 decode sweep (the untuned pick's measured time over the best offered one: mean
+# 1.008, worst 1.041 in-sample; 1.015 and 1.042 on the held-out shapes; mean
+# |log(estimate / measured)| 0.12 and 0.16). launch_us, split_reduce_us, mma_eff: v0's
+# (the W4A4 model's). The unpack path: ``unpack_gemm_eff`` and ``unpack_launch_us``.
 #
 # gemv (`_estimate_gemv`): bound by issue or by memory. Issue: SASS instructions per
 # weight element of its main loop (static counts of the sm_90 cubin, Triton 3.9:
