@@ -256,7 +256,8 @@ def _nvfp4_gemm_kernel(
     bs_ptrs = bs_ptr + b_row[:, None] + g_off[None, :]
 
     # rows past M / N (decode: the token tile) are zero-filled with no memory traffic;
-    # wrapped rows re-read real ones (measured 2-5% slower at M <= 16, RESULTS.md)
+    # wrapped rows re-read real ones (a few % slower at M <= 16 in the exploratory H200
+    # timings behind RESULTS.md "Hopper W4A16" run 4)
     arow = (offs_m < M)[:, None]
     brow = (offs_n < N)[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

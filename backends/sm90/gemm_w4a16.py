@@ -511,8 +511,8 @@ def _w4a16_kernel(
     KB: tl.constexpr = BLOCK_K // 2  # packed weight bytes per row of a K tile
     KG: tl.constexpr = BLOCK_K // 16  # block scales per row of a K tile
     # one dot of K = BLOCK_K (the lo and hi halves side by side) instead of two of K/2:
-    # measured up to 5% faster at 128-wide K steps, up to 25% slower at 256 (H200,
-    # RESULTS.md); 64-wide steps were not measured that way
+    # a few % faster at 128-wide K steps and slower at 256 in the exploratory H200 timings
+    # behind RESULTS.md "Hopper W4A16" run 4; 64-wide steps were not timed that way
     ONE_DOT: tl.constexpr = BLOCK_K == 128
 
     pid = tl.program_id(0)

@@ -138,9 +138,9 @@ def _why_invalid_direct(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo
     if t.tile_k > max(64, _pow2_at_least(p.k)):
         return f"tile_k={t.tile_k} exceeds K={p.k}"
     if t.tile_k == 256:
-        # 1.2-1.4x slower than tile_k 128 on every decode shape of the H200 sweep (RESULTS.md,
-        # "Hopper W4A16" run 4; two wgmma groups a step, 234 registers at 128 rows); larger
-        # M never fitted its registers
+        # slower than tile_k 128 on every decode shape timed on the H200 (RESULTS.md,
+        # "Hopper W4A16" run 2: 29.4 vs 25.2 µs at 1x8192²; again in run 4's exploration:
+        # two wgmma groups a step, 234 registers at 128 rows); larger M never fitted it
         return "tile_k=256: slower than 128 wherever it fits (measured), not offered"
     if t.num_warps == 8 and t.tile_n < 128:
         return "8 warps only with tile_n=128 (one 64-row warpgroup MMA per 4 warps)"
@@ -149,8 +149,9 @@ def _why_invalid_direct(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo
     if t.num_stages == 4 and t.tile_k == 256:
         return "4 stages only with tile_k <= 128 (shared memory)"
     if t.num_stages == 6:
-        # 1.05-1.2x slower than 4 stages on every decode shape measured (RESULTS.md, "Hopper
-        # W4A16" runs 2 and 4; why is not established)
+        # slower than 4 stages on every decode shape timed on the H200 (RESULTS.md, "Hopper
+        # W4A16" run 2: 34.7 vs 25.2 µs at 1x8192², and run 4's exploration; why is not
+        # established)
         return "6 stages: slower than 4 on every shape measured, not offered"
     why = smem_rule(smem_bytes(t.tile_n, t.tile_m, t.tile_k, t.num_stages))
     if why:
