@@ -47,6 +47,12 @@ ACTIVATIONS: tuple[str, ...] = ("auto", "nvfp4", "bf16")
 _QUANTIZED_BUFFERS = ("weight_data", "weight_scale", "weight_global_scale", "input_global_scale")
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place change), or None for a tensor
+    made under ``torch.inference_mode``, which keeps none."""
+    return None if t.is_inference() else t._version
+
+
 class _NoGradient(torch.autograd.Function):
     """Identity forward; a backward that says why there is no gradient (inference only)."""
 
@@ -199,6 +205,7 @@ class Nvfp4Linear(nn.Module):
                 f"qw: expected shape {(self.out_features, self.in_features)}, got {qw.shape}"
             )
         qw = qw.with_layout("swizzled").to(self.weight_data.device)
+        self.__dict__.pop("_prepared_cache", None)  # the prepared copy is of the old bytes
         with torch.no_grad():
             self.weight_data.copy_(qw.data)
             self.weight_scale.copy_(qw.scale)
@@ -216,6 +223,7 @@ class Nvfp4Linear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         """Accept a calibrated ``input_global_scale`` even when this module has none yet."""
+        self.__dict__.pop("_prepared_cache", None)  # the prepared copy is of the old bytes
         key = prefix + "input_global_scale"
         if key in state_dict and self.input_global_scale is None:
             self.input_global_scale = torch.ones((), device=self.weight_data.device)
@@ -366,17 +374,18 @@ class Nvfp4Linear(nn.Module):
     def _prepared_weight(self, w: torch.Tensor) -> torch.Tensor | None:
         """``w`` (the ``weight_data`` buffer) in the sm90-prepared byte order where a
         W4A16 forward on its device reads it (``prepare_weight``), else None. Made once and
-        kept with the identity and version counter of ``w``: an in-place load
-        (`load_quantized`, ``load_state_dict``) or a new buffer makes it again."""
+        kept with the identity and version counter of ``w``: a new buffer or an in-place
+        change makes it again. `load_quantized` and ``load_state_dict`` drop it outright
+        (a buffer made under ``torch.inference_mode`` has no version counter)."""
         cached = self.__dict__.get("_prepared_cache")
-        if cached is not None and cached[0]() is w and cached[1] == w._version:
+        if cached is not None and cached[0]() is w and cached[1] == _version(w):
             return cached[2]
         if not (self.prepare_weight and self._prepares_on(w.device)):
             return None
         if torch_ops.stream_capturing():  # never allocate a kept tensor inside a capture
             return None
         prepared = sm90_prepare_data(w)
-        self.__dict__["_prepared_cache"] = (weakref.ref(w), w._version, prepared)
+        self.__dict__["_prepared_cache"] = (weakref.ref(w), _version(w), prepared)
         return prepared
 
     def _prepares_on(self, device: torch.device) -> bool:

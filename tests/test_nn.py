@@ -240,6 +240,15 @@ def test_prepared_weight_copy_reaches_the_kernel_and_follows_the_weight(layer, m
     mod(x)
     assert seen[-1] is not first and torch.equal(seen[-1], sm90_prepare_data(other.data))
     assert "weight_data_prepared" not in mod.state_dict() and len(mod.state_dict()) == 4
+    mod.load_state_dict(plain.state_dict())  # in place too: back to the first weight
+    mod(x)
+    assert torch.equal(seen[-1], first)
+    with torch.inference_mode():  # buffers made here keep no version counter
+        frozen = Nvfp4Linear.from_linear(layer, activations="bf16")
+        assert torch.equal(frozen(x), want)
+        frozen.load_quantized(other)
+        frozen(x)
+    assert torch.equal(seen[-1], sm90_prepare_data(other.data))
     with pytest.raises(TypeError, match="prepare_weight"):
         Nvfp4Linear(64, 16, prepare_weight="yes")
 
