@@ -154,6 +154,30 @@ def alpha_tensor(alpha: object, device: torch.device) -> torch.Tensor:
     return alpha.reshape(1)
 
 
+def bias_vector(name: str, t: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+    """A float ``[n]`` tensor on `device` (a W4A16 bias, `DenseOperands.bias`)."""
+    if tuple(t.shape) != (n,) or not t.is_floating_point():
+        raise ValueError(
+            f"{name}: expected a float tensor of shape ({n},), got {t.dtype} "
+            f"with shape {tuple(t.shape)}"
+        )
+    same_device(device, **{name: t})
+    return t
+
+
+def prepared_bytes(
+    name: str, t: torch.Tensor, b_data: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    """uint8 bytes of `b_data`'s shape on `device` (`DenseOperands.b_prepared`)."""
+    if t.shape != b_data.shape or t.dtype != torch.uint8:
+        raise ValueError(
+            f"{name}: expected uint8 of b_data's shape {tuple(b_data.shape)}, "
+            f"got {t.dtype} with shape {tuple(t.shape)}"
+        )
+    same_device(device, **{name: t})
+    return t
+
+
 def out_tensor(
     out: object, m: int, n: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor | None:

@@ -293,19 +293,9 @@ def _op_impl(
         checks.same_device(device, b_data=b_data, b_scale=b_scale, out=out)
         sb = checks.swizzled_scale("b_scale", b_scale, n, k)
         if bias is not None:
-            if tuple(bias.shape) != (n,) or not bias.is_floating_point():
-                raise ValueError(
-                    f"bias: expected a float tensor of shape ({n},), got {bias.dtype} "
-                    f"with shape {tuple(bias.shape)}"
-                )
-            checks.same_device(device, bias=bias)
+            bias = checks.bias_vector("bias", bias, n, device)
         if b_prepared is not None:
-            if b_prepared.shape != b_data.shape or b_prepared.dtype != torch.uint8:
-                raise ValueError(
-                    f"b_prepared: expected uint8 of b_data's shape {tuple(b_data.shape)}, "
-                    f"got {b_prepared.dtype} with shape {tuple(b_prepared.shape)}"
-                )
-            checks.same_device(device, b_prepared=b_prepared)
+            b_prepared = checks.prepared_bytes("b_prepared", b_prepared, b_data, device)
         d.run_dense(a, b_data, sb, checks.alpha_tensor(alpha, device), out, dtype, bias,
                     b_prepared)  # fmt: skip
         return

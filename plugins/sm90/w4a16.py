@@ -252,15 +252,6 @@ def why_invalid(t: TritonSm90W4A16Tactic, problem: Problem, device: DeviceInfo) 
 # ~4.25 TB/s x ~1.4 µs of loaded latency). Not measured yet: bench_w4a16_decode.py
 # gives the data to fit these on.
 
-#: shared memory of one Hopper SM, bytes (228 KiB; CTAs of one SM share it), and what
-#: the system reserves per resident CTA on top of the kernel's own (1 KiB, sm80 and later)
-SM_SMEM_BYTES = 233472
-CTA_SMEM_RESERVED = 1024
-#: 32-bit registers and resident warps of one Hopper SM (CUDA C++ Programming Guide,
-#: "Technical Specifications per Compute Capability", 9.0)
-SM_REGISTERS = 65536
-SM_WARPS = 64
-
 
 def _c() -> dict:
     return cost_model.constants()["w4a16"]
@@ -277,19 +268,17 @@ def direct_registers(t: TritonSm90W4A16Tactic) -> int:
     Triton 3.6 compiles (RESULTS.md, "Hopper W4A16" run 4: 128 for 128x16x128 at 4 warps,
     74 at 64 rows, 75 at 8 warps, 234 and 140 for tile_k 256 at 4 and 8 warps): the
     expanded weight tile (1.5 registers per 2 values a thread), the fp32 accumulator and
-    16 of addresses and loop state; allocated in units of 8, at most 255."""
+    16 of addresses and loop state; at most 255."""
     threads = 32 * t.num_warps
     regs = 16 + 1.5 * t.tile_n * t.tile_k / (2 * threads) + t.tile_n * t.tile_m / threads
-    return min(255, -(-math.ceil(regs) // 8) * 8)
+    return min(255, math.ceil(regs))
 
 
 def direct_ctas_per_sm(t: TritonSm90W4A16Tactic) -> int:
-    """Direct-kernel CTAs one SM holds at once: the tightest of its registers
-    (`direct_registers`), shared memory (`smem_bytes`, an upper estimate) and warps."""
-    threads = 32 * t.num_warps
-    by_regs = SM_REGISTERS // (direct_registers(t) * threads)
-    need = smem_bytes(t.tile_n, t.tile_m, t.tile_k, t.num_stages) + CTA_SMEM_RESERVED
-    return max(1, min(by_regs, SM_SMEM_BYTES // need, SM_WARPS // t.num_warps))
+    """Direct-kernel CTAs one SM holds at once (`cost_model.resident_ctas`: registers,
+    shared memory and warps) for `direct_registers` and `smem_bytes`."""
+    shared = smem_bytes(t.tile_n, t.tile_m, t.tile_k, t.num_stages)
+    return cost_model.resident_ctas(direct_registers(t), shared, t.num_warps)
 
 
 def _estimate_direct(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -> float:
@@ -328,14 +317,13 @@ def gemv_instr_per_element(t: TritonSm90W4A16Tactic) -> float:
 
 
 def gemv_ctas_per_sm(t: TritonSm90W4A16Tactic) -> int:
-    """Gemv CTAs one SM holds at once, by registers (65536 per SM, allocated in units of
-    8 per thread; at most 32 CTAs). Registers per thread are a proxy fitted to sm_90
+    """Gemv CTAs one SM holds at once (`cost_model.resident_ctas`; registers bind, the
+    1 KiB of shared memory never does). Registers per thread are a proxy fitted to sm_90
     compiles (Triton 3.9, ptxas): ~2 per weight byte a thread holds, 40% more per extra
     token, + 8 (69 at 32 bytes and one token, 127 at 64 bytes, 155 at 32 bytes and four
     tokens; 4 warps)."""
     regs = 2.0 * gemv_thread_bytes(t) * (1 + 0.4 * (t.tile_m - 1)) + 8
-    regs = min(255, 8 * math.ceil(regs / 8))
-    return max(1, min(32, 65536 // (regs * 32 * t.num_warps)))
+    return cost_model.resident_ctas(min(255, math.ceil(regs)), 0, t.num_warps)
 
 
 def _estimate_gemv(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -> float:
