@@ -41,6 +41,31 @@ def plugin_dist(tmp_path, monkeypatch):
         sys.modules.pop(module, None)
 
 
+#: the compile-only test scripts' preamble: a Triton driver that targets sm_90 with no GPU
+TARGET_ONLY = r"""
+import json, os, sys
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+
+class TargetOnly:
+    # no GPU here: Triton compiles for sm_90 (ptxas ships with it); nothing can launch
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+driver.set_active(TargetOnly())
+"""
+
+
 def run_interpreted(script: str, cases: object) -> dict:
     """Run `script` (given ``json.dumps(cases)`` as argv[1]) under TRITON_INTERPRET=1.
 

@@ -15,6 +15,7 @@ import time
 from typing import ClassVar
 
 import pytest
+from conftest import TARGET_ONLY
 
 from fp4_dispatch import precompile as pc
 from fp4_dispatch.device import DeviceInfo
@@ -296,30 +297,6 @@ def test_tune_precompiles_first_with_one_bar_for_both_phases(plugin_dist, tmp_pa
 
 
 # ---- the Triton sm90 kernel: compiled without a launch (and without a GPU) --------------
-
-#: the scripts' preamble: a Triton driver that targets sm_90 with no GPU (compile only)
-TARGET_ONLY = r"""
-import json, os, sys
-import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
-
-
-class TargetOnly:
-    # no GPU here: Triton compiles for sm_90 (ptxas ships with it); nothing can launch
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-
-driver.set_active(TargetOnly())
-"""
 
 TRITON_SCRIPT = (
     TARGET_ONLY

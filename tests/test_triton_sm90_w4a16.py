@@ -441,6 +441,31 @@ def _run_ptx(asm: str, regs: dict[str, int]) -> dict[str, int]:
     return regs
 
 
+def _assert_every_lane_exact(name: str, asm: str, scales: dict, dtype, prepared: bool) -> None:
+    """Run `asm` (inputs ``$4`` = 4 packed bytes, plus `scales`) on 256 words that hold every
+    byte value at every position; each 16-bit output lane must be ``e2m1 * 2**-14`` of its
+    own byte's nibble (low nibbles in ``$0``/``$1``, high in ``$2``/``$3``; the high nibble
+    rotated back first for prepared bytes), in `dtype`."""
+    from fp4_dispatch.backends.sm90 import gemm_w4a16 as mod
+    from fp4_dispatch.nvfp4 import E2M1_VALUES
+
+    for b0 in range(256):
+        b1, b2, b3 = (b0 * 7 + 1) % 256, (b0 * 13 + 5) % 256, 255 - b0
+        regs = _run_ptx(asm, {"$4": b0 | b1 << 8 | b2 << 16 | b3 << 24, **scales})
+        outs = {"$0": (0, 1), "$1": (2, 3), "$2": (0, 1), "$3": (2, 3)}
+        for reg, (i, j) in outs.items():
+            for lane, idx in ((0, i), (1, j)):
+                byte = (b0, b1, b2, b3)[idx]
+                natural = (
+                    mod.unrotate_high_nibbles(torch.tensor([byte])).item() if prepared else byte
+                )
+                code = natural & 15 if reg in ("$0", "$1") else natural >> 4
+                v = E2M1_VALUES[code & 7] * (-1.0 if code & 8 else 1.0) * 2.0**-14
+                bits = (regs[reg] >> 16 * lane) & 0xFFFF
+                got = torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(dtype).item()
+                assert got == v, f"{name}: byte {byte:#04x} {reg} lane {lane}: {got} != {v}"
+
+
 @pytest.mark.parametrize(
     ("name", "dtype", "prepared"),
     [
@@ -456,29 +481,11 @@ def test_ptx_dequantizers_are_exact_on_every_byte(name, dtype, prepared):
     really keep the magnitude and sign sources apart."""
     pytest.importorskip("triton")
     from fp4_dispatch.backends.sm90 import gemm_w4a16 as mod
-    from fp4_dispatch.nvfp4 import E2M1_VALUES
 
-    asm = getattr(mod, name)
     # scale 1 in the kernel's convention: fp16 1.0; bf16 carries 2**112 (bits 0x7780)
     one = 0x3C00 if dtype == torch.float16 else 0x7780
     ones = one | one << 16
-    want_scale = 2.0**-14
-    for b0 in range(256):
-        b1, b2, b3 = (b0 * 7 + 1) % 256, (b0 * 13 + 5) % 256, 255 - b0
-        word = b0 | b1 << 8 | b2 << 16 | b3 << 24
-        regs = _run_ptx(asm, {"$4": word, "$5": ones, "$6": ones})
-        outs = {"$0": (0, 1), "$1": (2, 3), "$2": (0, 1), "$3": (2, 3)}
-        for reg, (i, j) in outs.items():
-            for lane, idx in ((0, i), (1, j)):
-                byte = (b0, b1, b2, b3)[idx]
-                natural = (
-                    mod.unrotate_high_nibbles(torch.tensor([byte])).item() if prepared else byte
-                )
-                code = natural & 15 if reg in ("$0", "$1") else natural >> 4
-                v = E2M1_VALUES[code & 7] * (-1.0 if code & 8 else 1.0) * want_scale
-                bits = (regs[reg] >> 16 * lane) & 0xFFFF
-                got = torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(dtype).item()
-                assert got == v, f"{name}: byte {byte:#04x} {reg} lane {lane}: {got} != {v}"
+    _assert_every_lane_exact(name, getattr(mod, name), {"$5": ones, "$6": ones}, dtype, prepared)
 
 
 @pytest.mark.parametrize(("name", "prepared"), [("_NATURAL", False), ("_PREPARED", True)])
@@ -486,26 +493,9 @@ def test_gemv_ptx_nibble_expansion_is_exact_on_every_byte(name, prepared):
     """The gemv kernel's unscaled PTX (`gemm_w4a16_decode`, the fp16 pairs without the scale
     multiply): every output lane is ``e2m1 * 2**-14`` of its own byte's nibble."""
     pytest.importorskip("triton")
-    from fp4_dispatch.backends.sm90 import gemm_w4a16 as mod
     from fp4_dispatch.backends.sm90 import gemm_w4a16_decode as dec
-    from fp4_dispatch.nvfp4 import E2M1_VALUES
 
-    asm = getattr(dec, name)
-    for b0 in range(256):
-        b1, b2, b3 = (b0 * 7 + 1) % 256, (b0 * 13 + 5) % 256, 255 - b0
-        regs = _run_ptx(asm, {"$4": b0 | b1 << 8 | b2 << 16 | b3 << 24})
-        outs = {"$0": (0, 1), "$1": (2, 3), "$2": (0, 1), "$3": (2, 3)}
-        for reg, (i, j) in outs.items():
-            for lane, idx in ((0, i), (1, j)):
-                byte = (b0, b1, b2, b3)[idx]
-                natural = (
-                    mod.unrotate_high_nibbles(torch.tensor([byte])).item() if prepared else byte
-                )
-                code = natural & 15 if reg in ("$0", "$1") else natural >> 4
-                v = E2M1_VALUES[code & 7] * (-1.0 if code & 8 else 1.0) * 2.0**-14
-                bits = (regs[reg] >> 16 * lane) & 0xFFFF
-                got = torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.float16)
-                assert got.item() == v, f"{name}: byte {byte:#04x} {reg} lane {lane}"
+    _assert_every_lane_exact(name, getattr(dec, name), {}, torch.float16, prepared)
 
 
 # ---- GPU ------------------------------------------------------------------------------

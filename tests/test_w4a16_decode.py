@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import run_interpreted
+from conftest import TARGET_ONLY, run_interpreted
 
 from fp4_dispatch.plugins.sm90.w4a16 import (
     GEMV_MAX_M,
@@ -235,27 +235,9 @@ def test_gemv_estimate_grows_with_tokens_and_pipeline():
 
 # ---- precompile: what a call launches is what precompile compiled (sm_90 on the CPU) ----
 
-_PRECOMPILE = r"""
-import json, sys
-import torch
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
-
-
-class TargetOnly:
-    # no GPU here: Triton compiles for sm_90 (ptxas ships with it); nothing launches
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-
-driver.set_active(TargetOnly())
-
+_PRECOMPILE = (
+    TARGET_ONLY
+    + r"""
 from fp4_dispatch.backend import DenseOperands
 from fp4_dispatch.backends.sm90 import gemm_w4a16_decode as dec
 from fp4_dispatch.nvfp4 import swizzled_scale_shape
@@ -307,6 +289,7 @@ for spec in json.loads(sys.argv[1]):
                          "type": type(compiled).__name__}
 print(json.dumps(out))
 """
+)
 
 
 def test_gemv_precompile_compiles_what_a_call_launches(tmp_path):
