@@ -3,6 +3,7 @@ tensor-core-free gemv kernel) against bf16 cuBLAS and FP8 cuBLASLt, in one devic
 
     python3 benchmarks/bench_w4a16_decode.py          # OUT=/dir: also $OUT/w4a16_decode.json
     python3 benchmarks/bench_w4a16_decode.py --smoke  # CPU: tiny shapes, interpreter
+    python3 benchmarks/bench_w4a16_decode.py --mid    # M = 32-256: $OUT/w4a16_mid.json
 
 Grid: M in (1, 4, 16) x (N, K) in the issue's four shapes (8192², 5120², 13824x5120,
 10240x8192) and two more fixed before any measurement (4608x3584, 18944x3584); then M in
@@ -61,10 +62,14 @@ NK = ((8192, 8192), (5120, 5120), (13824, 5120), (10240, 8192), (4608, 3584), (1
 #: held out of the direct path's v1 fit (plugins/sm90/cost_model.json): fixed before it
 HELD_MS = (2, 8)
 HELD_NK = ((6144, 4096), (28672, 8192), (4096, 14336))
+#: ``--mid``: M = 32-256 (the mid-M fit of `fit_w4a16_model.py --mid`): in-sample M on the
+#: six (N, K) above, held-out M on HELD_NK (both fixed before that fit)
+MID_MS = (64, 256)
+MID_HELD_MS = (32, 128)
 SMOKE_MS = (1, 3)
 SMOKE_NK = ((72, 256), (40, 1056))
 TOL = 1e-2
-HELD = {(m, n, k) for m in HELD_MS for n, k in HELD_NK}
+HELD = {(m, n, k) for m in (*HELD_MS, *MID_HELD_MS) for n, k in HELD_NK}
 #: gemv tactics (the estimate's best) every shape gets before any shape gets the rest
 FIRST_PASS_GEMV = 16
 #: copy rate of the H200 measured in earlier runs (RESULTS.md), bytes/µs, at 98%
@@ -72,12 +77,25 @@ FLOOR_BYTES_PER_US = 4.25e6 * 0.98
 BACKEND = TritonSm90W4A16Backend()
 
 
+def shape_grid(cuda: bool, mid: bool = False) -> list[tuple[int, int, int]]:
+    """(M, N, K) of a run: the in-sample M x `NK`, then the held-out M x `HELD_NK`
+    (`MID_MS`/`MID_HELD_MS` with ``mid``); the smoke grid without CUDA."""
+    if not cuda:
+        return [(m, n, k) for m in SMOKE_MS for n, k in SMOKE_NK]
+    ms, held_ms = (MID_MS, MID_HELD_MS) if mid else (MS, HELD_MS)
+    return [(m, n, k) for m in ms for n, k in NK] + [(m, n, k) for m in held_ms for n, k in HELD_NK]
+
+
 def decode_tactics(problem: Problem, info) -> list[TritonSm90W4A16Tactic]:
     """The tactics timed for `problem`: the estimate's pick first, then every gemv tactic,
-    then the direct kernel's decode family (16x128, tile_k 128, 4 stages, any split)."""
+    then the direct kernel's decode family (16x128, tile_k 128, 4 stages, any split); for
+    M > 16 (``--mid``) every direct tactic at tile_k 128 and 4 stages instead."""
     valid = list(BACKEND.tactics(problem, info))
     ranked = sorted(valid, key=lambda t: (BACKEND.estimate_us(problem, info, t),
                                           t.canonical_json()))  # fmt: skip
+    if problem.m > 16:
+        mid = [t for t in valid if t.path == "direct" and (t.tile_k, t.num_stages) == (128, 4)]
+        return list(dict.fromkeys([ranked[0], *mid]))
     family = [t for t in valid if t.path == "direct" and _decode_family(t)]
     gemv = [t for t in ranked if t.path == "gemv"]
     return list(dict.fromkeys([ranked[0], *gemv, *family]))
@@ -313,6 +331,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="time the first N tactics per shape (0: all; --smoke: 4)")  # fmt: skip
     ap.add_argument("--workers", type=int, default=0,
                     help="parallel compile processes (0: CPU count - 2, <= 14)")  # fmt: skip
+    ap.add_argument("--mid", action="store_true",
+                    help="M = 32-256 instead (MID_MS, MID_HELD_MS): every direct tactic at "
+                         "tile_k 128 and 4 stages; writes w4a16_mid.json")  # fmt: skip
     return ap.parse_args(argv)
 
 
@@ -332,9 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         info = simulated("sm90")
     # fp16 under the interpreter: it mishandles bf16 operands of tl.dot (the direct kernel)
     dtype = torch.bfloat16 if cuda else torch.float16
-    grid = [(m, n, k) for m in (MS if cuda else SMOKE_MS) for n, k in (NK if cuda else SMOKE_NK)]
-    if cuda:
-        grid += [(m, n, k) for m in HELD_MS for n, k in HELD_NK]
+    grid = shape_grid(cuda, mid=args.mid)
+    name = "w4a16_mid.json" if args.mid else "w4a16_decode.json"
     plans = {}
     for m, n, k in grid:
         p = Problem(m=m, n=n, k=k, out_dtype=str(dtype).split(".")[1], operation="w4a16")
@@ -371,14 +391,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['best_gemv_us']:.1f}, direct {row['best_direct_us']:.1f}, est pick "
               f"{row['est_pick_us']:.1f}; {len(row['failed'])} failed, "
               f"{len(row['skipped'])} skipped", flush=True)  # fmt: skip
-        write_json("w4a16_decode.json", result)  # after every shape: a cut run keeps its rows
+        write_json(name, result)  # after every shape: a cut run keeps its rows
     shapes.clear()
     print("\n" + table(result["shapes"]))
     result["model_check"] = model_check(result["shapes"])
     print("\n" + result["model_check"])
     bad = sum(len(r["failed"]) for r in result["shapes"])
     print(f"\n{bad} tactic(s) over rel err {TOL} or failing; total {time.time() - t0:.0f}s")
-    path = write_json("w4a16_decode.json", result)
+    path = write_json(name, result)
     if path:
         print(f"wrote {path}")
     return 1 if bad else 0

@@ -14,6 +14,21 @@ the JSON: fixed in the benchmark before the fit) are only scored, never fitted o
     python benchmarks/fit_w4a16_model.py                 # fit on the committed sweep
     python benchmarks/fit_w4a16_model.py --check          # score the constants in the file
     python benchmarks/fit_w4a16_model.py --data FILE --write  # fit and write the JSON
+    python benchmarks/fit_w4a16_model.py --dense [--write]    # the W4A4 entry (below)
+    python benchmarks/fit_w4a16_model.py --mid [--write]      # M = 32-256 (below)
+
+``--mid`` fits the M = 32-256 terms on ``bench_w4a16_decode.py --mid``'s sweep
+(``--mid-data``; direct tactics, same objective, its held-out rows only scored):
+``mid_step_scale`` (the step of tiles of 32+ tokens is as long as the values a thread
+moves) and ``mma_eff`` at tile_m 32, 64 and 128. The decode terms are not touched.
+
+``--dense`` fits the two constants of ``triton-sm90-dense`` (the same model with the
+activations expanded too, `plugins.sm90.dense`) on ``benchmarks/bench_w4a4_decode.py``'s
+sweep (``--dense-data``), after the four above: ``dense_step_scale`` on a grid by the
+same objective (the dense tactics only), then ``dense_time_scale`` so that the in-sample
+estimates are right on average (the mean of ``log(estimate / measured)`` is zero: its
+estimates compete with ``triton-sm90``'s, which are calibrated). Its held-out rows are
+the same (M, N, K) as the W4A16 sweep's.
 
 Runs on a CPU (no Triton needed); the device is the simulated sm90 part at the H200's
 rated figures, as the dispatcher estimates on it.
@@ -28,17 +43,23 @@ import math
 import sys
 from pathlib import Path
 
+from fp4_dispatch.plugins.sm90 import dense
 from fp4_dispatch.plugins.sm90 import w4a16 as w4
 from fp4_dispatch.profiles import rated, simulated
 from fp4_dispatch.tactics import Problem
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / "benchmarks" / "data" / "sm90_w4a16_decode_run4.json"
+DATA = ROOT / "benchmarks" / "data" / "sm90_w4a16_decode_run5.json"
+DENSE_DATA = ROOT / "benchmarks" / "data" / "sm90_w4a4_decode_run5.json"
+DENSE_GRID = (0.6, 0.8, 1.0, 1.2, 1.5, 1.8, 2.1, 2.4, 2.8, 3.2)
+MID_DATA = ROOT / "benchmarks" / "data" / "sm90_w4a16_mid_run5.json"
+MID_STEP_GRID = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
+MMA_EFF_GRID = (0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.1)
 MODEL = ROOT / "plugins" / "sm90" / "cost_model.json"
 KEYS = ("step_us", "dequant_elems_per_sm_us", "in_flight_bytes", "direct_bw_fraction")
 GRID = {
-    "step_us": (0.5, 0.7, 0.8, 0.9, 1.0, 1.14),
-    "dequant_elems_per_sm_us": (3.0e4, 3.5e4, 4.5e4, 5.5e4, 7.0e4),
+    "step_us": (0.3, 0.4, 0.5, 0.7, 0.8, 0.9, 1.0, 1.14),
+    "dequant_elems_per_sm_us": (3.0e4, 3.5e4, 4.5e4, 5.5e4, 7.0e4, 8.5e4, 1.0e5),
     "in_flight_bytes": (4e6, 6e6, 8e6, 1e7, 1.2e7, 1.6e7),
     "direct_bw_fraction": (0.6, 0.65, 0.7, 0.75, 0.8, 0.85),
 }
@@ -56,17 +77,31 @@ def load_rows(path: Path) -> list[tuple[Problem, bool, dict]]:
     return rows
 
 
-def score(rows, device, consts: dict) -> tuple[float, float, float, int]:
-    """(mean pick/best, worst pick/best, mean |log est/measured|, shapes) under `consts`."""
+def load_dense_rows(path: Path) -> list[tuple[Problem, bool, dict]]:
+    """(problem, held out, {tactic: measured µs}) per shape: the dense tactics only."""
+    rows = []
+    for r in json.loads(path.read_text())["shapes"]:
+        p = Problem(m=r["m"], n=r["n"], k=r["k"], out_dtype="bfloat16")
+        timed = {dense.TritonSm90DenseTactic.model_validate_json(tj): e["us"]
+                 for tj, e in r["tactics"].items()
+                 if e.get("backend") == "triton-sm90-dense" and "us" in e}  # fmt: skip
+        rows.append((p, bool(r.get("held_out")), timed))
+    return rows
+
+
+def score(rows, device, consts: dict, activations: bool = False) -> tuple[float, float, float, int]:
+    """(mean pick/best, worst pick/best, mean |log est/measured|, shapes) under `consts`
+    (``activations``: the dense entry's estimate and rules)."""
     saved = dict(w4._c())
     w4._c().update(consts)
+    valid = dense.why_invalid if activations else w4.why_invalid
     try:
         ratios, errs = [], []
         for p, _, timed in rows:
-            offered = {t: us for t, us in timed.items() if w4.why_invalid(t, p, device) is None}
+            offered = {t: us for t, us in timed.items() if valid(t, p, device) is None}
             if not offered:
                 continue
-            est = {t: w4._estimate_direct(t, p, device) for t in offered}
+            est = {t: w4._estimate_direct(t, p, device, activations) for t in offered}
             pick = min(offered, key=lambda t: (est[t], t.canonical_json()))
             ratios.append(offered[pick] / min(offered.values()))
             errs += [abs(math.log(est[t] / us)) for t, us in offered.items()]
@@ -89,6 +124,41 @@ def fit(rows, device) -> tuple[dict, tuple]:
     return best[1], best[2]
 
 
+def fit_dense(rows, device) -> tuple[dict, tuple]:
+    """``dense_step_scale`` by `score` on `rows` (time scale 1), then the time scale
+    that zeroes the mean log error (module docstring)."""
+    best = None
+    for step in DENSE_GRID:
+        s = score(rows, device, {"dense_step_scale": step, "dense_time_scale": 1.0}, True)
+        key = (round(s[0], 4), s[2])
+        if best is None or key < best[0]:
+            best = (key, step)
+    consts = {"dense_step_scale": best[1], "dense_time_scale": 1.0}
+    saved = dict(w4._c())
+    w4._c().update(consts)
+    try:
+        logs = [math.log(w4._estimate_direct(t, p, device, True) / us)
+                for p, _, timed in rows for t, us in timed.items()]  # fmt: skip
+    finally:
+        w4._c().clear()
+        w4._c().update(saved)
+    consts["dense_time_scale"] = round(math.exp(-sum(logs) / len(logs)), 3)
+    return consts, score(rows, device, consts, True)
+
+
+def fit_mid(rows, device) -> tuple[dict, tuple]:
+    """``mid_step_scale`` and ``mma_eff`` at tile_m 32/64/128 by `score` on `rows`."""
+    best = None
+    for step, *eff in itertools.product(MID_STEP_GRID, *[MMA_EFF_GRID] * 3):
+        mma = {**w4._c()["mma_eff"], **dict(zip(("32", "64", "128"), eff, strict=True))}
+        consts = {"mid_step_scale": step, "mma_eff": mma}
+        s = score(rows, device, consts)
+        key = (round(s[0], 4), s[2])
+        if best is None or key < best[0]:
+            best = (key, consts, s)
+    return best[1], best[2]
+
+
 def report(name: str, s: tuple) -> str:
     mean, worst, err, shapes = s
     return (f"{name}: pick/best mean {mean:.3f}, worst {worst:.3f}, |log err| {err:.3f} "
@@ -100,8 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", type=Path, default=DATA, help="a bench_w4a16_decode.py JSON")
     ap.add_argument("--check", action="store_true", help="score the file's constants only")
     ap.add_argument("--write", action="store_true", help="write the fitted constants")
+    ap.add_argument("--dense", action="store_true", help="the triton-sm90-dense constants")
+    ap.add_argument("--dense-data", type=Path, default=DENSE_DATA,
+                    help="a bench_w4a4_decode.py JSON")  # fmt: skip
+    ap.add_argument("--mid", action="store_true", help="the M = 32-256 terms")
+    ap.add_argument("--mid-data", type=Path, default=MID_DATA,
+                    help="a bench_w4a16_decode.py --mid JSON")  # fmt: skip
     args = ap.parse_args(argv)
     device = rated(simulated("sm90"))
+    if args.dense:
+        return main_dense(args, device)
+    if args.mid:
+        return main_mid(args, device)
     rows = load_rows(args.data)
     train = [r for r in rows if not r[1]]
     held = [r for r in rows if r[1]]
@@ -116,6 +196,36 @@ def main(argv: list[str] | None = None) -> int:
     print(report("in-sample", s))
     print(report("held-out", score(held, device, consts)))
     if args.write:
+        data = json.loads(MODEL.read_text())
+        data["w4a16"].update(consts)
+        MODEL.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {MODEL}")
+    return 0
+
+
+def main_dense(args: argparse.Namespace, device) -> int:
+    """``--dense``: check or fit (and ``--write``) the dense entry's two constants."""
+    current = {k: w4._c()[k] for k in ("dense_step_scale", "dense_time_scale")}
+    return _check_or_fit(load_dense_rows(args.dense_data), device, args, current, fit_dense,
+                         activations=True)  # fmt: skip
+
+
+def main_mid(args: argparse.Namespace, device) -> int:
+    """``--mid``: check or fit (and ``--write``) the M = 32-256 terms."""
+    current = {"mid_step_scale": w4._c()["mid_step_scale"], "mma_eff": w4._c()["mma_eff"]}
+    return _check_or_fit(load_rows(args.mid_data), device, args, current, fit_mid)
+
+
+def _check_or_fit(rows, device, args, current: dict, fit_fn, activations: bool = False) -> int:
+    """Score `current` (``--check``) or `fit_fn`'s constants on the rows' in-sample and
+    held-out shapes; ``--write`` stores a fit in cost_model.json."""
+    train = [r for r in rows if not r[1]]
+    held = [r for r in rows if r[1]]
+    consts = current if args.check else fit_fn(train, device)[0]
+    print(json.dumps(consts))
+    print(report("in-sample", score(train, device, consts, activations)))
+    print(report("held-out", score(held, device, consts, activations)))
+    if args.write and not args.check:
         data = json.loads(MODEL.read_text())
         data["w4a16"].update(consts)
         MODEL.write_text(json.dumps(data, indent=1) + "\n")

@@ -41,7 +41,8 @@ def plugin_dist(tmp_path, monkeypatch):
         sys.modules.pop(module, None)
 
 
-#: the compile-only test scripts' preamble: a Triton driver that targets sm_90 with no GPU
+#: the compile-only test scripts' preamble: a Triton driver that targets sm_90 with no GPU,
+#: and ``compile_real_call`` (compile what a kernel's real call would launch)
 TARGET_ONLY = r"""
 import json, os, sys
 import torch
@@ -63,6 +64,31 @@ class TargetOnly:
 
 
 driver.set_active(TargetOnly())
+
+
+class _Recorder:
+    # stands in for a kernel's launcher binding: records (grid, args), launches nothing
+    last_compiled = None
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, grid, args):
+        self.seen.append((grid, args))
+
+    def launch_keyed(self, key, grid, args):
+        self.seen.append((grid, args))
+
+
+def compile_real_call(kernel, ops, res, k, act_dtype):
+    # kernel(ops, res) with the binding recorded, then compile exactly that (grid, args)
+    binding = kernel._binding
+    rec = _Recorder()
+    kernel._binding = lambda *a: rec
+    kernel(ops, res)
+    kernel._binding = binding
+    (grid, args), = rec.seen
+    binding(k, False, act_dtype).warmup(grid, args)
 """
 
 

@@ -417,19 +417,6 @@ from fp4_dispatch.plugins.sm90.w4a16 import TritonSm90W4A16Backend, TritonSm90W4
 from fp4_dispatch.tactics import Problem
 
 
-class Recorder:
-    last_compiled = None
-
-    def __init__(self):
-        self.seen = []
-
-    def __call__(self, grid, args):
-        self.seen.append((grid, args))
-
-    def launch_keyed(self, key, grid, args):
-        self.seen.append((grid, args))
-
-
 def operands(m, n, k, dtype):
     b = torch.zeros(n, k // 2, dtype=torch.uint8)
     sb = torch.zeros(swizzled_scale_shape(n, k), dtype=torch.float8_e4m3fn)
@@ -440,6 +427,17 @@ def operands(m, n, k, dtype):
 backend, dev = TritonSm90W4A16Backend(), PROFILE.device
 direct = gemm_w4a16._w4a16_kernel.device_caches[0][0]
 unpack = gemm_unpack.unpack_nvfp4_kernel.device_caches[0][0]
+dot = gemm_w4a16._dot_order_kernel.device_caches[0][0]
+
+
+def dot_order_compile_only(a, prepared):  # the activation pass of x_dot variants, compiled
+    m, k = a.shape
+    grid = (-(-m // gemm_w4a16.DOT_ORDER_ROWS), k // 128)
+    gemm_w4a16._dot_order_binding(prepared).warmup(grid, (a, a, m, k, a.stride(0)))
+    return a
+
+
+gemm_w4a16.dot_order_activations = dot_order_compile_only
 run = gemm_unpack.unpack_nvfp4_kernel.run
 gemm_unpack.unpack_nvfp4_kernel.run = lambda *a, grid, warmup, **kw: run(
     *a, grid=grid, warmup=True, **kw)
@@ -451,23 +449,18 @@ for spec in json.loads(sys.argv[1]):
     why = backend.validate(tactic, problem, dev)
     assert why is None, (spec, why)
     cache = unpack if tactic.path == "unpack" else direct
-    before = len(cache)
+    before, dot_before = len(cache), len(dot)
     backend.precompile(tactic, problem, dev)
-    after = len(cache)
+    after, dot_after = len(cache), len(dot)
     kernel = backend.build(tactic, problem, dev)
     ops, res = operands(problem.m, problem.n, problem.k, getattr(torch, spec["dtype"]))
     if tactic.path == "unpack":  # a real call, Triton's launch turned into a compile-only run
         kernel(ops, res)
     else:  # record the real call's (grid, args), then compile exactly those
-        binding = kernel._binding
-        rec = Recorder()
-        kernel._binding = lambda *a: rec
-        kernel(ops, res)
-        kernel._binding = binding
-        (grid, args), = rec.seen
-        binding(problem.k, False, ops.a.dtype).warmup(grid, args)
+        compile_real_call(kernel, ops, res, problem.k, ops.a.dtype)
     out[spec["name"]] = {"new_by_precompile": after - before,
-                         "new_by_real_args": len(cache) - after}
+                         "new_by_real_args": len(cache) - after,
+                         "dot_pass": [dot_after - dot_before, len(dot) - dot_after]}
 print(json.dumps(out))
 """
 )
@@ -475,8 +468,9 @@ print(json.dumps(out))
 
 def test_triton_sm90_w4a16_precompile_compiles_what_a_call_launches(tmp_path):
     """The W4A16 backend compiles for sm_90 on a CPU without a launch, and a real call's
-    arguments (direct kernel, with and without split-K, bf16 and fp16; the unpack path's
-    weight pass) hit the variant precompile made: nothing is left to JIT on first use."""
+    arguments (direct kernel, with and without split-K, bf16 and fp16, with the
+    activation pass of a 64-token tile; the unpack path's weight pass) hit the variants
+    precompile made: nothing is left to JIT on first use."""
     import subprocess
 
     pytest.importorskip("triton")
@@ -489,6 +483,9 @@ def test_triton_sm90_w4a16_precompile_compiles_what_a_call_launches(tmp_path):
         {"name": "unpack", "m": 512, "n": 384, "k": 512, "dtype": "bfloat16",
          "tactic": {"path": "unpack", "tile_m": 128, "tile_n": 128, "tile_k": 128,
                     "block_r": 64}},
+        {"name": "direct-x-dot", "m": 70, "n": 256, "k": 512, "dtype": "bfloat16",
+         "tactic": {"path": "direct", "tile_m": 64, "tile_n": 64, "tile_k": 128,
+                    "num_stages": 4, "split_k": 2}},
     ]  # fmt: skip
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
     env.pop("TRITON_INTERPRET", None)
@@ -497,4 +494,7 @@ def test_triton_sm90_w4a16_precompile_compiles_what_a_call_launches(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     for case in cases:
-        assert got[case["name"]] == {"new_by_precompile": 1, "new_by_real_args": 0}, got
+        # the activation pass of an x_dot variant (64-token tiles) is compiled ahead too
+        dot_pass = [1, 0] if case["name"] == "direct-x-dot" else [0, 0]
+        assert got[case["name"]] == {"new_by_precompile": 1, "new_by_real_args": 0,
+                                     "dot_pass": dot_pass}, got  # fmt: skip

@@ -274,21 +274,60 @@ def test_spill_is_the_compiled_kernels_stack_frame():
     assert "spill" not in cm.direct_features(p, eight)
 
 
-def test_w4a16_direct_model_picks_as_measured_on_the_committed_sweep():
-    """The W4A16 direct constants against the H200 decode sweep they were fitted on
-    (benchmarks/data/sm90_w4a16_decode_run4.json, benchmarks/fit_w4a16_model.py): the
-    untuned pick among the offered tactics within 5% of the measured best on every
-    in-sample shape and on every held-out one (M 2 and 8, shapes fixed before the fit).
-    Fails when the formula, the rules or the constants drift from the measurement."""
+def _fit_check(*flags: str) -> dict[str, tuple[float, float, str]]:
+    """``fit_w4a16_model.py --check`` (plus `flags`): {in-sample/held-out: (mean, worst,
+    the line)}; skipped where the source tree is not around."""
     root = _source_root()
     if root is None or not (root / "benchmarks" / "fit_w4a16_model.py").exists():
         pytest.skip("benchmarks/ not found (set FP4_DISPATCH_SOURCE_ROOT)")
     script = str(root / "benchmarks" / "fit_w4a16_model.py")
-    run = subprocess.run([sys.executable, script, "--check"], capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
+    run = subprocess.run([sys.executable, script, "--check", *flags], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    lines = {ln.split(":")[0]: ln for ln in run.stdout.splitlines() if "pick/best" in ln}
-    for name, shapes in (("in-sample", 18), ("held-out", 6)):
-        words = lines[name].replace(",", "").split()
-        worst = float(words[words.index("worst") + 1])
-        assert worst <= 1.05 and f"({shapes} shapes)" in lines[name], lines[name]
+    out = {}
+    for ln in run.stdout.splitlines():
+        if "pick/best" in ln:
+            words = ln.replace(",", "").split()
+            mean = float(words[words.index("mean") + 1])
+            out[ln.split(":")[0]] = (mean, float(words[words.index("worst") + 1]), ln)
+    return out
+
+
+def test_w4a16_direct_model_picks_as_measured_on_the_committed_sweep():
+    """The W4A16 direct constants against the H200 decode sweep they were fitted on
+    (benchmarks/data/sm90_w4a16_decode_run5.json, benchmarks/fit_w4a16_model.py): the
+    untuned pick among the offered tactics is on average within 3% of the measured best
+    of the in-sample shapes and within 5% on every held-out one (M 2 and 8, shapes fixed
+    before the fit). The worst in-sample shape is allowed 15%: with every split width to
+    8 offered, 18944x3584 picks split 2 where split 3 at 3 stages measured 12-14% faster
+    (RESULTS.md, "Hopper W4A16" run 5). Fails when the formula, the rules or the
+    constants drift from the measurement."""
+    got = _fit_check()
+    mean, worst, line = got["in-sample"]
+    assert mean <= 1.03 and worst <= 1.15 and "(18 shapes)" in line, line
+    mean, worst, line = got["held-out"]
+    assert worst <= 1.05 and "(6 shapes)" in line, line
+
+
+def test_dense_w4a4_model_picks_as_measured_on_the_committed_sweep():
+    """The ``triton-sm90-dense`` constants (dense_step_scale, dense_time_scale) against
+    the H200 W4A4 decode sweep they were fitted on (benchmarks/data/
+    sm90_w4a4_decode_run5.json, ``fit_w4a16_model.py --dense``): the untuned dense pick
+    within 7% of the best dense tactic on every in-sample shape, 2% on the held-out ones."""
+    got = _fit_check("--dense")
+    assert got["in-sample"][1] <= 1.07 and "(18 shapes)" in got["in-sample"][2], got
+    assert got["held-out"][1] <= 1.02 and "(6 shapes)" in got["held-out"][2], got
+
+
+def test_w4a16_mid_m_model_picks_as_measured_on_the_committed_sweep():
+    """The M = 32-256 terms (mid_step_scale, mma_eff at tile_m 32/64/128) against the H200
+    sweep they were fitted on (benchmarks/data/sm90_w4a16_mid_run5.json,
+    ``fit_w4a16_model.py --mid``): the untuned direct pick on average within 6% of the
+    best direct tactic in-sample (M 64 and 256), and within 15% on every held-out shape
+    (M 32 and 128 x three (N, K), fixed before the fit). Before these terms the pick was
+    13% off on average on both (RESULTS.md, "Hopper W4A16" run 5)."""
+    got = _fit_check("--mid")
+    mean, _, line = got["in-sample"]
+    assert mean <= 1.06 and "(12 shapes)" in line, line
+    mean, worst, line = got["held-out"]
+    assert mean <= 1.06 and worst <= 1.15 and "(6 shapes)" in line, line

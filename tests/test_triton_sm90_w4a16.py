@@ -120,7 +120,7 @@ print(json.dumps({"direct": results, "unpack": unpack, "bias": biased}))
 """
 )
 
-# (m, n, k, W4A16Config kwargs): M in {1, 5, 16, 33}, ragged N, K in {32, 96, 256},
+# (m, n, k, W4A16Config kwargs): M in {1, 2, 5, 9, 16, 33}, ragged N, K in {32, ..., 704},
 # K tails (K not a multiple of block_k), split-K on and off
 CASES = [
     (1, 40, 32, dict(block_n=64, block_m=16, block_k=64)),
@@ -129,6 +129,8 @@ CASES = [
     (33, 20, 256, dict(block_n=64, block_m=32, block_k=64, split_k=3)),
     (33, 72, 96, dict(block_n=64, block_m=64, block_k=128)),
     (9, 72, 192, dict(block_n=64, block_m=16, block_k=128)),  # prepared with a K tail
+    # split widths between powers of two: 11 K tiles over 5 splits of 3, the last empty
+    (2, 72, 704, dict(block_n=64, block_m=16, block_k=64, split_k=5)),
 ]
 
 
@@ -179,6 +181,51 @@ def test_prepared_weights_give_identical_results(interpreted):
         assert same is not False, f"unpack {m}x{n}x{k} {dtype}: prepared layout changed it"
         ran += same is True
     assert ran >= 5, f"only {ran} prepared cases ran (K % 64 == 0 needed)"
+
+
+_X_DOT_SCRIPT = (
+    _PRELUDE
+    + r"""
+rows = []
+for m, n, k, cfg in json.loads(sys.argv[1]):
+    ops, ref = operands(m, n, k, seed=m + n + k)
+    prep = mod.W4A16Operands(ops.a, mod.prepare_weight(ops.b_data), ops.b_scale, ops.alpha,
+                             prepared=True)
+    got = {}
+    for x_dot in (False, True):
+        kernel = mod.build(mod.W4A16Config(**cfg, x_dot=x_dot))
+        for name, o in (("natural", ops), ("prepared", prep)):
+            out = torch.full((m, n), float("nan"), dtype=torch.float16)
+            kernel(o, out)
+            got[(x_dot, name)] = out
+    # the activation pass is a permutation of each 128-wide K tile
+    perm = mod.dot_order_activations(ops.a, False)
+    tiles = ops.a.reshape(m, k // 128, 128).sort(-1).values
+    same_values = bool(torch.equal(perm.reshape(m, k // 128, 128).sort(-1).values, tiles))
+    moved = not bool(torch.equal(perm, ops.a))
+    rows.append([m, n, k, cfg, rel_err(got[(True, "natural")], ref),
+                 bool(torch.equal(got[(True, "natural")], got[(False, "natural")])),
+                 bool(torch.equal(got[(True, "prepared")], got[(False, "prepared")])),
+                 same_values, moved])
+print(json.dumps(rows))
+"""
+)
+
+
+def test_activations_in_dot_order_give_identical_results():
+    """X_DOT (`W4A16Config.x_dot`: the activations put in the dot's K order by one pass,
+    then read as they are) computes the in-kernel permutation's exact bits, on natural and
+    prepared weight bytes, with masked token rows, split-K and a ragged N."""
+    cases = [
+        (70, 72, 256, dict(block_n=64, block_m=64, block_k=128, split_k=2)),
+        (5, 130, 384, dict(block_n=128, block_m=64, block_k=128)),
+    ]
+    rows = run_interpreted(_X_DOT_SCRIPT, cases)
+    assert len(rows) == len(cases)
+    for m, n, k, cfg, err, same_n, same_p, permuted, moved in rows:
+        assert err <= 1e-2, f"{m}x{n}x{k} {cfg}: rel err {err}"
+        assert same_n and same_p, f"{m}x{n}x{k} {cfg}: X_DOT changed the result"
+        assert permuted and moved, f"{m}x{n}x{k}: the activation pass is not a permutation"
 
 
 _DEQUANT_SCRIPT = (
@@ -346,27 +393,32 @@ def test_estimate_picks_direct_for_decode_and_unpack_for_prefill():
     assert best.split_k > 1  # 64 weight tiles cannot fill 132 SMs without split-K
 
 
-def _direct(**kw) -> TritonSm90W4A16Tactic:
-    return TritonSm90W4A16Tactic(path="direct", tile_m=16, tile_n=128, **kw)
-
-
-@pytest.mark.parametrize(("n", "k", "split"), [(8192, 8192, 4), (5120, 5120, 8), (10240, 8192, 4)])
+@pytest.mark.parametrize(("n", "k", "split"), [(8192, 8192, 5), (5120, 5120, 8), (10240, 8192, 4)])
 def test_direct_estimate_ranks_decode_tiles_as_measured(n, k, split):
-    """RESULTS.md ("Hopper W4A16", runs 2 and 4, M = 1 and 16): tile_k 128 at 4 stages
-    beat tile_k 256 at 3 (the v0 model's pick) by 15-30% and 6 stages by 5-40%, with this
-    split-K on every one of these shapes. The untuned direct pick must have those knobs
-    (whichever of the 64- and 128-row tiles, measured within 5% of each other here), and
-    the estimate must rank the slower knobs (no longer offered) behind it."""
+    """RESULTS.md ("Hopper W4A16" run 5, M = 1, benchmarks/data/sm90_w4a16_decode_run5.json):
+    64 weight rows, tile_k 128, 4 stages and this split-K were the fastest direct tactic of
+    every one of these shapes (at M = 16 too, but 5120², where split 6 measured 1.3%
+    faster than 8). The untuned direct pick must have those knobs at M = 1 and 16."""
     b = TritonSm90W4A16Backend()
     for m in (1, 16):
         p = Problem(m=m, n=n, k=k)
         direct = [t for t in b.tactics(p, SM90) if t.path == "direct"]
         best = min(direct, key=lambda t: (b.estimate_us(p, SM90, t), t.canonical_json()))
-        assert (best.tile_k, best.num_stages, best.split_k) == (128, 4, split), best
-        s4 = b.estimate_us(p, SM90, _direct(tile_k=128, num_stages=4, split_k=split))
-        s6 = b.estimate_us(p, SM90, _direct(tile_k=128, num_stages=6, split_k=split))
-        wide = b.estimate_us(p, SM90, _direct(tile_k=256, num_stages=3, split_k=split // 2))
-        assert s4 < s6 and s4 < wide, (m, n, k, s4, s6, wide)
+        knobs = (best.tile_n, best.tile_k, best.num_stages, best.split_k)
+        assert knobs == (64, 128, 4, split), best
+
+
+def test_token_tiles_of_64_or_more_take_activations_in_dot_order():
+    """X_DOT_MIN_TILE_M: decode tiles keep the in-kernel permutation (it measured faster
+    there); 64- and 128-token tiles take the per-call pass (RESULTS.md run 5)."""
+    pytest.importorskip("triton")
+    from fp4_dispatch.plugins.sm90.w4a16 import X_DOT_MIN_TILE_M
+
+    assert X_DOT_MIN_TILE_M == 64
+    for tm, want in ((16, False), (32, False), (64, True), (128, True)):
+        warps = 8 if tm == 128 else 4
+        t = TritonSm90W4A16Tactic(tile_m=tm, tile_n=128, num_warps=warps)
+        assert t.kernel_config().x_dot is want, (tm, t.kernel_config())
 
 
 def test_rules_reject_what_does_not_fit():
@@ -567,3 +619,31 @@ def test_gpu_direct_tactics_natural_and_prepared():
             diff = float((outs[0].double() - outs[1].double()).norm() / outs[0].double().norm())
             assert diff <= 1e-2, f"{t.canonical_json()} {dtype}: natural vs prepared {diff}"
     assert ref.norm() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90_gpu(), reason="needs a CUDA device of compute capability 9.x")
+def test_gpu_activations_in_dot_order_are_bit_identical():
+    """X_DOT on the GPU (bf16 PTX path, 64- and 128-token tiles, split-K, masked token
+    rows): the same bits as the in-kernel permutation, natural and prepared weights."""
+    from fp4_dispatch.backends.sm90 import gemm_w4a16 as mod
+    from fp4_dispatch.nvfp4 import dequantize, quantize_nvfp4
+
+    m, n, k = 200, 384, 2048
+    g = torch.Generator().manual_seed(11)
+    q = quantize_nvfp4(torch.randn(n, k, generator=g)).to("cuda")
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
+    ref = x.double().cpu() @ dequantize(q.to("cpu")).double().T
+    alpha = q.global_scale.reshape(1)
+    prep = mod.W4A16Operands(x, mod.prepare_weight(q.data), q.scale, alpha, True)
+    nat = mod.W4A16Operands(x, q.data, q.scale, alpha)
+    for cfg in (dict(block_n=64, block_m=64, split_k=2, num_stages=4),
+                dict(block_n=128, block_m=128, num_warps=8, num_stages=3)):  # fmt: skip
+        for ops in (nat, prep):
+            outs = []
+            for x_dot in (False, True):
+                out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                mod.build(mod.W4A16Config(**cfg, x_dot=x_dot))(ops, out)
+                outs.append(out)
+            err = float((outs[1].double().cpu() - ref).norm() / ref.norm())
+            assert err <= 1e-2 and torch.equal(outs[0], outs[1]), (cfg, ops.prepared, err)

@@ -246,19 +246,6 @@ from fp4_dispatch.plugins.sm90.w4a16 import TritonSm90W4A16Backend, TritonSm90W4
 from fp4_dispatch.tactics import Problem
 
 
-class Recorder:
-    last_compiled = None
-
-    def __init__(self):
-        self.seen = []
-
-    def __call__(self, grid, args):
-        self.seen.append((grid, args))
-
-    def launch_keyed(self, key, grid, args):
-        self.seen.append((grid, args))
-
-
 backend, dev = TritonSm90W4A16Backend(), PROFILE.device
 cache = dec._w4a16_gemv_kernel.device_caches[0][0]
 out = {}
@@ -277,13 +264,7 @@ for spec in json.loads(sys.argv[1]):
                         torch.zeros(swizzled_scale_shape(n, k), dtype=torch.float8_e4m3fn),
                         torch.ones(1))
     res = torch.empty(m, n, dtype=dtype)
-    binding = kernel._binding  # record the real call's (grid, args), then compile those
-    rec = Recorder()
-    kernel._binding = lambda *a: rec
-    kernel(ops, res)
-    kernel._binding = binding
-    (grid, args), = rec.seen
-    binding(k, False, dtype).warmup(grid, args)
+    compile_real_call(kernel, ops, res, k, dtype)
     out[spec["name"]] = {"new_by_precompile": after - before,
                          "new_by_real_args": len(cache) - after,
                          "type": type(compiled).__name__}

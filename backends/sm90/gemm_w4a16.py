@@ -52,6 +52,14 @@ Under TRITON_INTERPRET=1 (CPU) the element-wise twins compute the same bits, and
 tests/test_triton_sm90_w4a16.py runs the PTX itself through a small model of its
 instructions on every byte value.
 
+Activations in the dot's order (``W4A16Config.x_dot``, token tiles of 64 or more). The
+dot's K order is not natural, so each CTA moves its activation tile through registers to
+permute it (and through shared memory again for the MMA), once per weight tile: at 64-256
+tokens that was 18-27% of the kernel on the H200. With ``x_dot`` one pass per call
+(`dot_order_activations`, the kernel's own permutation code) writes the activations in
+that order and every CTA hands its tile to the MMA as loaded (``X_DOT``; K % 128 == 0 and
+128-wide K steps, else the in-kernel permutation runs). Bit-identical results.
+
 Split-K: each split writes its fp32 partial tile into a workspace and bumps a per-tile
 counter (acq_rel atomic after a CTA barrier); the last split sums the partials in fixed
 split order (deterministic), stores ``out`` and resets the counter to zero. The
@@ -69,6 +77,7 @@ strides.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -137,6 +146,11 @@ class W4A16Config:
     #: per element); "native" = the bf16 PTX dequantizer (no F2F; relies on bf16
     #: subnormal arithmetic, checked only by benchmarks/bench_w4a16.py on the H200)
     bf16_dequant: str = "native"
+    #: put the activations in the dot's K order in one pass per call first
+    #: (`dot_order_activations`) and read them straight into the MMA in every CTA,
+    #: instead of each CTA permuting its tile through registers; where K % 128 == 0
+    #: and block_k == 128 (otherwise the in-kernel permutation runs)
+    x_dot: bool = False
 
     def __post_init__(self) -> None:
         for name, choices in (
@@ -478,6 +492,71 @@ def dequantize_weight(
     return out
 
 
+# ---- activations in the dot's K order ---------------------------------------------------
+
+
+@triton.jit
+def _activations_dot_order(xv, ROWS: tl.constexpr, KB: tl.constexpr, PREPARED: tl.constexpr):
+    """bf16/fp16 activations ``[ROWS, 2 KB]`` (natural K) -> (even K, odd K) halves, each
+    ``[ROWS, KB]`` in the weights' dot byte order (`_from_prepared` for natural weight
+    bytes, `_natural_to_dot` for prepared ones): value ``2j + h`` pairs with byte j's
+    nibble h."""
+    xe, xo = tl.split(tl.reshape(xv, (ROWS, KB, 2)))
+    if PREPARED:
+        xe = _natural_to_dot(xe, ROWS, KB)
+        xo = _natural_to_dot(xo, ROWS, KB)
+    else:
+        xe = _from_prepared(xe, ROWS, KB)
+        xo = _from_prepared(xo, ROWS, KB)
+    return xe, xo
+
+
+@triton.jit
+def _join_k(lo, hi, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[lo | hi]`` along K: two ``[ROWS, BLOCK_K / 2]`` halves -> ``[ROWS, BLOCK_K]``."""
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (ROWS, BLOCK_K))
+
+
+@triton.jit
+def _dot_order_kernel(x_ptr, out_ptr, M, K, stride_xm, BLOCK_R: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PREPARED: tl.constexpr):  # fmt: skip
+    """``out`` = ``x`` with each 128-wide K tile in the order the direct kernel's dot
+    reads it (``X_DOT``), by the kernel's own permutation code: one pass, so that every
+    CTA of the GEMM reads its activation tile straight into the MMA's shared memory."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < M)[:, None]
+    xv = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=mask)
+    xe, xo = _activations_dot_order(xv, BLOCK_R, BLOCK_K // 2, PREPARED)
+    x2 = _join_k(xe, xo, BLOCK_R, BLOCK_K)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * K + rk[None, :], x2, mask=mask)
+
+
+#: rows per CTA of the activation pass (`_dot_order_kernel`; 128 K columns each)
+DOT_ORDER_ROWS = 16
+
+
+def dot_order_activations(a: torch.Tensor, prepared: bool) -> torch.Tensor:
+    """``a`` ``[M, K]`` (K % 128 == 0, unit K stride) in the direct kernel's dot K order
+    for 128-wide K tiles (a new contiguous tensor), for ``X_DOT`` variants."""
+    m, k = a.shape
+    out = torch.empty((m, k), dtype=a.dtype, device=a.device)
+    bound = _dot_order_binding(prepared)
+    grid = (-(-m // DOT_ORDER_ROWS), k // 128)
+    args = (a, out, m, k, a.stride(0))
+    if all_aligned(a, out):
+        bound.launch_keyed((m, k, a.stride(0), a.dtype), grid, args)
+    else:
+        bound(grid, args)
+    return out
+
+
+@functools.cache
+def _dot_order_binding(prepared: bool) -> BoundLaunch:
+    meta = {"BLOCK_R": DOT_ORDER_ROWS, "BLOCK_K": 128, "PREPARED": prepared}
+    return CachedLauncher(_dot_order_kernel).bind(meta, 4)
+
+
 # ---- the direct kernel ----------------------------------------------------------------
 
 
@@ -499,6 +578,9 @@ def _w4a16_kernel(
     stride_on,
     b_sblk,
     has_bias,
+    xs_ptr,
+    x_sblk,
+    alpha_b_ptr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -507,7 +589,16 @@ def _w4a16_kernel(
     USE_ASM: tl.constexpr,
     PREPARED: tl.constexpr,
     BF16_NATIVE: tl.constexpr,
+    A_NVFP4: tl.constexpr,
+    X_DOT: tl.constexpr,
 ):
+    # A_NVFP4 (the W4A4 entry, `gemm_w4a4_dense`): x_ptr holds NVFP4 activation bytes
+    # [M, K/2] with their swizzled e4m3 scales at xs_ptr (row block x_sblk), dequantized
+    # in the weights' dot order like the weights (bf16, or fp16 without BF16_NATIVE; exact
+    # either way: e2m1 * scale * 2**-14), and
+    # the epilogue multiplies by alpha * alpha_b * 2**28. Otherwise the three trailing
+    # runtime arguments are unused. X_DOT: the bf16/fp16 activations are already in the
+    # dot's K order (`dot_order_activations`; 128-wide K tiles, EVEN_K): no permutation.
     KB: tl.constexpr = BLOCK_K // 2  # packed weight bytes per row of a K tile
     KG: tl.constexpr = BLOCK_K // 16  # block scales per row of a K tile
     # one dot of K = BLOCK_K (the lo and hi halves side by side) instead of two of K/2:
@@ -536,7 +627,12 @@ def _w4a16_kernel(
     s_row = scale_row_offset(rn, b_sblk)
     s_ptrs = bs_ptr + s_row[:, None] + (scale_group_offset(rg) + kt0 * (KG // 4) * 512)[None, :]
     rk = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (kt0 * BLOCK_K + rk)[None, :]
+    if A_NVFP4:  # packed activation bytes and their scales, addressed like the weights'
+        x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (kt0 * KB + rb)[None, :]
+        xs_row = scale_row_offset(rm, x_sblk)[:, None]
+        xs_ptrs = xs_ptr + xs_row + (scale_group_offset(rg) + kt0 * (KG // 4) * 512)[None, :]
+    else:
+        x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (kt0 * BLOCK_K + rk)[None, :]
 
     # token rows past M: zero-filled, no memory traffic (wrapped rows would re-read x)
     xrow = (offs_m < M)[:, None]
@@ -545,12 +641,21 @@ def _w4a16_kernel(
         if EVEN_K:
             w = tl.load(w_ptrs)
             s = tl.load(s_ptrs)
-            xv = tl.load(x_ptrs, mask=xrow, other=0.0)
+            if A_NVFP4:
+                xv = tl.load(x_ptrs, mask=xrow, other=0)
+                xsv = tl.load(xs_ptrs)
+            else:
+                xv = tl.load(x_ptrs, mask=xrow, other=0.0)
         else:
             kmask = (kt * KB + rb) < k_half
+            gmask = ((kt * KG + rg) < K // 16)[None, :]
             w = tl.load(w_ptrs, mask=kmask[None, :], other=0)
-            s = tl.load(s_ptrs, mask=((kt * KG + rg) < K // 16)[None, :], other=0.0)
-            xv = tl.load(x_ptrs, mask=xrow & ((kt * BLOCK_K + rk) < K)[None, :], other=0.0)
+            s = tl.load(s_ptrs, mask=gmask, other=0.0)
+            if A_NVFP4:
+                xv = tl.load(x_ptrs, mask=xrow & kmask[None, :], other=0)
+                xsv = tl.load(xs_ptrs, mask=gmask, other=0.0)
+            else:
+                xv = tl.load(x_ptrs, mask=xrow & ((kt * BLOCK_K + rk) < K)[None, :], other=0.0)
         # the weight tile in the dot's byte order (each MMA lane's 4 bytes one 32-bit word
         # of memory); the activations are permuted to the same order
         w = _from_prepared(w, BLOCK_N, KB)
@@ -559,25 +664,46 @@ def _w4a16_kernel(
             w_lo, w_hi = _dequant_scaled_bf16(w, s, BLOCK_N, KB, USE_ASM, PREPARED, ORDER)
         else:
             w_lo, w_hi = _dequant_scaled(w, s, BLOCK_N, KB, USE_ASM, PREPARED, ORDER)
-        xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, KB, 2)))
-        if PREPARED:
-            xe = _natural_to_dot(xe, BLOCK_M, KB)
-            xo = _natural_to_dot(xo, BLOCK_M, KB)
+        if A_NVFP4:
+            # the activation bytes moved to the natural weights' dot order, then expanded
+            # like them: byte j's low nibble is K 2j, its high 2j + 1 (natural weights
+            # only: the W4A4 operands carry no prepared copy)
+            tl.static_assert(not PREPARED)
+            xv = _from_prepared(xv, BLOCK_M, KB)
+            if BF16_NATIVE:
+                xe, xo = _dequant_scaled_bf16(xv, xsv, BLOCK_M, KB, USE_ASM, False, ORDER)
+                dot_dtype: tl.constexpr = tl.bfloat16
+            else:  # fp16 products (exact too; what the interpreter runs, see tests)
+                xe, xo = _dequant_scaled(xv, xsv, BLOCK_M, KB, USE_ASM, False, ORDER)
+                dot_dtype: tl.constexpr = tl.float16
+        elif X_DOT:  # already in the dot's order: the tile goes to the MMA as loaded
+            tl.static_assert(ONE_DOT and EVEN_K)
+            dot_dtype: tl.constexpr = xv.dtype
         else:
-            xe = _from_prepared(xe, BLOCK_M, KB)
-            xo = _from_prepared(xo, BLOCK_M, KB)
+            xe, xo = _activations_dot_order(xv, BLOCK_M, KB, PREPARED)
+            dot_dtype: tl.constexpr = xv.dtype
         if ONE_DOT:  # [lo | hi] along K: one wgmma group and one wait per step
-            w2 = tl.reshape(tl.permute(tl.join(w_lo, w_hi), (0, 2, 1)), (BLOCK_N, BLOCK_K))
-            x2 = tl.reshape(tl.permute(tl.join(xe, xo), (0, 2, 1)), (BLOCK_M, BLOCK_K))
-            acc = tl.dot(w2.to(xv.dtype), tl.trans(x2), acc)
+            w2 = _join_k(w_lo, w_hi, BLOCK_N, BLOCK_K)
+            if X_DOT:  # noqa: SIM108 - constexpr branches as statements
+                x2 = xv
+            else:
+                x2 = _join_k(xe, xo, BLOCK_M, BLOCK_K)
+            acc = tl.dot(w2.to(dot_dtype), tl.trans(x2.to(dot_dtype)), acc)
         else:
-            acc = tl.dot(w_lo.to(xv.dtype), tl.trans(xe), acc)
-            acc = tl.dot(w_hi.to(xv.dtype), tl.trans(xo), acc)
+            acc = tl.dot(w_lo.to(dot_dtype), tl.trans(xe.to(dot_dtype)), acc)
+            acc = tl.dot(w_hi.to(dot_dtype), tl.trans(xo.to(dot_dtype)), acc)
         w_ptrs += KB
         s_ptrs += (KG // 4) * 512
-        x_ptrs += BLOCK_K
+        if A_NVFP4:
+            x_ptrs += KB
+            xs_ptrs += (KG // 4) * 512
+        else:
+            x_ptrs += BLOCK_K
 
-    scale = tl.load(alpha_ptr) * 16384.0  # alpha * 2**14
+    if A_NVFP4:  # alpha * alpha_b * 2**28: both operands carry 2**-14
+        scale = tl.load(alpha_ptr) * 268435456.0 * tl.load(alpha_b_ptr)
+    else:
+        scale = tl.load(alpha_ptr) * 16384.0  # alpha * 2**14
     store_dense(acc, scale, bias_ptr, has_bias, out_ptr, offs_m, offs_n, M, N, stride_om,
                 stride_on, ws_ptr, cnt_ptr, pid, pid_k, BLOCK_N, BLOCK_M, SPLIT_K)  # fmt: skip
 
@@ -682,7 +808,9 @@ class DenseKernel:
         if b is None:
             b = operands.b_data
         bound = self._binding(k, prepared, operands.a.dtype)
-        launch_dense(bound, (tiles, cfg.split_k), operands, out, ws, cnt, b)
+        a = self._activations(operands.a, prepared)
+        grid = (tiles, cfg.split_k)
+        launch_dense(bound, grid, operands, out, ws, cnt, b, self._tail(out), a)
         self.compiled = bound.last_compiled
 
     def precompile(
@@ -700,12 +828,21 @@ class DenseKernel:
         ws, cnt = (torch.float32, torch.int32) if cfg.split_k > 1 else (dtype, dtype)
         sblk = swizzled_scale_shape(n, k)[1] * 128
         args = (dtype, torch.uint8, torch.float8_e4m3fn, torch.float32, dtype, dtype, ws, cnt,
-                m, n, k, k, n, 1, sblk, 0)  # fmt: skip
+                m, n, k, k, n, 1, sblk, 0, *self._tail(dtype))  # fmt: skip
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         return self._binding(k, prepared, dtype).warmup((tiles, cfg.split_k), args)
 
     def _binding(self, k: int, prepared: bool, act_dtype: torch.dtype) -> BoundLaunch:
         raise NotImplementedError
+
+    def _tail(self, out: object) -> tuple:
+        """Runtime arguments after the shared signature (none here). ``out`` is the
+        output tensor, or its dtype for a precompile (Triton's placeholder)."""
+        return ()
+
+    def _activations(self, a: torch.Tensor, prepared: bool) -> torch.Tensor:
+        """The activations the kernel reads (``a`` itself here)."""
+        return a
 
 
 @dataclass
@@ -719,15 +856,37 @@ class W4A16Kernel(DenseKernel):
         """The launcher binding of (even K, prepared, native bf16 dequant), made once."""
         cfg = self.cfg
         native = cfg.bf16_dequant == "native" and act_dtype == torch.bfloat16
-        key = (k % cfg.block_k == 0, prepared, native)
+        key = (k % cfg.block_k == 0, prepared, native, self._x_dot(k))
         bound = self._bound.get(key)
         if bound is None:
             meta = {"BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k,
                     "SPLIT_K": cfg.split_k, "EVEN_K": key[0], "USE_ASM": _USE_ASM,
-                    "PREPARED": prepared, "BF16_NATIVE": native,
-                    "num_stages": cfg.num_stages}  # fmt: skip
+                    "PREPARED": prepared, "BF16_NATIVE": native, "A_NVFP4": False,
+                    "X_DOT": key[3], "num_stages": cfg.num_stages}  # fmt: skip
             bound = self._bound[key] = _W4A16_LAUNCH.bind(meta, cfg.num_warps)
         return bound
+
+    def _x_dot(self, k: int) -> bool:
+        """Whether a call with this K runs the ``X_DOT`` variant (`W4A16Config.x_dot`)."""
+        return self.cfg.x_dot and self.cfg.block_k == 128 and k % 128 == 0
+
+    def _activations(self, a: torch.Tensor, prepared: bool) -> torch.Tensor:
+        """``a``, or for an ``X_DOT`` variant its copy in the dot's K order."""
+        return dot_order_activations(a, prepared) if self._x_dot(a.shape[1]) else a
+
+    def precompile(
+        self, m: int, n: int, k: int, dtype: torch.dtype, prepared: bool = False
+    ) -> object:
+        """`DenseKernel.precompile`, plus the activation pass of an ``X_DOT`` variant."""
+        if self._x_dot(k):
+            grid = (-(-m // DOT_ORDER_ROWS), k // 128)
+            _dot_order_binding(prepared).warmup(grid, (dtype, dtype, m, k, k))
+        return super().precompile(m, n, k, dtype, prepared)
+
+    def _tail(self, out: object) -> tuple:
+        """The W4A4 entry's three arguments, unused here (`_w4a16_kernel`): ``out``
+        stands in for both pointers (never read), 0 for the scale row block."""
+        return (out, 0, out)
 
 
 _W4A16_LAUNCH = CachedLauncher(_w4a16_kernel)
@@ -741,17 +900,22 @@ def launch_dense(
     ws: torch.Tensor,
     cnt: torch.Tensor,
     b: torch.Tensor,
+    tail: tuple = (),
+    a: torch.Tensor | None = None,
 ) -> None:
     """Launch a W4A16 kernel of the shared signature (this module's direct kernel and
     `gemm_w4a16_decode`'s gemv: x, weight, scales, alpha, bias, out, workspace, counters,
-    M, N, K, strides, scale row block, has_bias) on `operands`, reading the weight bytes
-    ``b`` (``operands.b_data`` or its sm90-prepared copy, as ``bound`` was compiled for).
+    M, N, K, strides, scale row block, has_bias; then ``tail``, a kernel's own arguments:
+    `DenseKernel._tail`) on `operands`, reading the weight bytes ``b``
+    (``operands.b_data`` or its sm90-prepared copy, as ``bound`` was compiled for) and
+    the activations ``a`` (default ``operands.a``; an ``X_DOT`` variant's reordered copy).
 
     No bias: ``out`` stands in for the pointer (never read; the same dtype, so the same
     compiled variant). Aligned pointers launch by a key of what varies between calls
     (sizes, strides, dtypes: `BoundLaunch.launch_keyed`); anything else through Triton's
     full specialization key."""
-    a, sb, alpha = operands.a, operands.b_scale, operands.alpha
+    sb, alpha = operands.b_scale, operands.alpha
+    a = operands.a if a is None else a
     m, n, k = a.shape[0], b.shape[0], a.shape[1]
     bias = operands.bias
     has_bias = bias is not None
@@ -759,7 +923,7 @@ def launch_dense(
         bias = out
     sa0, (so0, so1) = a.stride(0), out.stride()
     args = (a, b, sb, alpha, bias, out, ws, cnt, m, n, k, sa0, so0, so1,
-            sb.shape[1] * 128, int(has_bias))  # fmt: skip
+            sb.shape[1] * 128, int(has_bias), *tail)  # fmt: skip
     if all_aligned(a, b, sb, alpha, bias, out):
         bound.launch_keyed((m, n, k, sa0, so0, so1, a.dtype, out.dtype, bias.dtype), grid, args)
     else:

@@ -432,9 +432,11 @@ def _kernel_for(cfg: KernelConfig) -> Kernel:
 
 @hookimpl
 def fp4_dispatch_register_backends(register) -> None:
-    # the W4A16 module builds on this one's shared rules, so it is imported after it
+    # the W4A16 and dense modules build on this one's shared rules: imported after it
+    from fp4_dispatch.plugins.sm90.dense import TritonSm90DenseBackend  # noqa: PLC0415
     from fp4_dispatch.plugins.sm90.w4a16 import TritonSm90W4A16Backend  # noqa: PLC0415
 
     register(TritonSm90Backend())
     register(TritonSm90UnpackBackend())
     register(TritonSm90W4A16Backend())
+    register(TritonSm90DenseBackend())

@@ -1,4 +1,5 @@
-"""Plugin module (not registered yet): the Hopper W4A16 backend ``triton-sm90-w4a16``.
+"""Plugin module: the Hopper W4A16 backend ``triton-sm90-w4a16`` (registered by the sm90
+family's hookimpl, `fp4_dispatch.plugins.sm90`).
 
 W4A16 = dense bf16/fp16 activations ``x [M, K]`` times NVFP4 weights ``[N, K]``
 (`fp4_dispatch.backends.sm90.gemm_w4a16`). The problem is read as ``Problem(m=M
@@ -6,21 +7,22 @@ tokens, n=N weight rows, k=K, out_dtype)``; the activation dtype is the output d
 family at call time (the kernel specializes on it). Two paths, one tactic type:
 
 - ``path="direct"``: the fused kernel; ``tile_n`` weight rows (64/128, the MMA's wide
-  side), ``tile_m`` tokens (16-64, the narrow side), ``tile_k``, ``split_k``, warps,
+  side), ``tile_m`` tokens (16-128, the narrow side; 64 and more read activations put in
+  the dot's K order once per call, `X_DOT_MIN_TILE_M`), ``tile_k``, ``split_k``, warps,
   stages (tile_m 128 needs 8 warps). Offered for M <= `DIRECT_MAX_M`.
 - ``path="unpack"``: expand the weight once to the activation dtype (alpha folded in),
   then cuBLAS; ``block_r`` x ``tile_k`` is the unpack tile, ``tile_m``/``tile_n`` are
   nominal 128. Offered for M >= `UNPACK_MIN_M`.
 - ``path="gemv"``: the tensor-core-free decode kernel of
   `fp4_dispatch.backends.sm90.gemm_w4a16_decode` (fp32 FMAs in registers, no tensor
-  cores; not yet run on hardware, its estimate unfitted): ``tile_m`` tokens (1, 2, 4:
+  cores; measured on the H200, its estimate scaled, not fitted): ``tile_m`` tokens (1, 2, 4:
   the padded M, one token tile), ``tile_n`` weight rows (16-64), ``tile_k``
   (256-1024), ``split_k``, warps, ``num_stages`` 1 (plain loads) or 2 (Triton's
   cp.async pipeline). Offered for M <= `GEMV_MAX_M`.
 
 Orientation is the kernel's own (weights always on the wide side), so every tactic has
-``swap_ab=False``. ``operations = ("w4a16",)`` says which operation the backend serves;
-the core does not read it yet, so there is no entry point for this module yet.
+``swap_ab=False``. ``operations = ("w4a16",)``: the dispatcher ranks these tactics for
+W4A16 problems only.
 """
 
 from __future__ import annotations
@@ -50,7 +52,12 @@ if TYPE_CHECKING:
 TILE_M = (16, 32, 64, 128)
 TILE_N = (64, 128)
 TILE_K = (64, 128, 256)
-SPLIT_K = (1, 2, 4, 8, 16)
+#: split-K widths of the direct path: every width to 8 (the K tiles need not divide: the
+#: last split takes the remainder), then 16. The widths between the powers of two fill
+#: the resident CTA slots more evenly: on the H200 (RESULTS.md, "Hopper W4A16" run 5)
+#: 3 splits ran 1x13824x5120 in 22.0 µs against 24.3 at 4, 7 ran 1x4608x3584 in 9.8
+#: against 10.9, and 6 ran 1x5120² in 12.6 against 13.4
+SPLIT_K = (1, 2, 3, 4, 5, 6, 7, 8, 16)
 WARPS = (4, 8)
 STAGES = (3, 4, 6)
 BLOCK_R = (32, 64, 128)
@@ -84,6 +91,12 @@ DIRECT_MAX_M = 1024
 DIRECT_MAX_CTAS_PER_SM = 8
 #: below this M the unpack pass alone costs about as much as the direct kernel
 UNPACK_MIN_M = 256
+#: direct tiles of this many tokens or more take their activations in the dot's K order,
+#: made once per call (`gemm_w4a16.dot_order_activations`), instead of every CTA
+#: permuting its tile: at 64 and 128 tokens that permutation cost 18-27% of the kernel
+#: on the H200 (RESULTS.md, "Hopper W4A16" run 5); at 16 the SASS loop grew instead
+#: (294 against 270 instructions at 64x16x128), so decode tiles keep it
+X_DOT_MIN_TILE_M = 64
 
 
 class TritonSm90W4A16Tactic(Tactic):
@@ -97,16 +110,17 @@ class TritonSm90W4A16Tactic(Tactic):
     cluster_n: Literal[1] = 1
     swap_ab: Literal[False] = False
     tile_k: Literal[64, 128, 256, 512, 1024] = 128
-    split_k: Literal[1, 2, 4, 8, 16] = 1
+    split_k: Literal[1, 2, 3, 4, 5, 6, 7, 8, 16] = 1
     num_warps: Literal[4, 8] = 4
     num_stages: Literal[1, 2, 3, 4, 6] = 3
     block_r: Literal[32, 64, 128] = 64
 
     def kernel_config(self) -> W4A16Config:
-        """The direct kernel's compile-time config (direct path only)."""
+        """The direct kernel's compile-time config (direct path only): token tiles of
+        `X_DOT_MIN_TILE_M` or more read activations put in the dot's order per call."""
         from fp4_dispatch.backends.sm90.gemm_w4a16 import W4A16Config  # noqa: PLC0415 - optional: Triton
 
-        return triton_config(W4A16Config, self)
+        return triton_config(W4A16Config, self, x_dot=self.tile_m >= X_DOT_MIN_TILE_M)
 
     def gemv_config(self) -> W4A16GemvConfig:
         """The gemv kernel's compile-time config (gemv path only)."""
@@ -227,7 +241,7 @@ def why_invalid(t: TritonSm90W4A16Tactic, problem: Problem, device: DeviceInfo) 
 
 # Calibration: the "w4a16" part of plugins/sm90/cost_model.json (`_c()`).
 #
-# Direct path (v1, fitted; the file's note says on what). The time is the largest of four
+# Direct path (v2, fitted; the file's note says on what). The time is the largest of four
 # bounds plus launch and split-K reduction (`_estimate_direct`): the chain of dependent K
 # steps (``step_us`` per 128-wide step, scaled by sqrt(tile_k / 128): a wider step carries
 # more bytes but the same chain) times the rounds of CTAs the busiest SM runs; the weight
@@ -238,9 +252,17 @@ def why_invalid(t: TritonSm90W4A16Tactic, problem: Problem, device: DeviceInfo) 
 # why 64-row weight tiles win at decode (74 registers a thread, 6 CTAs an SM, against 4 at
 # 128 rows). The four constants come from benchmarks/fit_w4a16_model.py on the committed
 # H200 decode sweep (the untuned pick's measured time over the best offered one: mean
-# 1.008, worst 1.041 in-sample; 1.015 and 1.042 on the held-out shapes; mean
-# |log(estimate / measured)| 0.12 and 0.16). launch_us, split_reduce_us, mma_eff: v0's
+# 1.026, worst 1.140 in-sample; 1.020 and 1.047 on the held-out shapes; mean
+# |log(estimate / measured)| 0.18 and 0.23). launch_us, split_reduce_us, mma_eff: v0's
 # (the W4A4 model's). The unpack path: ``unpack_gemm_eff`` and ``unpack_launch_us``.
+#
+# M = 32-256 (tiles of 32+ tokens): ``mid_step_scale`` and ``mma_eff`` at tile_m 32, 64
+# and 128, fitted by ``fit_w4a16_model.py --mid`` (pick/best 1.048 in-sample, 1.039
+# held-out, worst 1.115 held-out); the decode terms are not refitted by it.
+#
+# The W4A4 entry of the same kernel (``nvfp4_activations``, `plugins.sm90.dense`):
+# ``dense_step_scale`` and ``dense_time_scale``, fitted by ``fit_w4a16_model.py --dense``
+# (its docstring) after the four above.
 #
 # gemv (`_estimate_gemv`): bound by issue or by memory. Issue: SASS instructions per
 # weight element of its main loop (static counts of the sm_90 cubin, Triton 3.9:
@@ -281,8 +303,14 @@ def direct_ctas_per_sm(t: TritonSm90W4A16Tactic) -> int:
     return cost_model.resident_ctas(direct_registers(t), shared, t.num_warps)
 
 
-def _estimate_direct(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -> float:
-    """max(step latency, weight dequantization, MMA, memory) + launch + split reduction."""
+def _estimate_direct(
+    t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo, nvfp4_activations: bool = False
+) -> float:
+    """max(step latency, weight dequantization, MMA, memory) + launch + split reduction.
+
+    ``nvfp4_activations``: the W4A4 entry of the same kernel (`plugins.sm90.dense`): each
+    step also expands its ``tile_m x tile_k`` activation values, its dependent chain is
+    ``dense_step_scale`` times longer, and the activations are NVFP4 bytes."""
     c = _c()
     tm, tn, tk, split = t.tile_m, t.tile_n, t.tile_k, t.split_k
     m_tiles, n_tiles = -(-p.m // tm), -(-p.n // tn)
@@ -291,8 +319,22 @@ def _estimate_direct(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -
     per_sm = math.ceil(ctas / device.sm_count)
     resident = direct_ctas_per_sm(t)
     waves = per_sm / resident  # the busiest SM's CTAs, `resident` at a time
-    latency = waves * steps * c["step_us"] * math.sqrt(max(tk, 128) / 128)
-    dequant = per_sm * steps * tn * tk / c["dequant_elems_per_sm_us"]
+    if nvfp4_activations:
+        # the W4A4 entry is latency-bound: whole rounds of CTAs, each step as long as the
+        # values a thread expands (80 for 64 weight rows, 16 tokens and tile_k 128)
+        per_thread = (tn + tm) * tk / (32 * t.num_warps)
+        chain = math.ceil(waves) * c["dense_step_scale"] * per_thread / 80
+    elif tm >= 32:
+        # M = 32-256: the step is as long as the values a thread moves (weights, and the
+        # activation tile where it is permuted in-kernel: `X_DOT_MIN_TILE_M`), 64 per
+        # thread at 64 weight rows and 4 warps
+        moved = tn + (0 if tm >= X_DOT_MIN_TILE_M and tk == 128 else tm)
+        chain = waves * c["mid_step_scale"] * moved * tk / (32 * t.num_warps) / 64
+    else:
+        chain = waves
+    latency = chain * steps * c["step_us"] * math.sqrt(max(tk, 128) / 128)
+    expanded = (tn + tm if nvfp4_activations else tn) * tk
+    dequant = per_sm * steps * expanded / c["dequant_elems_per_sm_us"]
     mma_rate = device.bf16_tflops * 1e6 / device.sm_count * c["mma_eff"][str(tm)]
     mma = per_sm * steps * 2.0 * tm * tn * tk / mma_rate
     # weights are re-read once per token tile; activations once per weight tile (L2)
@@ -302,11 +344,13 @@ def _estimate_direct(t: TritonSm90W4A16Tactic, p: Problem, device: DeviceInfo) -
     in_flight = min(ctas, device.sm_count * resident) * t.num_stages * tn * tk / 2
     fill = min(1.0, in_flight / c["in_flight_bytes"])
     bw = device.mem_bw_gbps * 1e3 * c["direct_bw_fraction"] * fill
-    memory = (weight_bytes + p.m * p.k * 2.0 + 2.0 * p.m * p.n + partial) / bw
+    act_bytes = p.m * p.k * ((0.5 + 1.0 / 16) if nvfp4_activations else 2.0)
+    memory = (weight_bytes + act_bytes + 2.0 * p.m * p.n + partial) / bw
     reduce = c["split_reduce_us"] * math.log2(split)
     # a smooth maximum (4-norm): near-equal bounds add up, so ties go to the smaller rest
     bound = (latency**4 + dequant**4 + mma**4 + memory**4) ** 0.25
-    return bound + c["launch_us"] + reduce
+    total = bound + c["launch_us"] + reduce
+    return total * c["dense_time_scale"] if nvfp4_activations else total
 
 
 def gemv_instr_per_element(t: TritonSm90W4A16Tactic) -> float:
