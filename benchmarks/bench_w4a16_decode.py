@@ -337,14 +337,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    t0 = time.time()
-    cuda = torch.cuda.is_available() and not args.smoke
-    if not cuda and not args.smoke:
+def run_setup(smoke: bool) -> tuple[bool, torch.device, object, torch.dtype] | None:
+    """(on CUDA, device, the device info ranked on, activation dtype) of a run; None (a
+    message printed) without CUDA unless ``smoke``. Shared with bench_w4a4_decode.py."""
+    cuda = torch.cuda.is_available() and not smoke
+    if not cuda and not smoke:
         print("no CUDA device: run on an H200, or pass --smoke for a CPU check", file=sys.stderr)
-        return 2
-    device = torch.device("cuda" if cuda else "cpu")
+        return None
     # the rated device, as the dispatcher sees it (`detect` alone leaves the compute rates
     # at their placeholders: the first run's estimates were off by 10^4 for that reason)
     info = rated(detect(0)) if cuda else simulated("sm90")
@@ -353,6 +352,16 @@ def main(argv: list[str] | None = None) -> int:
         info = simulated("sm90")
     # fp16 under the interpreter: it mishandles bf16 operands of tl.dot (the direct kernel)
     dtype = torch.bfloat16 if cuda else torch.float16
+    return cuda, torch.device("cuda" if cuda else "cpu"), info, dtype
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.time()
+    setup = run_setup(args.smoke)
+    if setup is None:
+        return 2
+    cuda, device, info, dtype = setup
     grid = shape_grid(cuda, mid=args.mid)
     name = "w4a16_mid.json" if args.mid else "w4a16_decode.json"
     plans = {}

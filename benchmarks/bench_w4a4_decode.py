@@ -37,15 +37,13 @@ if "--smoke" in sys.argv:  # must precede the first triton import
 import torch
 from _common import failures_by_tactic, markdown_table, precompile_kernels, write_json
 from bench_hopper import dequant
-from bench_w4a16_decode import HELD, eager, rel_err, shape_grid, timed
+from bench_w4a16_decode import HELD, eager, rel_err, run_setup, shape_grid, timed
 
 from fp4_dispatch import Dispatcher, Nvfp4Tensor
 from fp4_dispatch.backend import launch
-from fp4_dispatch.device import detect
 from fp4_dispatch.harness import stress_operands
 from fp4_dispatch.plugins.sm90 import TritonSm90Backend
 from fp4_dispatch.plugins.sm90.dense import TritonSm90DenseBackend
-from fp4_dispatch.profiles import rated, simulated
 from fp4_dispatch.tactics import Problem
 
 TOL = 1e-2
@@ -183,13 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=0, help="compile processes (0: auto)")
     args = ap.parse_args(argv)
     t0 = time.time()
-    cuda = torch.cuda.is_available() and not args.smoke
-    if not cuda and not args.smoke:
-        print("no CUDA device: run on an H200, or pass --smoke for a CPU check", file=sys.stderr)
+    setup = run_setup(args.smoke)
+    if setup is None:
         return 2
-    device = torch.device("cuda" if cuda else "cpu")
-    info = rated(detect(0)) if cuda else simulated("sm90")
-    dtype = torch.bfloat16 if cuda else torch.float16  # the interpreter: fp16 dots only
+    cuda, device, info, dtype = setup
     grid = shape_grid(cuda)
     plans = {}
     for m, n, k in grid:
