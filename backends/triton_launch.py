@@ -38,7 +38,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BoundLaunch", "CachedLauncher", "all_aligned", "specialization_key"]
+__all__ = ["BoundLaunch", "CachedLauncher", "all_aligned", "launch_aligned", "specialization_key"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -116,6 +116,22 @@ def all_aligned(*tensors: torch.Tensor) -> bool:
     for t in tensors:
         p |= t.data_ptr()
     return p % 16 == 0
+
+
+def launch_aligned(
+    bound: BoundLaunch,
+    key: Hashable,
+    grid: tuple[int, ...],
+    args: Sequence[object],
+    tensors: Sequence[torch.Tensor],
+) -> None:
+    """`BoundLaunch.launch_keyed` with ``key`` when every tensor of `tensors` (the
+    pointer arguments) is 16-byte aligned (`all_aligned`), so ``key`` need not carry
+    alignment; else the full specialization path (`BoundLaunch.__call__`)."""
+    if all_aligned(*tensors):
+        bound.launch_keyed(key, grid, args)
+    else:
+        bound(grid, args)
 
 
 def _hook_set(hook: Any) -> bool:

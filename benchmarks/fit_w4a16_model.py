@@ -37,10 +37,12 @@ rated figures, as the dispatcher estimates on it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from fp4_dispatch.plugins.sm90 import dense
@@ -89,14 +91,24 @@ def load_dense_rows(path: Path) -> list[tuple[Problem, bool, dict]]:
     return rows
 
 
+@contextlib.contextmanager
+def constants(consts: dict) -> Iterator[None]:
+    """The model's constants with `consts` applied, restored after."""
+    saved = dict(w4._c())
+    w4._c().update(consts)
+    try:
+        yield
+    finally:
+        w4._c().clear()
+        w4._c().update(saved)
+
+
 def score(rows, device, consts: dict, activations: bool = False) -> tuple[float, float, float, int]:
     """(mean pick/best, worst pick/best, mean |log est/measured|, shapes) under `consts`
     (``activations``: the dense entry's estimate and rules)."""
-    saved = dict(w4._c())
-    w4._c().update(consts)
     valid = dense.why_invalid if activations else w4.why_invalid
-    try:
-        ratios, errs = [], []
+    ratios, errs = [], []
+    with constants(consts):
         for p, _, timed in rows:
             offered = {t: us for t, us in timed.items() if valid(t, p, device) is None}
             if not offered:
@@ -105,58 +117,51 @@ def score(rows, device, consts: dict, activations: bool = False) -> tuple[float,
             pick = min(offered, key=lambda t: (est[t], t.canonical_json()))
             ratios.append(offered[pick] / min(offered.values()))
             errs += [abs(math.log(est[t] / us)) for t, us in offered.items()]
-    finally:
-        w4._c().clear()
-        w4._c().update(saved)
     n = len(ratios)
     return sum(ratios) / n, max(ratios), sum(errs) / len(errs), n
 
 
-def fit(rows, device) -> tuple[dict, tuple]:
-    """The grid point with the best (mean ratio, calibration) on `rows`."""
+def best_on_grid(
+    rows, device, candidates: Iterable[dict], activations: bool = False
+) -> tuple[dict, tuple]:
+    """The candidate constants with the best (mean ratio, calibration) on `rows` (the
+    first of equals), and its `score`."""
     best = None
-    for values in itertools.product(*(GRID[k] for k in KEYS)):
-        consts = dict(zip(KEYS, values, strict=True))
-        s = score(rows, device, consts)
+    for consts in candidates:
+        s = score(rows, device, consts, activations)
         key = (round(s[0], 4), s[2])
         if best is None or key < best[0]:
             best = (key, consts, s)
     return best[1], best[2]
+
+
+def fit(rows, device) -> tuple[dict, tuple]:
+    """The decode constants (`KEYS`) on their grid."""
+    grid = itertools.product(*(GRID[k] for k in KEYS))
+    return best_on_grid(rows, device, (dict(zip(KEYS, v, strict=True)) for v in grid))
 
 
 def fit_dense(rows, device) -> tuple[dict, tuple]:
     """``dense_step_scale`` by `score` on `rows` (time scale 1), then the time scale
     that zeroes the mean log error (module docstring)."""
-    best = None
-    for step in DENSE_GRID:
-        s = score(rows, device, {"dense_step_scale": step, "dense_time_scale": 1.0}, True)
-        key = (round(s[0], 4), s[2])
-        if best is None or key < best[0]:
-            best = (key, step)
-    consts = {"dense_step_scale": best[1], "dense_time_scale": 1.0}
-    saved = dict(w4._c())
-    w4._c().update(consts)
-    try:
+    steps = ({"dense_step_scale": step, "dense_time_scale": 1.0} for step in DENSE_GRID)
+    consts, _ = best_on_grid(rows, device, steps, activations=True)
+    with constants(consts):
         logs = [math.log(w4._estimate_direct(t, p, device, True) / us)
                 for p, _, timed in rows for t, us in timed.items()]  # fmt: skip
-    finally:
-        w4._c().clear()
-        w4._c().update(saved)
-    consts["dense_time_scale"] = round(math.exp(-sum(logs) / len(logs)), 3)
+    consts = {**consts, "dense_time_scale": round(math.exp(-sum(logs) / len(logs)), 3)}
     return consts, score(rows, device, consts, True)
 
 
 def fit_mid(rows, device) -> tuple[dict, tuple]:
     """``mid_step_scale`` and ``mma_eff`` at tile_m 32/64/128 by `score` on `rows`."""
-    best = None
-    for step, *eff in itertools.product(MID_STEP_GRID, *[MMA_EFF_GRID] * 3):
-        mma = {**w4._c()["mma_eff"], **dict(zip(("32", "64", "128"), eff, strict=True))}
-        consts = {"mid_step_scale": step, "mma_eff": mma}
-        s = score(rows, device, consts)
-        key = (round(s[0], 4), s[2])
-        if best is None or key < best[0]:
-            best = (key, consts, s)
-    return best[1], best[2]
+
+    def candidates() -> Iterator[dict]:
+        for step, *eff in itertools.product(MID_STEP_GRID, *[MMA_EFF_GRID] * 3):
+            mma = {**w4._c()["mma_eff"], **dict(zip(("32", "64", "128"), eff, strict=True))}
+            yield {"mid_step_scale": step, "mma_eff": mma}
+
+    return best_on_grid(rows, device, candidates())
 
 
 def report(name: str, s: tuple) -> str:

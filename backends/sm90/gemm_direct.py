@@ -52,7 +52,7 @@ import triton.language as tl
 from fp4_dispatch.backend import GemmOperands
 from fp4_dispatch.backends.sm90.splitk import k_tile_range, store_tile
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
-from fp4_dispatch.backends.triton_launch import CachedLauncher, all_aligned
+from fp4_dispatch.backends.triton_launch import CachedLauncher, launch_aligned
 from fp4_dispatch.backends.workspace import Scratch, one_like
 
 log = logging.getLogger(__name__)
@@ -362,13 +362,11 @@ class Nvfp4GemmKernel:
         args = (a, sa, b, sb, alpha, alpha_b, out, ws, cnt, m, n, k, so0, so1,
                 sa.shape[1] * 128, sb.shape[1] * 128)  # fmt: skip
         bound = self._bound[k % cfg.block_k == 0]
-        if all_aligned(a, sa, b, sb, alpha, alpha_b, out):
-            # what the compiled variant depends on beyond the fixed constexprs, given
-            # aligned pointers: the sizes and the output's dtype and strides (operand
-            # dtypes are fixed by the kernel contract; the workspace is ours)
-            bound.launch_keyed((m, n, k, so0, so1, out.dtype), grid, args)
-        else:
-            bound(grid, args)
+        # what the compiled variant depends on beyond the fixed constexprs, given aligned
+        # pointers: the sizes and the output's dtype and strides (operand dtypes are fixed
+        # by the kernel contract; the workspace is ours)
+        key = (m, n, k, so0, so1, out.dtype)
+        launch_aligned(bound, key, grid, args, (a, sa, b, sb, alpha, alpha_b, out))
 
     def precompile(self, m: int, n: int, k: int, out_dtype: torch.dtype,
                    out_strides: tuple[int, int]) -> object:  # fmt: skip

@@ -94,7 +94,7 @@ from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_R_CHOICES as UR
 from fp4_dispatch.backends.sm90.gemm_unpack import unpack_nvfp4
 from fp4_dispatch.backends.sm90.splitk import k_tile_range, store_tile
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
-from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher, all_aligned
+from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher, launch_aligned
 from fp4_dispatch.backends.workspace import Scratch
 from fp4_dispatch.nvfp4 import (  # noqa: F401 - rotate/unrotate re-exported
     rotate_high_nibbles,
@@ -544,17 +544,17 @@ def dot_order_activations(a: torch.Tensor, prepared: bool) -> torch.Tensor:
     bound = _dot_order_binding(prepared)
     grid = (-(-m // DOT_ORDER_ROWS), k // 128)
     args = (a, out, m, k, a.stride(0))
-    if all_aligned(a, out):
-        bound.launch_keyed((m, k, a.stride(0), a.dtype), grid, args)
-    else:
-        bound(grid, args)
+    launch_aligned(bound, (m, k, a.stride(0), a.dtype), grid, args, (a, out))
     return out
+
+
+_DOT_ORDER_LAUNCH = CachedLauncher(_dot_order_kernel)
 
 
 @functools.cache
 def _dot_order_binding(prepared: bool) -> BoundLaunch:
     meta = {"BLOCK_R": DOT_ORDER_ROWS, "BLOCK_K": 128, "PREPARED": prepared}
-    return CachedLauncher(_dot_order_kernel).bind(meta, 4)
+    return _DOT_ORDER_LAUNCH.bind(meta, 4)
 
 
 # ---- the direct kernel ----------------------------------------------------------------
@@ -792,16 +792,28 @@ class DenseKernel:
         elems = tiles * self.cfg.split_k * self.cfg.block_n * self.cfg.block_m
         return self._scratch.get(device, elems, tiles)
 
+    def grid(self, m: int, n: int) -> tuple[int, int]:
+        """(output tiles, splits): the launch grid for M tokens and N weight rows."""
+        cfg = self.cfg
+        return -(-m // cfg.block_m) * -(-n // cfg.block_n), cfg.split_k
+
+    def launch_space(
+        self, m: int, n: int, out: torch.Tensor
+    ) -> tuple[tuple[int, int], torch.Tensor, torch.Tensor]:
+        """(grid, split-K partials, counters) of a call with M tokens and N weight rows;
+        without split-K ``out`` stands in for both buffers (never read)."""
+        grid = self.grid(m, n)
+        if self.cfg.split_k > 1:
+            ws, cnt = self.workspace(out.device, grid[0])
+        else:
+            ws = cnt = out
+        return grid, ws, cnt
+
     def __call__(self, operands: W4A16Operands, out: torch.Tensor) -> None:
         """Launch on `operands` with the host work a decode step can afford (as
         `gemm_direct.Nvfp4GemmKernel.__call__`: integer ceil-divisions, a launch key)."""
-        cfg = self.cfg
         m, n, k = operands.a.shape[0], operands.b_data.shape[0], operands.a.shape[1]
-        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-        if cfg.split_k > 1:
-            ws, cnt = self.workspace(out.device, tiles)
-        else:
-            ws = cnt = out  # unused by the SPLIT_K == 1 variant
+        grid, ws, cnt = self.launch_space(m, n, out)
         # the sm90-prepared bytes when the caller has them (`DenseOperands.b_prepared`)
         b = getattr(operands, "b_prepared", None) if k % 64 == 0 else None  # its K rule
         prepared = b is not None or bool(getattr(operands, "prepared", False))
@@ -809,7 +821,6 @@ class DenseKernel:
             b = operands.b_data
         bound = self._binding(k, prepared, operands.a.dtype)
         a = self._activations(operands.a, prepared)
-        grid = (tiles, cfg.split_k)
         launch_dense(bound, grid, operands, out, ws, cnt, b, self._tail(out), a)
         self.compiled = bound.last_compiled
 
@@ -829,8 +840,7 @@ class DenseKernel:
         sblk = swizzled_scale_shape(n, k)[1] * 128
         args = (dtype, torch.uint8, torch.float8_e4m3fn, torch.float32, dtype, dtype, ws, cnt,
                 m, n, k, k, n, 1, sblk, 0, *self._tail(dtype))  # fmt: skip
-        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-        return self._binding(k, prepared, dtype).warmup((tiles, cfg.split_k), args)
+        return self._binding(k, prepared, dtype).warmup(self.grid(m, n), args)
 
     def _binding(self, k: int, prepared: bool, act_dtype: torch.dtype) -> BoundLaunch:
         raise NotImplementedError
@@ -924,10 +934,8 @@ def launch_dense(
     sa0, (so0, so1) = a.stride(0), out.stride()
     args = (a, b, sb, alpha, bias, out, ws, cnt, m, n, k, sa0, so0, so1,
             sb.shape[1] * 128, int(has_bias), *tail)  # fmt: skip
-    if all_aligned(a, b, sb, alpha, bias, out):
-        bound.launch_keyed((m, n, k, sa0, so0, so1, a.dtype, out.dtype, bias.dtype), grid, args)
-    else:
-        bound(grid, args)
+    key = (m, n, k, sa0, so0, so1, a.dtype, out.dtype, bias.dtype)
+    launch_aligned(bound, key, grid, args, (a, b, sb, alpha, bias, out))
 
 
 # ---- the unpack path (large M) --------------------------------------------------------

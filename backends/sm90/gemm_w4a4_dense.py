@@ -35,7 +35,7 @@ from fp4_dispatch.backends.sm90.gemm_w4a16 import (
     W4A16Config,
     W4A16Kernel,
 )
-from fp4_dispatch.backends.triton_launch import BoundLaunch, all_aligned
+from fp4_dispatch.backends.triton_launch import BoundLaunch, launch_aligned
 from fp4_dispatch.backends.workspace import one_like
 from fp4_dispatch.nvfp4 import swizzled_scale_shape
 
@@ -56,26 +56,18 @@ class W4A4DenseKernel(W4A16Kernel):
     def __call__(self, operands: GemmOperands, out: torch.Tensor) -> None:  # type: ignore[override]
         """Launch with the host work of `W4A16Kernel.__call__` (a launch key, integer
         ceil-divisions)."""
-        cfg = self.cfg
         a, sa, b, sb = operands.a_data, operands.a_scale, operands.b_data, operands.b_scale
         alpha = operands.alpha
         alpha_b = one_like(a) if operands.alpha_b is None else operands.alpha_b
         m, n, k = a.shape[0], b.shape[0], 2 * a.shape[1]
-        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-        if cfg.split_k > 1:
-            ws, cnt = self.workspace(out.device, tiles)
-        else:
-            ws = cnt = out  # unused by the SPLIT_K == 1 variant
+        grid, ws, cnt = self.launch_space(m, n, out)
         so0, so1 = out.stride()
         # out stands in for the bias pointer (has_bias = 0: never read)
         args = (a, b, sb, alpha, out, out, ws, cnt, m, n, k, a.stride(0), so0, so1,
                 sb.shape[1] * 128, 0, sa, sa.shape[1] * 128, alpha_b)  # fmt: skip
         bound = self._binding(k, False, out.dtype)
-        grid = (tiles, cfg.split_k)
-        if all_aligned(a, sa, b, sb, alpha, alpha_b, out):
-            bound.launch_keyed((m, n, k, so0, so1, out.dtype), grid, args)
-        else:
-            bound(grid, args)
+        key = (m, n, k, so0, so1, out.dtype)
+        launch_aligned(bound, key, grid, args, (a, sa, b, sb, alpha, alpha_b, out))
         self.compiled = bound.last_compiled
 
     def precompile(  # type: ignore[override]
@@ -89,8 +81,7 @@ class W4A4DenseKernel(W4A16Kernel):
         args = (u8, u8, e4m3, f32, out_dtype, out_dtype, ws, cnt, m, n, k, k // 2,
                 *out_strides, swizzled_scale_shape(n, k)[1] * 128, 0,
                 e4m3, swizzled_scale_shape(m, k)[1] * 128, f32)  # fmt: skip
-        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-        return self._binding(k, False, out_dtype).warmup((tiles, cfg.split_k), args)
+        return self._binding(k, False, out_dtype).warmup(self.grid(m, n), args)
 
     def _binding(self, k: int, prepared: bool, act_dtype: torch.dtype) -> BoundLaunch:
         """The binding of (even K): natural weight bytes, NVFP4 activations, bf16 or fp16

@@ -55,9 +55,8 @@ def why_invalid(t: TritonSm90DenseTactic, problem: Problem, device: DeviceInfo) 
     else None: M <= `DENSE_MAX_M`, then the W4A16 direct path's rules."""
     if problem.m > DENSE_MAX_M:
         return f"M={problem.m} > {DENSE_MAX_M}: decode shapes only (triton-sm90 serves more)"
-    if (t.tile_k, t.num_stages, t.num_warps) not in itertools.product(
-        DENSE_TILE_K, DENSE_STAGES, DENSE_WARPS
-    ):
+    if (t.tile_k not in DENSE_TILE_K or t.num_stages not in DENSE_STAGES
+            or t.num_warps not in DENSE_WARPS):  # fmt: skip
         return (f"tile_k, num_stages, num_warps: expected one of {DENSE_TILE_K}, {DENSE_STAGES}, "
                 f"{DENSE_WARPS} (the measured knobs), got {t.tile_k}, {t.num_stages}, "
                 f"{t.num_warps}")  # fmt: skip
