@@ -47,12 +47,15 @@ def specialization_key(args: Sequence[object]) -> tuple[Hashable, ...]:
     """Key of the runtime arguments: equal keys can share one compiled binary.
 
     Tensors: (dtype, 16-byte aligned); ints: "== 1", "% 16 == 0" and "needs 64 bits";
-    floats and None: their type only. One flat loop: this runs on every launch.
+    floats and None: their type only; host TMA descriptors (Gluon's ``TensorDescriptor``:
+    a ``block_shape`` attribute): the base's dtype, the block, the shared layout and the
+    integer key of every size and stride (what Triton's ``tensordesc`` type and its
+    decomposed arguments depend on). One flat loop: this runs on every launch.
     """
     key: list[Hashable] = []
     for a in args:
         t = type(a)
-        if t is int:
+        if t is int:  # inline (`_int_key`): this branch runs ~10 times a launch
             key.append((a == 1) + 2 * (a % 16 == 0) + 4 * (a > _INT32_MAX or a < -_INT32_MAX - 1))
         elif isinstance(a, torch.Tensor):
             key.append((a.dtype, a.data_ptr() % 16 == 0))
@@ -62,9 +65,17 @@ def specialization_key(args: Sequence[object]) -> tuple[Hashable, ...]:
             key.append(None)
         elif t is bool:
             key.append(("b", a))
+        elif hasattr(a, "block_shape"):
+            key.append((a.base.dtype, tuple(a.block_shape), a.layout, a.padding,
+                        tuple(map(_int_key, (*a.shape, *a.strides)))))  # fmt: skip
         else:
             raise TypeError(f"args: unsupported kernel argument type {t.__name__}")
     return tuple(key)
+
+
+def _int_key(a: int) -> int:
+    """An integer's part of the key: "== 1", "% 16 == 0", "needs 64 bits"."""
+    return (a == 1) + 2 * (a % 16 == 0) + 4 * (a > _INT32_MAX or a < -_INT32_MAX - 1)
 
 
 def _interpreting() -> bool:
@@ -184,10 +195,18 @@ class BoundLaunch:
     specialization key of the runtime arguments, two dict look-ups and the launch.
     """
 
-    def __init__(self, owner: CachedLauncher, constexprs: dict[str, object], num_warps: int):
+    def __init__(
+        self,
+        owner: CachedLauncher,
+        constexprs: dict[str, object],
+        num_warps: int,
+        options: dict[str, object] | None = None,
+    ):
         self.owner = owner
         self.constexprs = dict(constexprs)
         self.num_warps = num_warps
+        #: other launch options (e.g. ``maxnreg``), passed wherever ``num_warps`` is
+        self.options = dict(options or {})
         self._static = (tuple(sorted(constexprs.items())), num_warps)
         names = list(owner.kernel.arg_names)
         self._template = [constexprs.get(n) for n in names]
@@ -204,7 +223,8 @@ class BoundLaunch:
         self.last_compiled: Any = None
 
     def _slow(self, grid: tuple[int, ...], args: Sequence[object]) -> Any:
-        compiled = self.owner.kernel[grid](*args, **self.constexprs, num_warps=self.num_warps)
+        compiled = self.owner.kernel[grid](*args, **self.constexprs, num_warps=self.num_warps,
+                                           **self.options)  # fmt: skip
         self.last_compiled = compiled
         return compiled
 
@@ -223,7 +243,7 @@ class BoundLaunch:
         it instead of compiling. Returns Triton's compiled kernel.
         """
         return self.owner.kernel.warmup(*args, grid=grid, **self.constexprs,
-                                        num_warps=self.num_warps)  # fmt: skip
+                                        num_warps=self.num_warps, **self.options)  # fmt: skip
 
     def __call__(self, grid: tuple[int, ...], args: Sequence[object]) -> None:
         if not self.owner.fast:
@@ -308,9 +328,12 @@ class CachedLauncher:
             log.warning("%s: direct launch unavailable (%s); using kernel[grid]", self.name, why)
         self.fast = False
 
-    def bind(self, constexprs: dict[str, object], num_warps: int = 4) -> BoundLaunch:
-        key = (tuple(sorted(constexprs.items())), num_warps)
+    def bind(
+        self, constexprs: dict[str, object], num_warps: int = 4, **options: object
+    ) -> BoundLaunch:
+        """The `BoundLaunch` of these constexprs and launch options (made once)."""
+        key = (tuple(sorted(constexprs.items())), num_warps, tuple(sorted(options.items())))
         bound = self._bound.get(key)
         if bound is None:
-            bound = self._bound[key] = BoundLaunch(self, constexprs, num_warps)
+            bound = self._bound[key] = BoundLaunch(self, constexprs, num_warps, options)
         return bound

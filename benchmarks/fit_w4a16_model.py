@@ -16,6 +16,7 @@ the JSON: fixed in the benchmark before the fit) are only scored, never fitted o
     python benchmarks/fit_w4a16_model.py --data FILE --write  # fit and write the JSON
     python benchmarks/fit_w4a16_model.py --dense [--write]    # the W4A4 entry (below)
     python benchmarks/fit_w4a16_model.py --mid [--write]      # M = 32-256 (below)
+    python benchmarks/fit_w4a16_model.py --ws [--write]       # triton-sm90-ws (below)
 
 ``--mid`` fits the M = 32-256 terms on ``bench_w4a16_decode.py --mid``'s sweep
 (``--mid-data``; direct tactics, same objective, its held-out rows only scored):
@@ -30,8 +31,17 @@ estimates are right on average (the mean of ``log(estimate / measured)`` is zero
 estimates compete with ``triton-sm90``'s, which are calibrated). Its held-out rows are
 the same (M, N, K) as the W4A16 sweep's.
 
+``--ws`` fits ``triton-sm90-ws`` (`plugins.sm90.ws._estimate_ws`, its "ws" part of the
+file) on ``benchmarks/bench_w4a16_ws.py``'s sweep (``--ws-data``; its ws tactics, same
+objective, held-out rows only scored): ``deq_step_us``, ``mma_eff`` and ``fixed_us`` on a
+grid (``bw_fraction`` kept: `WS_GRID`). It also reports the pick among both W4A16 backends' timed
+tactics (the dispatcher's untuned choice) over the best of both, per set.
+
 Runs on a CPU (no Triton needed); the device is the simulated sm90 part at the H200's
-rated figures, as the dispatcher estimates on it.
+rated figures, as the dispatcher estimates on it: since run 6 the part's bandwidth is
+the driver's (4814 GB/s, what `device.detect` reads on the H200). The fits of runs 4-5
+were made at the measured copy rate (4250) the part then had, so live their memory
+terms were off by that ratio; v3 of the constants refits all four on the live figure.
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from fp4_dispatch.plugins.sm90 import dense
+from fp4_dispatch.plugins.sm90 import dense, ws
 from fp4_dispatch.plugins.sm90 import w4a16 as w4
 from fp4_dispatch.profiles import rated, simulated
 from fp4_dispatch.tactics import Problem
@@ -57,6 +67,16 @@ DENSE_GRID = (0.6, 0.8, 1.0, 1.2, 1.5, 1.8, 2.1, 2.4, 2.8, 3.2)
 MID_DATA = ROOT / "benchmarks" / "data" / "sm90_w4a16_mid_run5.json"
 MID_STEP_GRID = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
 MMA_EFF_GRID = (0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.1)
+WS_DATA = ROOT / "benchmarks" / "data" / "sm90_w4a16_ws_run6.json"
+#: mma_eff is a fraction of the device's rated bf16 figure (691 TFLOP/s for the H200,
+#: `profiles`), so up to 1.4 stays below the tensor cores' 989 TFLOP/s peak.
+#: bw_fraction is kept at the file's 0.8: on the run-6 sweep every value from 0.4 to 0.8
+#: scored alike (|log err| 0.053-0.060 in-sample), the HBM bound never binds there
+WS_GRID = {
+    "deq_step_us": (0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6),
+    "mma_eff": (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.4),
+    "fixed_us": (2.0, 4.0, 6.0, 8.0, 10.0, 12.0),
+}
 MODEL = ROOT / "plugins" / "sm90" / "cost_model.json"
 KEYS = ("step_us", "dequant_elems_per_sm_us", "in_flight_bytes", "direct_bw_fraction")
 GRID = {
@@ -92,28 +112,40 @@ def load_dense_rows(path: Path) -> list[tuple[Problem, bool, dict]]:
 
 
 @contextlib.contextmanager
-def constants(consts: dict) -> Iterator[None]:
-    """The model's constants with `consts` applied, restored after."""
-    saved = dict(w4._c())
-    w4._c().update(consts)
+def constants(consts: dict, part: str = "w4a16") -> Iterator[None]:
+    """The model's constants (its `part` of the file) with `consts` applied, restored after."""
+    table = ws._c() if part == "ws" else w4._c()
+    saved = dict(table)
+    table.update(consts)
     try:
         yield
     finally:
-        w4._c().clear()
-        w4._c().update(saved)
+        table.clear()
+        table.update(saved)
 
 
-def score(rows, device, consts: dict, activations: bool = False) -> tuple[float, float, float, int]:
+def _model(activations: bool | str):
+    """(validity rule, estimate, constants part) of the fitted model: the W4A16 direct
+    path, its dense (W4A4) entry (``activations`` True) or ``"ws"``."""
+    if activations == "ws":
+        return ws.why_invalid, ws._estimate_ws, "ws"
+    est = lambda t, p, d: w4._estimate_direct(t, p, d, bool(activations))  # noqa: E731
+    return (dense.why_invalid if activations else w4.why_invalid), est, "w4a16"
+
+
+def score(
+    rows, device, consts: dict, activations: bool | str = False
+) -> tuple[float, float, float, int]:
     """(mean pick/best, worst pick/best, mean |log est/measured|, shapes) under `consts`
-    (``activations``: the dense entry's estimate and rules)."""
-    valid = dense.why_invalid if activations else w4.why_invalid
+    (``activations``: the dense entry's or, ``"ws"``, the ws backend's model, `_model`)."""
+    valid, estimate, part = _model(activations)
     ratios, errs = [], []
-    with constants(consts):
+    with constants(consts, part):
         for p, _, timed in rows:
             offered = {t: us for t, us in timed.items() if valid(t, p, device) is None}
             if not offered:
                 continue
-            est = {t: w4._estimate_direct(t, p, device, activations) for t in offered}
+            est = {t: estimate(t, p, device) for t in offered}
             pick = min(offered, key=lambda t: (est[t], t.canonical_json()))
             ratios.append(offered[pick] / min(offered.values()))
             errs += [abs(math.log(est[t] / us)) for t, us in offered.items()]
@@ -122,7 +154,7 @@ def score(rows, device, consts: dict, activations: bool = False) -> tuple[float,
 
 
 def best_on_grid(
-    rows, device, candidates: Iterable[dict], activations: bool = False
+    rows, device, candidates: Iterable[dict], activations: bool | str = False
 ) -> tuple[dict, tuple]:
     """The candidate constants with the best (mean ratio, calibration) on `rows` (the
     first of equals), and its `score`."""
@@ -164,6 +196,55 @@ def fit_mid(rows, device) -> tuple[dict, tuple]:
     return best_on_grid(rows, device, candidates())
 
 
+def load_ws_rows(path: Path) -> list[tuple[Problem, bool, dict, dict]]:
+    """(problem, held out, {ws tactic: µs}, {w4a16 tactic: µs}) per shape of a
+    bench_w4a16_ws.py JSON (timed tactics only)."""
+    rows = []
+    for r in json.loads(path.read_text())["shapes"]:
+        p = Problem(m=r["m"], n=r["n"], k=r["k"], out_dtype="bfloat16", operation="w4a16")
+        timed = {"triton-sm90-ws": {}, "triton-sm90-w4a16": {}}
+        for tj, e in r["tactics"].items():
+            if "us" in e:
+                kind = ws.TritonSm90WsTactic if e["backend"] == "triton-sm90-ws" else (
+                    w4.TritonSm90W4A16Tactic)  # fmt: skip
+                timed[e["backend"]][kind.model_validate_json(tj)] = e["us"]
+        rows.append((p, bool(r.get("held_out")), timed["triton-sm90-ws"],
+                     timed["triton-sm90-w4a16"]))  # fmt: skip
+    return rows
+
+
+def fit_ws(rows, device) -> tuple[dict, tuple]:
+    """The ws constants (`WS_GRID`) by `score` on `rows` (ws tactics)."""
+    keys = tuple(WS_GRID)
+    grid = itertools.product(*(WS_GRID[k] for k in keys))
+    cands = (dict(zip(keys, v, strict=True)) for v in grid)
+    return best_on_grid(rows, device, cands, activations="ws")
+
+
+def both_backends(rows, device, consts: dict) -> tuple[float, float, int]:
+    """(mean, worst, shapes) of the untuned pick among both backends' timed tactics (the
+    lower estimate) over the best of both, with the ws constants `consts`."""
+    ratios = []
+    with constants(consts, "ws"):
+        for p, _, ws_timed, w4_timed in rows:
+            offered = {(t, "ws"): us for t, us in ws_timed.items()
+                       if ws.why_invalid(t, p, device) is None}  # fmt: skip
+            offered |= {(t, "w4a16"): us for t, us in w4_timed.items()
+                        if w4.why_invalid(t, p, device) is None}  # fmt: skip
+            if not offered:
+                continue
+
+            def est(item, p=p):
+                t, kind = item
+                if kind == "ws":
+                    return ws._estimate_ws(t, p, device)
+                return w4.TritonSm90W4A16Backend().estimate_us(p, device, t)
+
+            pick = min(offered, key=lambda it: (est(it), it[0].canonical_json()))
+            ratios.append(offered[pick] / min(offered.values()))
+    return sum(ratios) / len(ratios), max(ratios), len(ratios)
+
+
 def report(name: str, s: tuple) -> str:
     mean, worst, err, shapes = s
     return (f"{name}: pick/best mean {mean:.3f}, worst {worst:.3f}, |log err| {err:.3f} "
@@ -178,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dense", action="store_true", help="the triton-sm90-dense constants")
     ap.add_argument("--dense-data", type=Path, default=DENSE_DATA,
                     help="a bench_w4a4_decode.py JSON")  # fmt: skip
+    ap.add_argument("--ws", action="store_true", help="the triton-sm90-ws constants")
+    ap.add_argument("--ws-data", type=Path, default=WS_DATA, help="a bench_w4a16_ws.py JSON")
     ap.add_argument("--mid", action="store_true", help="the M = 32-256 terms")
     ap.add_argument("--mid-data", type=Path, default=MID_DATA,
                     help="a bench_w4a16_decode.py --mid JSON")  # fmt: skip
@@ -187,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         return main_dense(args, device)
     if args.mid:
         return main_mid(args, device)
+    if args.ws:
+        return main_ws(args, device)
     rows = load_rows(args.data)
     train = [r for r in rows if not r[1]]
     held = [r for r in rows if r[1]]
@@ -211,19 +296,35 @@ def main(argv: list[str] | None = None) -> int:
 def main_dense(args: argparse.Namespace, device) -> int:
     """``--dense``: check or fit (and ``--write``) the dense entry's two constants."""
     current = {k: w4._c()[k] for k in ("dense_step_scale", "dense_time_scale")}
-    return _check_or_fit(load_dense_rows(args.dense_data), device, args, current, fit_dense,
-                         activations=True)  # fmt: skip
+    _check_or_fit(load_dense_rows(args.dense_data), device, args, current, fit_dense,
+                  activations=True)  # fmt: skip
+    return 0
 
 
 def main_mid(args: argparse.Namespace, device) -> int:
     """``--mid``: check or fit (and ``--write``) the M = 32-256 terms."""
     current = {"mid_step_scale": w4._c()["mid_step_scale"], "mma_eff": w4._c()["mma_eff"]}
-    return _check_or_fit(load_rows(args.mid_data), device, args, current, fit_mid)
+    _check_or_fit(load_rows(args.mid_data), device, args, current, fit_mid)
+    return 0
 
 
-def _check_or_fit(rows, device, args, current: dict, fit_fn, activations: bool = False) -> int:
+def main_ws(args: argparse.Namespace, device) -> int:
+    """``--ws``: check or fit (and ``--write``) the ws backend's constants; then the pick
+    among both W4A16 backends under them."""
+    rows = load_ws_rows(args.ws_data)
+    current = {k: ws._c()[k] for k in WS_GRID}
+    consts = _check_or_fit([r[:3] for r in rows], device, args, current, fit_ws, "ws")
+    for name, held in (("in-sample", False), ("held-out", True)):
+        mean, worst, n = both_backends([r for r in rows if r[1] == held], device, consts)
+        print(f"{name}, both backends: pick/best mean {mean:.3f}, worst {worst:.3f} ({n} shapes)")
+    return 0
+
+
+def _check_or_fit(
+    rows, device, args, current: dict, fit_fn, activations: bool | str = False
+) -> dict:
     """Score `current` (``--check``) or `fit_fn`'s constants on the rows' in-sample and
-    held-out shapes; ``--write`` stores a fit in cost_model.json."""
+    held-out shapes; ``--write`` stores a fit in cost_model.json. Returns the constants."""
     train = [r for r in rows if not r[1]]
     held = [r for r in rows if r[1]]
     consts = current if args.check else fit_fn(train, device)[0]
@@ -231,11 +332,12 @@ def _check_or_fit(rows, device, args, current: dict, fit_fn, activations: bool =
     print(report("in-sample", score(train, device, consts, activations)))
     print(report("held-out", score(held, device, consts, activations)))
     if args.write and not args.check:
+        part = _model(activations)[2]
         data = json.loads(MODEL.read_text())
-        data["w4a16"].update(consts)
+        data[part].update(consts)
         MODEL.write_text(json.dumps(data, indent=1) + "\n")
         print(f"wrote {MODEL}")
-    return 0
+    return consts
 
 
 if __name__ == "__main__":

@@ -209,11 +209,17 @@ def test_unpack_rejects_bad_inputs():
 # ---- plugin ---------------------------------------------------------------------------
 
 
-def test_registered_next_to_the_direct_w4a16_and_dense_backends():
+def test_registered_next_to_the_other_sm90_backends():
     got = []
     sm90.fp4_dispatch_register_backends(got.append)
     names = [b.name for b in got]
-    assert names == ["triton-sm90", "triton-sm90-unpack", "triton-sm90-w4a16", "triton-sm90-dense"]
+    assert names == [
+        "triton-sm90",
+        "triton-sm90-unpack",
+        "triton-sm90-w4a16",
+        "triton-sm90-dense",
+        "triton-sm90-ws",
+    ]
     assert {b.family for b in got} == {"sm90"}
 
 

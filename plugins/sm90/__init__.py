@@ -188,9 +188,13 @@ def why_invalid(t: TritonSm90Tactic, problem: Problem, device: DeviceInfo) -> st
 # its constants are data (`cost_model.json`, fitted by benchmarks/fit_cost_model.py).
 
 
-#: The H200: figures measured on one H200 (2026-11-30: device-to-device copy 4.25 TB/s,
-#: bf16 matmul 691 TFLOP/s, FP8 `_scaled_mm` 1263 TFLOP/s at 8192^3; 132 SMs and the L2
-#: size from `torch.cuda.get_device_properties`). No FP4 tensor cores on Hopper.
+#: The H200 as the dispatcher sees it there: the bandwidth the driver reports (2 x memory
+#: clock x bus width: 4814 GB/s, what `device.detect` reads; the device-to-device copy
+#: measured 4.25 TB/s, and the cost models apply their own fraction), rates measured on
+#: one H200 (2026-11-30: bf16 matmul 691 TFLOP/s, FP8 `_scaled_mm` 1263 TFLOP/s at
+#: 8192^3; 132 SMs and the L2 size from `torch.cuda.get_device_properties`). Until run 6
+#: this said 4250 (the copy rate): simulated and live estimates then differed. No FP4
+#: tensor cores on Hopper.
 PROFILE = DeviceProfile(
     "sm90",
     DeviceInfo(
@@ -199,7 +203,7 @@ PROFILE = DeviceProfile(
         compute_capability=(9, 0),
         sm_count=132,
         l2_bytes=50 * 2**20,
-        mem_bw_gbps=4250.0,
+        mem_bw_gbps=4814.4,
         bf16_tflops=691.0,
         fp8_tflops=1263.0,
         note="rates measured on an H200",
@@ -432,11 +436,13 @@ def _kernel_for(cfg: KernelConfig) -> Kernel:
 
 @hookimpl
 def fp4_dispatch_register_backends(register) -> None:
-    # the W4A16 and dense modules build on this one's shared rules: imported after it
+    # the W4A16, dense and ws modules build on this one's shared rules: imported after it
     from fp4_dispatch.plugins.sm90.dense import TritonSm90DenseBackend  # noqa: PLC0415
     from fp4_dispatch.plugins.sm90.w4a16 import TritonSm90W4A16Backend  # noqa: PLC0415
+    from fp4_dispatch.plugins.sm90.ws import TritonSm90WsBackend  # noqa: PLC0415
 
     register(TritonSm90Backend())
     register(TritonSm90UnpackBackend())
     register(TritonSm90W4A16Backend())
     register(TritonSm90DenseBackend())
+    register(TritonSm90WsBackend())

@@ -96,6 +96,7 @@ def load(path: Path) -> dict[str, Any]:
         "w4a16": ("dequant_elems_per_sm_us", "step_us", "direct_bw_fraction", "bw_fraction",
                   "launch_us", "in_flight_bytes", "split_reduce_us", "mma_eff",
                   "unpack_gemm_eff", "unpack_launch_us"),
+        "ws": ("deq_step_us", "mma_eff", "bw_fraction", "fixed_us"),
     }  # fmt: skip
     for part, keys in need.items():
         missing = [k for k in keys if k not in data.get(part, {})]
