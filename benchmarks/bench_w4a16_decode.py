@@ -165,6 +165,50 @@ def eager(fn, device: torch.device) -> float:
     return eager_wall_us(fn) if device.type == "cuda" else math.nan
 
 
+def check_and_time(entry: dict, check, run, device: torch.device) -> None:
+    """``entry["rel_err"] = check()``, then ``entry["us"]`` = GPU time of ``run`` where the
+    error is within `TOL`; an exception is recorded (``entry["error"]``), never fatal for
+    the run. Shared by the sm90 sweeps (bench_w4a4_decode.py, bench_w4a16_ws.py)."""
+    try:
+        entry["rel_err"] = check()
+        if entry["rel_err"] <= TOL:
+            entry["us"] = timed(run, device)
+    except Exception as exc:  # a failing tactic is recorded, never fatal for the run
+        entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def top_by_estimate(backend, problem: Problem, info, n: int) -> list:
+    """`backend`'s `n` best tactics for `problem` by its estimate (ties: canonical JSON):
+    the untuned candidates a tuner would shortlist."""
+
+    def key(t) -> tuple:
+        return backend.estimate_us(problem, info, t), t.canonical_json()
+
+    return sorted(backend.tactics(problem, info), key=key)[:n]
+
+
+def best_per_backend(row: dict, names) -> None:
+    """``row["best_<name>"]`` and ``row["best_<name>_us"]``: the fastest timed tactic of
+    each backend in ``row["tactics"]`` (entries carry their ``backend``)."""
+    for name in names:
+        done = {tj: e["us"] for tj, e in row["tactics"].items()
+                if e["backend"] == name and "us" in e}  # fmt: skip
+        row[f"best_{name}"] = min(done, key=done.get) if done else None
+        row[f"best_{name}_us"] = min(done.values()) if done else math.nan
+
+
+def precompile_plans(plans: dict, info, workers: int) -> dict:
+    """Compile every (backend, tactic, problem) of `plans` ({shape: (problem, [(backend,
+    tactic)])}) in parallel first; the failures by tactic."""
+    t0 = time.time()
+    jobs = [(b, t, p) for p, pairs in plans.values() for b, t in pairs]
+    workers = workers or max(1, min(14, (os.cpu_count() or 2) - 2))
+    fails = failures_by_tactic(precompile_kernels(jobs, info, workers))
+    print(f"precompiled {len(jobs)} jobs in {time.time() - t0:.0f}s; {len(fails)} failed",
+          flush=True)  # fmt: skip
+    return fails
+
+
 def baselines(s: Shape) -> dict:
     """bf16 cuBLAS and FP8 cuBLASLt on the dequantized weight (the same run)."""
     bf16 = lambda: torch.mm(s.x, s.w16.t(), out=s.out)  # noqa: E731
@@ -210,12 +254,8 @@ def measure(row: dict, s: Shape, info, deadline: float, tactics) -> None:
             continue
         kernel = BACKEND.build(t, problem, info)
         entry: dict = {"path": t.path, "est_us": BACKEND.estimate_us(problem, info, t)}
-        try:
-            entry["rel_err"] = s.check(kernel, s.ops)
-            if entry["rel_err"] <= TOL:
-                entry["us"] = timed(lambda kernel=kernel: kernel(s.ops, s.out), s.device)
-        except Exception as exc:  # a failing tactic is recorded, never fatal for the run
-            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        check_and_time(entry, lambda kernel=kernel: s.check(kernel, s.ops),
+                       lambda kernel=kernel: kernel(s.ops, s.out), s.device)  # fmt: skip
         row["tactics"][tj] = entry
 
 
@@ -339,7 +379,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_setup(smoke: bool) -> tuple[bool, torch.device, object, torch.dtype] | None:
     """(on CUDA, device, the device info ranked on, activation dtype) of a run; None (a
-    message printed) without CUDA unless ``smoke``. Shared with bench_w4a4_decode.py."""
+    message printed) without CUDA unless ``smoke``. Shared with bench_w4a4_decode.py and
+    bench_w4a16_ws.py."""
     cuda = torch.cuda.is_available() and not smoke
     if not cuda and not smoke:
         print("no CUDA device: run on an H200, or pass --smoke for a CPU check", file=sys.stderr)

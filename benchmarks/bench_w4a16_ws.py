@@ -34,15 +34,27 @@ if "--smoke" in sys.argv:  # must precede the first triton import
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
-from _common import failures_by_tactic, markdown_table, precompile_kernels, write_json
-from bench_w4a16_decode import HELD, Shape, baselines, eager, run_setup, shape_grid, timed
+from _common import markdown_table, write_json
+from bench_w4a16_decode import (
+    HELD,
+    TOL,
+    Shape,
+    baselines,
+    best_per_backend,
+    check_and_time,
+    eager,
+    precompile_plans,
+    run_setup,
+    shape_grid,
+    timed,
+    top_by_estimate,
+)
 
 from fp4_dispatch import Dispatcher, Nvfp4Tensor
 from fp4_dispatch.plugins.sm90.w4a16 import TritonSm90W4A16Backend
 from fp4_dispatch.plugins.sm90.ws import TritonSm90WsBackend
 from fp4_dispatch.tactics import Problem
 
-TOL = 1e-2
 #: triton-sm90-w4a16 tactics timed per shape: its estimate's best (a tuner's shortlist)
 W4A16_TOP = 6
 WS, W4A16 = TritonSm90WsBackend(), TritonSm90W4A16Backend()
@@ -52,12 +64,7 @@ def plan(problem: Problem, info) -> list[tuple[object, object]]:
     """(backend, tactic) pairs timed for `problem`: every ws tactic, then the W4A16
     backend's `W4A16_TOP` by its estimate."""
     ws = [(WS, t) for t in WS.tactics(problem, info)] if WS.supports(info).ok else []
-
-    def by_estimate(t) -> tuple:
-        return W4A16.estimate_us(problem, info, t), t.canonical_json()
-
-    ranked = sorted(W4A16.tactics(problem, info), key=by_estimate)
-    return ws + [(W4A16, t) for t in ranked[:W4A16_TOP]]
+    return ws + [(W4A16, t) for t in top_by_estimate(W4A16, problem, info, W4A16_TOP)]
 
 
 def measure(s: Shape, pairs, info, deadline: float) -> dict:
@@ -74,18 +81,10 @@ def measure(s: Shape, pairs, info, deadline: float) -> dict:
         kernel = backend.build(t, problem, info)
         entry: dict = {"backend": backend.name, "path": t.path,
                        "est_us": backend.estimate_us(problem, info, t)}  # fmt: skip
-        try:
-            entry["rel_err"] = s.check(kernel, s.ops)
-            if entry["rel_err"] <= TOL:
-                entry["us"] = timed(lambda kernel=kernel: kernel(s.ops, s.out), s.device)
-        except Exception as exc:  # a failing tactic is recorded, never fatal for the run
-            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        check_and_time(entry, lambda kernel=kernel: s.check(kernel, s.ops),
+                       lambda kernel=kernel: kernel(s.ops, s.out), s.device)  # fmt: skip
         row["tactics"][tj] = entry
-    for name in (WS.name, W4A16.name):
-        done = {tj: e["us"] for tj, e in row["tactics"].items()
-                if e["backend"] == name and "us" in e}  # fmt: skip
-        row[f"best_{name}"] = min(done, key=done.get) if done else None
-        row[f"best_{name}_us"] = min(done.values()) if done else math.nan
+    best_per_backend(row, (WS.name, W4A16.name))
     row["failed"] = [tj for tj, e in row["tactics"].items() if not e.get("rel_err", 1) <= TOL]
     return row
 
@@ -155,11 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         p = Problem(m=m, n=n, k=k, out_dtype=str(dtype).split(".")[1], operation="w4a16")
         pairs = plan(p, info)
         plans[(m, n, k)] = (p, pairs[:3] if args.smoke else pairs)
-    jobs = [(b, t, p) for p, pairs in plans.values() for b, t in pairs]
-    workers = args.workers or max(1, min(14, (os.cpu_count() or 2) - 2))
-    fails = failures_by_tactic(precompile_kernels(jobs, info, workers))
-    print(f"precompiled {len(jobs)} jobs in {time.time() - t0:.0f}s; {len(fails)} failed",
-          flush=True)  # fmt: skip
+    fails = precompile_plans(plans, info, args.workers)
     result = {"device": info.name, "torch": torch.__version__, "smoke": args.smoke,
               "compile_failures": fails, "shapes": []}  # fmt: skip
     dispatcher = Dispatcher(cache=False)  # untuned: its heuristic pick (CPU: the reference)

@@ -35,9 +35,21 @@ if "--smoke" in sys.argv:  # must precede the first triton import
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
-from _common import failures_by_tactic, markdown_table, precompile_kernels, write_json
+from _common import markdown_table, write_json
 from bench_hopper import dequant
-from bench_w4a16_decode import HELD, eager, rel_err, run_setup, shape_grid, timed
+from bench_w4a16_decode import (
+    HELD,
+    TOL,
+    best_per_backend,
+    check_and_time,
+    eager,
+    precompile_plans,
+    rel_err,
+    run_setup,
+    shape_grid,
+    timed,
+    top_by_estimate,
+)
 
 from fp4_dispatch import Dispatcher, Nvfp4Tensor
 from fp4_dispatch.backend import launch
@@ -46,7 +58,6 @@ from fp4_dispatch.plugins.sm90 import TritonSm90Backend
 from fp4_dispatch.plugins.sm90.dense import TritonSm90DenseBackend
 from fp4_dispatch.tactics import Problem
 
-TOL = 1e-2
 #: triton-sm90 tactics timed per shape: its estimate's best (what a tuner would shortlist)
 SM90_TOP = 6
 DENSE, SM90 = TritonSm90DenseBackend(), TritonSm90Backend()
@@ -56,9 +67,7 @@ def plan(problem: Problem, info) -> list[tuple[object, object]]:
     """(backend, tactic) pairs timed for `problem`: every dense tactic, then triton-sm90's
     `SM90_TOP` by its estimate."""
     dense = [(DENSE, t) for t in DENSE.tactics(problem, info)]
-    sm90 = sorted(SM90.tactics(problem, info), key=lambda t: (SM90.estimate_us(problem, info, t),
-                                                               t.canonical_json()))  # fmt: skip
-    return dense + [(SM90, t) for t in sm90[:SM90_TOP]]
+    return dense + [(SM90, t) for t in top_by_estimate(SM90, problem, info, SM90_TOP)]
 
 
 class Shape:
@@ -124,19 +133,9 @@ def measure(s: Shape, pairs, info, deadline: float) -> dict:
         kernel = backend.build(t, problem, info)
         fn = lambda kernel=kernel, t=t: launch(kernel, s.ops, s.out, t.swap_ab)  # noqa: E731
         entry: dict = {"backend": backend.name, "est_us": backend.estimate_us(problem, info, t)}
-        try:
-            entry["rel_err"] = s.check(fn)
-            if entry["rel_err"] <= TOL:
-                entry["us"] = timed(fn, s.device)
-        except Exception as exc:  # a failing tactic is recorded, never fatal for the run
-            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        check_and_time(entry, lambda fn=fn: s.check(fn), fn, s.device)
         row["tactics"][tj] = entry
-    for name in (DENSE.name, SM90.name):
-        done = {
-            tj: e["us"] for tj, e in row["tactics"].items() if e["backend"] == name and "us" in e
-        }
-        row[f"best_{name}"] = min(done, key=done.get) if done else None
-        row[f"best_{name}_us"] = min(done.values()) if done else math.nan
+    best_per_backend(row, (DENSE.name, SM90.name))
     row["failed"] = [tj for tj, e in row["tactics"].items() if not e.get("rel_err", 1) <= TOL]
     return row
 
@@ -191,12 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         p = Problem(m=m, n=n, k=k, out_dtype=str(dtype).split(".")[1])
         pairs = plan(p, info)
         plans[(m, n, k)] = (p, pairs[:3] + pairs[-1:] if args.smoke else pairs)
-    jobs = [(b, t, p) for p, pairs in plans.values() for b, t in pairs]
-    workers = args.workers or max(1, min(14, (os.cpu_count() or 2) - 2))
-    fails = failures_by_tactic(precompile_kernels(jobs, info, workers))
-    print(
-        f"precompiled {len(jobs)} jobs in {time.time() - t0:.0f}s; {len(fails)} failed", flush=True
-    )
+    fails = precompile_plans(plans, info, args.workers)
     result = {"device": info.name, "torch": torch.__version__, "smoke": args.smoke,
               "compile_failures": fails, "shapes": []}  # fmt: skip
     dispatcher = Dispatcher(cache=False)  # untuned: its heuristic pick (CPU: the reference)

@@ -251,10 +251,12 @@ def why_invalid(t: TritonSm90W4A16Tactic, problem: Problem, device: DeviceInfo) 
 # Residency (`direct_ctas_per_sm`) is the tightest of registers, shared memory and warps:
 # why 64-row weight tiles win at decode (74 registers a thread, 6 CTAs an SM, against 4 at
 # 128 rows). The four constants come from benchmarks/fit_w4a16_model.py on the committed
-# H200 decode sweep (the untuned pick's measured time over the best offered one: mean
-# 1.026, worst 1.140 in-sample; 1.020 and 1.047 on the held-out shapes; mean
-# |log(estimate / measured)| 0.18 and 0.23). launch_us, split_reduce_us, mma_eff: v0's
-# (the W4A4 model's). The unpack path: ``unpack_gemm_eff`` and ``unpack_launch_us``.
+# H200 decode sweep (v3, on the driver's bandwidth as the dispatcher sees it live: the
+# untuned pick's measured time over the best offered one: mean 1.026, worst 1.140
+# in-sample; 1.020 and 1.047 on the held-out shapes; mean |log(estimate / measured)| 0.18
+# and 0.24). launch_us, split_reduce_us, mma_eff: v0's (the W4A4 model's). The unpack
+# path: ``unpack_gemm_eff`` and ``unpack_launch_us`` (optimistic by 8-20% at M = 256:
+# RESULTS.md "Hopper W4A16" run 6).
 #
 # M = 32-256 (tiles of 32+ tokens): ``mid_step_scale`` and ``mma_eff`` at tile_m 32, 64
 # and 128, fitted by ``fit_w4a16_model.py --mid`` (pick/best 1.048 in-sample, 1.039
