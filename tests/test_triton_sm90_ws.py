@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TARGET_ONLY
+from conftest import TARGET_ONLY, run_interpreted
 
 from fp4_dispatch.plugins.sm90.ws import (
     WS_MAX_M,
@@ -269,3 +269,46 @@ def test_launch_key_separates_descriptor_specializations():
     assert specialization_key([desc(72, 256), 3]) != base  # 72 % 16 != 0
     assert specialization_key([desc(64, 256, block=(32, 64)), 3]) != base
     assert specialization_key([desc(64, 256, dtype=torch.float16), 3]) != base
+
+
+_FALLBACK = r"""
+import json, math, sys
+import torch
+from fp4_dispatch.backends.sm90 import gemm_w4a16 as w4
+from fp4_dispatch.backends.sm90 import gemm_w4a16_ws as ws
+from fp4_dispatch.harness import stress_nvfp4
+from fp4_dispatch.nvfp4 import Nvfp4Tensor, dequantize
+
+out = {}
+for name, m, n, k, act, stride in json.loads(sys.argv[1]):
+    gen = torch.Generator().manual_seed(m + n + k)
+    big = torch.randn((m, stride), generator=gen).to(getattr(torch, act))
+    x = big[:, :k]  # row stride `stride` (elements)
+    wd, wsc = stress_nvfp4(n, k, torch.device("cpu"), gen)
+    alpha = torch.tensor([1.0 / (8 * math.sqrt(k))])
+    ref = (x.double() @ dequantize(Nvfp4Tensor(wd, wsc, torch.ones(()), "swizzled",
+                                               (n, k))).double().T) * float(alpha)
+    res = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    ws.build(ws.WsConfig(block_m=64))(w4.W4A16Operands(x, wd, wsc, alpha), res)
+    out[name] = float((res.double() - ref).norm() / ref.norm())
+print(json.dumps(out))
+"""
+
+
+def test_inputs_the_kernel_cannot_read_run_the_direct_kernel():
+    """What TMA cannot read (`check_tma`: fp16 activations with a bf16 output, as
+    `Dispatcher.gemm(x16, w, out_dtype=bf16)` passes them; a row stride that is no
+    multiple of 16 bytes) runs the direct kernel (here under the interpreter, fp16: it
+    mishandles bf16 dots) instead of raising: a raised error would mark the tactic
+    broken for every later call."""
+    pytest.importorskip("triton")
+    from fp4_dispatch.backends.sm90.gemm_w4a16_ws import check_tma
+
+    assert "bfloat16" in check_tma(torch.zeros(4, 64, dtype=torch.float16))
+    odd = torch.zeros(4, 131, dtype=torch.bfloat16)[:, :128]
+    assert "multiple of 8 elements" in check_tma(odd)
+    assert check_tma(torch.zeros(4, 136, dtype=torch.bfloat16)[:, :128]) is None
+    cases = [("fp16", 40, 96, 256, "float16", 256), ("fp16-strided", 24, 64, 128, "float16", 131)]
+    got = run_interpreted(_FALLBACK, cases)
+    assert set(got) == {"fp16", "fp16-strided"}, got
+    assert all(err <= 1e-2 for err in got.values()), got

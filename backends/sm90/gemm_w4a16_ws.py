@@ -35,7 +35,8 @@ argument binding; descriptors are part of its key).
 Shapes: any M, N >= 1 (TMA zero-fills rows past M and N and K past the end; scale
 groups past K are zeroed in-kernel; stores are masked); ``K % 32 == 0``; ``x`` bf16 with
 unit stride along K, a row stride of a multiple of 8 elements and a 16-byte aligned base
-(TMA), as `check_tma` says. Natural weight bytes only.
+(TMA), as `check_tma` says, and natural weight bytes; other inputs run the direct kernel
+(`_direct_fallback`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from fp4_dispatch.backends.sm90 import gemm_w4a16
 from fp4_dispatch.backends.sm90.gemm_w4a16 import _BF16_NATURAL, DenseKernel, W4A16Operands
 from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher, launch_aligned
 from fp4_dispatch.nvfp4 import swizzled_scale_shape
@@ -363,11 +365,12 @@ class W4A16WsKernel(DenseKernel):
 
     def __call__(self, operands: W4A16Operands, out: torch.Tensor) -> None:
         a, b, s = operands.a, operands.b_data, operands.b_scale
-        why = check_tma(a)
-        if why is not None:
-            raise ValueError(why)
-        if getattr(operands, "prepared", False):
-            raise ValueError("b_data: the warp-specialized kernel reads natural weight bytes")
+        if check_tma(a) is not None or getattr(operands, "prepared", False):
+            # what this kernel cannot read (fp16 activations with a bf16 output, a row
+            # stride TMA refuses, prepared bytes) runs the direct kernel: a raised error
+            # would mark this tactic broken for every later call of the dispatcher
+            _direct_fallback()(operands, out)
+            return
         m, k = a.shape
         n = b.shape[0]
         grid, ws, cnt = self.launch_space(m, n, out)
@@ -422,6 +425,15 @@ class W4A16WsKernel(DenseKernel):
 
 
 _WS_LAUNCH = CachedLauncher(_w4a16_ws_kernel)
+
+
+@functools.cache
+def _direct_fallback() -> DenseKernel:
+    """The direct kernel for the inputs `W4A16WsKernel` cannot read: 128 weight rows x 64
+    tokens, 8 warps (the measured best family at M = 64, RESULTS.md "Hopper W4A16" run 5);
+    it takes fp16 or bf16, any row stride and either weight byte order."""
+    return gemm_w4a16.build(gemm_w4a16.W4A16Config(block_n=128, block_m=64, num_warps=8,
+                                                   num_stages=4, x_dot=True))  # fmt: skip
 
 
 def build(cfg: WsConfig) -> W4A16WsKernel:
