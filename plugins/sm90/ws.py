@@ -10,9 +10,9 @@ stages, one expanded tile each, the register split) is the one measured best on 
 (RESULTS.md, "Hopper W4A16" run 6) and fixed in `WsConfig`'s defaults.
 
 Why a backend of its own: it competes with the ``triton-sm90-w4a16`` direct kernel where
-that kernel is weakest (64-256 tokens: 24-33% faster on the issue shapes at M = 128-256),
-and its cost model is a different one (`_estimate_ws`): one resident CTA an SM, every K
-step as long as the slower of the expansion and the MMA.
+that kernel is weakest (64-256 tokens; 10-33% faster than the other W4A16 kernels on the
+issue shapes at M = 256), and its cost model is a different one (`_estimate_ws`): one
+resident CTA an SM, every K step as long as the slower of the expansion and the MMA.
 
 Not offered under ``TRITON_INTERPRET=1``: Gluon kernels have no interpreter. CI compiles
 them for sm_90 instead (tests/test_triton_sm90_ws.py); the numerics are checked on the H200
@@ -43,8 +43,8 @@ WS_SPLIT_K = (1, 2, 3, 4)
 WS_TILE_N = 128
 WS_TILE_K = 64
 WS_STAGES = 4
-#: the token range offered: the direct kernel wins at decode (M <= 16: 23 against 31 µs
-#: at 16x8192², RESULTS.md run 6) and the range above 256 is not measured
+#: the token range offered: the direct kernel wins at decode (16x8192²: 23.1 against
+#: 31.3 µs, RESULTS.md "Hopper W4A16" run 6, call 3) and above 256 nothing is measured
 WS_MIN_M = 32
 WS_MAX_M = 256
 
