@@ -197,6 +197,33 @@ def best_per_backend(row: dict, names) -> None:
         row[f"best_{name}_us"] = min(done.values()) if done else math.nan
 
 
+def failed_tactics(row: dict) -> list[str]:
+    """The tactics of ``row["tactics"]`` over `TOL` or failing (no error recorded)."""
+    return [tj for tj, e in row["tactics"].items() if not e.get("rel_err", 1) <= TOL]
+
+
+def time_pairs(row: dict, pairs, problem: Problem, info, deadline: float, names, calls,
+               device: torch.device, fields=None) -> None:  # fmt: skip
+    """Check and time every (backend, tactic) of `pairs` for `problem` into ``row`` (until
+    `deadline`; later ones go to ``row["skipped"]``), then the best of each backend of
+    `names` (`best_per_backend`) and ``row["failed"]``. ``calls(kernel, tactic)`` gives
+    the (check, run) pair of a built kernel (`check_and_time`); ``fields(tactic)``, extra
+    entries recorded per tactic. The two-backend sweeps' loop (bench_w4a4_decode.py,
+    bench_w4a16_ws.py)."""
+    for backend, t in pairs:
+        tj = t.canonical_json()
+        if time.time() > deadline:
+            row["skipped"].append(tj)
+            continue
+        check, run = calls(backend.build(t, problem, info), t)
+        entry: dict = {"backend": backend.name, **(fields(t) if fields else {}),
+                       "est_us": backend.estimate_us(problem, info, t)}  # fmt: skip
+        check_and_time(entry, check, run, device)
+        row["tactics"][tj] = entry
+    best_per_backend(row, names)
+    row["failed"] = failed_tactics(row)
+
+
 def precompile_plans(plans: dict, info, workers: int) -> dict:
     """Compile every (backend, tactic, problem) of `plans` ({shape: (problem, [(backend,
     tactic)])}) in parallel first; the failures by tactic."""
@@ -282,7 +309,7 @@ def finish(row: dict, s: Shape, info, deadline: float) -> None:
                                problem, info)  # fmt: skip
         row["est_pick_eager_us"] = eager(lambda: kernel(s.ops, s.out), s.device)
     errs = [e.get("rel_err", math.nan) for e in row["tactics"].values()]
-    row["failed"] = [tj for tj, e in row["tactics"].items() if not e.get("rel_err", 1) <= TOL]
+    row["failed"] = failed_tactics(row)
     row["max_err"] = max((e for e in errs if math.isfinite(e)), default=math.nan)
 
 

@@ -40,12 +40,11 @@ from bench_w4a16_decode import (
     TOL,
     Shape,
     baselines,
-    best_per_backend,
-    check_and_time,
     eager,
     precompile_plans,
     run_setup,
     shape_grid,
+    time_pairs,
     timed,
     top_by_estimate,
 )
@@ -73,19 +72,9 @@ def measure(s: Shape, pairs, info, deadline: float) -> dict:
                       operation="w4a16")  # fmt: skip
     row: dict = {"m": s.m, "n": s.n, "k": s.k, "held_out": (s.m, s.n, s.k) in HELD,
                  **baselines(s), "tactics": {}, "skipped": []}  # fmt: skip
-    for backend, t in pairs:
-        tj = t.canonical_json()
-        if time.time() > deadline:
-            row["skipped"].append(tj)
-            continue
-        kernel = backend.build(t, problem, info)
-        entry: dict = {"backend": backend.name, "path": t.path,
-                       "est_us": backend.estimate_us(problem, info, t)}  # fmt: skip
-        check_and_time(entry, lambda kernel=kernel: s.check(kernel, s.ops),
-                       lambda kernel=kernel: kernel(s.ops, s.out), s.device)  # fmt: skip
-        row["tactics"][tj] = entry
-    best_per_backend(row, (WS.name, W4A16.name))
-    row["failed"] = [tj for tj, e in row["tactics"].items() if not e.get("rel_err", 1) <= TOL]
+    time_pairs(row, pairs, problem, info, deadline, (WS.name, W4A16.name),
+               lambda kernel, t: (lambda: s.check(kernel, s.ops), lambda: kernel(s.ops, s.out)),
+               s.device, fields=lambda t: {"path": t.path})  # fmt: skip
     return row
 
 

@@ -40,13 +40,12 @@ from bench_hopper import dequant
 from bench_w4a16_decode import (
     HELD,
     TOL,
-    best_per_backend,
-    check_and_time,
     eager,
     precompile_plans,
     rel_err,
     run_setup,
     shape_grid,
+    time_pairs,
     timed,
     top_by_estimate,
 )
@@ -125,18 +124,12 @@ def measure(s: Shape, pairs, info, deadline: float) -> dict:
     problem = Problem(m=s.m, n=s.n, k=s.k, out_dtype=str(s.dtype).split(".")[1])
     row: dict = {"m": s.m, "n": s.n, "k": s.k, "held_out": (s.m, s.n, s.k) in HELD,
                  **s.baselines(), "tactics": {}, "skipped": []}  # fmt: skip
-    for backend, t in pairs:
-        tj = t.canonical_json()
-        if time.time() > deadline:
-            row["skipped"].append(tj)
-            continue
-        kernel = backend.build(t, problem, info)
-        fn = lambda kernel=kernel, t=t: launch(kernel, s.ops, s.out, t.swap_ab)  # noqa: E731
-        entry: dict = {"backend": backend.name, "est_us": backend.estimate_us(problem, info, t)}
-        check_and_time(entry, lambda fn=fn: s.check(fn), fn, s.device)
-        row["tactics"][tj] = entry
-    best_per_backend(row, (DENSE.name, SM90.name))
-    row["failed"] = [tj for tj, e in row["tactics"].items() if not e.get("rel_err", 1) <= TOL]
+
+    def calls(kernel, t) -> tuple:
+        run = lambda: launch(kernel, s.ops, s.out, t.swap_ab)  # noqa: E731
+        return (lambda: s.check(run)), run
+
+    time_pairs(row, pairs, problem, info, deadline, (DENSE.name, SM90.name), calls, s.device)
     return row
 
 

@@ -225,22 +225,16 @@ def both_backends(rows, device, consts: dict) -> tuple[float, float, int]:
     """(mean, worst, shapes) of the untuned pick among both backends' timed tactics (the
     lower estimate) over the best of both, with the ws constants `consts`."""
     ratios = []
+    backends = (ws.TritonSm90WsBackend(), w4.TritonSm90W4A16Backend())  # rows' order
     with constants(consts, "ws"):
-        for p, _, ws_timed, w4_timed in rows:
-            offered = {(t, "ws"): us for t, us in ws_timed.items()
-                       if ws.why_invalid(t, p, device) is None}  # fmt: skip
-            offered |= {(t, "w4a16"): us for t, us in w4_timed.items()
-                        if w4.why_invalid(t, p, device) is None}  # fmt: skip
+        for p, _, *timed in rows:
+            pairs = zip(backends, timed, strict=True)
+            offered = {(b, t): us for b, tactics in pairs for t, us in tactics.items()
+                       if b.validate(t, p, device) is None}  # fmt: skip
             if not offered:
                 continue
-
-            def est(item, p=p):
-                t, kind = item
-                if kind == "ws":
-                    return ws._estimate_ws(t, p, device)
-                return w4.TritonSm90W4A16Backend().estimate_us(p, device, t)
-
-            pick = min(offered, key=lambda it: (est(it), it[0].canonical_json()))
+            pick = min(offered, key=lambda bt: (bt[0].estimate_us(p, device, bt[1]),
+                                                bt[1].canonical_json()))  # fmt: skip
             ratios.append(offered[pick] / min(offered.values()))
     return sum(ratios) / len(ratios), max(ratios), len(ratios)
 

@@ -389,11 +389,15 @@ class W4A16WsKernel(DenseKernel):
         self.compiled = bound.last_compiled
 
     def _binding(self, *_: object) -> BoundLaunch:
-        """The launcher binding of this config (its constexprs and ``maxnreg``)."""
-        cfg = self.cfg
-        meta = {"SPLIT_K": cfg.split_k, "STAGES": cfg.stages, "NPART": cfg.deq_parts,
-                "DEQ_STAGES": cfg.deq_stages, "DEQ_REGS": cfg.deq_regs}  # fmt: skip
-        return _WS_LAUNCH.bind(meta, 4, maxnreg=cfg.maxnreg)
+        """The launcher binding of this config (its constexprs and ``maxnreg``), made
+        once per kernel object: a call does no dict building or key sorting for it."""
+        bound = self._bound.get(None)
+        if bound is None:
+            cfg = self.cfg
+            meta = {"SPLIT_K": cfg.split_k, "STAGES": cfg.stages, "NPART": cfg.deq_parts,
+                    "DEQ_STAGES": cfg.deq_stages, "DEQ_REGS": cfg.deq_regs}  # fmt: skip
+            bound = self._bound[None] = _WS_LAUNCH.bind(meta, 4, maxnreg=cfg.maxnreg)
+        return bound
 
     def _descriptors(self, a: torch.Tensor, b: torch.Tensor, s: torch.Tensor) -> tuple:
         """TMA descriptors of the activations, weight bytes and scale chunks."""

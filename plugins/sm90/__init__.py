@@ -129,7 +129,8 @@ def split_k_rule(
     if tiles >= 2 * sm_count:
         return f"split-K only below two waves ({tiles} tiles)"
     if tiles * split_k > max_ctas_per_sm * sm_count:
-        return f"split-K beyond {max_ctas_per_sm} CTAs per SM"
+        return (f"split-K beyond {max_ctas_per_sm} CTAs per SM ({tiles} tiles x {split_k} > "
+                f"{max_ctas_per_sm * sm_count})")  # fmt: skip
     if k_steps < 2 * split_k:
         return f"split_k={split_k} leaves < 2 K steps per split ({k_steps} steps)"
     return None

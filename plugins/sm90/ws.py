@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo
-from fp4_dispatch.plugins.sm90 import _pow2_at_least, _sm90_support, cost_model
+from fp4_dispatch.plugins.sm90 import _pow2_at_least, _sm90_support, cost_model, split_k_rule
 from fp4_dispatch.plugins.sm90 import w4a16 as w4
 from fp4_dispatch.tactics import Problem, Tactic
 
@@ -85,13 +85,9 @@ def why_invalid(t: TritonSm90WsTactic, problem: Problem, device: DeviceInfo) -> 
     if t.split_k not in WS_SPLIT_K or t.num_warps != 4 or t.block_r != 64:
         return (f"split_k in {WS_SPLIT_K}, 4 warps, block_r 64 (got {t.split_k}, "
                 f"{t.num_warps}, {t.block_r})")  # fmt: skip
-    if t.split_k > 1:
-        tiles = -(-problem.m // t.tile_m) * -(-problem.n // WS_TILE_N)
-        if tiles * t.split_k > device.sm_count:
-            return f"split-K beyond one wave ({tiles} tiles x {t.split_k} > {device.sm_count} SMs)"
-        if -(-problem.k // WS_TILE_K) < 2 * t.split_k:
-            return f"split_k={t.split_k} leaves < 2 K steps per split"
-    return None
+    tiles = -(-problem.m // t.tile_m) * -(-problem.n // WS_TILE_N)
+    # the family's split-K rule at one CTA an SM: a second wave costs a whole round
+    return split_k_rule(t.split_k, tiles, -(-problem.k // WS_TILE_K), device.sm_count, 1)
 
 
 # Calibration: the "ws" part of plugins/sm90/cost_model.json, fitted by
