@@ -59,20 +59,20 @@ W4A16_TOP = 6
 WS, W4A16 = TritonSm90WsBackend(), TritonSm90W4A16Backend()
 
 
-def plan(problem: Problem, info) -> list[tuple[object, object]]:
-    """(backend, tactic) pairs timed for `problem`: every ws tactic, then the W4A16
-    backend's `W4A16_TOP` by its estimate."""
-    ws = [(WS, t) for t in WS.tactics(problem, info)] if WS.supports(info).ok else []
-    return ws + [(W4A16, t) for t in top_by_estimate(W4A16, problem, info, W4A16_TOP)]
+def plan(problem: Problem, info, new=WS) -> list[tuple[object, object]]:
+    """(backend, tactic) pairs timed for `problem`: every tactic of the `new` backend
+    (ws here, `bench_w4a16_mma`'s), then the W4A16 backend's `W4A16_TOP` by its estimate."""
+    mine = [(new, t) for t in new.tactics(problem, info)] if new.supports(info).ok else []
+    return mine + [(W4A16, t) for t in top_by_estimate(W4A16, problem, info, W4A16_TOP)]
 
 
-def measure(s: Shape, pairs, info, deadline: float) -> dict:
+def measure(s: Shape, pairs, info, deadline: float, new=WS) -> dict:
     """Check and time every (backend, tactic) of `pairs` on `s`; the best per backend."""
     problem = Problem(m=s.m, n=s.n, k=s.k, out_dtype=str(s.dtype).split(".")[1],
                       operation="w4a16")  # fmt: skip
     row: dict = {"m": s.m, "n": s.n, "k": s.k, "held_out": (s.m, s.n, s.k) in HELD,
                  **baselines(s), "tactics": {}, "skipped": []}  # fmt: skip
-    time_pairs(row, pairs, problem, info, deadline, (WS.name, W4A16.name),
+    time_pairs(row, pairs, problem, info, deadline, (new.name, W4A16.name),
                lambda kernel, t: (lambda: s.check(kernel, s.ops), lambda: kernel(s.ops, s.out)),
                s.device, fields=lambda t: {"path": t.path})  # fmt: skip
     return row
@@ -93,7 +93,7 @@ def dispatcher_row(s: Shape, dispatcher: Dispatcher) -> dict:
             "dispatcher_eager_us": eager(call, s.device)}  # fmt: skip
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], new=WS) -> str:
     def f(x) -> str:
         return "n/a" if x is None or not math.isfinite(x) else f"{x:.1f}"
 
@@ -106,18 +106,22 @@ def table(rows: list[dict]) -> str:
         d = json.loads(tj)
         if "path" not in d:  # another backend's pick (the reference on a CPU)
             return d["backend"]
-        return f"{d['path']} {d['tile_m']}x{d['tile_n']} split {d['split_k']}"
+        extra = (f", {d['num_warps']} warps, prefetch {d['prefetch']}, unroll {d['unroll']}"
+                 if "unroll" in d else "")  # fmt: skip
+        return f"{d['path']} {d['tile_m']}x{d['tile_n']} split {d['split_k']}{extra}"
 
-    head = ["M", "N x K", "set", "bf16 µs", "FP8 µs", "ws best µs (tactic)",
-            f"w4a16 best of top {W4A16_TOP} µs (tactic)", "bf16 / ws", "FP8 / ws",
-            "ws / w4a16", "gemm pick", "gemm µs", "bf16 / gemm", "eager: gemm µs",
-            "eager: bf16 µs", "eager: FP8 µs", "failed"]  # fmt: skip
+    short_name = new.name.removeprefix("triton-sm90-")
+    head = ["M", "N x K", "set", "bf16 µs", "FP8 µs", f"{short_name} best µs (tactic)",
+            f"w4a16 best of top {W4A16_TOP} µs (tactic)", f"bf16 / {short_name}",
+            f"FP8 / {short_name}", f"{short_name} / w4a16", "gemm pick", "gemm µs",
+            "bf16 / gemm", "eager: gemm µs", "eager: bf16 µs", "eager: FP8 µs",
+            "failed"]  # fmt: skip
     body = []
     for x in rows:
-        w, d = x[f"best_{WS.name}_us"], x[f"best_{W4A16.name}_us"]
+        w, d = x[f"best_{new.name}_us"], x[f"best_{W4A16.name}_us"]
         where = "held-out" if x["held_out"] else "in-sample"
         body.append([str(x["m"]), f"{x['n']}x{x['k']}", where,
-                     f(x["bf16_us"]), f(x["fp8_us"]), f"{f(w)} ({short(x[f'best_{WS.name}'])})",
+                     f(x["bf16_us"]), f(x["fp8_us"]), f"{f(w)} ({short(x[f'best_{new.name}'])})",
                      f"{f(d)} ({short(x[f'best_{W4A16.name}'])})", r(x["bf16_us"], w),
                      r(x["fp8_us"], w), r(w, d), short(x.get("dispatcher_pick")),
                      f(x.get("dispatcher_us", math.nan)),
@@ -127,8 +131,10 @@ def table(rows: list[dict]) -> str:
     return markdown_table(head, body)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, new=WS, mid: bool = True, doc: str = __doc__) -> int:
+    """The sweep of `new` (ws here) beside the W4A16 backend on the decode grid (``mid``
+    False: `bench_w4a16_mma`) or the M = 32-256 grid; writes ``<new>.json`` under $OUT."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU check: tiny shapes, interpreter")
     ap.add_argument("--budget-s", type=float, default=300.0, help="seconds, then skip")
     ap.add_argument("--workers", type=int, default=0, help="compile processes (0: auto)")
@@ -139,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cuda, device, info, dtype = setup
     plans = {}
-    for m, n, k in shape_grid(cuda, mid=True):
+    for m, n, k in shape_grid(cuda, mid=mid):
         p = Problem(m=m, n=n, k=k, out_dtype=str(dtype).split(".")[1], operation="w4a16")
-        pairs = plan(p, info)
+        pairs = plan(p, info, new)
         plans[(m, n, k)] = (p, pairs[:3] if args.smoke else pairs)
     fails = precompile_plans(plans, info, args.workers)
     result = {"device": info.name, "torch": torch.__version__, "smoke": args.smoke,
@@ -149,15 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     dispatcher = Dispatcher(cache=False)  # untuned: its heuristic pick (CPU: the reference)
     for key, (_, pairs) in plans.items():
         s = Shape(*key, device, dtype)
-        row = measure(s, pairs, info, t0 + args.budget_s)
+        row = measure(s, pairs, info, t0 + args.budget_s, new)
         row |= dispatcher_row(s, dispatcher)
         result["shapes"].append(row)
-        print(f"{'x'.join(map(str, key))}: bf16 {row['bf16_us']:.1f}, ws "
-              f"{row[f'best_{WS.name}_us']:.1f}, w4a16 {row[f'best_{W4A16.name}_us']:.1f}, "
+        print(f"{'x'.join(map(str, key))}: bf16 {row['bf16_us']:.1f}, {new.name} "
+              f"{row[f'best_{new.name}_us']:.1f}, w4a16 {row[f'best_{W4A16.name}_us']:.1f}, "
               f"gemm {row['dispatcher_us']:.1f}; {len(row['failed'])} failed",
               flush=True)  # fmt: skip
-        write_json("w4a16_ws.json", result)
-    print("\n" + table(result["shapes"]))
+        write_json(f"w4a16_{new.name.removeprefix('triton-sm90-')}.json", result)
+    print("\n" + table(result["shapes"], new))
     bad = sum(len(r["failed"]) for r in result["shapes"])
     bad += sum(not r["dispatcher_err"] <= TOL for r in result["shapes"])
     print(f"\n{bad} tactic(s) over rel err {TOL} or failing; total {time.time() - t0:.0f}s")

@@ -17,6 +17,7 @@ the JSON: fixed in the benchmark before the fit) are only scored, never fitted o
     python benchmarks/fit_w4a16_model.py --dense [--write]    # the W4A4 entry (below)
     python benchmarks/fit_w4a16_model.py --mid [--write]      # M = 32-256 (below)
     python benchmarks/fit_w4a16_model.py --ws [--write]       # triton-sm90-ws (below)
+    python benchmarks/fit_w4a16_model.py --mma [--write]      # triton-sm90-mma (below)
 
 ``--mid`` fits the M = 32-256 terms on ``bench_w4a16_decode.py --mid``'s sweep
 (``--mid-data``; direct tactics, same objective, its held-out rows only scored):
@@ -37,6 +38,12 @@ objective, held-out rows only scored): ``deq_step_us``, ``mma_eff`` and ``fixed_
 grid (``bw_fraction`` kept: `WS_GRID`). It also reports the pick among both W4A16 backends' timed
 tactics (the dispatcher's untuned choice) over the best of both, per set.
 
+``--mma`` fits ``triton-sm90-mma`` (`plugins.sm90.mma._estimate_mma`, its "mma" part) the
+same way on ``benchmarks/bench_w4a16_mma.py``'s sweep (``--mma-data``; the decode grid:
+M 1, 4, 16 in-sample, its held-out M 2 and 8 x three (N, K) fixed in run 4, before the
+kernel existed): the constants of `MMA_GRID`, one at a time (`descend`; ``bw_fraction``
+kept), then the pick among both backends.
+
 Runs on a CPU (no Triton needed); the device is the simulated sm90 part at the H200's
 rated figures, as the dispatcher estimates on it: since run 6 the part's bandwidth is
 the driver's (4814 GB/s, what `device.detect` reads on the H200). The fits of runs 4-5
@@ -55,7 +62,9 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from fp4_dispatch.plugins.sm90 import dense, ws
+import pydantic
+
+from fp4_dispatch.plugins.sm90 import dense, mma, ws
 from fp4_dispatch.plugins.sm90 import w4a16 as w4
 from fp4_dispatch.profiles import rated, simulated
 from fp4_dispatch.tactics import Problem
@@ -77,6 +86,21 @@ WS_GRID = {
     "mma_eff": (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.4),
     "fixed_us": (2.0, 4.0, 6.0, 8.0, 10.0, 12.0),
 }
+MMA_DATA = ROOT / "benchmarks" / "data" / "sm90_w4a16_mma_run7.json"
+#: searched one constant at a time from the file's values (`descend`): the full product
+#: is 10^6 scorings
+MMA_GRID = {
+    "lat_us": (0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.5, 2.0),
+    "sat_warps": (16.0, 24.0, 32.0, 40.0, 48.0, 64.0, 96.0),
+    "pf_lat": (0.6, 0.7, 0.8, 0.9, 1.0, 1.1),
+    "own_per_us": (200.0, 250.0, 300.0, 350.0, 400.0, 500.0, 700.0, 1000.0),
+    "issue_per_us": (600.0, 700.0, 800.0, 900.0, 1000.0, 1100.0, 1200.0),
+    "fixed_us": (1.0, 2.0, 3.0, 4.0, 5.0, 6.0),
+    "cta_us": (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0),
+    "split_us": (0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0),
+}
+#: the backends fitted beside the W4A16 backend, by their part of the constants file
+PAIRED = {"ws": ws, "mma": mma}
 MODEL = ROOT / "plugins" / "sm90" / "cost_model.json"
 KEYS = ("step_us", "dequant_elems_per_sm_us", "in_flight_bytes", "direct_bw_fraction")
 GRID = {
@@ -114,7 +138,7 @@ def load_dense_rows(path: Path) -> list[tuple[Problem, bool, dict]]:
 @contextlib.contextmanager
 def constants(consts: dict, part: str = "w4a16") -> Iterator[None]:
     """The model's constants (its `part` of the file) with `consts` applied, restored after."""
-    table = ws._c() if part == "ws" else w4._c()
+    table = PAIRED[part]._c() if part in PAIRED else w4._c()
     saved = dict(table)
     table.update(consts)
     try:
@@ -126,9 +150,11 @@ def constants(consts: dict, part: str = "w4a16") -> Iterator[None]:
 
 def _model(activations: bool | str):
     """(validity rule, estimate, constants part) of the fitted model: the W4A16 direct
-    path, its dense (W4A4) entry (``activations`` True) or ``"ws"``."""
+    path, its dense (W4A4) entry (``activations`` True), ``"ws"`` or ``"mma"``."""
     if activations == "ws":
         return ws.why_invalid, ws._estimate_ws, "ws"
+    if activations == "mma":
+        return mma.why_invalid, mma._estimate_mma, "mma"
     est = lambda t, p, d: w4._estimate_direct(t, p, d, bool(activations))  # noqa: E731
     return (dense.why_invalid if activations else w4.why_invalid), est, "w4a16"
 
@@ -196,37 +222,67 @@ def fit_mid(rows, device) -> tuple[dict, tuple]:
     return best_on_grid(rows, device, candidates())
 
 
-def load_ws_rows(path: Path) -> list[tuple[Problem, bool, dict, dict]]:
-    """(problem, held out, {ws tactic: µs}, {w4a16 tactic: µs}) per shape of a
-    bench_w4a16_ws.py JSON (timed tactics only)."""
-    rows = []
+def load_ws_rows(path: Path, part: str = "ws") -> list[tuple[Problem, bool, dict, dict]]:
+    """(problem, held out, {new tactic: µs}, {w4a16 tactic: µs}) per shape of a
+    bench_w4a16_ws.py or, ``part`` "mma", bench_w4a16_mma.py JSON (timed tactics only)."""
+    backend = _backends(part)[0]
+    rows, dropped = [], 0
     for r in json.loads(path.read_text())["shapes"]:
         p = Problem(m=r["m"], n=r["n"], k=r["k"], out_dtype="bfloat16", operation="w4a16")
-        timed = {"triton-sm90-ws": {}, "triton-sm90-w4a16": {}}
+        timed = {backend.name: {}, "triton-sm90-w4a16": {}}
         for tj, e in r["tactics"].items():
-            if "us" in e:
-                kind = ws.TritonSm90WsTactic if e["backend"] == "triton-sm90-ws" else (
-                    w4.TritonSm90W4A16Tactic)  # fmt: skip
+            if "us" not in e:
+                continue
+            kind = backend.tactic_type if e["backend"] == backend.name else (
+                w4.TritonSm90W4A16Tactic)  # fmt: skip
+            try:
                 timed[e["backend"]][kind.model_validate_json(tj)] = e["us"]
-        rows.append((p, bool(r.get("held_out")), timed["triton-sm90-ws"],
+            except pydantic.ValidationError:  # measured, no longer a tactic (mma's 16 tokens)
+                dropped += 1
+        rows.append((p, bool(r.get("held_out")), timed[backend.name],
                      timed["triton-sm90-w4a16"]))  # fmt: skip
+    if dropped:
+        print(f"{path.name}: {dropped} timed tactics are not tactics of {backend.name} now")
     return rows
 
 
-def fit_ws(rows, device) -> tuple[dict, tuple]:
-    """The ws constants (`WS_GRID`) by `score` on `rows` (ws tactics)."""
+def _backends(part: str) -> tuple:
+    """(the `part` backend, the W4A16 backend): the rows' order of `load_ws_rows`."""
+    new = ws.TritonSm90WsBackend() if part == "ws" else mma.TritonSm90MmaBackend()
+    return new, w4.TritonSm90W4A16Backend()
+
+
+def fit_ws(rows, device, part: str = "ws") -> tuple[dict, tuple]:
+    """The ws constants (`WS_GRID`, every combination) or the mma ones (`MMA_GRID`,
+    `descend`) by `score` on `rows`."""
+    if part == "mma":
+        return descend(rows, device, MMA_GRID, {k: mma._c()[k] for k in MMA_GRID}, part)
     keys = tuple(WS_GRID)
     grid = itertools.product(*(WS_GRID[k] for k in keys))
     cands = (dict(zip(keys, v, strict=True)) for v in grid)
-    return best_on_grid(rows, device, cands, activations="ws")
+    return best_on_grid(rows, device, cands, activations=part)
 
 
-def both_backends(rows, device, consts: dict) -> tuple[float, float, int]:
+def descend(rows, device, grid: dict, start: dict, part: str) -> tuple[dict, tuple]:
+    """Coordinate descent: each constant in turn set to its best grid value (`best_on_grid`)
+    with the others held, until a pass changes nothing (at most 8 passes)."""
+    consts = dict(start)
+    for _ in range(8):
+        before = dict(consts)
+        for key, values in grid.items():
+            cands = ({**consts, key: v} for v in values)
+            consts, _ = best_on_grid(rows, device, cands, part)
+        if consts == before:
+            break
+    return consts, score(rows, device, consts, part)
+
+
+def both_backends(rows, device, consts: dict, part: str = "ws") -> tuple[float, float, int]:
     """(mean, worst, shapes) of the untuned pick among both backends' timed tactics (the
-    lower estimate) over the best of both, with the ws constants `consts`."""
+    lower estimate) over the best of both, with the `part` constants `consts`."""
     ratios = []
-    backends = (ws.TritonSm90WsBackend(), w4.TritonSm90W4A16Backend())  # rows' order
-    with constants(consts, "ws"):
+    backends = _backends(part)
+    with constants(consts, part):
         for p, _, *timed in rows:
             pairs = zip(backends, timed, strict=True)
             offered = {(b, t): us for b, tactics in pairs for t, us in tactics.items()
@@ -255,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a bench_w4a4_decode.py JSON")  # fmt: skip
     ap.add_argument("--ws", action="store_true", help="the triton-sm90-ws constants")
     ap.add_argument("--ws-data", type=Path, default=WS_DATA, help="a bench_w4a16_ws.py JSON")
+    ap.add_argument("--mma", action="store_true", help="the triton-sm90-mma constants")
+    ap.add_argument("--mma-data", type=Path, default=MMA_DATA, help="a bench_w4a16_mma.py JSON")
     ap.add_argument("--mid", action="store_true", help="the M = 32-256 terms")
     ap.add_argument("--mid-data", type=Path, default=MID_DATA,
                     help="a bench_w4a16_decode.py --mid JSON")  # fmt: skip
@@ -264,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         return main_dense(args, device)
     if args.mid:
         return main_mid(args, device)
-    if args.ws:
+    if args.ws or args.mma:
         return main_ws(args, device)
     rows = load_rows(args.data)
     train = [r for r in rows if not r[1]]
@@ -303,13 +361,15 @@ def main_mid(args: argparse.Namespace, device) -> int:
 
 
 def main_ws(args: argparse.Namespace, device) -> int:
-    """``--ws``: check or fit (and ``--write``) the ws backend's constants; then the pick
-    among both W4A16 backends under them."""
-    rows = load_ws_rows(args.ws_data)
-    current = {k: ws._c()[k] for k in WS_GRID}
-    consts = _check_or_fit([r[:3] for r in rows], device, args, current, fit_ws, "ws")
+    """``--ws`` / ``--mma``: check or fit (and ``--write``) that backend's constants; then
+    the pick among it and the W4A16 backend under them."""
+    part = "mma" if args.mma else "ws"
+    rows = load_ws_rows(args.mma_data if args.mma else args.ws_data, part)
+    current = {k: PAIRED[part]._c()[k] for k in (MMA_GRID if args.mma else WS_GRID)}
+    fit_fn = lambda r, d: fit_ws(r, d, part)  # noqa: E731
+    consts = _check_or_fit([r[:3] for r in rows], device, args, current, fit_fn, part)
     for name, held in (("in-sample", False), ("held-out", True)):
-        mean, worst, n = both_backends([r for r in rows if r[1] == held], device, consts)
+        mean, worst, n = both_backends([r for r in rows if r[1] == held], device, consts, part)
         print(f"{name}, both backends: pick/best mean {mean:.3f}, worst {worst:.3f} ({n} shapes)")
     return 0
 

@@ -132,6 +132,45 @@ GOOD_PLUGIN = """
 """
 
 
+def check_w4a16_kernel_on_gpu(build, cases) -> None:
+    """Run ``build(knobs)`` (a W4A16 kernel object) on each case ``(M, N, K, knobs,
+    activation dtype, bias, column-major out)`` of stress operands (every e2m1 code, NaN
+    in the padded scales) on an sm90 GPU, twice (the second call reuses the
+    self-resetting split-K counters), against float64 ``alpha * x @ dequant(W).T``
+    (+ bias): relative error <= 1e-2, the output poisoned with NaN first."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm90 GPU")
+    import math
+
+    from fp4_dispatch.backends.sm90 import gemm_w4a16 as w4
+    from fp4_dispatch.harness import stress_nvfp4
+    from fp4_dispatch.nvfp4 import Nvfp4Tensor, dequantize
+
+    dev = torch.device("cuda")
+    for m, n, k, knobs, dtype, with_bias, colmajor in cases:
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(m + n + k)
+        x = torch.randn((m, k), generator=gen, device=dev).to(getattr(torch, dtype))
+        wd, wsc = stress_nvfp4(n, k, dev, gen)
+        alpha = torch.tensor([1.0 / (8 * math.sqrt(k))], device=dev)
+        bias = torch.randn(n, generator=gen, device=dev).to(x.dtype) if with_bias else None
+        ops = w4.W4A16Operands(x, wd, wsc, alpha, bias=bias)
+        one = torch.ones((), device=dev)
+        w64 = dequantize(Nvfp4Tensor(wd, wsc, one, "swizzled", (n, k))).double()
+        ref = (x.double() @ w64.T) * float(alpha)
+        if bias is not None:
+            ref += bias.double()
+        shape = (n, m) if colmajor else (m, n)
+        out = torch.full(shape, float("nan"), dtype=x.dtype, device=dev)
+        out = out.t() if colmajor else out
+        kernel = build(knobs)
+        for _ in range(2):
+            out.fill_(float("nan"))
+            kernel(ops, out)
+            err = float((out.double() - ref).norm() / ref.norm())
+            assert err <= 1e-2, (m, n, k, knobs, err)
+
+
 def good_plugin(name: str, family: str = "thirdparty") -> str:
     return GOOD_PLUGIN.format(name=name, family=family)
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TARGET_ONLY, run_interpreted
+from conftest import TARGET_ONLY, check_w4a16_kernel_on_gpu, run_interpreted
 
 from fp4_dispatch.plugins.sm90.ws import (
     WS_MAX_M,
@@ -170,52 +170,25 @@ def test_compiles_for_sm90_and_precompile_matches_a_call(tmp_path):
         assert row["shared"] <= 227 * 1024, (name, row)
 
 
-def _edge_cases() -> list[tuple[int, int, int, dict, bool, bool]]:
-    """(M, N, K, WsConfig knobs, bias, column-major out): tails of M, N and K (K % 64 ==
-    32: NaN in the padded scales must not leak), split-K with an empty last split, each
-    token tile."""
+def _edge_cases() -> list[tuple[int, int, int, dict, str, bool, bool]]:
+    """(M, N, K, WsConfig knobs, dtype, bias, column-major out): tails of M, N and K
+    (K % 64 == 32: NaN in the padded scales must not leak), split-K with an empty last
+    split, each token tile."""
     return [
-        (50, 200, 96, {"block_m": 32}, True, False),
-        (130, 384, 1024, {"block_m": 128, "split_k": 3}, False, True),
-        (64, 4096, 4160, {"block_m": 64, "split_k": 2}, True, False),
-        (7, 640, 2080, {"block_m": 16, "split_k": 4}, False, False),
-        (256, 1024, 192, {"block_m": 128, "split_k": 4}, False, False),
+        (50, 200, 96, {"block_m": 32}, "bfloat16", True, False),
+        (130, 384, 1024, {"block_m": 128, "split_k": 3}, "bfloat16", False, True),
+        (64, 4096, 4160, {"block_m": 64, "split_k": 2}, "bfloat16", True, False),
+        (7, 640, 2080, {"block_m": 16, "split_k": 4}, "bfloat16", False, False),
+        (256, 1024, 192, {"block_m": 128, "split_k": 4}, "bfloat16", False, False),
     ]
 
 
 @pytest.mark.gpu
 def test_kernel_on_the_gpu_matches_float64():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("needs an sm90 GPU")
-    import math
+    from fp4_dispatch.backends.sm90 import gemm_w4a16_ws as kern
 
-    from fp4_dispatch.backends.sm90 import gemm_w4a16 as w4
-    from fp4_dispatch.backends.sm90 import gemm_w4a16_ws as ws
-    from fp4_dispatch.harness import stress_nvfp4
-    from fp4_dispatch.nvfp4 import Nvfp4Tensor, dequantize
-
-    dev = torch.device("cuda")
-    for m, n, k, knobs, with_bias, colmajor in _edge_cases():
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(m + n + k)
-        x = torch.randn((m, k), generator=gen, device=dev).to(torch.bfloat16)
-        wd, wsc = stress_nvfp4(n, k, dev, gen)
-        alpha = torch.tensor([1.0 / (8 * math.sqrt(k))], device=dev)
-        bias = torch.randn(n, generator=gen, device=dev).to(torch.bfloat16) if with_bias else None
-        ops = w4.W4A16Operands(x, wd, wsc, alpha, bias=bias)
-        one = torch.ones((), device=dev)
-        w64 = dequantize(Nvfp4Tensor(wd, wsc, one, "swizzled", (n, k))).double()
-        ref = (x.double() @ w64.T) * float(alpha)
-        if bias is not None:
-            ref += bias.double()
-        shape = (n, m) if colmajor else (m, n)
-        out = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=dev)
-        out = out.t() if colmajor else out
-        kernel = ws.build(ws.WsConfig(**knobs))
-        for _ in range(2):  # the second call reuses the self-resetting split-K counters
-            kernel(ops, out)
-            err = float((out.double() - ref).norm() / ref.norm())
-            assert err <= 1e-2, (m, n, k, knobs, err)
+    cases = _edge_cases()
+    check_w4a16_kernel_on_gpu(lambda knobs: kern.build(kern.WsConfig(**knobs)), cases)
 
 
 @pytest.mark.gpu

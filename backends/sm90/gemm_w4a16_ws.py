@@ -58,6 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fp4_dispatch.backends.sm90 import gemm_w4a16
+from fp4_dispatch.backends.sm90.epilogue_gluon import cta_barrier, store_tile
 from fp4_dispatch.backends.sm90.gemm_w4a16 import _BF16_NATURAL, DenseKernel, W4A16Operands
 from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher, launch_aligned
 from fp4_dispatch.nvfp4 import swizzled_scale_shape
@@ -75,9 +76,6 @@ _DEQUANT_ASM = gl.constexpr(_BF16_NATURAL)
 #: the TMA load builtin: ``async_load`` since Triton 3.7, ``async_copy_global_to_shared``
 #: before (the H200 image has 3.6, CI 3.9; same arguments)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-#: the barrier of the warps that run the code (a partition's, in a specialized region):
-#: ``barrier`` since Triton 3.7, ``thread_barrier`` before
-_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @dataclass(frozen=True)
@@ -178,7 +176,7 @@ def _dequant_partition(p, NPART: gl.constexpr, PART: gl.constexpr):
         fence_async_shared()
         # one barrier for both hand-overs: every warp has written its part of the tile
         # (for the MMA) and read the raw slot (before TMA refills it)
-        _cta_barrier()
+        cta_barrier()
         mbarrier.arrive(deq_ready.index(d), count=1)
         nxt = j + STAGES
         ok = nxt < n_mine
@@ -288,35 +286,8 @@ def _w4a16_ws_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws_pt
             [DEQ_REGS, DEQ_REGS, DEQ_REGS],
         )[0]  # fmt: skip
 
-    acc_layout: gl.constexpr = acc.type.layout
-    rows = gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
-    offs_n = n0 + rows
-    offs_m = m0 + cols
-    scale = gl.load(alpha_ptr) * 16384.0  # alpha * 2**14: undo the dequant's 2**-14
-    bias = gl.zeros([BN], gl.float32, gl.SliceLayout(1, acc_layout))
-    if has_bias != 0:
-        bias = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
-    ptrs = (out_ptr + gl.expand_dims(offs_m, 0).to(gl.int64) * stride_om
-            + gl.expand_dims(offs_n, 1) * stride_on)  # fmt: skip
-    mask = (gl.expand_dims(offs_m, 0) < M) & (gl.expand_dims(offs_n, 1) < N)
-    if SPLIT_K == 1:
-        v = acc * scale + gl.expand_dims(bias, 1)
-        gl.store(ptrs, v.to(out_ptr.dtype.element_ty), mask=mask)
-    else:  # the protocol of `splitk.store_tile`: partials, a counter, the last sums
-        tile: gl.constexpr = BN * BM
-        offs_t = gl.expand_dims(rows, 1) * BM + gl.expand_dims(cols, 0)
-        ws_tile = ws_ptr + pid.to(gl.int64) * (SPLIT_K * tile)
-        gl.store(ws_tile + pid_k * tile + offs_t, acc)
-        _cta_barrier()  # every thread's partial is written before the release below
-        arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = gl.zeros([BN, BM], gl.float32, acc_layout)
-            for s in gl.static_range(SPLIT_K):
-                total += gl.load(ws_tile + s * tile + offs_t, cache_modifier=".cg")
-            v = total * scale + gl.expand_dims(bias, 1)
-            gl.store(ptrs, v.to(out_ptr.dtype.element_ty), mask=mask)
-            gl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for next call
+    store_tile(acc, n0, m0, alpha_ptr, bias_ptr, has_bias, out_ptr, ws_ptr, cnt_ptr, M, N,
+               stride_om, stride_on, pid, pid_k, SPLIT_K)  # fmt: skip
 
 
 # ---- host side ------------------------------------------------------------------------

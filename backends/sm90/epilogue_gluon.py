@@ -1,0 +1,56 @@
+"""The W4A16 epilogue of the sm90 Gluon kernels (`gemm_w4a16_ws`, `gemm_w4a16_mma`).
+
+A Gluon kernel cannot call a ``@triton.jit`` function, so this is the Gluon twin of
+`gemm_w4a16.store_dense` and `splitk.store_tile`: ``acc`` (weight rows x tokens, fp32)
+times ``alpha * 2**14`` (the dequantizers' ``2**-14`` undone), plus the bias in fp32, one
+rounding, a masked store of the transposed tile through ``out``'s strides; with split-K
+the deterministic workspace protocol of `splitk` (partials, a counter, the last split
+sums in split order and resets the counter).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+#: the barrier of the warps that run the code (a partition's, in a specialized region):
+#: ``barrier`` since Triton 3.7, ``thread_barrier`` before (the H200 image has 3.6)
+cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+
+@gluon.jit
+def store_tile(acc, n0, m0, alpha_ptr, bias_ptr, has_bias, out_ptr, ws_ptr, cnt_ptr, M, N,
+               stride_om, stride_on, tile_id, pid_k, SPLIT_K: gl.constexpr):  # fmt: skip
+    """Store ``acc`` [BN, BM] (rows ``n0 + r``, tokens ``m0 + c``) as the module says;
+    ``tile_id`` indexes the workspace and the counter of this output tile."""
+    OL: gl.constexpr = acc.type.layout
+    BN: gl.constexpr = acc.shape[0]
+    BM: gl.constexpr = acc.shape[1]
+    r_o = gl.arange(0, BN, layout=gl.SliceLayout(1, OL))
+    c_o = gl.arange(0, BM, layout=gl.SliceLayout(0, OL))
+    offs_n = n0 + r_o
+    offs_m = m0 + c_o
+    scale = gl.load(alpha_ptr) * 16384.0  # alpha * 2**14
+    bias = gl.zeros([BN], gl.float32, gl.SliceLayout(1, OL))
+    if has_bias != 0:
+        bias = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
+    ptrs = (out_ptr + gl.expand_dims(offs_m, 0).to(gl.int64) * stride_om
+            + gl.expand_dims(offs_n, 1) * stride_on)  # fmt: skip
+    mask = (gl.expand_dims(offs_m, 0) < M) & (gl.expand_dims(offs_n, 1) < N)
+    if SPLIT_K == 1:
+        v = acc * scale + gl.expand_dims(bias, 1)
+        gl.store(ptrs, v.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tile: gl.constexpr = BN * BM
+        offs_t = gl.expand_dims(r_o, 1) * BM + gl.expand_dims(c_o, 0)
+        ws_tile = ws_ptr + tile_id.to(gl.int64) * (SPLIT_K * tile)
+        gl.store(ws_tile + pid_k * tile + offs_t, acc)
+        cta_barrier()  # every thread's partial is written before the release below
+        arrived = gl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = gl.zeros([BN, BM], gl.float32, OL)
+            for s in gl.static_range(SPLIT_K):
+                total += gl.load(ws_tile + s * tile + offs_t, cache_modifier=".cg")
+            v = total * scale + gl.expand_dims(bias, 1)
+            gl.store(ptrs, v.to(out_ptr.dtype.element_ty), mask=mask)
+            gl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")  # for the next call
