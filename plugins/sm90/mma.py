@@ -13,17 +13,17 @@ Offered for M <= 8. The kernel takes 16-token tiles too, but at M = 16 the direc
 was faster on all six in-sample (N, K) of run 7's sweep (by 5-18%: each warp then loads
 two tokens' activations a step, 4 KiB from L2 against 1 KiB of weights), and the estimate
 below does not model that traffic. The kernel's 32-row warps are not offered either: the
-best 32-row tactic beat the best 16-row one on 2 of those 18 shapes, by 4% at most, and
-the estimate ranked them too well (8 warps a CTA: 10-17% optimistic). The two variants
-are what was left of 8 (4 or 8 warps x prefetch 0 or 2 x unroll 1 or 2) on the run-7
-sweep's in-sample shapes: the smallest set whose best tactic stays within 4% of the
-best of all 32 there, and whose untuned pick (under the estimate below) comes within 1%
-of it on average (the full set's pick: 13%). The held-out shapes took no part.
+best 32-row tactic beat the best 16-row one on 2 of that sweep's 18 shapes, by 4% at
+most. The two variants are what was left of 8 (4 or 8 warps x prefetch 0 or 2 x unroll
+1 or 2) on the final sweep's in-sample shapes: the smallest set whose best tactic stays
+within 4% of the best of all 32 there, and whose untuned pick (under the estimate
+fitted on all 32) comes within 1% of it on average (the pick among all 32: 13%). The
+held-out shapes took no part.
 
-Why a backend of its own: at 1-8 tokens it beat the direct kernel of
-``triton-sm90-w4a16`` on 8 of 9 (N, K) in the exploration behind RESULTS.md "Hopper
-W4A16" run 7 (1x8192²: 20.6 against 22.7 µs), and it has its own cost model
-(`_estimate_mma`): its time is set by how many warps an SM holds, not by stages.
+Why a backend of its own: at 1-8 tokens it takes 0.75-0.96x the time of the best direct
+tactic of ``triton-sm90-w4a16`` on every shape of RESULTS.md "Hopper W4A16" run 7
+(1x8192²: 18.7 against 22.5 µs), and it has its own cost model (`_estimate_mma`): its
+time is set by how many warps an SM holds, not by stages.
 
 Not offered under ``TRITON_INTERPRET=1``: Gluon kernels have no interpreter. CI compiles
 them for sm_90 (tests/test_triton_sm90_mma.py); the numerics are checked on the H200.
