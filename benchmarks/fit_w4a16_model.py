@@ -59,8 +59,10 @@ import itertools
 import json
 import math
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pydantic
 
@@ -99,8 +101,6 @@ MMA_GRID = {
     "cta_us": (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0),
     "split_us": (0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0),
 }
-#: the backends fitted beside the W4A16 backend, by their part of the constants file
-PAIRED = {"ws": ws, "mma": mma}
 MODEL = ROOT / "plugins" / "sm90" / "cost_model.json"
 KEYS = ("step_us", "dequant_elems_per_sm_us", "in_flight_bytes", "direct_bw_fraction")
 GRID = {
@@ -135,10 +135,30 @@ def load_dense_rows(path: Path) -> list[tuple[Problem, bool, dict]]:
     return rows
 
 
+@dataclass(frozen=True)
+class Paired:
+    """A backend fitted beside the W4A16 backend (``--ws``, ``--mma``): its plugin module
+    (``_c()``, ``why_invalid``), backend class, estimate, grid, and whether the fit tries
+    every combination of the grid (else `descend`)."""
+
+    module: ModuleType
+    backend: type
+    estimate: Callable
+    grid: dict
+    exhaustive: bool
+
+
+#: the paired backends by their part of the constants file
+PAIRED = {
+    "ws": Paired(ws, ws.TritonSm90WsBackend, ws._estimate_ws, WS_GRID, True),
+    "mma": Paired(mma, mma.TritonSm90MmaBackend, mma._estimate_mma, MMA_GRID, False),
+}
+
+
 @contextlib.contextmanager
 def constants(consts: dict, part: str = "w4a16") -> Iterator[None]:
     """The model's constants (its `part` of the file) with `consts` applied, restored after."""
-    table = PAIRED[part]._c() if part in PAIRED else w4._c()
+    table = PAIRED[part].module._c() if part in PAIRED else w4._c()
     saved = dict(table)
     table.update(consts)
     try:
@@ -151,10 +171,9 @@ def constants(consts: dict, part: str = "w4a16") -> Iterator[None]:
 def _model(activations: bool | str):
     """(validity rule, estimate, constants part) of the fitted model: the W4A16 direct
     path, its dense (W4A4) entry (``activations`` True), ``"ws"`` or ``"mma"``."""
-    if activations == "ws":
-        return ws.why_invalid, ws._estimate_ws, "ws"
-    if activations == "mma":
-        return mma.why_invalid, mma._estimate_mma, "mma"
+    if activations in PAIRED:
+        paired = PAIRED[activations]
+        return paired.module.why_invalid, paired.estimate, activations
     est = lambda t, p, d: w4._estimate_direct(t, p, d, bool(activations))  # noqa: E731
     return (dense.why_invalid if activations else w4.why_invalid), est, "w4a16"
 
@@ -222,7 +241,7 @@ def fit_mid(rows, device) -> tuple[dict, tuple]:
     return best_on_grid(rows, device, candidates())
 
 
-def load_ws_rows(path: Path, part: str = "ws") -> list[tuple[Problem, bool, dict, dict]]:
+def load_paired_rows(path: Path, part: str) -> list[tuple[Problem, bool, dict, dict]]:
     """(problem, held out, {new tactic: µs}, {w4a16 tactic: µs}) per shape of a
     bench_w4a16_ws.py or, ``part`` "mma", bench_w4a16_mma.py JSON (timed tactics only)."""
     backend = _backends(part)[0]
@@ -247,18 +266,19 @@ def load_ws_rows(path: Path, part: str = "ws") -> list[tuple[Problem, bool, dict
 
 
 def _backends(part: str) -> tuple:
-    """(the `part` backend, the W4A16 backend): the rows' order of `load_ws_rows`."""
-    new = ws.TritonSm90WsBackend() if part == "ws" else mma.TritonSm90MmaBackend()
-    return new, w4.TritonSm90W4A16Backend()
+    """(the `part` backend, the W4A16 backend): the rows' order of `load_paired_rows`."""
+    return PAIRED[part].backend(), w4.TritonSm90W4A16Backend()
 
 
-def fit_ws(rows, device, part: str = "ws") -> tuple[dict, tuple]:
-    """The ws constants (`WS_GRID`, every combination) or the mma ones (`MMA_GRID`,
-    `descend`) by `score` on `rows`."""
-    if part == "mma":
-        return descend(rows, device, MMA_GRID, {k: mma._c()[k] for k in MMA_GRID}, part)
-    keys = tuple(WS_GRID)
-    grid = itertools.product(*(WS_GRID[k] for k in keys))
+def fit_paired(rows, device, part: str) -> tuple[dict, tuple]:
+    """The `part` backend's constants on its grid by `score` on `rows`: every combination
+    (ws) or one constant at a time from the file's values (mma, `descend`)."""
+    paired = PAIRED[part]
+    if not paired.exhaustive:
+        start = {k: paired.module._c()[k] for k in paired.grid}
+        return descend(rows, device, paired.grid, start, part)
+    keys = tuple(paired.grid)
+    grid = itertools.product(*(paired.grid[k] for k in keys))
     cands = (dict(zip(keys, v, strict=True)) for v in grid)
     return best_on_grid(rows, device, cands, activations=part)
 
@@ -277,7 +297,7 @@ def descend(rows, device, grid: dict, start: dict, part: str) -> tuple[dict, tup
     return consts, score(rows, device, consts, part)
 
 
-def both_backends(rows, device, consts: dict, part: str = "ws") -> tuple[float, float, int]:
+def both_backends(rows, device, consts: dict, part: str) -> tuple[float, float, int]:
     """(mean, worst, shapes) of the untuned pick among both backends' timed tactics (the
     lower estimate) over the best of both, with the `part` constants `consts`."""
     ratios = []
@@ -323,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mid:
         return main_mid(args, device)
     if args.ws or args.mma:
-        return main_ws(args, device)
+        return main_paired(args, device)
     rows = load_rows(args.data)
     train = [r for r in rows if not r[1]]
     held = [r for r in rows if r[1]]
@@ -360,13 +380,13 @@ def main_mid(args: argparse.Namespace, device) -> int:
     return 0
 
 
-def main_ws(args: argparse.Namespace, device) -> int:
+def main_paired(args: argparse.Namespace, device) -> int:
     """``--ws`` / ``--mma``: check or fit (and ``--write``) that backend's constants; then
     the pick among it and the W4A16 backend under them."""
     part = "mma" if args.mma else "ws"
-    rows = load_ws_rows(args.mma_data if args.mma else args.ws_data, part)
-    current = {k: PAIRED[part]._c()[k] for k in (MMA_GRID if args.mma else WS_GRID)}
-    fit_fn = lambda r, d: fit_ws(r, d, part)  # noqa: E731
+    rows = load_paired_rows(args.mma_data if args.mma else args.ws_data, part)
+    current = {k: PAIRED[part].module._c()[k] for k in PAIRED[part].grid}
+    fit_fn = lambda r, d: fit_paired(r, d, part)  # noqa: E731
     consts = _check_or_fit([r[:3] for r in rows], device, args, current, fit_fn, part)
     for name, held in (("in-sample", False), ("held-out", True)):
         mean, worst, n = both_backends([r for r in rows if r[1] == held], device, consts, part)
