@@ -1,6 +1,10 @@
-"""The W4A16 epilogue of the sm90 Gluon kernels (`gemm_w4a16_ws`, `gemm_w4a16_mma`).
+"""The CTA tile and the W4A16 epilogue of the sm90 Gluon kernels (`gemm_w4a16_ws`,
+`gemm_w4a16_mma`).
 
-A Gluon kernel cannot call a ``@triton.jit`` function, so this is the Gluon twin of
+`tile_origin` is the raster of `gemm_w4a16.DenseKernel.grid` (the launch grid both
+kernel objects use) and gives the tile id `store_tile` indexes the split-K workspace
+with. A Gluon kernel cannot call a ``@triton.jit`` function, so `store_tile` is the
+Gluon twin of
 `gemm_w4a16.store_dense` and `splitk.store_tile`: ``acc`` (weight rows x tokens, fp32)
 times ``alpha * 2**14`` (the dequantizers' ``2**-14`` undone), plus the bias in fp32, one
 rounding, a masked store of the transposed tile through ``out``'s strides; with split-K
@@ -16,6 +20,17 @@ from triton.experimental.gluon import language as gl
 #: the barrier of the warps that run the code (a partition's, in a specialized region):
 #: ``barrier`` since Triton 3.7, ``thread_barrier`` before (the H200 image has 3.6)
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+
+@gluon.jit
+def tile_origin(N, BN: gl.constexpr, BM: gl.constexpr):
+    """(tile id, split, row-tile index, first weight row, first token) of this CTA of
+    ``BN`` weight rows and ``BM`` tokens: consecutive CTAs walk N, so the token tile stays
+    hot in L2 while the weights stream once."""
+    pid = gl.program_id(0)
+    grid_n = gl.cdiv(N, BN)
+    pid_n = pid % grid_n
+    return pid, gl.program_id(1), pid_n, pid_n * BN, (pid // grid_n) * BM
 
 
 @gluon.jit

@@ -57,7 +57,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from fp4_dispatch.backends.sm90 import gemm_w4a16
-from fp4_dispatch.backends.sm90.epilogue_gluon import store_tile
+from fp4_dispatch.backends.sm90.epilogue_gluon import store_tile, tile_origin
 from fp4_dispatch.backends.sm90.gemm_w4a16 import (
     _BF16_NATURAL,
     _F16_NATURAL,
@@ -148,12 +148,7 @@ def _w4a16_mma_kernel(x_ptr, b_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr, ws_ptr
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
 
-    pid = gl.program_id(0)
-    pid_k = gl.program_id(1)
-    grid_n = gl.cdiv(N, BN)
-    pid_n = pid % grid_n
-    n0 = pid_n * BN
-    m0 = (pid // grid_n) * BM
+    pid, pid_k, _, n0, m0 = tile_origin(N, BN, BM)
     k_steps = gl.cdiv(K, STEP_K)
     per = gl.cdiv(k_steps, SPLIT_K * KW)
     k_half = gl.multiple_of(K // 2, 16)  # K % 32 == 0: 16-byte rows

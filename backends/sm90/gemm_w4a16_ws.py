@@ -58,7 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fp4_dispatch.backends.sm90 import gemm_w4a16
-from fp4_dispatch.backends.sm90.epilogue_gluon import cta_barrier, store_tile
+from fp4_dispatch.backends.sm90.epilogue_gluon import cta_barrier, store_tile, tile_origin
 from fp4_dispatch.backends.sm90.gemm_w4a16 import _BF16_NATURAL, DenseKernel, W4A16Operands
 from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher, launch_aligned
 from fp4_dispatch.nvfp4 import swizzled_scale_shape
@@ -244,13 +244,7 @@ def _w4a16_ws_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws_pt
     # descriptor views the swizzled scales as rows of 256 bytes, two rows a chunk
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]
-    pid = gl.program_id(0)
-    pid_k = gl.program_id(1)
-    grid_n = gl.cdiv(N, BN)
-    # consecutive CTAs walk N: the activation tile stays hot in L2, weights stream once
-    pid_n = pid % grid_n
-    n0 = pid_n * BN
-    m0 = (pid // grid_n) * BM
+    pid, pid_k, pid_n, n0, m0 = tile_origin(N, BN, BM)
     k_steps = gl.cdiv(K, 64)
     per_split = gl.cdiv(k_steps, SPLIT_K)
     kt0 = pid_k * per_split
