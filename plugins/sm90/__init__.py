@@ -24,6 +24,7 @@ import functools
 import importlib
 import importlib.util
 import itertools
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Literal, TypeVar
 
@@ -390,6 +391,14 @@ def _unpack_kernel_for(block_r: int, block_k: int) -> UnpackGemmKernel:
     from fp4_dispatch.backends.sm90 import gemm_unpack  # noqa: PLC0415 - optional: Triton
 
     return gemm_unpack.build(block_r, block_k)
+
+
+def _gluon_support(device: DeviceInfo) -> Support:
+    """`_sm90_support` for a Gluon kernel's backend: never under ``TRITON_INTERPRET=1``
+    (Gluon has no interpreter)."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True"):
+        return Support(False, "TRITON_INTERPRET=1: Gluon kernels have no interpreter")
+    return _sm90_support(device)
 
 
 def _sm90_support(device: DeviceInfo) -> Support:

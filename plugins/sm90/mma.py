@@ -39,9 +39,8 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo
-from fp4_dispatch.plugins.sm90 import _sm90_support, cost_model
+from fp4_dispatch.plugins.sm90 import _gluon_support, cost_model
 from fp4_dispatch.plugins.sm90 import w4a16 as w4
-from fp4_dispatch.plugins.sm90.ws import _interpreting
 from fp4_dispatch.tactics import Problem, Tactic
 
 if TYPE_CHECKING:
@@ -165,9 +164,7 @@ class TritonSm90MmaBackend(Backend):
     diversity_axes = ("num_warps", "split_k")
 
     def supports(self, device: DeviceInfo) -> Support:
-        if _interpreting():
-            return Support(False, "TRITON_INTERPRET=1: Gluon kernels have no interpreter")
-        return _sm90_support(device)
+        return _gluon_support(device)
 
     def tactics(self, problem: Problem, device: DeviceInfo) -> Iterator[TritonSm90MmaTactic]:
         for (nw, pf, un), split in itertools.product(MMA_VARIANTS, MMA_SPLIT_K):

@@ -24,13 +24,12 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo
-from fp4_dispatch.plugins.sm90 import _pow2_at_least, _sm90_support, cost_model, split_k_rule
+from fp4_dispatch.plugins.sm90 import _gluon_support, _pow2_at_least, cost_model, split_k_rule
 from fp4_dispatch.plugins.sm90 import w4a16 as w4
 from fp4_dispatch.tactics import Problem, Tactic
 
@@ -63,10 +62,6 @@ class TritonSm90WsTactic(w4.TritonSm90W4A16Tactic):
         from fp4_dispatch.backends.sm90.gemm_w4a16_ws import WsConfig  # noqa: PLC0415 - optional: Triton
 
         return WsConfig(block_m=self.tile_m, split_k=self.split_k)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
 
 def why_invalid(t: TritonSm90WsTactic, problem: Problem, device: DeviceInfo) -> str | None:
@@ -133,9 +128,7 @@ class TritonSm90WsBackend(Backend):
     diversity_axes = ("tile_m", "split_k")
 
     def supports(self, device: DeviceInfo) -> Support:
-        if _interpreting():
-            return Support(False, "TRITON_INTERPRET=1: Gluon kernels have no interpreter")
-        return _sm90_support(device)
+        return _gluon_support(device)
 
     def tactics(self, problem: Problem, device: DeviceInfo) -> Iterator[TritonSm90WsTactic]:
         for tm, split in itertools.product(WS_TILE_M, WS_SPLIT_K):
