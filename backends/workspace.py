@@ -90,7 +90,8 @@ def _make_outside_pools(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
-            "split-K scratch requested inside a CUDA graph capture: run this GEMM shape "
+            "kernel scratch (split-K partials, expanded activations) requested inside a "
+            "CUDA graph capture: run this GEMM shape "
             "once eagerly before capturing"
         )
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4-scratch") as pool:

@@ -2,6 +2,8 @@
 
     python3 benchmarks/bench_w4a16_mma.py          # OUT=/dir: also $OUT/w4a16_mma.json
     python3 benchmarks/bench_w4a16_mma.py --smoke  # CPU: tiny shapes, interpreter
+    python3 benchmarks/bench_w4a16_mma.py --space  # every variant of MMA_SPACE, offered
+                                                   # or not; in-sample (N, K), M 1/4/8/16
 
 Grid: `bench_w4a16_decode.shape_grid`'s decode grid (M 1, 4 and 16 x its six (N, K),
 in-sample; M 2 and 8 x its three held-out (N, K), held out of the ``triton-sm90-mma`` fit
@@ -26,7 +28,7 @@ if "--smoke" in sys.argv:  # must precede the first triton import
 
 from bench_w4a16_ws import main
 
-from fp4_dispatch.plugins.sm90.mma import TritonSm90MmaBackend
+from fp4_dispatch.plugins.sm90.mma import TritonSm90MmaBackend, space
 
 if __name__ == "__main__":
-    sys.exit(main(new=TritonSm90MmaBackend(), mid=False, doc=__doc__))
+    sys.exit(main(new=TritonSm90MmaBackend(), mid=False, doc=__doc__, space=space))

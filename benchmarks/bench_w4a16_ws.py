@@ -37,6 +37,7 @@ import torch
 from _common import markdown_table, write_json
 from bench_w4a16_decode import (
     HELD,
+    NK,
     TOL,
     Shape,
     baselines,
@@ -56,13 +57,19 @@ from fp4_dispatch.tactics import Problem
 
 #: triton-sm90-w4a16 tactics timed per shape: its estimate's best (a tuner's shortlist)
 W4A16_TOP = 6
+#: token counts of a ``--space`` sweep (bench_w4a16_mma.py): the grid's in-sample M and 8
+SPACE_MS = (1, 4, 8, 16)
 WS, W4A16 = TritonSm90WsBackend(), TritonSm90W4A16Backend()
 
 
-def plan(problem: Problem, info, new=WS) -> list[tuple[object, object]]:
+def plan(problem: Problem, info, new=WS, space=None) -> list[tuple[object, object]]:
     """(backend, tactic) pairs timed for `problem`: every tactic of the `new` backend
-    (ws here, `bench_w4a16_mma`'s), then the W4A16 backend's `W4A16_TOP` by its estimate."""
-    mine = [(new, t) for t in new.tactics(problem, info)] if new.supports(info).ok else []
+    (ws here, `bench_w4a16_mma`'s) - with `space`, ``space(problem)``, offered or not -
+    then the W4A16 backend's `W4A16_TOP` by its estimate."""
+    if not new.supports(info).ok:
+        mine = []
+    else:
+        mine = [(new, t) for t in (space(problem) if space else new.tactics(problem, info))]
     return mine + [(W4A16, t) for t in top_by_estimate(W4A16, problem, info, W4A16_TOP)]
 
 
@@ -131,11 +138,24 @@ def table(rows: list[dict], new=WS) -> str:
     return markdown_table(head, body)
 
 
-def main(argv: list[str] | None = None, new=WS, mid: bool = True, doc: str = __doc__) -> int:
+def grid(cuda: bool, mid: bool, space: bool) -> list[tuple[int, int, int]]:
+    """(M, N, K) of a run: `shape_grid`'s; with `space` (a tactic-space sweep, which
+    chooses what is offered) its in-sample (N, K) at `SPACE_MS` and no held-out shape."""
+    if space and cuda:
+        return [(m, n, k) for m in SPACE_MS for n, k in NK]
+    return shape_grid(cuda, mid=mid)
+
+
+def main(argv: list[str] | None = None, new=WS, mid: bool = True, doc: str = __doc__,
+         space=None) -> int:  # fmt: skip
     """The sweep of `new` (ws here) beside the W4A16 backend on the decode grid (``mid``
-    False: `bench_w4a16_mma`) or the M = 32-256 grid; writes ``<new>.json`` under $OUT."""
+    False: `bench_w4a16_mma`) or the M = 32-256 grid; writes ``<new>.json`` under $OUT.
+    `space` (problem -> tactics of `new`, offered or not) enables ``--space``."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU check: tiny shapes, interpreter")
+    if space is not None:
+        ap.add_argument("--space", action="store_true",
+                        help="every tactic the kernel runs, in-sample shapes only")  # fmt: skip
     ap.add_argument("--budget-s", type=float, default=300.0, help="seconds, then skip")
     ap.add_argument("--workers", type=int, default=0, help="compile processes (0: auto)")
     args = ap.parse_args(argv)
@@ -144,10 +164,11 @@ def main(argv: list[str] | None = None, new=WS, mid: bool = True, doc: str = __d
     if setup is None:
         return 2
     cuda, device, info, dtype = setup
+    sweep = space if getattr(args, "space", False) else None
     plans = {}
-    for m, n, k in shape_grid(cuda, mid=mid):
+    for m, n, k in grid(cuda, mid, sweep is not None):
         p = Problem(m=m, n=n, k=k, out_dtype=str(dtype).split(".")[1], operation="w4a16")
-        pairs = plan(p, info, new)
+        pairs = plan(p, info, new, sweep)
         plans[(m, n, k)] = (p, pairs[:3] if args.smoke else pairs)
     fails = precompile_plans(plans, info, args.workers)
     result = {"device": info.name, "torch": torch.__version__, "smoke": args.smoke,
@@ -156,16 +177,18 @@ def main(argv: list[str] | None = None, new=WS, mid: bool = True, doc: str = __d
     for key, (_, pairs) in plans.items():
         s = Shape(*key, device, dtype)
         row = measure(s, pairs, info, t0 + args.budget_s, new)
-        row |= dispatcher_row(s, dispatcher)
+        if sweep is None:
+            row |= dispatcher_row(s, dispatcher)
         result["shapes"].append(row)
         print(f"{'x'.join(map(str, key))}: bf16 {row['bf16_us']:.1f}, {new.name} "
               f"{row[f'best_{new.name}_us']:.1f}, w4a16 {row[f'best_{W4A16.name}_us']:.1f}, "
-              f"gemm {row['dispatcher_us']:.1f}; {len(row['failed'])} failed",
+              f"gemm {row.get('dispatcher_us', math.nan):.1f}; {len(row['failed'])} failed",
               flush=True)  # fmt: skip
-        write_json(f"w4a16_{new.name.removeprefix('triton-sm90-')}.json", result)
+        stem = f"w4a16_{new.name.removeprefix('triton-sm90-')}" + ("_space" if sweep else "")
+        write_json(f"{stem}.json", result)
     print("\n" + table(result["shapes"], new))
     bad = sum(len(r["failed"]) for r in result["shapes"])
-    bad += sum(not r["dispatcher_err"] <= TOL for r in result["shapes"])
+    bad += sum(not r.get("dispatcher_err", 0.0) <= TOL for r in result["shapes"])
     print(f"\n{bad} tactic(s) over rel err {TOL} or failing; total {time.time() - t0:.0f}s")
     return 1 if bad else 0
 

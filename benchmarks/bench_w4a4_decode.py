@@ -52,21 +52,25 @@ from bench_w4a16_decode import (
 
 from fp4_dispatch import Dispatcher, Nvfp4Tensor
 from fp4_dispatch.backend import launch
+from fp4_dispatch.backends.sm90 import expand_rows
 from fp4_dispatch.harness import stress_operands
 from fp4_dispatch.plugins.sm90 import TritonSm90Backend
 from fp4_dispatch.plugins.sm90.dense import TritonSm90DenseBackend
+from fp4_dispatch.plugins.sm90.mma import TritonSm90MmaBackend
 from fp4_dispatch.tactics import Problem
 
 #: triton-sm90 tactics timed per shape: its estimate's best (what a tuner would shortlist)
 SM90_TOP = 6
-DENSE, SM90 = TritonSm90DenseBackend(), TritonSm90Backend()
+DENSE, SM90, MMA = TritonSm90DenseBackend(), TritonSm90Backend(), TritonSm90MmaBackend()
+NAMES = (DENSE.name, SM90.name, MMA.name)
 
 
 def plan(problem: Problem, info) -> list[tuple[object, object]]:
-    """(backend, tactic) pairs timed for `problem`: every dense tactic, then triton-sm90's
-    `SM90_TOP` by its estimate."""
+    """(backend, tactic) pairs timed for `problem`: every dense tactic, every mma tactic
+    (M <= 8; none under the interpreter), then triton-sm90's `SM90_TOP` by its estimate."""
     dense = [(DENSE, t) for t in DENSE.tactics(problem, info)]
-    return dense + [(SM90, t) for t in top_by_estimate(SM90, problem, info, SM90_TOP)]
+    mma = [(MMA, t) for t in MMA.tactics(problem, info)] if MMA.supports(info).ok else []
+    return dense + mma + [(SM90, t) for t in top_by_estimate(SM90, problem, info, SM90_TOP)]
 
 
 class Shape:
@@ -115,8 +119,19 @@ class Shape:
         call()
         pick = dispatcher.select(self.m, self.n, self.k, out_dtype=str(self.dtype).split(".")[1])
         return {"dispatcher_pick": pick.tactic.canonical_json(),
+                "dispatcher_us": timed(call, self.device),
                 "dispatcher_eager_us": eager(call, self.device),
                 "dispatcher_err": self.check(call)}  # fmt: skip
+
+    def expand_us(self) -> float:
+        """GPU µs of the activations' expansion alone (what the mma path adds to the W4A16
+        kernel: `plugins.sm90.mma.EXPAND_US`); NaN without CUDA."""
+        if self.device.type != "cuda":
+            return math.nan
+        o = self.ops
+        rows = torch.empty((self.m, self.k), dtype=self.dtype, device=self.device)
+        alphas = (o.alpha, torch.ones(1, device=self.device), torch.empty(1, device=self.device))
+        return timed(lambda: expand_rows.expand(o.a_data, o.a_scale, rows, alphas), self.device)
 
 
 def measure(s: Shape, pairs, info, deadline: float) -> dict:
@@ -129,7 +144,8 @@ def measure(s: Shape, pairs, info, deadline: float) -> dict:
         run = lambda: launch(kernel, s.ops, s.out, t.swap_ab)  # noqa: E731
         return (lambda: s.check(run)), run
 
-    time_pairs(row, pairs, problem, info, deadline, (DENSE.name, SM90.name), calls, s.device)
+    time_pairs(row, pairs, problem, info, deadline, NAMES, calls, s.device)
+    row["expand_us"] = s.expand_us()
     return row
 
 
@@ -150,18 +166,24 @@ def table(rows: list[dict]) -> str:
         )
 
     head = ["M", "N x K", "set", "bf16 µs", "FP8 µs", "dense best µs (tactic)",
-            f"triton-sm90 best of top {SM90_TOP} µs (tactic)", "bf16 / dense", "FP8 / dense",
-            "dense / sm90", "eager: gemm µs (pick)", "eager: FP8 µs", "failed"]  # fmt: skip
+            f"triton-sm90 best of top {SM90_TOP} µs (tactic)", "mma best µs (tactic)",
+            "expand µs", "bf16 / dense", "bf16 / mma", "FP8 / best", "gemm µs (pick)",
+            "bf16 / gemm", "eager: gemm µs", "eager: FP8 µs", "failed"]  # fmt: skip
     body = []
     for x in rows:
-        d, s = x[f"best_{DENSE.name}_us"], x[f"best_{SM90.name}_us"]
+        d, s, m = (x[f"best_{name}_us"] for name in NAMES)
+        best = min(v for v in (d, s, m) if math.isfinite(v)) if any(
+            math.isfinite(v) for v in (d, s, m)) else math.nan  # fmt: skip
         pick = x.get("dispatcher_pick")
         pick_s = "-" if not pick else pick.split('"backend":"')[1].split('"')[0]
+        gemm = x.get("dispatcher_us", math.nan)
         body.append([str(x["m"]), f"{x['n']}x{x['k']}", "held-out" if x["held_out"] else "issue",
                      f(x["bf16_us"]), f(x["fp8_us"]), f"{f(d)} ({short(x[f'best_{DENSE.name}'])})",
-                     f"{f(s)} ({short(x[f'best_{SM90.name}'])})", r(x["bf16_us"], d),
-                     r(x["fp8_us"], d), r(d, s),
-                     f"{f(x.get('dispatcher_eager_us', math.nan))} ({pick_s})",
+                     f"{f(s)} ({short(x[f'best_{SM90.name}'])})",
+                     f"{f(m)} ({short(x[f'best_{MMA.name}'])})", f(x.get("expand_us")),
+                     r(x["bf16_us"], d), r(x["bf16_us"], m), r(x["fp8_us"], best),
+                     f"{f(gemm)} ({pick_s})", r(x["bf16_us"], gemm),
+                     f(x.get("dispatcher_eager_us", math.nan)),
                      f(x.get("fp8_eager_us", math.nan)), str(len(x["failed"]))])  # fmt: skip
     return markdown_table(head, body)
 
@@ -193,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         row |= s.dispatcher_eager(dispatcher)
         result["shapes"].append(row)
         print(f"{'x'.join(map(str, key))}: bf16 {row['bf16_us']:.1f}, dense "
-              f"{row[f'best_{DENSE.name}_us']:.1f}, sm90 {row[f'best_{SM90.name}_us']:.1f}; "
+              f"{row[f'best_{DENSE.name}_us']:.1f}, sm90 {row[f'best_{SM90.name}_us']:.1f}, "
+              f"mma {row[f'best_{MMA.name}_us']:.1f}; "
               f"{len(row['failed'])} failed", flush=True)  # fmt: skip
         write_json("w4a4_decode.json", result)
     print("\n" + table(result["shapes"]))

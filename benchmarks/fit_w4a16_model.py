@@ -195,6 +195,8 @@ def score(
             ratios.append(offered[pick] / min(offered.values()))
             errs += [abs(math.log(est[t] / us)) for t, us in offered.items()]
     n = len(ratios)
+    if not n:  # no shape of this set (a --space sweep has no held-out shapes)
+        return math.nan, math.nan, math.nan, 0
     return sum(ratios) / n, max(ratios), sum(errs) / len(errs), n
 
 
@@ -312,6 +314,8 @@ def both_backends(rows, device, consts: dict, part: str) -> tuple[float, float, 
             pick = min(offered, key=lambda bt: (bt[0].estimate_us(p, device, bt[1]),
                                                 bt[1].canonical_json()))  # fmt: skip
             ratios.append(offered[pick] / min(offered.values()))
+    if not ratios:
+        return math.nan, math.nan, 0
     return sum(ratios) / len(ratios), max(ratios), len(ratios)
 
 

@@ -374,3 +374,37 @@ def test_mma_model_picks_as_measured_on_the_committed_sweep():
     assert mean <= 1.01 and worst <= 1.12 and "(18 shapes)" in line, line
     mean, worst, line = got["held-out, both backends"]
     assert mean <= 1.09 and worst <= 1.34 and "(6 shapes)" in line, line
+
+
+def _run_fit_mma_scale(*flags: str) -> dict[str, float]:
+    """``fit_mma_scale.py`` (plus `flags`): {"time_scale": chosen, "<op> <set>": mean
+    pick/best}; skipped where the source tree is not around."""
+    root = _source_root()
+    if root is None or not (root / "benchmarks" / "fit_mma_scale.py").exists():
+        pytest.skip("benchmarks/ not found (set FP4_DISPATCH_SOURCE_ROOT)")
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "fit_mma_scale.py"),
+                          *flags], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = {}
+    for ln in run.stdout.splitlines():
+        if ln.startswith("time_scale"):
+            out["time_scale"] = float(ln.split()[1])
+        elif "pick/best" in ln:
+            out[ln.split(":")[0]] = float(ln.split("mean ")[1].split()[0])
+    return out
+
+
+def test_mma_time_scale_is_the_fit_and_ranks_the_backends_as_measured():
+    """``time_scale`` of the mma part is what ``fit_mma_scale.py`` chooses on run 8's
+    in-sample rows, and with it the untuned pick across backends (W4A4: mma, dense,
+    triton-sm90; W4A16: mma, direct) is within 1% of the best timed tactic on average,
+    in-sample and on the held-out shapes fixed in run 4 (W4A4 with the factor at 1:
+    10-11% off, the dense kernel picked where the mma path is 1.17-1.46x faster). W4A16
+    held-out stays 7.6%: 28672x8192 keeps the direct kernel (RESULTS.md run 8)."""
+    from fp4_dispatch.plugins.sm90 import cost_model
+
+    fitted = _run_fit_mma_scale()
+    assert fitted["time_scale"] == cost_model.constants()["mma"]["time_scale"] < 1.0
+    got = _run_fit_mma_scale("--check")
+    assert got["w4a4 in-sample"] <= 1.01 and got["w4a4 held-out"] <= 1.01, got
+    assert got["w4a16 in-sample"] <= 1.02 and got["w4a16 held-out"] <= 1.08, got

@@ -42,7 +42,11 @@ def test_config_names_the_bad_knob():
     with pytest.raises(ValueError, match="block_m: expected one of"):
         MmaConfig(block_m=4)
     with pytest.raises(ValueError, match="warps: expected one of"):
-        MmaConfig(warps=2)
+        MmaConfig(warps=3)
+    with pytest.raises(ValueError, match="row_warps: expected one of"):
+        MmaConfig(row_warps=3)
+    with pytest.raises(ValueError, match="expected <= 8 warps a CTA, got 4 x 4 = 16"):
+        MmaConfig(warps=4, row_warps=4)
     with pytest.raises(ValueError, match="split_k: expected >= 1, got 0"):
         MmaConfig(split_k=0)
     with pytest.raises(ValueError, match="prefetch"):
@@ -54,13 +58,13 @@ def test_config_names_the_bad_knob():
 def test_offered_for_up_to_8_tokens_with_work_for_every_warp():
     b = TritonSm90MmaBackend()
     ts = list(b.tactics(_w4a16(1, 8192, 8192), SM90))
-    assert len(ts) == 8 and all(isinstance(t, TritonSm90MmaTactic) for t in ts)
-    assert {(t.tile_m, t.tile_n, t.tile_k) for t in ts} == {(8, 16, 128)}
-    assert {(t.num_warps, t.prefetch, t.unroll, t.split_k) for t in ts} == {
+    assert len(ts) == 12 and all(isinstance(t, TritonSm90MmaTactic) for t in ts)
+    assert {(t.tile_m, t.tile_k) for t in ts} == {(8, 128)}
+    assert {(t.tile_m, t.tile_n, t.num_warps, t.prefetch, t.unroll, t.split_k) for t in ts} == {
         (*v, s) for v in MMA_VARIANTS for s in (1, 2, 3, 4)
     }
-    other = TritonSm90MmaTactic(num_warps=8, prefetch=2, unroll=2)
-    assert "one of ((4, 0, 1), (4, 2, 2))" in why_invalid(other, _w4a16(1, 8192, 8192), SM90)
+    other = TritonSm90MmaTactic(num_warps=8, tile_n=32, prefetch=2, unroll=2)
+    assert "one of ((8, 16, 4, 0, 1)" in why_invalid(other, _w4a16(1, 8192, 8192), SM90)
     assert list(b.tactics(_w4a16(MMA_MAX_M, 4096, 4096, "float16"), SM90))
     assert not list(b.tactics(_w4a16(MMA_MAX_M + 1, 8192, 8192), SM90))
     t = ts[0]
@@ -69,8 +73,60 @@ def test_offered_for_up_to_8_tokens_with_work_for_every_warp():
     # 384 K: 3 K steps; split 2 of 4 warps each leaves warps without a step; no split runs
     # (a warp idles, masked)
     split2 = TritonSm90MmaTactic(split_k=2)
-    assert "8 > 3 K steps" in b.validate(split2, _w4a16(1, 4096, 384), SM90)
+    assert "split_k x K ranges = 8 > 3 K steps" in b.validate(split2, _w4a16(1, 4096, 384), SM90)
     assert b.validate(TritonSm90MmaTactic(), _w4a16(1, 4096, 384), SM90) is None
+    # 32 rows of 4 warps: two warps a K range, two K ranges; split 2 gives 4 ranges
+    rows32 = TritonSm90MmaTactic(tile_n=32, prefetch=2, unroll=2, split_k=2)
+    assert (rows32.row_warps, rows32.k_groups) == (2, 2)
+    assert b.validate(rows32, _w4a16(1, 4096, 512), SM90) is None
+    assert "= 4 > 3 K steps" in b.validate(rows32, _w4a16(1, 4096, 384), SM90)
+
+
+def test_space_holds_every_variant_the_kernel_runs():
+    """`space` (what ``bench_w4a16_mma.py --space`` times): every (shape, pipe) of
+    `MMA_SPACE` x split, offered or not, on the token tile that covers M; the offered
+    tactics are among them; a CTA of more rows than its warps cover is no variant."""
+    from fp4_dispatch.plugins.sm90.mma import MMA_SPACE, space, why_not_run
+
+    p1, p16 = _w4a16(1, 8192, 8192), _w4a16(16, 8192, 8192)
+    every = space(p1)
+    assert len(every) == 18 * 4 and {t.tile_m for t in every} == {8}
+    assert {(t.tile_m, t.tile_n, t.num_warps, t.prefetch, t.unroll) for t in every} == {
+        v for v in MMA_SPACE if v[0] == 8
+    }
+    offered = set(TritonSm90MmaBackend().tactics(p1, SM90))
+    assert offered < set(every)
+    assert {t.tile_m for t in space(p16)} == {16} and not offered & set(space(p16))
+    assert "tile_m=8: M=16 runs 16-token tiles" in why_not_run(TritonSm90MmaTactic(), p16)
+    too_tall = TritonSm90MmaTactic(tile_n=128, num_warps=4)
+    assert too_tall.k_groups == 0 and "not a variant of MMA_SPACE" in why_not_run(too_tall, p1)
+    # the CTA's 64 rows: four warps of 16 sharing one K range
+    t = TritonSm90MmaTactic(tile_n=64, num_warps=4)
+    pytest.importorskip("triton")
+    cfg = t.kernel_config()
+    assert (cfg.block_n, cfg.row_warps, cfg.warps) == (16, 4, 1)
+
+
+def test_serves_w4a4_by_expanding_the_activations_first():
+    """W4A4 problems get the same tactics; the estimate adds the expansion's `EXPAND_US`;
+    the kernel object is the W4A4 wrapper, which takes alpha as two factors."""
+    from fp4_dispatch.plugins.sm90.mma import EXPAND_US
+
+    b = TritonSm90MmaBackend()
+    assert b.operations == ("w4a16", "w4a4")
+    w4a4 = Problem(m=4, n=8192, k=8192, out_dtype="bfloat16", operation="w4a4")
+    w4a16 = _w4a16(4, 8192, 8192)
+    ts = list(b.tactics(w4a4, SM90))
+    assert ts == list(b.tactics(w4a16, SM90))
+    for t in ts[:3]:
+        diff = b.estimate_us(w4a4, SM90, t) - b.estimate_us(w4a16, SM90, t)
+        assert diff == pytest.approx(EXPAND_US)
+    pytest.importorskip("triton")
+    from fp4_dispatch.backends.sm90.gemm_w4a16_mma import W4A4MmaKernel, W4A16MmaKernel
+
+    kernel = b.build(ts[0], w4a4, SM90)
+    assert type(kernel) is W4A4MmaKernel and kernel.alpha_factors is True
+    assert type(b.build(ts[0], w4a16, SM90)) is W4A16MmaKernel
 
 
 def test_not_offered_under_the_interpreter(monkeypatch):
@@ -177,6 +233,10 @@ def test_compiles_for_sm90_without_shared_memory_in_the_loop(tmp_path):
                                                       "prefetch": 2}},
         {**base, "name": "m16-rows32", "m": 16, "cfg": {"block_m": 16, "block_n": 32}},
         {**base, "name": "fp16", "n": 1000, "dtype": "float16", "cfg": {"split_k": 2}},
+        {**base, "name": "row-warps", "cfg": {"warps": 2, "row_warps": 2, "prefetch": 2,
+                                              "unroll": 2}},
+        {**base, "name": "row-warps-only", "m": 16, "cfg": {"block_m": 16, "warps": 1,
+                                                           "row_warps": 4}},
     ]  # fmt: skip
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path))
     for var in ("TRITON_INTERPRET", "TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH"):
@@ -192,7 +252,8 @@ def test_compiles_for_sm90_without_shared_memory_in_the_loop(tmp_path):
         assert row["loop_shared_or_barrier"] == 0, (name, row)
     from fp4_dispatch.plugins.sm90.mma import STEP_INSTRUCTIONS
 
-    assert abs(got["even"]["loop"] - STEP_INSTRUCTIONS) <= 4, got["even"]
+    assert abs(got["even"]["loop"] - STEP_INSTRUCTIONS[8]) <= 4, got["even"]
+    assert abs(got["row-warps-only"]["loop"] - STEP_INSTRUCTIONS[16]) <= 8, got["row-warps-only"]
 
 
 _FALLBACK = r"""
@@ -242,6 +303,14 @@ def _edge_cases() -> list[tuple[int, int, int, dict, str, bool, bool]]:
         (5, 3000, 4224, {"split_k": 2, "unroll": 2, "prefetch": 2}, "bfloat16", False, False),
         (1, 4096, 4096, {"warps": 8, "unroll": 2}, "bfloat16", True, True),
         (1, 256, 256, {"unroll": 2, "prefetch": 2}, "bfloat16", False, False),
+        # row warps: CTAs of 32-128 rows over N tails and N under one CTA (rows wrap)
+        (16, 1000, 4096, {"block_m": 16, "warps": 1, "row_warps": 4}, "bfloat16", True,
+         False),
+        (5, 3000, 4224, {"warps": 2, "row_warps": 4, "split_k": 2, "prefetch": 2},
+         "bfloat16", False, False),
+        (12, 2000, 8192, {"block_m": 16, "warps": 2, "row_warps": 2, "unroll": 2,
+                          "prefetch": 2}, "bfloat16", True, True),
+        (3, 72, 1024, {"warps": 1, "row_warps": 8, "split_k": 2}, "float16", False, False),
     ]  # fmt: skip
 
 
@@ -254,10 +323,52 @@ def test_kernel_on_the_gpu_matches_float64():
 
 
 @pytest.mark.gpu
+def test_w4a4_kernel_on_the_gpu_matches_float64():
+    """`W4A4MmaKernel` on stress operands (every e2m1 code in both, NaN in the padded
+    scales), alpha as one and as two factors, bf16 and fp16 out, M tails, split-K and
+    row warps, twice a case (kept buffers, self-resetting counters): relative error
+    against the float64 product of the dequantized operands <= 1e-2."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm90 GPU")
+    from fp4_dispatch.backend import GemmOperands
+    from fp4_dispatch.backends.sm90 import gemm_w4a16_mma as kern
+    from fp4_dispatch.harness import stress_operands
+    from fp4_dispatch.nvfp4 import Nvfp4Tensor, dequantize
+
+    dev = torch.device("cuda")
+    cases = [
+        (1, 4096, 4096, {}, "bfloat16", False),
+        (3, 1000, 4128, {"split_k": 2, "prefetch": 2}, "float16", True),
+        (8, 5120, 5120, {"warps": 2, "row_warps": 2, "unroll": 2, "prefetch": 2},
+         "bfloat16", True),
+        (5, 72, 1024, {"warps": 1, "row_warps": 4}, "bfloat16", False),
+    ]  # fmt: skip
+    one = torch.ones((), device=dev)
+    for m, n, k, knobs, dtype, two in cases:
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(3 * m + n + k)
+        o = stress_operands(m, n, k, dev, gen)
+        a64 = dequantize(Nvfp4Tensor(o.a_data, o.a_scale, one, "swizzled", (m, k))).double()
+        b64 = dequantize(Nvfp4Tensor(o.b_data, o.b_scale, one, "swizzled", (n, k))).double()
+        alpha_b = torch.tensor([0.75], device=dev) if two else None
+        ref = (a64 @ b64.T) * float(o.alpha) * (0.75 if two else 1.0)
+        ops = GemmOperands(o.a_data, o.a_scale, o.b_data, o.b_scale, o.alpha, alpha_b)
+        kernel = kern.build_w4a4(kern.MmaConfig(**knobs))
+        out = torch.empty((m, n), dtype=getattr(torch, dtype), device=dev)
+        for _ in range(2):
+            out.fill_(float("nan"))
+            kernel(ops, out)
+            err = float((out.double() - ref).norm() / ref.norm())
+            assert err <= 1e-2, (m, n, k, knobs, err)
+
+
+@pytest.mark.gpu
 def test_passes_the_conformance_kit_on_the_gpu():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm90 GPU")
     problems = [_w4a16(m, n, k) for m, n, k in ((1, 4096, 4096), (5, 1000, 2080))]
+    problems += [Problem(m=m, n=n, k=k, out_dtype="bfloat16", operation="w4a4")
+                 for m, n, k in ((1, 4096, 4096), (5, 1000, 2080))]  # fmt: skip
     report = check_backend(TritonSm90MmaBackend(), device="cuda", problems=problems)
     assert not report.failures, report.failures
     assert [c for c in report.of("numerics") if c.status == "PASS"], report.checks

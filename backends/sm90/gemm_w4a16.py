@@ -787,15 +787,21 @@ class DenseKernel:
     #: the binding's constexpr key -> cached launcher binding (`_binding`)
     _bound: dict = field(default_factory=dict, repr=False)
 
+    @property
+    def tile_rows(self) -> int:
+        """Weight rows of one output tile (a CTA): ``cfg.block_n`` unless a subclass's
+        CTA spans several of them."""
+        return self.cfg.block_n
+
     def workspace(self, device: torch.device, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp32 partials, int32 counters) for ``tiles`` output tiles on ``device``."""
-        elems = tiles * self.cfg.split_k * self.cfg.block_n * self.cfg.block_m
+        elems = tiles * self.cfg.split_k * self.tile_rows * self.cfg.block_m
         return self._scratch.get(device, elems, tiles)
 
     def grid(self, m: int, n: int) -> tuple[int, int]:
         """(output tiles, splits): the launch grid for M tokens and N weight rows."""
         cfg = self.cfg
-        return -(-m // cfg.block_m) * -(-n // cfg.block_n), cfg.split_k
+        return -(-m // cfg.block_m) * -(-n // self.tile_rows), cfg.split_k
 
     def launch_space(
         self, m: int, n: int, out: torch.Tensor

@@ -9,9 +9,11 @@ through a shared-memory pipeline with two CTA-wide barriers and permutes the act
 tile in registers, and its warps issued on about half the cycles (RESULTS.md "Hopper
 W4A16" run 4, Nsight Compute). Here nothing is shared:
 
-- each warp owns 16 weight rows and 8 (or 16) tokens, and its own range of 128-wide K
-  steps (``KW`` warps a CTA split the CTA's K range; their partial sums meet once, at the
-  end, through Triton's reduction);
+- each warp owns 16 weight rows and 8 (or 16) tokens, and a range of 128-wide K steps
+  (``KW`` groups of warps a CTA split the CTA's K range; their partial sums meet once, at
+  the end, through Triton's reduction); the ``RW`` warps of a group share its K range
+  and take ``RW`` different 16-row slices (the CTA covers ``16 RW`` rows), so they load
+  the same activations (L1 hits after the first) - nothing else is shared;
 - a step loads the warp's weight bytes straight into registers (thread ``(g, c)`` of
   the warp: 16 bytes, natural K ``32c .. 32c + 31`` of rows ``g`` and ``g + 8``; one
   128-bit load each), its scales (two adjacent bytes of the swizzle) and its
@@ -40,6 +42,7 @@ protocol of `splitk` (partials, a counter, the last split sums in order).
 Shapes: any M (token tiles of ``BM``), N >= 1 (rows wrap modulo N: in-bounds loads,
 never stored), ``K % 32 == 0`` (a thread's 32 K are all in range or all out; masks past
 K unless ``EVEN``: whole steps for every warp). ``x`` needs unit stride along K.
+`W4A4MmaKernel` runs W4A4 through it: the NVFP4 activations expanded first (`expand_rows`).
 Prepared (sm90-prepared) weight bytes alone run the direct kernel (`_direct_fallback`);
 a prepared copy beside the natural bytes is ignored. Gluon has no interpreter: CI
 compiles this kernel for sm_90, the numerics are checked on the H200.
@@ -48,7 +51,7 @@ compiles this kernel for sm_90, the numerics are checked on the H200.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -56,7 +59,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from fp4_dispatch.backends.sm90 import gemm_w4a16
+from fp4_dispatch.backend import GemmOperands
+from fp4_dispatch.backends.sm90 import expand_rows, gemm_w4a16
 from fp4_dispatch.backends.sm90.epilogue_gluon import store_tile, tile_origin
 from fp4_dispatch.backends.sm90.gemm_w4a16 import (
     _BF16_NATURAL,
@@ -66,6 +70,7 @@ from fp4_dispatch.backends.sm90.gemm_w4a16 import (
     launch_dense,
 )
 from fp4_dispatch.backends.triton_launch import CachedLauncher
+from fp4_dispatch.backends.workspace import Scratch, one_like
 
 STEP_K = gl.constexpr(128)
 
@@ -105,6 +110,14 @@ def _prefetch_l2(ptrs, mask):
 
 
 @gluon.jit
+def _warp_rows(n0, warp, r, N, BN: gl.constexpr, RW: gl.constexpr):
+    """[NW, BN] weight rows of each warp (``warp``: its index, ``r``: 0..BN-1, slices of
+    one layout): group ``warp % RW`` of the CTA's ``RW`` groups of ``BN``; wrapped modulo
+    N (in-bounds loads of rows that are never stored)."""
+    return (n0 + gl.expand_dims((warp % RW) * BN, 1) + gl.expand_dims(r, 0)) % N
+
+
+@gluon.jit
 def _step(w, s, xv, acc, KW: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, L4: gl.constexpr,
           A_L: gl.constexpr, B_L: gl.constexpr):  # fmt: skip
     """acc += expand(w, s) @ xv.T for one K step, in the dot's K order (module doc)."""
@@ -135,46 +148,48 @@ def _step(w, s, xv, acc, KW: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, L
 def _w4a16_mma_kernel(x_ptr, b_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                       M, N, K, stride_xm, stride_om, stride_on, b_sblk, has_bias,
                       BN: gl.constexpr, BM: gl.constexpr, KW: gl.constexpr,
-                      SPLIT_K: gl.constexpr, EVEN: gl.constexpr,
+                      RW: gl.constexpr, SPLIT_K: gl.constexpr, EVEN: gl.constexpr,
                       PREFETCH: gl.constexpr, UNROLL: gl.constexpr):  # fmt: skip
-    # KW warps along dim 0, each its own range of K steps; 16 weight rows; K last
-    WL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [KW, 1, 1], [2, 1, 0])
-    L4: gl.constexpr = gl.BlockedLayout([1, 1, 2, 8], [1, 8, 4, 1], [KW, 1, 1, 1], [3, 2, 1, 0])
+    # NW = KW x RW warps along dim 0: warp b takes K range b // RW (of KW) and the rows
+    # of group b % RW (of RW groups of BN a CTA); K last
+    NW: gl.constexpr = KW * RW
+    WL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [NW, 1, 1], [2, 1, 0])
+    L4: gl.constexpr = gl.BlockedLayout([1, 1, 2, 8], [1, 8, 4, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
     SL: gl.constexpr = gl.SliceLayout(3, L4)
-    XL: gl.constexpr = gl.BlockedLayout([1, 1, 32], [1, 8, 4], [KW, 1, 1], [2, 1, 0])
+    XL: gl.constexpr = gl.BlockedLayout([1, 1, 32], [1, 8, 4], [NW, 1, 1], [2, 1, 0])
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[2, 0], warps_per_cta=[KW, 1, 1], instr_shape=[1, 16, 8]
+        version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8]
     )
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
 
-    pid, pid_k, _, n0, m0 = tile_origin(N, BN, BM)
+    pid, pid_k, _, n0, m0 = tile_origin(N, BN * RW, BM)
     k_steps = gl.cdiv(K, STEP_K)
     per = gl.cdiv(k_steps, SPLIT_K * KW)
     k_half = gl.multiple_of(K // 2, 16)  # K % 32 == 0: 16-byte rows
     sbytes = bs_ptr.to(gl.pointer_type(gl.uint8), bitcast=True)
 
     # weight bytes [KW, 16, 64]: thread (g, c) holds bytes 16c..16c+15 of rows g, g + 8
-    wb = gl.arange(0, KW, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL)))
+    wb = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL)))
     wr = gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, WL)))
     wj = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, WL)))
-    w_k0 = (pid_k * KW + wb) * per * 64  # first byte of each warp's K range
-    rows = (n0 + wr) % N  # wrapped rows: in-bounds loads, never stored
+    w_k0 = (pid_k * KW + wb // RW) * per * 64  # first byte of each warp's K range
+    rows = _warp_rows(n0, wb, wr, N, BN, RW)
     wk = gl.expand_dims(gl.expand_dims(w_k0, 1), 2) + gl.expand_dims(gl.expand_dims(wj, 0), 1)
-    w_ptrs = b_ptr + gl.expand_dims(gl.expand_dims(rows.to(gl.int64) * k_half, 0), 2) + wk
+    w_ptrs = b_ptr + gl.expand_dims(rows.to(gl.int64) * k_half, 2) + wk
     # scales [KW, 16, 8]: thread c holds blocks 2c, 2c + 1 (adjacent in the 128x4 swizzle)
-    sb = gl.arange(0, KW, layout=gl.SliceLayout(1, gl.SliceLayout(2, SL)))
+    sb = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, SL)))
     sr = gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, SL)))
     sg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
-    srow = (n0 + sr) % N
+    srow = _warp_rows(n0, sb, sr, N, BN, RW)
     s_row = (srow // 128).to(gl.int64) * b_sblk + (srow % 32) * 16 + ((srow % 128) // 32) * 4
-    grp = gl.expand_dims(gl.expand_dims((pid_k * KW + sb) * per * 8, 1), 2) + gl.expand_dims(
-        gl.expand_dims(sg, 0), 1
-    )
-    s_ptrs = sbytes + gl.expand_dims(gl.expand_dims(s_row, 0), 2) + (grp // 4) * 512 + grp % 4
+    grp = gl.expand_dims(gl.expand_dims((pid_k * KW + sb // RW) * per * 8, 1), 2)
+    grp = grp + gl.expand_dims(gl.expand_dims(sg, 0), 1)
+    s_ptrs = sbytes + gl.expand_dims(s_row, 2) + (grp // 4) * 512 + grp % 4
     sk = grp * 16
-    # activations [KW, BM, 128]: thread (n, c) holds K 32c..32c+31 of token n
-    xb = gl.arange(0, KW, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))
+    # activations [NW, BM, 128]: thread (n, c) holds K 32c..32c+31 of token n; the RW
+    # warps of a K range load the same bytes (L1 hits after the first)
+    xb = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))) // RW
     xm = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, XL)))
     xj = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
     xk = gl.expand_dims(gl.expand_dims((pid_k * KW + xb) * per * 128, 1), 2) + gl.expand_dims(
@@ -183,20 +198,20 @@ def _w4a16_mma_kernel(x_ptr, b_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr, ws_ptr
     x_row = gl.expand_dims(gl.expand_dims(xm < M, 0), 2)  # tokens past M: no traffic
     x_ptrs = x_ptr + gl.expand_dims(gl.expand_dims(xm.to(gl.int64) * stride_xm, 0), 2) + xk
 
-    acc = gl.zeros([KW, BN, BM], gl.float32, MMA)
+    acc = gl.zeros([NW, BN, BM], gl.float32, MMA)
     # no register prefetch: a loop-carried byte tensor is repacked byte by byte every
     # step (PRMT); the loads in flight come from the many warps an SM holds instead
     if PREFETCH > 0:  # one address a thread and row: its 16 bytes of the step
-        PL: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 8, 4], [KW, 1, 1], [2, 1, 0])
-        pb = gl.arange(0, KW, layout=gl.SliceLayout(1, gl.SliceLayout(2, PL)))
+        PL: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 8, 4], [NW, 1, 1], [2, 1, 0])
+        pw = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, PL)))
+        pb = pw // RW
         pr = gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, PL)))
         pc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, PL)))
         pk = gl.expand_dims(gl.expand_dims((pid_k * KW + pb) * per * 64, 1), 2) + gl.expand_dims(
             gl.expand_dims(pc * 16, 0), 1
         )
-        p_ptrs = (
-            b_ptr + gl.expand_dims(gl.expand_dims(((n0 + pr) % N).to(gl.int64) * k_half, 0), 2) + pk
-        )
+        prow = _warp_rows(n0, pw, pr, N, BN, RW)
+        p_ptrs = b_ptr + gl.expand_dims(prow.to(gl.int64) * k_half, 2) + pk
         pend = gl.minimum((pid_k * KW + pb) * per + per, k_steps) * 64
         pend = gl.expand_dims(gl.expand_dims(pend, 1), 2)
         for d in gl.static_range(PREFETCH):
@@ -215,10 +230,11 @@ def _w4a16_mma_kernel(x_ptr, b_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr, ws_ptr
                                     k_half, K, i + 1 < per, EVEN, True)  # fmt: skip
             if PREFETCH > 0:
                 _prefetch_l2(p_ptrs + kp + 64, pk + kp + 64 < pend)
-        acc = _step(w, s, xv, acc, KW, BN, BM, L4, A_L, B_L)
+        acc = _step(w, s, xv, acc, NW, BN, BM, L4, A_L, B_L)
         if UNROLL == 2:
-            acc = _step(w2, s2, x2, acc, KW, BN, BM, L4, A_L, B_L)
-    total = gl.sum(acc, axis=0)  # the warps' K ranges (through shared memory, once)
+            acc = _step(w2, s2, x2, acc, NW, BN, BM, L4, A_L, B_L)
+    # the KW K ranges summed (through shared memory, once); rows: RW groups of BN
+    total = gl.sum(acc.reshape([KW, RW * BN, BM]), axis=0)
     store_tile(total, n0, m0, alpha_ptr, bias_ptr, has_bias, out_ptr, ws_ptr, cnt_ptr, M, N,
                stride_om, stride_on, pid, pid_k, SPLIT_K)  # fmt: skip
 
@@ -227,14 +243,19 @@ def _w4a16_mma_kernel(x_ptr, b_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr, ws_ptr
 
 BLOCK_N_CHOICES = (16, 32)  # weight rows per warp: one or two of the MMA's 16-row tiles
 BLOCK_M_CHOICES = (8, 16)
-WARPS_CHOICES = (4, 8)
+WARPS_CHOICES = (1, 2, 4, 8)
+ROW_WARPS_CHOICES = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
 class MmaConfig:
-    """Compile-time knobs: ``block_m`` tokens per CTA (the MMA's N: 8 or 16); ``warps``
-    per CTA, each reducing its own range of K steps (summed once at the end);
-    ``split_k`` CTAs per output tile along K (the workspace protocol of `splitk`)."""
+    """Compile-time knobs: ``block_m`` tokens per CTA (the MMA's N: 8 or 16); ``block_n``
+    weight rows a warp (16 or 32); ``warps`` groups of warps a CTA, each reducing its own
+    range of K steps (summed once at the end), of ``row_warps`` warps that share the
+    range (and its activations, through L1) and take ``block_n`` rows apiece: a CTA
+    covers ``block_n * row_warps`` rows with ``warps * row_warps`` warps; ``split_k``
+    CTAs per output tile along K (the workspace protocol of `splitk`); ``prefetch``
+    steps of L2 prefetch ahead; ``unroll`` steps whose loads issue together."""
 
     block_m: int = 8
     warps: int = 4
@@ -242,6 +263,7 @@ class MmaConfig:
     block_n: int = 16
     prefetch: int = 0
     unroll: int = 1
+    row_warps: int = 1
 
     block_k: ClassVar[int] = 128
 
@@ -252,11 +274,17 @@ class MmaConfig:
             ("block_n", BLOCK_N_CHOICES),
             ("prefetch", (0, 1, 2, 3, 4)),
             ("unroll", (1, 2)),
+            ("row_warps", ROW_WARPS_CHOICES),
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}: expected one of {choices}, got {getattr(self, name)}")
         if self.split_k < 1:
             raise ValueError(f"split_k: expected >= 1, got {self.split_k}")
+        if self.warps * self.row_warps > 8:
+            raise ValueError(
+                f"warps x row_warps: expected <= 8 warps a CTA, got "
+                f"{self.warps} x {self.row_warps} = {self.warps * self.row_warps}"
+            )
 
 
 @dataclass
@@ -267,6 +295,11 @@ class W4A16MmaKernel(DenseKernel):
     them is ignored; prepared bytes alone run the direct kernel)."""
 
     cfg: MmaConfig
+
+    @property
+    def tile_rows(self) -> int:
+        """Weight rows of a CTA: ``row_warps`` groups of ``block_n``."""
+        return self.cfg.block_n * self.cfg.row_warps
 
     def __call__(self, operands: W4A16Operands, out: torch.Tensor) -> None:
         if getattr(operands, "prepared", False):
@@ -289,14 +322,59 @@ class W4A16MmaKernel(DenseKernel):
         bound = self._bound.get(even)
         if bound is None:
             cfg = self.cfg
-            meta = {"BN": cfg.block_n, "BM": cfg.block_m, "KW": cfg.warps,
+            meta = {"BN": cfg.block_n, "BM": cfg.block_m, "KW": cfg.warps, "RW": cfg.row_warps,
                     "SPLIT_K": cfg.split_k, "EVEN": even, "PREFETCH": cfg.prefetch,
                     "UNROLL": cfg.unroll}  # fmt: skip
-            bound = self._bound[even] = _MMA_LAUNCH.bind(meta, cfg.warps)
+            bound = self._bound[even] = _MMA_LAUNCH.bind(meta, cfg.warps * cfg.row_warps)
         return bound
 
 
 _MMA_LAUNCH = CachedLauncher(_w4a16_mma_kernel)
+
+
+@dataclass
+class W4A4MmaKernel(W4A16MmaKernel):
+    """W4A4 through this kernel: ``kernel(operands, out)`` on `GemmOperands` (``a``: M
+    tokens, ``b``: the weight; never swapped), ``out = alpha * alpha_b * dequant(a) @
+    dequant(b).T``. The activations are expanded first, exactly, into a kept buffer of
+    ``out``'s dtype (`expand_rows`: one short launch over M x K values, which also
+    multiplies the two global scales), then multiplied as W4A16 operands. The buffer
+    holds whole token tiles, is made outside CUDA-graph pools on the first call of a
+    tile count and reused after (run that call outside capture, as for split-K)."""
+
+    #: the GEMM takes alpha as two factors (`GemmOperands.alpha_b`): `expand_rows`
+    #: multiplies them on the way
+    alpha_factors: ClassVar[bool] = True
+    _rows: Scratch = field(default_factory=Scratch, repr=False)
+    #: (M, K, dtype, device index) -> `buffers` (kept: no slicing on the hot path)
+    _views: dict = field(default_factory=dict, repr=False)
+
+    def __call__(self, operands: GemmOperands, out: torch.Tensor) -> None:  # type: ignore[override]
+        a = operands.a_data
+        key = (a.shape[0], a.shape[1] * 2, out.dtype, out.get_device())
+        views = self._views.get(key)
+        if views is None:  # once per (M, K, dtype, device): an eager call's host time
+            views = self._views[key] = self.buffers(out.device, *key[:3])
+        alpha, rows, rows_m = views
+        alpha_b = one_like(a) if operands.alpha_b is None else operands.alpha_b
+        expand_rows.expand(a, operands.a_scale, rows, (operands.alpha, alpha_b, alpha))
+        super().__call__(W4A16Operands(rows_m, operands.b_data, operands.b_scale, alpha), out)
+
+    def buffers(
+        self, device: torch.device, m: int, k: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(alpha product [1] fp32, activations [tiles x block_m, K] of ``dtype``, their
+        first M rows): views of one fp32 scratch buffer, the activations 16 bytes in."""
+        rows = -(-m // self.cfg.block_m) * self.cfg.block_m
+        buf, _ = self._rows.get(device, 4 + rows * k // 2, 0)
+        acts = buf[4:].view(dtype).view(rows, k)
+        return buf[:1], acts, acts[:m]
+
+    def precompile(self, m: int, n: int, k: int, dtype: torch.dtype, prepared: bool = False
+                   ) -> object:  # fmt: skip
+        """Compile both launches of a call (`expand_rows` and the GEMM), launching none."""
+        expand_rows.precompile(k, dtype)
+        return super().precompile(m, n, k, dtype, prepared)
 
 
 @functools.cache
@@ -308,3 +386,8 @@ def _direct_fallback() -> DenseKernel:
 def build(cfg: MmaConfig) -> W4A16MmaKernel:
     """A kernel object for `cfg` (Triton compiles on the first call)."""
     return W4A16MmaKernel(cfg)
+
+
+def build_w4a4(cfg: MmaConfig) -> W4A4MmaKernel:
+    """A W4A4 kernel object for `cfg` (`W4A4MmaKernel`)."""
+    return W4A4MmaKernel(cfg)

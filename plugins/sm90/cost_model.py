@@ -98,7 +98,7 @@ def load(path: Path) -> dict[str, Any]:
                   "unpack_gemm_eff", "unpack_launch_us"),
         "ws": ("deq_step_us", "mma_eff", "bw_fraction", "fixed_us"),
         "mma": ("lat_us", "pf_lat", "sat_warps", "own_per_us", "issue_per_us", "bw_fraction",
-                "fixed_us", "cta_us", "split_us"),
+                "fixed_us", "cta_us", "split_us", "time_scale"),
     }  # fmt: skip
     for part, keys in need.items():
         missing = [k for k in keys if k not in data.get(part, {})]
