@@ -31,7 +31,7 @@ benchmarks/data/sm90_w4a16_mma_run8_space.json``).
 W4A4 (operation ``"w4a4"``): the same tactics run `gemm_w4a16_mma.W4A4MmaKernel`, which
 expands the NVFP4 activations into a kept bf16/fp16 buffer first (exact; one short
 launch, `EXPAND_US`) and then multiplies them as W4A16 operands. At decode that is cheaper
-than expanding them inside every CTA (``triton-sm90-dense``): 20.6 against 25.8 µs at
+than expanding them inside every CTA (``triton-sm90-dense``): 20.6 against 26.0 µs at
 1x8192² (run 8).
 
 Why a backend of its own: at 1-8 tokens it takes 0.75-0.96x the time of the best direct
