@@ -110,6 +110,39 @@ def run_interpreted(script: str, cases: object) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def sm90_compile_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a `TARGET_ONLY` compile subprocess: its own Triton cache in
+    `tmp_path`, not the interpreter, and Triton's own ptxas (importing FlashInfer points
+    Triton's sm_90+ compiles at the system's ptxas, which spills where Triton's does not)."""
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path))
+    for var in ("TRITON_INTERPRET", "TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH"):
+        env.pop(var, None)
+    return env
+
+
+def source_root() -> Path | None:
+    """The repository (benchmarks/ is not in the wheel): FP4_DISPATCH_SOURCE_ROOT in CI."""
+    for root in (os.environ.get("FP4_DISPATCH_SOURCE_ROOT"), Path(__file__).parents[1]):
+        if root and (Path(root) / "benchmarks" / "bench_w4a16_decode.py").exists():
+            return Path(root)
+    return None
+
+
+def run_bench_smoke(tmp_path: Path, script: str, json_name: str, *args: str) -> dict:
+    """Run ``benchmarks/<script> --smoke`` (CPU, interpreter; `args` after it) with
+    ``OUT=tmp_path``; it must exit 0. Returns the JSON it wrote as `json_name`; skipped
+    where Triton or the source tree is not around."""
+    pytest.importorskip("triton")
+    root = source_root()
+    if root is None:
+        pytest.skip("benchmarks/ not found (set FP4_DISPATCH_SOURCE_ROOT)")
+    env = dict(os.environ, OUT=str(tmp_path))
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / script), "--smoke", *args],
+                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    return json.loads((tmp_path / json_name).read_text())
+
+
 GOOD_PLUGIN = """
     from typing import Literal
     import fp4_dispatch

@@ -4,8 +4,12 @@ interpreter here."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
-from conftest import run_interpreted
+from conftest import TARGET_ONLY, run_interpreted, sm90_compile_env
 
 _EXPAND = r"""
 import json, sys
@@ -43,30 +47,19 @@ def test_expands_every_code_exactly_and_multiplies_the_global_scales():
     for m, k, dtype in cases:
         row = got[f"{m}x{k}/{dtype}"]
         assert row == {"exact": True, "rest_untouched": True, "alpha": 1.5}, (m, k, row)
-    assert (
-        "out: expected >= 130 rows of 512 contiguous values, got shape (130, 544)"
-        in (got["bad_out"])
-    )
+    bad = "out: expected >= 130 rows of 512 contiguous values, got shape (130, 544)"
+    assert bad in got["bad_out"], got["bad_out"]
 
 
 def test_precompile_compiles_without_launching(tmp_path):
     """The precompile entry names the variant `expand` launches (sm_90, no GPU)."""
     pytest.importorskip("triton")
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from conftest import TARGET_ONLY
-
     script = TARGET_ONLY + (
         "from fp4_dispatch.backends.sm90 import expand_rows\n"
         "c = expand_rows.precompile(4096, torch.bfloat16)\n"
         "print(json.dumps(len(c.asm['cubin'])))\n"
     )
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path))
-    for var in ("TRITON_INTERPRET", "TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH"):
-        env.pop(var, None)
+    env = sm90_compile_env(tmp_path)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env=env, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

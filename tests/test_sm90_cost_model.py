@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import source_root
 
 from fp4_dispatch.plugins.sm90 import (
     TritonSm90Backend,
@@ -28,14 +28,6 @@ from fp4_dispatch.profiles import simulated
 from fp4_dispatch.tactics import Problem
 
 SM90 = simulated("sm90")
-
-
-def _source_root() -> Path | None:
-    """The repository (benchmarks/ is not in the wheel): FP4_DISPATCH_SOURCE_ROOT in CI."""
-    for root in (os.environ.get("FP4_DISPATCH_SOURCE_ROOT"), Path(__file__).parents[1]):
-        if root and (Path(root) / "benchmarks" / "fit_cost_model.py").exists():
-            return Path(root)
-    return None
 
 
 def test_shipped_file_loads_and_records_its_fit():
@@ -133,7 +125,7 @@ def _selection(shapes, c, path: Path) -> None:
 
 
 def test_fit_recovers_a_planted_model_and_checks_held_out_shapes(tmp_path):
-    root = _source_root()
+    root = source_root()
     if root is None:
         pytest.skip("benchmarks/ not found (set FP4_DISPATCH_SOURCE_ROOT)")
     planted = _no_factors()
@@ -277,7 +269,7 @@ def test_spill_is_the_compiled_kernels_stack_frame():
 def _fit_check(*flags: str) -> dict[str, tuple[float, float, str]]:
     """``fit_w4a16_model.py --check`` (plus `flags`): {in-sample/held-out: (mean, worst,
     the line)}; skipped where the source tree is not around."""
-    root = _source_root()
+    root = source_root()
     if root is None or not (root / "benchmarks" / "fit_w4a16_model.py").exists():
         pytest.skip("benchmarks/ not found (set FP4_DISPATCH_SOURCE_ROOT)")
     script = str(root / "benchmarks" / "fit_w4a16_model.py")
@@ -379,7 +371,7 @@ def test_mma_model_picks_as_measured_on_the_committed_sweep():
 def _run_fit_mma_scale(*flags: str) -> dict[str, float]:
     """``fit_mma_scale.py`` (plus `flags`): {"time_scale": chosen, "<op> <set>": mean
     pick/best}; skipped where the source tree is not around."""
-    root = _source_root()
+    root = source_root()
     if root is None or not (root / "benchmarks" / "fit_mma_scale.py").exists():
         pytest.skip("benchmarks/ not found (set FP4_DISPATCH_SOURCE_ROOT)")
     run = subprocess.run([sys.executable, str(root / "benchmarks" / "fit_mma_scale.py"),

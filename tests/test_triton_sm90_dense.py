@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TARGET_ONLY, run_interpreted
+from conftest import TARGET_ONLY, run_bench_smoke, run_interpreted
 
 from fp4_dispatch.plugins.sm90.dense import (
     DENSE_MAX_M,
@@ -215,18 +215,7 @@ def test_dense_kernel_on_the_gpu_matches_the_reference():
 def test_bench_w4a4_decode_smoke_runs_on_the_cpu(tmp_path):
     """The H200 benchmark's --smoke mode (tiny shapes, interpreter): it runs both W4A4
     backends' tactics, checks each against float64 and writes its JSON."""
-    pytest.importorskip("triton")
-    from test_w4a16_decode import _source_root
-
-    root = _source_root()
-    if root is None:
-        pytest.skip("benchmarks/ not found (set FP4_DISPATCH_SOURCE_ROOT)")
-    env = dict(os.environ, OUT=str(tmp_path))
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_w4a4_decode.py"),
-                           "--smoke"], capture_output=True, text=True, env=env,
-                          timeout=600)  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
-    got = json.loads((tmp_path / "w4a4_decode.json").read_text())
+    got = run_bench_smoke(tmp_path, "bench_w4a4_decode.py", "w4a4_decode.json")
     assert got["smoke"] is True and len(got["shapes"]) == 4
     for row in got["shapes"]:
         backends = {e["backend"] for e in row["tactics"].values()}

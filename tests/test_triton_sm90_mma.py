@@ -8,13 +8,18 @@ no launch); the numerics run on an sm90 GPU (``-m gpu``).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import TARGET_ONLY, check_w4a16_kernel_on_gpu, run_interpreted
+from conftest import (
+    TARGET_ONLY,
+    check_w4a16_kernel_on_gpu,
+    run_bench_smoke,
+    run_interpreted,
+    sm90_compile_env,
+)
 
 from fp4_dispatch.plugins.sm90.mma import (
     MMA_MAX_M,
@@ -238,9 +243,7 @@ def test_compiles_for_sm90_without_shared_memory_in_the_loop(tmp_path):
         {**base, "name": "row-warps-only", "m": 16, "cfg": {"block_m": 16, "warps": 1,
                                                            "row_warps": 4}},
     ]  # fmt: skip
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path))
-    for var in ("TRITON_INTERPRET", "TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH"):
-        env.pop(var, None)
+    env = sm90_compile_env(tmp_path)
     proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(specs)],
                           capture_output=True, text=True, env=env, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -378,18 +381,7 @@ def test_bench_w4a16_mma_smoke_runs_on_the_cpu(tmp_path):
     """The H200 benchmark's --smoke mode: the mma backend offers nothing under the
     interpreter; the W4A16 backend's candidates are checked against float64, the JSON
     written."""
-    pytest.importorskip("triton")
-    from test_w4a16_decode import _source_root
-
-    root = _source_root()
-    if root is None:
-        pytest.skip("benchmarks/ not found (set FP4_DISPATCH_SOURCE_ROOT)")
-    env = dict(os.environ, OUT=str(tmp_path))
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_w4a16_mma.py"),
-                           "--smoke"], capture_output=True, text=True, env=env,
-                          timeout=600)  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
-    got = json.loads((tmp_path / "w4a16_mma.json").read_text())
+    got = run_bench_smoke(tmp_path, "bench_w4a16_mma.py", "w4a16_mma.json")
     assert got["smoke"] is True and got["shapes"]
     for row in got["shapes"]:
         assert {e["backend"] for e in row["tactics"].values()} == {"triton-sm90-w4a16"}, row

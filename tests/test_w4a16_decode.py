@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TARGET_ONLY, run_interpreted
+from conftest import TARGET_ONLY, run_bench_smoke, run_interpreted
 
 from fp4_dispatch.plugins.sm90.w4a16 import (
     GEMV_MAX_M,
@@ -358,29 +358,11 @@ def test_gpu_gemv_tactics_natural_and_prepared():
                     assert torch.equal(out, out_p), f"{t.canonical_json()} {dtype}: prepared"
 
 
-def _source_root():
-    """The repository (benchmarks/ is not in the wheel): FP4_DISPATCH_SOURCE_ROOT in CI."""
-    from pathlib import Path
-
-    for root in (os.environ.get("FP4_DISPATCH_SOURCE_ROOT"), Path(__file__).parents[1]):
-        if root and (Path(root) / "benchmarks" / "bench_w4a16_decode.py").exists():
-            return Path(root)
-    return None
-
-
 def test_bench_w4a16_decode_smoke_runs_on_the_cpu(tmp_path):
     """The H200 benchmark's --smoke mode (tiny shapes, interpreter): it runs, checks every
     tactic it times against float64 and writes its JSON (no figure here means anything)."""
-    pytest.importorskip("triton")
-    root = _source_root()
-    if root is None:
-        pytest.skip("benchmarks/ not found (set FP4_DISPATCH_SOURCE_ROOT)")
-    script = root / "benchmarks" / "bench_w4a16_decode.py"
-    env = dict(os.environ, OUT=str(tmp_path))
-    proc = subprocess.run([sys.executable, str(script), "--smoke", "--max-tactics", "2"],
-                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
-    got = json.loads((tmp_path / "w4a16_decode.json").read_text())
+    got = run_bench_smoke(tmp_path, "bench_w4a16_decode.py", "w4a16_decode.json",
+                          "--max-tactics", "2")  # fmt: skip
     assert got["smoke"] is True and len(got["shapes"]) == 4
     for row in got["shapes"]:
         assert len(row["tactics"]) == 2 and not row["failed"], row
