@@ -172,8 +172,7 @@ def table(rows: list[dict]) -> str:
     body = []
     for x in rows:
         d, s, m = (x[f"best_{name}_us"] for name in NAMES)
-        best = min(v for v in (d, s, m) if math.isfinite(v)) if any(
-            math.isfinite(v) for v in (d, s, m)) else math.nan  # fmt: skip
+        best = min((v for v in (d, s, m) if math.isfinite(v)), default=math.nan)
         pick = x.get("dispatcher_pick")
         pick_s = "-" if not pick else pick.split('"backend":"')[1].split('"')[0]
         gemm = x.get("dispatcher_us", math.nan)

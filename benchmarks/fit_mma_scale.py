@@ -30,7 +30,7 @@ import json
 import sys
 from pathlib import Path
 
-from fit_w4a16_model import MODEL, ROOT, constants
+from fit_w4a16_model import MODEL, ROOT, constants, pick_over_best
 
 from fp4_dispatch.plugins.sm90 import TritonSm90Backend
 from fp4_dispatch.plugins.sm90.dense import TritonSm90DenseBackend
@@ -67,12 +67,8 @@ def load(path: Path, operation: str, device) -> list[tuple[Problem, bool, list]]
 
 def score(rows, device, scale: float) -> float:
     """Mean of (the lowest estimate's measured time / the best measured time)."""
-    ratios = []
     with constants({"time_scale": scale}, "mma"):
-        for p, _, timed in rows:
-            pick = min(timed, key=lambda x: (x[0].estimate_us(p, device, x[1]),
-                                             x[1].canonical_json()))  # fmt: skip
-            ratios.append(pick[2] / min(us for *_, us in timed))
+        ratios = [pick_over_best(p, device, timed) for p, _, timed in rows]
     return sum(ratios) / len(ratios)
 
 

@@ -299,6 +299,13 @@ def descend(rows, device, grid: dict, start: dict, part: str) -> tuple[dict, tup
     return consts, score(rows, device, consts, part)
 
 
+def pick_over_best(p: Problem, device, timed: list[tuple]) -> float:
+    """The measured time of the (backend, tactic, µs) of `timed` with the lowest estimate
+    (the untuned pick across backends; ties by the tactic's JSON) over the best measured."""
+    pick = min(timed, key=lambda x: (x[0].estimate_us(p, device, x[1]), x[1].canonical_json()))
+    return pick[2] / min(us for *_, us in timed)
+
+
 def both_backends(rows, device, consts: dict, part: str) -> tuple[float, float, int]:
     """(mean, worst, shapes) of the untuned pick among both backends' timed tactics (the
     lower estimate) over the best of both, with the `part` constants `consts`."""
@@ -307,13 +314,10 @@ def both_backends(rows, device, consts: dict, part: str) -> tuple[float, float, 
     with constants(consts, part):
         for p, _, *timed in rows:
             pairs = zip(backends, timed, strict=True)
-            offered = {(b, t): us for b, tactics in pairs for t, us in tactics.items()
-                       if b.validate(t, p, device) is None}  # fmt: skip
-            if not offered:
-                continue
-            pick = min(offered, key=lambda bt: (bt[0].estimate_us(p, device, bt[1]),
-                                                bt[1].canonical_json()))  # fmt: skip
-            ratios.append(offered[pick] / min(offered.values()))
+            offered = [(b, t, us) for b, tactics in pairs for t, us in tactics.items()
+                       if b.validate(t, p, device) is None]  # fmt: skip
+            if offered:
+                ratios.append(pick_over_best(p, device, offered))
     if not ratios:
         return math.nan, math.nan, 0
     return sum(ratios) / len(ratios), max(ratios), len(ratios)
