@@ -91,7 +91,7 @@ def test_space_holds_every_variant_the_kernel_runs():
     """`space` (what ``bench_w4a16_mma.py --space`` times): every (shape, pipe) of
     `MMA_SPACE` x split, offered or not, on the token tile that covers M; the offered
     tactics are among them; a CTA of more rows than its warps cover is no variant."""
-    from fp4_dispatch.plugins.sm90.mma import MMA_SPACE, space, why_not_run
+    from fp4_dispatch.plugins.sm90.mma import MMA_SPACE, REGISTERS, space, why_not_run
 
     p1, p16 = _w4a16(1, 8192, 8192), _w4a16(16, 8192, 8192)
     every = space(p1)
@@ -103,6 +103,7 @@ def test_space_holds_every_variant_the_kernel_runs():
     assert offered < set(every)
     assert {t.tile_m for t in space(p16)} == {16} and not offered & set(space(p16))
     assert "tile_m=8: M=16 runs 16-token tiles" in why_not_run(TritonSm90MmaTactic(), p16)
+    assert set(REGISTERS) == set(MMA_SPACE)  # the register count of every variant it runs
     too_tall = TritonSm90MmaTactic(tile_n=128, num_warps=4)
     assert too_tall.k_groups == 0 and "not a variant of MMA_SPACE" in why_not_run(too_tall, p1)
     # the CTA's 64 rows: four warps of 16 sharing one K range

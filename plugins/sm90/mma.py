@@ -157,13 +157,14 @@ def why_not_run(t: TritonSm90MmaTactic, problem: Problem) -> str | None:
     them (an 8-token tile at M > 8 streams the weights once a tile), K % 32, and split-K
     only while every K range gets a step (without split, the warps past a short K idle:
     masked, correct; bf16 and fp16 activations alike)."""
-    if variant(t) not in REGISTERS:
+    if variant(t) not in MMA_SPACE:
         return (f"(tile_m, tile_n, num_warps, prefetch, unroll) = {variant(t)}: not a "
                 "variant of MMA_SPACE")  # fmt: skip
     if problem.m > 16:
         return f"M={problem.m}: the kernel serves M <= 16 (decode)"
-    if t.tile_m != (8 if problem.m <= 8 else 16):
-        return f"tile_m={t.tile_m}: M={problem.m} runs {8 if problem.m <= 8 else 16}-token tiles"
+    tokens = 8 if problem.m <= 8 else 16
+    if t.tile_m != tokens:
+        return f"tile_m={t.tile_m}: M={problem.m} runs {tokens}-token tiles"
     if problem.k % 32:
         return f"K={problem.k} must be a multiple of 32"
     steps = -(-problem.k // MMA_TILE_K)
