@@ -18,6 +18,7 @@ the JSON: fixed in the benchmark before the fit) are only scored, never fitted o
     python benchmarks/fit_w4a16_model.py --mid [--write]      # M = 32-256 (below)
     python benchmarks/fit_w4a16_model.py --ws [--write]       # triton-sm90-ws (below)
     python benchmarks/fit_w4a16_model.py --mma [--write]      # triton-sm90-mma (below)
+    python benchmarks/fit_w4a16_model.py --rs [--write]       # triton-sm90-rs (below)
 
 ``--mid`` fits the M = 32-256 terms on ``bench_w4a16_decode.py --mid``'s sweep
 (``--mid-data``; direct tactics, same objective, its held-out rows only scored):
@@ -44,6 +45,11 @@ M 1, 4, 16 in-sample, its held-out M 2 and 8 x three (N, K) fixed in run 4, befo
 kernel existed): the constants of `MMA_GRID`, one at a time (`descend`; ``bw_fraction``
 kept), then the pick among both backends.
 
+``--rs`` fits ``triton-sm90-rs`` (`plugins.sm90.rs._estimate_rs`, its "rs" part) on
+``benchmarks/bench_w4a16_rs.py``'s sweep (``--rs-data``; M 64 and 256 x the decode grid's
+six (N, K) in-sample, M 128 held out, chosen before the fit): `RS_GRID`, every
+combination; then the pick among it and ``triton-sm90-ws`` (timed in the same run).
+
 Runs on a CPU (no Triton needed); the device is the simulated sm90 part at the H200's
 rated figures, as the dispatcher estimates on it: since run 6 the part's bandwidth is
 the driver's (4814 GB/s, what `device.detect` reads on the H200). The fits of runs 4-5
@@ -58,6 +64,7 @@ import contextlib
 import itertools
 import json
 import math
+import re
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -66,7 +73,7 @@ from types import ModuleType
 
 import pydantic
 
-from fp4_dispatch.plugins.sm90 import dense, mma, ws
+from fp4_dispatch.plugins.sm90 import dense, mma, rs, ws
 from fp4_dispatch.plugins.sm90 import w4a16 as w4
 from fp4_dispatch.profiles import rated, simulated
 from fp4_dispatch.tactics import Problem
@@ -79,6 +86,10 @@ MID_DATA = ROOT / "benchmarks" / "data" / "sm90_w4a16_mid_run5.json"
 MID_STEP_GRID = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
 MMA_EFF_GRID = (0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.1)
 WS_DATA = ROOT / "benchmarks" / "data" / "sm90_w4a16_ws_run6.json"
+RS_DATA = ROOT / "benchmarks" / "data" / "sm90_w4a16_rs_run9.json"
+#: the held-out token count of the rs fit, chosen before fitting (every M of the run-9
+#: sweep was measured before any rs constant existed): M = 128 x the six (N, K)
+RS_HELD_M = 128
 #: mma_eff is a fraction of the device's rated bf16 figure (691 TFLOP/s for the H200,
 #: `profiles`), so up to 1.4 stays below the tensor cores' 989 TFLOP/s peak.
 #: bw_fraction is kept at the file's 0.8: on the run-6 sweep every value from 0.4 to 0.8
@@ -87,6 +98,13 @@ WS_GRID = {
     "deq_step_us": (0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6),
     "mma_eff": (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.4),
     "fixed_us": (2.0, 4.0, 6.0, 8.0, 10.0, 12.0),
+}
+#: the rs grid (bw_fraction kept at 0.8, as for ws): the step of 128 x 128 values and the
+#: fixed cost of two launches
+RS_GRID = {
+    "deq_step_us": (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1),
+    "mma_eff": (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2, 1.4),
+    "fixed_us": (2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0),
 }
 MMA_DATA = ROOT / "benchmarks" / "data" / "sm90_w4a16_mma_run7.json"
 #: searched one constant at a time from the file's values (`descend`): the full product
@@ -137,21 +155,26 @@ def load_dense_rows(path: Path) -> list[tuple[Problem, bool, dict]]:
 
 @dataclass(frozen=True)
 class Paired:
-    """A backend fitted beside the W4A16 backend (``--ws``, ``--mma``): its plugin module
-    (``_c()``, ``why_invalid``), backend class, estimate, grid, and whether the fit tries
-    every combination of the grid (else `descend`)."""
+    """A backend fitted beside another (``--ws``, ``--mma``: the W4A16 backend; ``--rs``:
+    ws): its plugin module (``_c()``, ``why_invalid``), backend class, estimate, grid,
+    whether the fit tries every combination of the grid (else `descend`), and the rival
+    backend class its untuned pick is scored against."""
 
     module: ModuleType
     backend: type
     estimate: Callable
     grid: dict
     exhaustive: bool
+    rival: type = w4.TritonSm90W4A16Backend
 
 
 #: the paired backends by their part of the constants file
 PAIRED = {
     "ws": Paired(ws, ws.TritonSm90WsBackend, ws._estimate_ws, WS_GRID, True),
     "mma": Paired(mma, mma.TritonSm90MmaBackend, mma._estimate_mma, MMA_GRID, False),
+    "rs": Paired(
+        rs, rs.TritonSm90RsBackend, rs._estimate_rs, RS_GRID, True, ws.TritonSm90WsBackend
+    ),
 }
 
 
@@ -244,8 +267,11 @@ def fit_mid(rows, device) -> tuple[dict, tuple]:
 
 
 def load_paired_rows(path: Path, part: str) -> list[tuple[Problem, bool, dict, dict]]:
-    """(problem, held out, {new tactic: µs}, {w4a16 tactic: µs}) per shape of a
-    bench_w4a16_ws.py or, ``part`` "mma", bench_w4a16_mma.py JSON (timed tactics only)."""
+    """(problem, held out, {new tactic: µs}, {rival tactic: µs}) per shape of a
+    bench_w4a16_ws.py or, ``part`` "mma", bench_w4a16_mma.py JSON (timed tactics only);
+    ``part`` "rs": `load_rs_rows`."""
+    if part == "rs":
+        return load_rs_rows(path)
     backend = _backends(part)[0]
     rows, dropped = [], 0
     for r in json.loads(path.read_text())["shapes"]:
@@ -267,9 +293,31 @@ def load_paired_rows(path: Path, part: str) -> list[tuple[Problem, bool, dict, d
     return rows
 
 
+def load_rs_rows(path: Path) -> list[tuple[Problem, bool, dict, dict]]:
+    """The rows of a bench_w4a16_rs.py JSON: its variants that are rs tactics (by name:
+    "64 tokens, split 2, 4 stages, specialized") and its ws tactics ("64 tokens, split
+    2"); held out: M = `RS_HELD_M`."""
+    rows = []
+    for r in json.loads(path.read_text())["rows"]:
+        p = Problem(m=r["m"], n=r["n"], k=r["k"], out_dtype="bfloat16", operation="w4a16")
+        mine, rival = {}, {}
+        for name, e in r["rs"].items():
+            parts = name.split(", ")
+            if "us" not in e or parts[-1] != "specialized":
+                continue
+            tm, split, stages = (int(v) for v in re.findall(r"\d+", name))
+            if rs.RS_STAGES.get(tm) == stages:
+                mine[rs.TritonSm90RsTactic(tile_m=tm, split_k=split, num_stages=stages)] = e["us"]
+        for name, e in r["ws"].items():
+            tm, split = (int(v) for v in re.findall(r"\d+", name))
+            rival[ws.TritonSm90WsTactic(tile_m=tm, split_k=split)] = e["us"]
+        rows.append((p, r["m"] == RS_HELD_M, mine, rival))
+    return rows
+
+
 def _backends(part: str) -> tuple:
-    """(the `part` backend, the W4A16 backend): the rows' order of `load_paired_rows`."""
-    return PAIRED[part].backend(), w4.TritonSm90W4A16Backend()
+    """(the `part` backend, its rival): the rows' order of `load_paired_rows`."""
+    return PAIRED[part].backend(), PAIRED[part].rival()
 
 
 def fit_paired(rows, device, part: str) -> tuple[dict, tuple]:
@@ -339,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a bench_w4a4_decode.py JSON")  # fmt: skip
     ap.add_argument("--ws", action="store_true", help="the triton-sm90-ws constants")
     ap.add_argument("--ws-data", type=Path, default=WS_DATA, help="a bench_w4a16_ws.py JSON")
+    ap.add_argument("--rs", action="store_true", help="the triton-sm90-rs constants")
+    ap.add_argument("--rs-data", type=Path, default=RS_DATA, help="a bench_w4a16_rs.py JSON")
     ap.add_argument("--mma", action="store_true", help="the triton-sm90-mma constants")
     ap.add_argument("--mma-data", type=Path, default=MMA_DATA, help="a bench_w4a16_mma.py JSON")
     ap.add_argument("--mid", action="store_true", help="the M = 32-256 terms")
@@ -350,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         return main_dense(args, device)
     if args.mid:
         return main_mid(args, device)
-    if args.ws or args.mma:
+    if args.ws or args.mma or args.rs:
         return main_paired(args, device)
     rows = load_rows(args.data)
     train = [r for r in rows if not r[1]]
@@ -391,14 +441,16 @@ def main_mid(args: argparse.Namespace, device) -> int:
 def main_paired(args: argparse.Namespace, device) -> int:
     """``--ws`` / ``--mma``: check or fit (and ``--write``) that backend's constants; then
     the pick among it and the W4A16 backend under them."""
-    part = "mma" if args.mma else "ws"
-    rows = load_paired_rows(args.mma_data if args.mma else args.ws_data, part)
+    part = "mma" if args.mma else "rs" if args.rs else "ws"
+    data = {"mma": args.mma_data, "rs": args.rs_data, "ws": args.ws_data}[part]
+    rows = load_paired_rows(data, part)
     current = {k: PAIRED[part].module._c()[k] for k in PAIRED[part].grid}
     fit_fn = lambda r, d: fit_paired(r, d, part)  # noqa: E731
     consts = _check_or_fit([r[:3] for r in rows], device, args, current, fit_fn, part)
     for name, held in (("in-sample", False), ("held-out", True)):
         mean, worst, n = both_backends([r for r in rows if r[1] == held], device, consts, part)
-        print(f"{name}, both backends: pick/best mean {mean:.3f}, worst {worst:.3f} ({n} shapes)")
+        print(f"{name}, both backends: pick/best mean {mean:.3f}, worst {worst:.3f} ({n} "
+              f"shapes) beside {_backends(part)[1].name}")  # fmt: skip
     return 0
 
 

@@ -118,10 +118,14 @@ def _warp_rows(n0, warp, r, N, BN: gl.constexpr, RW: gl.constexpr):
 
 
 @gluon.jit
-def _step(w, s, xv, acc, KW: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, L4: gl.constexpr,
-          A_L: gl.constexpr, B_L: gl.constexpr):  # fmt: skip
-    """acc += expand(w, s) @ xv.T for one K step, in the dot's K order (module doc)."""
-    if xv.dtype == gl.bfloat16:
+def expand_dot_order(w, s, dtype: gl.constexpr, KW: gl.constexpr, BN: gl.constexpr,
+                     L4: gl.constexpr):  # fmt: skip
+    """Weight bytes ``w`` [KW, BN, 64] (thread ``(g, c)`` of a warp: bytes 16c..16c+15 of
+    rows g, g + 8) and their scale bytes ``s`` [KW, BN, 8] -> [KW, BN, 128] values of
+    ``dtype`` (``e2m1 * scale * 2**-14``) in the dot's K order: position ``kd = (i1, i0, t,
+    h, c, e)`` holds nibble h of byte ``16c + 8 i1 + 4 i0 + 2t + e`` (`dot_order` says
+    where each natural K lands). Also the A operand of `gemm_w4a16_rs`."""
+    if dtype == gl.bfloat16:
         sv = (s.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 5.192296858534828e33).to(
             gl.bfloat16
         )  # 2**112: the bf16 dequantizer's e2m1 * 2**-126 becomes e2m1 * scale * 2**-14
@@ -132,16 +136,32 @@ def _step(w, s, xv, acc, KW: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, L
     w4 = gl.convert_layout(w.reshape([KW, BN, 8, 8]), L4, assert_trivial=True)
     s_b, w4 = gl.broadcast(gl.expand_dims(sv, 3), w4)
     lo, hi = gl.inline_asm_elementwise(
-        asm, "=r,=r,=r,=r,r,r,r", [w4, s_b], dtype=(xv.dtype, xv.dtype), is_pure=True, pack=4
+        asm, "=r,=r,=r,=r,r,r,r", [w4, s_b], dtype=(sv.dtype, sv.dtype), is_pure=True, pack=4
     )
-    # dot position kd = (i1, i0, t, h, c, e) <- nibble h of byte 16c + 8 i1 + 4 i0 + 2t + e
     jn = gl.join(lo, hi).reshape([KW, BN, 4, 2, 2, 2, 2, 2])
-    a = jn.permute((0, 1, 3, 4, 5, 7, 2, 6)).reshape([KW, BN, 128])
-    a = gl.convert_layout(a, A_L)
+    return jn.permute((0, 1, 3, 4, 5, 7, 2, 6)).reshape([KW, BN, 128])
+
+
+@gluon.jit
+def _step(w, s, xv, acc, KW: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, L4: gl.constexpr,
+          A_L: gl.constexpr, B_L: gl.constexpr):  # fmt: skip
+    """acc += expand(w, s) @ xv.T for one K step, in the dot's K order (module doc)."""
+    a = gl.convert_layout(expand_dot_order(w, s, xv.dtype, KW, BN, L4), A_L)
     xr = xv.reshape([KW, BM, 4, 2, 2, 2, 2, 2])
     b = xr.permute((0, 3, 4, 5, 7, 2, 6, 1)).reshape([KW, 128, BM])
     b = gl.convert_layout(b, B_L)
     return mma_v2(a, b, acc)
+
+
+def dot_order(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [..., K] (K % 128 == 0) with each 128-wide K block in the dot order of
+    `expand_dot_order` (a new contiguous tensor; the host twin of `_step`'s permutation
+    of the activations, for kernels whose activations come through shared memory)."""
+    *lead, k = x.shape
+    v = x.reshape(*lead, k // 128, 4, 2, 2, 2, 2, 2)  # (c, i1, i0, t, e, h)
+    n = len(lead) + 1
+    order = (*range(n), n + 1, n + 2, n + 3, n + 5, n, n + 4)
+    return v.permute(order).reshape(*lead, k)
 
 
 @gluon.jit(do_not_specialize=["M", "N", "has_bias"])

@@ -383,14 +383,21 @@ class W4A16WsKernel(DenseKernel):
         specialized (``do_not_specialize``)."""
         if prepared:
             raise ValueError("prepared: the warp-specialized kernel reads natural weight bytes")
-        meta = torch.device("meta")
-        a = torch.empty((m, k), dtype=torch.bfloat16, device=meta)
-        b = torch.empty((n, k // 2), dtype=torch.uint8, device=meta)
-        s = torch.empty(swizzled_scale_shape(n, k), dtype=torch.uint8, device=meta)
-        ws, cnt = (torch.float32, torch.int32) if self.cfg.split_k > 1 else (dtype, dtype)
-        args = (*self._descriptors(a, b, s), torch.float32, dtype, dtype, ws, cnt, m, n, k, n,
-                1, 0, s.shape[1] // 4)  # fmt: skip
-        return self._binding().warmup(self.grid(m, n), args)
+        return self._binding().warmup(self.grid(m, n), meta_launch_args(self, m, n, k, dtype))
+
+
+def meta_launch_args(kernel, m: int, n: int, k: int, dtype: torch.dtype) -> tuple:
+    """The launch arguments of a TMA kernel object (`W4A16WsKernel`, `gemm_w4a16_rs`'s
+    `RsKernel`: ``_descriptors`` and ``cfg.split_k``) for contiguous bf16 activations, a
+    contiguous ``dtype`` output and these sizes, on meta tensors: what ``precompile``
+    compiles without launching."""
+    meta = torch.device("meta")
+    a = torch.empty((m, k), dtype=torch.bfloat16, device=meta)
+    b = torch.empty((n, k // 2), dtype=torch.uint8, device=meta)
+    s = torch.empty(swizzled_scale_shape(n, k), dtype=torch.uint8, device=meta)
+    ws, cnt = (torch.float32, torch.int32) if kernel.cfg.split_k > 1 else (dtype, dtype)
+    return (*kernel._descriptors(a, b, s), torch.float32, dtype, dtype, ws, cnt, m, n, k, n,
+            1, 0, s.shape[1] // 4)  # fmt: skip
 
 
 _WS_LAUNCH = CachedLauncher(_w4a16_ws_kernel)

@@ -97,6 +97,7 @@ def load(path: Path) -> dict[str, Any]:
                   "launch_us", "in_flight_bytes", "split_reduce_us", "mma_eff",
                   "unpack_gemm_eff", "unpack_launch_us"),
         "ws": ("deq_step_us", "mma_eff", "bw_fraction", "fixed_us"),
+        "rs": ("deq_step_us", "mma_eff", "bw_fraction", "fixed_us"),
         "mma": ("lat_us", "pf_lat", "sat_warps", "own_per_us", "issue_per_us", "bw_fraction",
                 "fixed_us", "cta_us", "split_us", "time_scale"),
     }  # fmt: skip

@@ -1,0 +1,449 @@
+"""Hopper (sm90) W4A16 GEMM for 64-256 tokens: weights expanded in registers feed ``wgmma``.
+
+``out[M, N] = alpha * x[M, K] @ dequant(W)[N, K].T`` with the operands of `gemm_w4a16`
+(bf16 or fp16 activations, NVFP4 weight bytes in natural order, 128x4-swizzled e4m3
+scales).
+
+Why a fourth kernel. `gemm_w4a16_ws` expands the weights in dequant warps, stores the
+bf16 tile to shared memory and hands it to an MMA warpgroup through mbarriers; its
+tensor pipe stayed ~59% busy at 256x8192² (RESULTS.md "Hopper W4A16" run 6). Here the
+warps that expand a weight tile multiply it themselves: ``wgmma`` takes its A operand
+(the weights, swapped into the MMA's M) from registers and its B operand (the tokens)
+from shared memory, so the expanded tile never goes through shared memory and no
+partition waits on another.
+
+- A CTA covers 128 weight rows (two warpgroups of 64: one 512-byte scale chunk of the
+  128x4 swizzle per 64 K) and ``BT`` tokens, in 128-wide K steps. One TMA ring of
+  ``STAGES`` slots carries each step's weight bytes [128, 64], its two scale chunks and
+  the activation tile (two [BT, 64] boxes: the 128-byte swizzle holds 64 bf16 a row).
+- Warp ``w`` reads rows ``16w .. 16w + 15`` of the weight bytes from shared memory in
+  the register layout of `gemm_w4a16_mma` (thread ``(g, c)``: bytes 16c..16c+15 of rows
+  g, g + 8) and expands them with its dequantizer (`expand_dot_order`). The A operand of
+  ``wgmma`` is, per warp, the fragment of ``mma.sync``, so the expanded values need no
+  data movement - but they are in the dot's K order, not natural order. The B operand
+  must be in the same order: the activations are permuted once per call
+  (`gemm_w4a16_mma.dot_order`; `RsKernel` holds the buffer), which every CTA then reads
+  by TMA.
+- Two variants. One partition of 8 warps: the expansion of step ``i + 1`` is written
+  while step ``i``'s ``wgmma`` are in flight, then the CTA waits and refills their slot
+  (one CTA barrier a step). ``specialized`` (`_w4a16_rs_ws_kernel`, what the backend
+  runs): each warpgroup is a partition of its own and a TMA warp fills the ring, slots
+  released through ``empty`` mbarriers, so the warpgroups drift apart and one's
+  expansion overlaps the other's MMA. Within a warpgroup they do not overlap: ptxas
+  places the wait for step i's ``wgmma`` before step i + 1's expansion whatever the PTX
+  order (RESULTS.md "Hopper W4A16" run 9).
+- The activations' pass (`_dot_order_pass`) is plain Triton and a launch of its own.
+
+Epilogue: ``alpha * 2**14``, bias in fp32, one rounding, masked store through ``out``'s
+strides; split-K (``SPLIT_K`` CTAs a tile) through the workspace protocol of `splitk`.
+
+Shapes: any M and N >= 1 (TMA zero-fills rows past M and N; rows past N are never
+stored), ``K % 128 == 0`` (whole steps: no K masks); other inputs run the direct kernel
+(`why_unsupported`). Gluon has no interpreter: CI compiles this kernel for sm_90, the
+numerics are checked on the H200.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from fp4_dispatch.backends.sm90 import gemm_w4a16_ws
+from fp4_dispatch.backends.sm90.epilogue_gluon import cta_barrier, store_tile, tile_origin
+from fp4_dispatch.backends.sm90.gemm_w4a16 import DenseKernel, W4A16Operands
+from fp4_dispatch.backends.sm90.gemm_w4a16_mma import expand_dot_order
+from fp4_dispatch.backends.sm90.gemm_w4a16_ws import _S_LAYOUT, _descriptor, _x_layout
+from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher, launch_aligned
+from fp4_dispatch.backends.workspace import Scratch
+
+STEP_K = 128
+BLOCK_N = 128  # weight rows per CTA: two warpgroups of 64, one 128-row scale block
+BLOCK_M_CHOICES = (64, 128, 256)
+STAGES_CHOICES = (2, 3, 4)
+
+#: weight bytes are read by threads, never by an MMA: no swizzle (a warp's 128-bit
+#: loads of 8 rows x 64 bytes are 512 contiguous bytes, conflict-free)
+_W_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gluon.jit
+def _scales(chunks, NW: gl.constexpr):
+    """The [4, 256] smem slot of two 512-byte scale chunks (K steps 2i, 2i + 1 of one
+    128-row block) as [NW, 16, 8]: warp w's 16 rows, 8 blocks of 16 K. Byte ``512 kc +
+    (r % 32) * 16 + (r // 32) * 4 + g`` is row r's scale of block ``4 kc + g``."""
+    v = chunks.reshape([2, 2, 16, 4, 4])  # (kc, (r % 32) // 16, r % 16, r // 32, g)
+    return v.permute((3, 1, 2, 0, 4)).reshape([NW, 16, 8])
+
+
+@gluon.jit
+def _issue(w_desc, s_desc, x_desc, bar, w_buf, s_buf, x_bufs, slot, n0, s_row0, m0, kt, ok):
+    """TMA loads of K step ``kt`` into ring slot ``slot`` (when ``ok``)."""
+    nbytes: gl.constexpr = (w_desc.block_type.nbytes + s_desc.block_type.nbytes
+                            + 2 * x_desc.block_type.nbytes)  # fmt: skip
+    mbarrier.expect(bar, nbytes, pred=ok)
+    _tma_load(w_desc, [n0, kt * 64], bar, w_buf, pred=ok)
+    _tma_load(s_desc, [s_row0 + 4 * kt, 0], bar, s_buf, pred=ok)
+    _tma_load(x_desc, [m0, kt * 128], bar, x_bufs.index(2 * slot), pred=ok)
+    _tma_load(x_desc, [m0, kt * 128 + 64], bar, x_bufs.index(2 * slot + 1), pred=ok)
+
+
+@gluon.jit
+def _refill(w_desc, s_desc, x_desc, ready, w_bufs, s_bufs, x_bufs, i, n0, s_row0, m0, kt0,
+            n_steps):  # fmt: skip
+    """Step ``i``'s MMA has finished in every warp: load step ``i + STAGES`` into its slot
+    (one CTA barrier: both warpgroups are done with the slot)."""
+    STAGES: gl.constexpr = w_bufs.shape[0]
+    slot = i % STAGES
+    cta_barrier()
+    nxt = i + STAGES
+    _issue(w_desc, s_desc, x_desc, ready.index(slot), w_bufs.index(slot), s_bufs.index(slot),
+           x_bufs, slot, n0, s_row0, m0, kt0 + nxt, nxt < n_steps)  # fmt: skip
+
+
+@gluon.jit
+def _expand_slot(w_bufs, s_bufs, x_bufs, ready, i, STAGES: gl.constexpr, NW: gl.constexpr,
+                 WL: gl.constexpr, L4: gl.constexpr, A_L: gl.constexpr):  # fmt: skip
+    """Wait for step ``i``'s slot and expand its weights: the two K halves of the A
+    operand ([128, 64] each, in `A_L`)."""
+    slot = i % STAGES
+    mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+    w = w_bufs.index(slot).reshape([NW, 16, 64]).load(WL)
+    s = _scales(s_bufs.index(slot), NW).load(gl.SliceLayout(3, L4))
+    a = expand_dot_order(w, s, x_bufs.dtype, NW, 16, L4)  # [NW, 16, 128]: kd's top bit is i1
+    a = a.reshape([NW * 16, 2, 64]).permute((0, 2, 1))
+    a0, a1 = gl.split(a)
+    return gl.convert_layout(a0, A_L), gl.convert_layout(a1, A_L)
+
+
+@gluon.jit
+def _mma_step(a0, a1, x_bufs, slot, acc):
+    """The two async ``wgmma`` of one step (K halves of 64)."""
+    acc = warpgroup_mma(a0, x_bufs.index(2 * slot).permute((1, 0)), acc, is_async=True)
+    return warpgroup_mma(a1, x_bufs.index(2 * slot + 1).permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit(do_not_specialize=["M", "N", "has_bias"])
+def _w4a16_rs_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+                     M, N, K, stride_om, stride_on, has_bias, s_chunks,
+                     SPLIT_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    # s_chunks: 512-byte scale chunks per 128-row block (padded K / 64); the scale
+    # descriptor views the swizzled scales as rows of 256 bytes, two rows a chunk
+    BT: gl.constexpr = x_desc.block_type.shape[0]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    NW: gl.constexpr = BN // 16
+    WL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [NW, 1, 1], [2, 1, 0])
+    L4: gl.constexpr = gl.BlockedLayout([1, 1, 2, 8], [1, 8, 4, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BT, 16]
+    )
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+
+    pid, pid_k, pid_n, n0, m0 = tile_origin(N, BN, BT)
+    k_steps = K // 128
+    per_split = gl.cdiv(k_steps, SPLIT_K)
+    kt0 = pid_k * per_split
+    n_steps = gl.maximum(gl.minimum(kt0 + per_split, k_steps) - kt0, 0)
+    s_row0 = pid_n * s_chunks * 2
+
+    w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 64], w_desc.layout)
+    s_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 256], s_desc.layout)
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES, BT, 64], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+    fence_async_shared()
+    for j in gl.static_range(STAGES):
+        _issue(w_desc, s_desc, x_desc, ready.index(j), w_bufs.index(j), s_bufs.index(j),
+               x_bufs, j, n0, s_row0, m0, kt0 + j, j < n_steps)  # fmt: skip
+
+    acc = gl.zeros([BN, BT], gl.float32, ACC)
+    if n_steps > 0:
+        a0, a1 = _expand_slot(w_bufs, s_bufs, x_bufs, ready, 0, STAGES, NW, WL, L4, A_L)
+        for i in range(n_steps - 1):
+            acc = _mma_step(a0, a1, x_bufs, i % STAGES, acc)
+            b0, b1 = _expand_slot(w_bufs, s_bufs, x_bufs, ready, i + 1, STAGES, NW, WL, L4, A_L)
+            acc = warpgroup_mma_wait(0, deps=(acc, a0, a1))[0]
+            a0, a1 = b0, b1
+            _refill(w_desc, s_desc, x_desc, ready, w_bufs, s_bufs, x_bufs, i, n0, s_row0, m0,
+                    kt0, n_steps)  # fmt: skip
+        acc = _mma_step(a0, a1, x_bufs, (n_steps - 1) % STAGES, acc)
+        acc = warpgroup_mma_wait(0, deps=(acc, a0, a1))[0]
+
+    store_tile(acc, n0, m0, alpha_ptr, bias_ptr, has_bias, out_ptr, ws_ptr, cnt_ptr, M, N,
+               stride_om, stride_on, pid, pid_k, SPLIT_K)  # fmt: skip
+
+
+@gluon.jit
+def _consumer(p, WG: gl.constexpr, SPLIT_K: gl.constexpr):
+    """Warpgroup ``WG``: rows ``64 WG .. 64 WG + 63`` of the CTA's weights, every step:
+    expand (registers) -> two ``wgmma`` -> release the slot; then its own epilogue."""
+    (w_bufs, s_bufs, x_bufs, ready, empty, n_steps, n0, m0, alpha_ptr, bias_ptr, has_bias,
+     out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, stride_on, pid, pid_k) = p  # fmt: skip
+    STAGES: gl.constexpr = w_bufs.shape[0]
+    BT: gl.constexpr = x_bufs.shape[1]
+    WL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [4, 1, 1], [2, 1, 0])
+    L4: gl.constexpr = gl.BlockedLayout([1, 1, 2, 8], [1, 8, 4, 1], [4, 1, 1, 1], [3, 2, 1, 0])
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16]
+    )
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    acc = gl.zeros([64, BT], gl.float32, ACC)
+    for i in range(n_steps):
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        w = w_bufs.index(slot).reshape([8, 16, 64]).slice(4 * WG, 4).load(WL)
+        # all 128 rows' scales (a 4-warp layout holds row groups w and w + 4 per warp),
+        # then this warpgroup's half
+        sc = _scales(s_bufs.index(slot), 8).load(gl.SliceLayout(3, L4))
+        s_lo, s_hi = gl.split(sc.reshape([2, 4, 16, 8]).permute((1, 2, 3, 0)))
+        sc = gl.convert_layout(s_lo if WG == 0 else s_hi, gl.SliceLayout(3, L4))
+        a = expand_dot_order(w, sc, x_bufs.dtype, 4, 16, L4).reshape([64, 2, 64])
+        a0, a1 = gl.split(a.permute((0, 2, 1)))
+        a0 = gl.convert_layout(a0, A_L)
+        a1 = gl.convert_layout(a1, A_L)
+        acc = _mma_step(a0, a1, x_bufs, slot, acc)
+        acc = warpgroup_mma_wait(0, deps=(acc, a0, a1))[0]
+        mbarrier.arrive(empty.index(slot), count=1)
+    store_tile(acc, n0 + 64 * WG, m0, alpha_ptr, bias_ptr, has_bias, out_ptr, ws_ptr, cnt_ptr,
+               M, N, stride_om, stride_on, 2 * pid + WG, pid_k, SPLIT_K)  # fmt: skip
+    return ()
+
+
+@gluon.jit
+def _producer(p):
+    """One warp: the TMA loads of every step, each into a slot both warpgroups released."""
+    (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, s_row0, m0, kt0,
+     n_steps) = p  # fmt: skip
+    STAGES: gl.constexpr = w_bufs.shape[0]
+    for i in range(n_steps):
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # a new barrier: passes
+        _issue(w_desc, s_desc, x_desc, ready.index(slot), w_bufs.index(slot),
+               s_bufs.index(slot), x_bufs, slot, n0, s_row0, m0, kt0 + i, True)  # fmt: skip
+
+
+@gluon.jit(do_not_specialize=["M", "N", "has_bias"])
+def _w4a16_rs_ws_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+                        M, N, K, stride_om, stride_on, has_bias, s_chunks,
+                        SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
+                        REGS: gl.constexpr):  # fmt: skip
+    BT: gl.constexpr = x_desc.block_type.shape[0]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    pid, pid_k, pid_n, n0, m0 = tile_origin(N, BN, BT)
+    k_steps = K // 128
+    per_split = gl.cdiv(k_steps, SPLIT_K)
+    kt0 = pid_k * per_split
+    n_steps = gl.maximum(gl.minimum(kt0 + per_split, k_steps) - kt0, 0)
+    w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 64], w_desc.layout)
+    s_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 256], s_desc.layout)
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES, BT, 64], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(empty.index(j), count=2)
+    fence_async_shared()
+    cons = (w_bufs, s_bufs, x_bufs, ready, empty, n_steps, n0, m0, alpha_ptr, bias_ptr, has_bias,
+            out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, stride_on, pid, pid_k)  # fmt: skip
+    prod = (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, pid_n * s_chunks * 2,
+            m0, kt0, n_steps)  # fmt: skip
+    gl.warp_specialize(
+        [(_consumer, (cons, 0, SPLIT_K)), (_consumer, (cons, 1, SPLIT_K)), (_producer, (prod,))],
+        [4, 1],
+        [REGS, 56],
+    )  # fmt: skip
+
+
+@triton.jit
+def _dot_order_pass(x_ptr, out_ptr, M, K, stride_xm, BLOCK_R: tl.constexpr):
+    """``out[r, 128 b + kd] = x[r, 128 b + nat(kd)]`` (`gemm_w4a16_mma.dot_order`): the
+    bits of ``kd`` are, from the lowest, (e, c: 2, h, t, i0, i1) and ``nat = 32c + 16 i1 +
+    8 i0 + 4t + 2e + h``. Plain Triton: runs under the interpreter."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    kd = tl.arange(0, 128)
+    nat = (((kd >> 1) & 3) * 32 + ((kd >> 6) & 1) * 16 + ((kd >> 5) & 1) * 8
+           + ((kd >> 4) & 1) * 4 + (kd & 1) * 2 + ((kd >> 3) & 1))  # fmt: skip
+    base = tl.program_id(1) * 128
+    mask = (rows < M)[:, None]
+    r64 = rows[:, None].to(tl.int64)
+    v = tl.load(x_ptr + r64 * stride_xm + base + nat[None, :], mask=mask)
+    tl.store(out_ptr + r64 * K + base + kd[None, :], v, mask=mask)
+
+
+#: rows per CTA of `_dot_order_pass` (128 K columns each)
+PASS_ROWS = 16
+_PASS_LAUNCH = CachedLauncher(_dot_order_pass)
+
+
+def dot_order_into(a: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (contiguous, ``a``'s shape and dtype) = ``a`` in the dot's K order, one
+    launch (`_dot_order_pass`); ``a`` needs K % 128 == 0 and unit stride along K."""
+    m, k = a.shape
+    bound = _pass_binding()
+    args = (a, out, m, k, a.stride(0))
+    launch_aligned(bound, (m, k, a.stride(0), a.dtype), (-(-m // PASS_ROWS), k // 128), args,
+                   (a, out))  # fmt: skip
+    return out
+
+
+@functools.cache
+def _pass_binding() -> BoundLaunch:
+    return _PASS_LAUNCH.bind({"BLOCK_R": PASS_ROWS}, 4)
+
+
+# ---- host side ------------------------------------------------------------------------
+
+
+def why_unsupported(operands: W4A16Operands) -> str | None:
+    """Why this kernel cannot run ``operands`` (None if it can): bf16 or fp16
+    activations with unit stride along K, K % 128 == 0, natural weight bytes."""
+    a = operands.a
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        return f"a: expected bfloat16 or float16 activations, got {a.dtype}"
+    if a.shape[1] % STEP_K:
+        return f"a: expected K % {STEP_K} == 0, got K={a.shape[1]}"
+    if a.shape[1] > 1 and a.stride(1) != 1:
+        return f"a: expected unit stride along K, got strides {tuple(a.stride())}"
+    if getattr(operands, "prepared", False):
+        return "b_data: expected natural weight bytes, got the sm90-prepared layout"
+    return None
+
+
+@dataclass(frozen=True)
+class RsConfig:
+    """Compile-time knobs: ``block_m`` tokens per CTA (the MMA's N); ``split_k`` CTAs per
+    output tile along K (the workspace protocol of `splitk`); ``stages`` TMA ring slots."""
+
+    block_m: int = 128
+    split_k: int = 1
+    stages: int = 3
+    specialized: bool = False
+
+    block_n: ClassVar[int] = BLOCK_N
+    block_k: ClassVar[int] = STEP_K
+
+    def __post_init__(self) -> None:
+        for name, choices in (("block_m", BLOCK_M_CHOICES), ("stages", STAGES_CHOICES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}: expected one of {choices}, got {getattr(self, name)}")
+        if self.split_k < 1:
+            raise ValueError(f"split_k: expected >= 1, got {self.split_k}")
+
+
+@dataclass
+class RsKernel(DenseKernel):
+    """A built kernel: ``kernel(operands, out)``; ``out = alpha * a @ dequant(b).T`` plus
+    ``operands.bias``. Each call first writes the activations in the dot's K order into a
+    kept buffer (`dot_order_into`; made outside CUDA-graph pools on the first call of a
+    shape: run that call outside capture), then launches the GEMM. Inputs it cannot read
+    run the direct kernel (`why_unsupported`)."""
+
+    cfg: RsConfig
+    _acts: Scratch = field(default_factory=Scratch, repr=False)
+    _views: dict = field(default_factory=dict, repr=False)
+
+    def __call__(self, operands: W4A16Operands, out: torch.Tensor) -> None:
+        if why_unsupported(operands) is not None:
+            # what this kernel cannot read runs the direct kernel: a raised error would
+            # mark the tactic broken for every later call of the dispatcher
+            _direct_fallback()(operands, out)
+            return
+        self.launch(self.permute_activations(operands.a), operands, out)
+
+    def permute_activations(self, a: torch.Tensor) -> torch.Tensor:
+        """``a`` in the dot's K order (`dot_order`), in this kernel object's kept buffer
+        (a view per (M, K, dtype, device), made once: no slicing on the hot path)."""
+        key = (*a.shape, a.dtype, a.get_device())
+        x = self._views.get(key)
+        if x is None:
+            m, k = a.shape
+            buf, _ = self._acts.get(a.device, m * k // 2, 0)
+            x = self._views[key] = buf.view(a.dtype)[: m * k].view(m, k)
+        return dot_order_into(a, x)
+
+    def launch(self, x: torch.Tensor, operands: W4A16Operands, out: torch.Tensor) -> None:
+        """The GEMM on activations ``x`` already in the dot's K order."""
+        b, s = operands.b_data, operands.b_scale
+        m, k = x.shape
+        n = b.shape[0]
+        grid, ws, cnt = self.launch_space(m, n, out)
+        bias = out if operands.bias is None else operands.bias
+        so0, so1 = out.stride()
+        args = (*self._descriptors(x, b, s), operands.alpha, bias, out, ws, cnt, m, n, k,
+                so0, so1, int(operands.bias is not None), s.shape[1] // 4)  # fmt: skip
+        key = (m, n, k, so0, so1, out.dtype, bias.dtype)
+        bound = self._binding()
+        launch_aligned(bound, key, grid, args, (operands.alpha, bias, out, ws, cnt))
+        self.compiled = bound.last_compiled
+
+    def _binding(self, *_: object) -> BoundLaunch:
+        bound = self._bound.get(None)
+        if bound is None:
+            meta = {"SPLIT_K": self.cfg.split_k, "STAGES": self.cfg.stages}
+            if self.cfg.specialized:
+                # one CTA an SM either way (three warpgroups: setmaxnreg works per
+                # warpgroup, the TMA warp's counts as one): both consumers get 152
+                # registers, the second by setmaxnreg from what the TMA warp gives back
+                meta["REGS"] = 152
+                bound = _RS_WS_LAUNCH.bind(meta, 4, maxnreg=152)
+            else:
+                bound = _RS_LAUNCH.bind(meta, BLOCK_N // 16)
+            self._bound[None] = bound
+        return bound
+
+    def workspace(self, device: torch.device, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Split-K partials and counters: the specialized kernel's warpgroups store
+        their 64-row halves as two tiles (ids ``2 * tile + warpgroup``)."""
+        if not self.cfg.specialized:
+            return super().workspace(device, tiles)
+        floats = tiles * self.cfg.split_k * BLOCK_N * self.cfg.block_m
+        return self._scratch.get(device, floats, 2 * tiles)
+
+    def _descriptors(self, x: torch.Tensor, b: torch.Tensor, s: torch.Tensor) -> tuple:
+        """TMA descriptors of the dot-ordered activations, weight bytes and scale chunks."""
+        (m, k), n, bm = x.shape, b.shape[0], self.cfg.block_m
+        x_desc = _descriptor(x, [m, k], [k, 1], [bm, 64], _x_layout(bm))
+        w_desc = _descriptor(b, [n, k // 2], [k // 2, 1], [BLOCK_N, 64], _W_LAYOUT)
+        rows = s.view(torch.uint8).view(-1, 256)  # two rows of 256 bytes per scale chunk
+        s_desc = _descriptor(rows, list(rows.shape), [256, 1], [4, 256], _S_LAYOUT)
+        return x_desc, w_desc, s_desc
+
+    def precompile(
+        self, m: int, n: int, k: int, dtype: torch.dtype, prepared: bool = False
+    ) -> object:
+        """Compile the GEMM for these sizes and a ``dtype`` output, launching nothing."""
+        if prepared:
+            raise ValueError("prepared: this kernel reads natural weight bytes")
+        args = gemm_w4a16_ws.meta_launch_args(self, m, n, k, dtype)
+        return self._binding().warmup(self.grid(m, n), args)
+
+
+_RS_LAUNCH = CachedLauncher(_w4a16_rs_kernel)
+_RS_WS_LAUNCH = CachedLauncher(_w4a16_rs_ws_kernel)
+
+
+def _direct_fallback() -> DenseKernel:
+    """The direct kernel for inputs `RsKernel` cannot read (`why_unsupported`): the ws
+    kernel's fallback (128 weight rows x 64 tokens), any K % 32, either byte order."""
+    return gemm_w4a16_ws._direct_fallback()
+
+
+def build(cfg: RsConfig) -> RsKernel:
+    """A kernel object for `cfg` (Triton compiles on the first call)."""
+    return RsKernel(cfg)

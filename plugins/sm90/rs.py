@@ -1,0 +1,184 @@
+"""Plugin module: ``triton-sm90-rs``, Hopper W4A16 from wgmma-register weights (64-256 tokens).
+
+The kernel (`fp4_dispatch.backends.sm90.gemm_w4a16_rs`, Gluon, its warp-specialized
+variant) gives each of two warpgroups 64 of a CTA's 128 weight rows: they expand their
+NVFP4 bytes in registers and feed them to ``wgmma`` as its A operand, the tokens (B) come
+from shared memory, a TMA warp fills the ring. The activations are first written in the
+dot's K order by a short pass (part of each call). Tactics: ``tile_m`` 64 (4 stages) or
+128 (3 stages) tokens, 128-wide K steps, ``split_k`` 1-4: the measured best variants
+(RESULTS.md, "Hopper W4A16" run 9); the kernel's other knobs (its single-partition
+variant, a 256-token tile) stay in `RsConfig`, benchmarked and not offered.
+
+Why a backend of its own: it competes with ``triton-sm90-ws`` (faster on 14 of the 18
+shapes of run 9 at M = 64-256, by up to 24%, within 2% on the rest) and with the direct
+kernel, and its cost model has its own constants (`_estimate_rs`).
+
+Not offered under ``TRITON_INTERPRET=1``: Gluon kernels have no interpreter. CI compiles
+them for sm_90 instead (tests/test_gemm_w4a16_rs.py) and runs the activation pass under
+the interpreter; the numerics are checked on the H200.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from fp4_dispatch.backend import Backend, Kernel, Support
+from fp4_dispatch.device import DeviceInfo
+from fp4_dispatch.plugins.sm90 import _gluon_support, _pow2_at_least, cost_model, split_k_rule
+from fp4_dispatch.plugins.sm90 import w4a16 as w4
+from fp4_dispatch.tactics import Problem, Tactic
+
+if TYPE_CHECKING:
+    from fp4_dispatch.backends.sm90.gemm_w4a16_rs import RsConfig
+
+RS_TILE_M = (64, 128)
+#: the largest M each token tile is offered for: what run 9 timed (64-token tiles at
+#: M 64 and 128 only; at M = 256 the estimate would otherwise pick an untimed tactic)
+RS_TILE_MAX_M = {64: 128, 128: 256}
+RS_SPLIT_K = (1, 2, 3, 4)
+#: ring slots per token tile: the best of each in run 9 (shared memory: 100 / 123 KiB)
+RS_STAGES = {64: 4, 128: 3}
+#: weight rows per CTA and K per step (the kernel's `BLOCK_N` and `STEP_K`)
+RS_TILE_N = 128
+RS_TILE_K = 128
+#: the token range offered: measured at 64-256 (run 9); the mma and direct kernels own
+#: decode, and above 256 nothing is measured
+RS_MIN_M = 64
+RS_MAX_M = 256
+
+
+class TritonSm90RsTactic(w4.TritonSm90W4A16Tactic):
+    """A register-sourced wgmma W4A16 tactic: ``tile_m`` tokens and ``split_k`` vary."""
+
+    backend: Literal["triton-sm90-rs"] = "triton-sm90-rs"  # type: ignore[assignment]
+    path: Literal["rs"] = "rs"  # type: ignore[assignment]
+    tile_n: Literal[128] = 128  # type: ignore[assignment]
+    tile_k: Literal[128] = 128  # type: ignore[assignment]
+
+    def kernel_config(self) -> RsConfig:  # type: ignore[override]
+        """The kernel's compile-time config (warp-specialized, the tile's stages)."""
+        from fp4_dispatch.backends.sm90.gemm_w4a16_rs import RsConfig  # noqa: PLC0415 - optional: Triton
+
+        return RsConfig(block_m=self.tile_m, split_k=self.split_k, stages=self.num_stages,
+                        specialized=True)  # fmt: skip
+
+
+def why_invalid(t: TritonSm90RsTactic, problem: Problem, device: DeviceInfo) -> str | None:
+    """Why `t` is not offered for `problem`, else None: M in [`RS_MIN_M`, `RS_MAX_M`],
+    K % 128 (whole steps), the token tile within M padded to a power of 2 and its
+    `RS_TILE_MAX_M`, with its stages, split-K within one wave of CTAs (one CTA an SM)
+    with >= 2 K steps a split."""
+    if not RS_MIN_M <= problem.m <= RS_MAX_M:
+        return f"M={problem.m}: offered for {RS_MIN_M} <= M <= {RS_MAX_M} (measured range)"
+    if problem.k % RS_TILE_K:
+        return f"K={problem.k} must be a multiple of {RS_TILE_K}"
+    if t.tile_m not in RS_TILE_M or t.tile_m > _pow2_at_least(problem.m):
+        return f"tile_m={t.tile_m} does not fit M={problem.m} (one of {RS_TILE_M}, <= M padded)"
+    if problem.m > RS_TILE_MAX_M[t.tile_m]:
+        return f"tile_m={t.tile_m}: offered up to M={RS_TILE_MAX_M[t.tile_m]} (measured range)"
+    if t.num_stages != RS_STAGES[t.tile_m]:
+        return f"num_stages={t.num_stages}: tile_m={t.tile_m} runs {RS_STAGES[t.tile_m]}"
+    if t.split_k not in RS_SPLIT_K or t.num_warps != 4 or t.block_r != 64:
+        return (f"split_k in {RS_SPLIT_K}, 4 warps, block_r 64 (got {t.split_k}, "
+                f"{t.num_warps}, {t.block_r})")  # fmt: skip
+    tiles = -(-problem.m // t.tile_m) * -(-problem.n // RS_TILE_N)
+    return split_k_rule(t.split_k, tiles, problem.k // RS_TILE_K, device.sm_count, 1)
+
+
+# Calibration: the "rs" part of plugins/sm90/cost_model.json, fitted by
+# benchmarks/fit_rs_model.py on the committed H200 sweep of benchmarks/bench_w4a16_rs.py
+# (the file's note says on what).
+
+
+def _c() -> dict:
+    return cost_model.constants()["rs"]
+
+
+def _estimate_rs(t: TritonSm90RsTactic, p: Problem, device: DeviceInfo) -> float:
+    """Rounds of one-CTA-an-SM waves x K steps x the step, plus the activation pass,
+    fixed and split costs.
+
+    The step is the slower of the weight tile's expansion (``deq_step_us`` for 128 x 128
+    values, whatever the token tile) and its MMA (``2 * 128 * tile_m * 128`` flops at
+    ``mma_eff`` of an SM's bf16 rate); HBM bounds the GEMM from below as in
+    `ws._estimate_ws`. The pass reads and writes the activations once; ``fixed_us``:
+    both launches, pipeline fill and epilogue."""
+    c = _c()
+    m_tiles, n_tiles = -(-p.m // t.tile_m), -(-p.n // RS_TILE_N)
+    ctas = m_tiles * n_tiles * t.split_k
+    waves = math.ceil(ctas / device.sm_count)
+    steps = math.ceil(p.k // RS_TILE_K / t.split_k)
+    mma_rate = device.bf16_tflops * 1e6 / device.sm_count * c["mma_eff"]
+    mma = 2.0 * RS_TILE_N * t.tile_m * RS_TILE_K / mma_rate
+    compute = waves * steps * max(c["deq_step_us"], mma)
+    bw = device.mem_bw_gbps * 1e3 * c["bw_fraction"]
+    weight_bytes = p.n * p.k * (0.5 + 1.0 / 16) * m_tiles
+    memory = (weight_bytes + p.m * p.k * 2.0 + 2.0 * p.m * p.n) / bw
+    activation_pass = 4.0 * p.m * p.k / bw
+    partial = 2 * 4.0 * ctas * t.tile_m * RS_TILE_N / bw if t.split_k > 1 else 0.0
+    return max(compute, memory) + activation_pass + c["fixed_us"] + partial
+
+
+class TritonSm90RsBackend(Backend):
+    """Hopper W4A16, 64-256 tokens: warpgroups expand their weights into wgmma's registers."""
+
+    name = "triton-sm90-rs"
+    family = "sm90"
+    version = "1"
+    tactic_type = TritonSm90RsTactic
+    operations: ClassVar[tuple[str, ...]] = ("w4a16",)
+    diversity_axes = ("tile_m", "split_k")
+
+    def supports(self, device: DeviceInfo) -> Support:
+        return _gluon_support(device)
+
+    def tactics(self, problem: Problem, device: DeviceInfo) -> Iterator[TritonSm90RsTactic]:
+        for tm, split in itertools.product(RS_TILE_M, RS_SPLIT_K):
+            t = _tactic(tm, split)
+            if why_invalid(t, problem, device) is None:
+                yield t
+
+    def validate(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> str | None:
+        checked = TritonSm90RsTactic.model_validate(tactic.model_dump())
+        return why_invalid(checked, problem, device)
+
+    def estimate_us(self, problem: Problem, device: DeviceInfo, tactic: Tactic) -> float | None:
+        """Microseconds (`_estimate_rs`), on the scale of the other W4A16 estimates."""
+        assert isinstance(tactic, TritonSm90RsTactic)
+        return _estimate_rs(tactic, problem, device)
+
+    def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
+        assert isinstance(tactic, TritonSm90RsTactic)
+        return _kernel_for(tactic.kernel_config())
+
+    def precompile(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> object:
+        """Compile (Triton ``warmup``, no launch) the GEMM `gemm` runs for `problem` with
+        bf16 activations and output (the activation pass compiles on its first call)."""
+        assert isinstance(tactic, TritonSm90RsTactic)
+        import torch  # noqa: PLC0415 - start-up time: the plugin module imports without torch
+
+        kernel = self.build(tactic, problem, device)
+        p = problem
+        return kernel.precompile(p.m, p.n, p.k, torch.bfloat16)  # type: ignore[attr-defined]
+
+    def precompile_key(self, tactic: Tactic, problem: Problem) -> tuple:
+        """No specialization on M (``do_not_specialize``): the tactic, N, K and the dtype."""
+        return (tactic, problem.n, problem.k, problem.out_dtype, problem.operation)
+
+
+@functools.cache
+def _tactic(tm: int, split: int) -> TritonSm90RsTactic:
+    """Cached tactic objects (the ranking memoizes validation by identity)."""
+    return TritonSm90RsTactic(tile_m=tm, split_k=split, num_stages=RS_STAGES[tm])
+
+
+@functools.cache
+def _kernel_for(cfg: RsConfig) -> Kernel:
+    """One kernel object per config: shapes share compiled code and the buffers."""
+    from fp4_dispatch.backends.sm90 import gemm_w4a16_rs  # noqa: PLC0415 - optional: Triton
+
+    return gemm_w4a16_rs.build(cfg)
