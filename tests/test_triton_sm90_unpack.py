@@ -220,6 +220,7 @@ def test_registered_next_to_the_other_sm90_backends():
         "triton-sm90-dense",
         "triton-sm90-ws",
         "triton-sm90-mma",
+        "triton-sm90-rs",
     ]
     assert {b.family for b in got} == {"sm90"}
 
