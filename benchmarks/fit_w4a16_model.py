@@ -302,8 +302,7 @@ def load_rs_rows(path: Path) -> list[tuple[Problem, bool, dict, dict]]:
         p = Problem(m=r["m"], n=r["n"], k=r["k"], out_dtype="bfloat16", operation="w4a16")
         mine, rival = {}, {}
         for name, e in r["rs"].items():
-            parts = name.split(", ")
-            if "us" not in e or parts[-1] != "specialized":
+            if "us" not in e or not name.endswith(", specialized"):
                 continue
             tm, split, stages = (int(v) for v in re.findall(r"\d+", name))
             if rs.RS_STAGES.get(tm) == stages:
@@ -439,8 +438,8 @@ def main_mid(args: argparse.Namespace, device) -> int:
 
 
 def main_paired(args: argparse.Namespace, device) -> int:
-    """``--ws`` / ``--mma``: check or fit (and ``--write``) that backend's constants; then
-    the pick among it and the W4A16 backend under them."""
+    """``--ws`` / ``--mma`` / ``--rs``: check or fit (and ``--write``) that backend's
+    constants; then the pick among it and its rival (`Paired.rival`) under them."""
     part = "mma" if args.mma else "rs" if args.rs else "ws"
     data = {"mma": args.mma_data, "rs": args.rs_data, "ws": args.ws_data}[part]
     rows = load_paired_rows(data, part)

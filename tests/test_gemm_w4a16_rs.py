@@ -87,6 +87,11 @@ def test_config_and_inputs_name_what_is_wrong(monkeypatch):
     assert "unit stride along K" in rs.why_unsupported(ops)
     ops = w4.W4A16Operands(torch.zeros(4, 128, dtype=torch.bfloat16), w, s, alpha, True)
     assert "sm90-prepared" in rs.why_unsupported(ops)
+    # the specialized kernel's two warpgroups store two tiles a CTA: twice the counters
+    cpu = torch.device("cpu")
+    for spec, counters in ((False, 3), (True, 6)):
+        ws, cnt = rs.build(rs.RsConfig(block_m=64, split_k=2, specialized=spec)).workspace(cpu, 3)
+        assert cnt.numel() == counters and ws.numel() == 3 * 2 * 128 * 64, spec
     seen = []
     monkeypatch.setattr(rs, "_direct_fallback", lambda: lambda o, out: seen.append(o))
     odd = w4.W4A16Operands(torch.zeros(4, 96, dtype=torch.bfloat16), w, s, alpha)

@@ -1,5 +1,5 @@
-"""The CTA tile and the W4A16 epilogue of the sm90 Gluon kernels (`gemm_w4a16_ws`,
-`gemm_w4a16_mma`).
+"""The CTA tile, its split-K step range and the W4A16 epilogue of the sm90 Gluon kernels
+(`gemm_w4a16_ws`, `gemm_w4a16_mma`, `gemm_w4a16_rs`).
 
 `tile_origin` is the raster of `gemm_w4a16.DenseKernel.grid` (the launch grid both
 kernel objects use) and gives the tile id `store_tile` indexes the split-K workspace
@@ -31,6 +31,15 @@ def tile_origin(N, BN: gl.constexpr, BM: gl.constexpr):
     grid_n = gl.cdiv(N, BN)
     pid_n = pid % grid_n
     return pid, gl.program_id(1), pid_n, pid_n * BN, (pid // grid_n) * BM
+
+
+@gluon.jit
+def split_steps(k_steps, pid_k, SPLIT_K: gl.constexpr):
+    """(first step, steps) of split ``pid_k`` of ``SPLIT_K`` over ``k_steps`` K steps:
+    ``cdiv(k_steps, SPLIT_K)`` each, the last ones short or empty."""
+    per_split = gl.cdiv(k_steps, SPLIT_K)
+    kt0 = pid_k * per_split
+    return kt0, gl.maximum(gl.minimum(kt0 + per_split, k_steps) - kt0, 0)
 
 
 @gluon.jit

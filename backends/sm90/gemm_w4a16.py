@@ -793,10 +793,16 @@ class DenseKernel:
         CTA spans several of them."""
         return self.cfg.block_n
 
+    @property
+    def counters_per_tile(self) -> int:
+        """Split-K counters of one output tile: one unless a subclass's CTA stores its
+        tile as several."""
+        return 1
+
     def workspace(self, device: torch.device, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp32 partials, int32 counters) for ``tiles`` output tiles on ``device``."""
         elems = tiles * self.cfg.split_k * self.tile_rows * self.cfg.block_m
-        return self._scratch.get(device, elems, tiles)
+        return self._scratch.get(device, elems, tiles * self.counters_per_tile)
 
     def grid(self, m: int, n: int) -> tuple[int, int]:
         """(output tiles, splits): the launch grid for M tokens and N weight rows."""

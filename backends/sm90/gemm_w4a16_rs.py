@@ -57,16 +57,20 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 from fp4_dispatch.backends.sm90 import gemm_w4a16_ws
-from fp4_dispatch.backends.sm90.epilogue_gluon import cta_barrier, store_tile, tile_origin
+from fp4_dispatch.backends.sm90.epilogue_gluon import (
+    cta_barrier,
+    split_steps,
+    store_tile,
+    tile_origin,
+)
 from fp4_dispatch.backends.sm90.gemm_w4a16 import DenseKernel, W4A16Operands
 from fp4_dispatch.backends.sm90.gemm_w4a16_mma import expand_dot_order
-from fp4_dispatch.backends.sm90.gemm_w4a16_ws import _S_LAYOUT, _descriptor, _x_layout
+from fp4_dispatch.backends.sm90.gemm_w4a16_ws import _S_LAYOUT, _descriptor, _tma_load, _x_layout
 from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher, launch_aligned
 from fp4_dispatch.backends.workspace import Scratch
 
@@ -78,8 +82,6 @@ STAGES_CHOICES = (2, 3, 4)
 #: weight bytes are read by threads, never by an MMA: no swizzle (a warp's 128-bit
 #: loads of 8 rows x 64 bytes are 512 contiguous bytes, conflict-free)
 _W_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
-
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
@@ -155,10 +157,7 @@ def _w4a16_rs_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws_pt
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
 
     pid, pid_k, pid_n, n0, m0 = tile_origin(N, BN, BT)
-    k_steps = K // 128
-    per_split = gl.cdiv(k_steps, SPLIT_K)
-    kt0 = pid_k * per_split
-    n_steps = gl.maximum(gl.minimum(kt0 + per_split, k_steps) - kt0, 0)
+    kt0, n_steps = split_steps(K // 128, pid_k, SPLIT_K)
     s_row0 = pid_n * s_chunks * 2
 
     w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 64], w_desc.layout)
@@ -246,10 +245,7 @@ def _w4a16_rs_ws_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws
     BT: gl.constexpr = x_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     pid, pid_k, pid_n, n0, m0 = tile_origin(N, BN, BT)
-    k_steps = K // 128
-    per_split = gl.cdiv(k_steps, SPLIT_K)
-    kt0 = pid_k * per_split
-    n_steps = gl.maximum(gl.minimum(kt0 + per_split, k_steps) - kt0, 0)
+    kt0, n_steps = split_steps(K // 128, pid_k, SPLIT_K)
     w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 64], w_desc.layout)
     s_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 256], s_desc.layout)
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES, BT, 64], x_desc.layout)
@@ -272,9 +268,9 @@ def _w4a16_rs_ws_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws
 
 @triton.jit
 def _dot_order_pass(x_ptr, out_ptr, M, K, stride_xm, BLOCK_R: tl.constexpr):
-    """``out[r, 128 b + kd] = x[r, 128 b + nat(kd)]`` (`gemm_w4a16_mma.dot_order`): the
-    bits of ``kd`` are, from the lowest, (e, c: 2, h, t, i0, i1) and ``nat = 32c + 16 i1 +
-    8 i0 + 4t + 2e + h``. Plain Triton: runs under the interpreter."""
+    """``out[r, 128 b + kd] = x[r, 128 b + nat(kd)]``: ``nat`` from the bits of ``kd`` (the
+    order of `gemm_w4a16_mma.expand_dot_order`; `gemm_w4a16_mma.dot_order` is the host
+    twin). Plain Triton: runs under the interpreter."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     kd = tl.arange(0, 128)
     nat = (((kd >> 1) & 3) * 32 + ((kd >> 6) & 1) * 16 + ((kd >> 5) & 1) * 8
@@ -407,13 +403,11 @@ class RsKernel(DenseKernel):
             self._bound[None] = bound
         return bound
 
-    def workspace(self, device: torch.device, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Split-K partials and counters: the specialized kernel's warpgroups store
-        their 64-row halves as two tiles (ids ``2 * tile + warpgroup``)."""
-        if not self.cfg.specialized:
-            return super().workspace(device, tiles)
-        floats = tiles * self.cfg.split_k * BLOCK_N * self.cfg.block_m
-        return self._scratch.get(device, floats, 2 * tiles)
+    @property
+    def counters_per_tile(self) -> int:
+        """The specialized kernel's warpgroups store their 64-row halves as two split-K
+        tiles (ids ``2 * tile + warpgroup``): two counters a tile."""
+        return 2 if self.cfg.specialized else 1
 
     def _descriptors(self, x: torch.Tensor, b: torch.Tensor, s: torch.Tensor) -> tuple:
         """TMA descriptors of the dot-ordered activations, weight bytes and scale chunks."""

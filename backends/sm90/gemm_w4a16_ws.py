@@ -58,7 +58,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fp4_dispatch.backends.sm90 import gemm_w4a16
-from fp4_dispatch.backends.sm90.epilogue_gluon import cta_barrier, store_tile, tile_origin
+from fp4_dispatch.backends.sm90.epilogue_gluon import (
+    cta_barrier,
+    split_steps,
+    store_tile,
+    tile_origin,
+)
 from fp4_dispatch.backends.sm90.gemm_w4a16 import _BF16_NATURAL, DenseKernel, W4A16Operands
 from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher, launch_aligned
 from fp4_dispatch.nvfp4 import swizzled_scale_shape
@@ -245,10 +250,7 @@ def _w4a16_ws_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws_pt
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     pid, pid_k, pid_n, n0, m0 = tile_origin(N, BN, BM)
-    k_steps = gl.cdiv(K, 64)
-    per_split = gl.cdiv(k_steps, SPLIT_K)
-    kt0 = pid_k * per_split
-    n_steps = gl.maximum(gl.minimum(kt0 + per_split, k_steps) - kt0, 0)
+    kt0, n_steps = split_steps(gl.cdiv(K, 64), pid_k, SPLIT_K)
 
     w_bufs = gl.allocate_shared_memory(gl.uint8, [NPART * STAGES, BN, 32], w_desc.layout)
     s_bufs = gl.allocate_shared_memory(gl.uint8, [NPART * STAGES, 2, 256], s_desc.layout)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, ClassVar, Literal
 
@@ -30,6 +29,7 @@ from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo
 from fp4_dispatch.plugins.sm90 import _gluon_support, _pow2_at_least, cost_model, split_k_rule
 from fp4_dispatch.plugins.sm90 import w4a16 as w4
+from fp4_dispatch.plugins.sm90.ws import one_cta_waves_us
 from fp4_dispatch.tactics import Problem, Tactic
 
 if TYPE_CHECKING:
@@ -99,28 +99,12 @@ def _c() -> dict:
 
 
 def _estimate_rs(t: TritonSm90RsTactic, p: Problem, device: DeviceInfo) -> float:
-    """Rounds of one-CTA-an-SM waves x K steps x the step, plus the activation pass,
-    fixed and split costs.
-
-    The step is the slower of the weight tile's expansion (``deq_step_us`` for 128 x 128
-    values, whatever the token tile) and its MMA (``2 * 128 * tile_m * 128`` flops at
-    ``mma_eff`` of an SM's bf16 rate); HBM bounds the GEMM from below as in
-    `ws._estimate_ws`. The pass reads and writes the activations once; ``fixed_us``:
-    both launches, pipeline fill and epilogue."""
+    """`ws.one_cta_waves_us` with the rs constants and its 128 x 128 step (``fixed_us``:
+    both launches, pipeline fill and epilogue), plus the activation pass, which reads and
+    writes the activations once at HBM speed."""
     c = _c()
-    m_tiles, n_tiles = -(-p.m // t.tile_m), -(-p.n // RS_TILE_N)
-    ctas = m_tiles * n_tiles * t.split_k
-    waves = math.ceil(ctas / device.sm_count)
-    steps = math.ceil(p.k // RS_TILE_K / t.split_k)
-    mma_rate = device.bf16_tflops * 1e6 / device.sm_count * c["mma_eff"]
-    mma = 2.0 * RS_TILE_N * t.tile_m * RS_TILE_K / mma_rate
-    compute = waves * steps * max(c["deq_step_us"], mma)
-    bw = device.mem_bw_gbps * 1e3 * c["bw_fraction"]
-    weight_bytes = p.n * p.k * (0.5 + 1.0 / 16) * m_tiles
-    memory = (weight_bytes + p.m * p.k * 2.0 + 2.0 * p.m * p.n) / bw
-    activation_pass = 4.0 * p.m * p.k / bw
-    partial = 2 * 4.0 * ctas * t.tile_m * RS_TILE_N / bw if t.split_k > 1 else 0.0
-    return max(compute, memory) + activation_pass + c["fixed_us"] + partial
+    gemm = one_cta_waves_us(c, t.tile_m, t.split_k, RS_TILE_N, RS_TILE_K, p, device)
+    return gemm + 4.0 * p.m * p.k / (device.mem_bw_gbps * 1e3 * c["bw_fraction"])
 
 
 class TritonSm90RsBackend(Backend):
