@@ -17,8 +17,8 @@ Grid: M of ``--ms`` x `bench_w4a16_decode.NK` (the issue's (N, K)). Per shape, i
 
 GPU time: CUDA graph, L2 flushed before every call (`harness.gpu_time_us`); eager: back to
 back calls, one synchronisation (`harness.eager_wall_us`). The ``triton-sm90-rs`` backend
-offers the specialized variants at 64 (4 stages) and 128 tokens (3 stages); the rest is
-timed to show why not.
+offers the specialized variants at 64 (4 stages; one or two CTAs an SM) and 128 tokens
+(3 stages).
 """
 
 from __future__ import annotations
@@ -39,13 +39,14 @@ from bench_w4a16_ws import dispatcher_row
 
 from fp4_dispatch import Dispatcher
 
-#: (block_m, split_k, stages, specialized) timed per M
+#: (block_m, split_k, stages, specialized, ctas_per_sm) timed per M: every offered tactic
+#: of ``triton-sm90-rs`` and what the two-CTA budget would give below one wave. Run 9 also
+#: timed the single-partition variant and other stage counts (sm90_w4a16_rs_run9_final.json)
 RS_CONFIGS = {
-    64: [(64, s, st, sp) for s in (1, 2, 3, 4) for st in (3, 4) for sp in (False, True)],
-    128: [(128, s, st, sp) for s in (1, 2) for st in (2, 3) for sp in (False, True)]
-    + [(64, s, 4, True) for s in (1, 2)],
-    256: [(128, 1, 2, False), (128, 1, 3, False), (128, 1, 2, True), (128, 1, 3, True),
-          (128, 2, 2, True), (256, 1, 2, False)],
+    64: [(64, s, 4, True, c) for s in (1, 2, 3, 4) for c in (1, 2)],
+    128: [(128, s, 3, True, 1) for s in (1, 2, 3, 4)]
+    + [(64, s, 4, True, c) for s in (1, 2, 3, 4) for c in (1, 2)],
+    256: [(128, s, 3, True, 1) for s in (1, 2, 3, 4)],
 }  # fmt: skip
 #: (block_m, split_k) of the ws kernel per M (run 6's best tactics at these M)
 WS_CONFIGS = {64: [(64, 1), (64, 2), (64, 3)], 128: [(128, 1), (128, 2)], 256: [(128, 1)]}
@@ -59,19 +60,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def config_name(cfg: tuple[int, int, int, bool]) -> str:
-    bm, split, stages, spec = cfg
-    return f"{bm} tokens, split {split}, {stages} stages" + (", specialized" if spec else "")
+def config_name(cfg: tuple[int, int, int, bool, int]) -> str:
+    bm, split, stages, spec, ctas = cfg
+    name = f"{bm} tokens, split {split}, {stages} stages" + (", specialized" if spec else "")
+    return name + (f", {ctas} CTAs an SM" if ctas > 1 else "")
 
 
-def measure_rs(s: Shape, cfg: tuple[int, int, int, bool]) -> dict:
+def measure_rs(s: Shape, cfg: tuple[int, int, int, bool, int]) -> dict:
     """Check, then time one variant on `s` (an exception is recorded, never fatal)."""
     from fp4_dispatch.backends.sm90 import gemm_w4a16_rs as rs
 
-    bm, split, stages, spec = cfg
+    bm, split, stages, spec, ctas = cfg
     entry: dict = {}
     try:
-        kern = rs.build(rs.RsConfig(block_m=bm, split_k=split, stages=stages, specialized=spec))
+        kern = rs.build(rs.RsConfig(block_m=bm, split_k=split, stages=stages, specialized=spec,
+                                    ctas_per_sm=ctas))  # fmt: skip
         s.out.fill_(math.nan)
         kern(s.ops, s.out)
         entry["rel_err"] = rel_err(s.out, s.ref)

@@ -36,7 +36,9 @@ def test_offered_for_64_to_256_tokens_within_one_wave():
     assert ts and all(isinstance(t, TritonSm90RsTactic) for t in ts)
     assert {t.tile_m for t in ts} == {64}  # 128-token tiles only where M needs them
     assert {(t.tile_n, t.tile_k, t.num_stages) for t in ts} == {(128, 128, RS_STAGES[64])}
-    assert {t.split_k for t in ts} == {1, 2}  # 64 tiles x 3 > one CTA an SM on 132 SMs
+    # 64 tiles x 3 > one CTA an SM on 132 SMs: splits 3 and 4 only with two CTAs an SM,
+    # which in turn are not offered where one CTA an SM holds the grid
+    assert {(t.split_k, t.ctas_per_sm) for t in ts} == {(1, 1), (2, 1), (3, 2), (4, 2)}
     assert {t.tile_m for t in b.tactics(_w4a16(128, 8192, 8192), SM90)} == {64, 128}
     assert {t.tile_m for t in b.tactics(_w4a16(256, 8192, 8192), SM90)} == {128}  # as timed
     assert list(b.tactics(_w4a16(100, 4096, 4096, "float16"), SM90))  # fp16 activations too
@@ -49,6 +51,14 @@ def test_offered_for_64_to_256_tokens_within_one_wave():
     assert why_invalid(odd, _w4a16(64, 8192, 8192), SM90) == "num_stages=3: tile_m=64 runs 4"
     wide = TritonSm90RsTactic(tile_m=128, split_k=1, num_stages=3)
     assert "does not fit M=64" in b.validate(wide, _w4a16(64, 8192, 8192), SM90)
+    two = TritonSm90RsTactic(tile_m=128, split_k=1, num_stages=3, ctas_per_sm=2)
+    assert why_invalid(two, _w4a16(256, 8192, 8192), SM90) == "ctas_per_sm=2: tile_m=128 runs (1,)"
+    pair = TritonSm90RsTactic(tile_m=64, split_k=1, num_stages=4, ctas_per_sm=2)
+    assert why_invalid(pair, _w4a16(64, 132 * 128, 4096), SM90) == (
+        "ctas_per_sm=2: 132 CTAs fit one an SM (132 SMs)"
+    )
+    assert why_invalid(pair, _w4a16(64, 133 * 128, 4096), SM90) is None
+    assert pair.kernel_config().ctas_per_sm == 2
 
 
 def test_not_offered_under_the_interpreter(monkeypatch):
@@ -66,6 +76,12 @@ def test_estimate_charges_a_second_wave_and_the_activation_pass():
     small = b.estimate_us(_w4a16(128, 4096, 4096), SM90, t)
     wide_k = b.estimate_us(_w4a16(128, 4096, 8192), SM90, t)
     assert wide_k > small  # twice the steps, twice the activations to permute
+    # two CTAs an SM: 133 tiles in one wave, each step slower by the fitted share
+    p = _w4a16(64, 133 * 128, 4096)
+    one_sm = b.estimate_us(p, SM90, TritonSm90RsTactic(tile_m=64, split_k=1, num_stages=4))
+    shared = b.estimate_us(p, SM90, TritonSm90RsTactic(tile_m=64, split_k=1, num_stages=4,
+                                                        ctas_per_sm=2))  # fmt: skip
+    assert shared < one_sm, (shared, one_sm)
 
 
 def test_the_dispatcher_ranks_it_beside_ws_at_m64():
@@ -88,7 +104,9 @@ def test_passes_the_conformance_kit_on_the_simulated_part():
 def test_passes_the_conformance_kit_on_the_gpu():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm90 GPU")
-    problems = [_w4a16(m, n, k) for m, n, k in ((64, 4096, 4096), (200, 1536, 2176))]
+    # 134 tiles at 64 tokens: the two-CTA tactic is offered too
+    shapes = ((64, 4096, 4096), (200, 1536, 2176), (64, 134 * 128, 1024))
+    problems = [_w4a16(m, n, k) for m, n, k in shapes]
     report = check_backend(TritonSm90RsBackend(), device="cuda", problems=problems)
     assert not report.failures, report.failures
     assert [c for c in report.of("numerics") if c.status == "PASS"], report.checks

@@ -30,8 +30,12 @@ partition waits on another.
   runs): each warpgroup is a partition of its own and a TMA warp fills the ring, slots
   released through ``empty`` mbarriers, so the warpgroups drift apart and one's
   expansion overlaps the other's MMA. Within a warpgroup they do not overlap: ptxas
-  places the wait for step i's ``wgmma`` before step i + 1's expansion whatever the PTX
-  order (RESULTS.md "Hopper W4A16" run 9).
+  takes a ``wgmma``'s A registers for free once it is issued, gives them to the next
+  expansion and waits first. Run 10 kept them (a store after the wait that never
+  executes): half the next expansion then ran under the MMA and nothing got faster
+  (RESULTS.md "Hopper W4A16" runs 9-10).
+- ``ctas_per_sm=2`` (specialized, 64 tokens): a register budget (`SM_REGISTERS`) under
+  which two CTAs share an SM, so a grid of up to two CTAs an SM runs in one wave.
 - The activations' pass (`_dot_order_pass`) is plain Triton and a launch of its own.
 
 Epilogue: ``alpha * 2**14``, bias in fp32, one rounding, masked store through ``out``'s
@@ -78,6 +82,14 @@ STEP_K = 128
 BLOCK_N = 128  # weight rows per CTA: two warpgroups of 64, one 128-row scale block
 BLOCK_M_CHOICES = (64, 128, 256)
 STAGES_CHOICES = (2, 3, 4)
+#: the specialized kernel's registers a thread by CTAs an SM: (at launch, the second
+#: consumer warpgroup's, the TMA warpgroup's), moved by setmaxnreg; the default partition
+#: (the first consumer) gets what the other two leave. Three warpgroups a CTA, 65536
+#: registers an SM. One CTA launches at 152 (the first consumer may then use up to 248,
+#: the second 152, the TMA warp 56). Two launch at 80 (2 x 384 x 80 <= 65536) and the
+#: consumers get 104 and 112 from a TMA warp at 24: enough for a 64-token tile (the split-K
+#: epilogue spills a few values); shared memory holds two at 4 stages (2 x 100 KiB).
+SM_REGISTERS = {1: (152, 152, 56), 2: (80, 112, 24)}
 
 #: weight bytes are read by threads, never by an MMA: no swizzle (a warp's 128-bit
 #: loads of 8 rows x 64 bytes are 512 contiguous bytes, conflict-free)
@@ -241,7 +253,7 @@ def _producer(p):
 def _w4a16_rs_ws_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                         M, N, K, stride_om, stride_on, has_bias, s_chunks,
                         SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
-                        REGS: gl.constexpr):  # fmt: skip
+                        REGS: gl.constexpr, TMA_REGS: gl.constexpr):  # fmt: skip
     BT: gl.constexpr = x_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     pid, pid_k, pid_n, n0, m0 = tile_origin(N, BN, BT)
@@ -262,7 +274,7 @@ def _w4a16_rs_ws_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws
     gl.warp_specialize(
         [(_consumer, (cons, 0, SPLIT_K)), (_consumer, (cons, 1, SPLIT_K)), (_producer, (prod,))],
         [4, 1],
-        [REGS, 56],
+        [REGS, TMA_REGS],
     )  # fmt: skip
 
 
@@ -324,12 +336,16 @@ def why_unsupported(operands: W4A16Operands) -> str | None:
 @dataclass(frozen=True)
 class RsConfig:
     """Compile-time knobs: ``block_m`` tokens per CTA (the MMA's N); ``split_k`` CTAs per
-    output tile along K (the workspace protocol of `splitk`); ``stages`` TMA ring slots."""
+    output tile along K (the workspace protocol of `splitk`); ``stages`` TMA ring slots;
+    ``specialized`` the warp-specialized kernel; ``ctas_per_sm`` (specialized, 64 tokens)
+    the CTAs one SM holds at once: 2 launches with the register budget of `SM_REGISTERS`
+    that lets two reside (a grid over one wave then runs in one)."""
 
     block_m: int = 128
     split_k: int = 1
     stages: int = 3
     specialized: bool = False
+    ctas_per_sm: int = 1
 
     block_n: ClassVar[int] = BLOCK_N
     block_k: ClassVar[int] = STEP_K
@@ -340,6 +356,13 @@ class RsConfig:
                 raise ValueError(f"{name}: expected one of {choices}, got {getattr(self, name)}")
         if self.split_k < 1:
             raise ValueError(f"split_k: expected >= 1, got {self.split_k}")
+        if self.ctas_per_sm not in SM_REGISTERS:
+            raise ValueError(f"ctas_per_sm: expected one of {tuple(SM_REGISTERS)}, got "
+                             f"{self.ctas_per_sm}")  # fmt: skip
+        if self.ctas_per_sm == 2 and not (self.specialized and self.block_m == 64):
+            raise ValueError("ctas_per_sm=2: expected specialized=True and block_m=64 (the "
+                             "128-token accumulator needs more registers), got "
+                             f"specialized={self.specialized}, block_m={self.block_m}")  # fmt: skip
 
 
 @dataclass
@@ -393,11 +416,9 @@ class RsKernel(DenseKernel):
         if bound is None:
             meta = {"SPLIT_K": self.cfg.split_k, "STAGES": self.cfg.stages}
             if self.cfg.specialized:
-                # one CTA an SM either way (three warpgroups: setmaxnreg works per
-                # warpgroup, the TMA warp's counts as one): both consumers get 152
-                # registers, the second by setmaxnreg from what the TMA warp gives back
-                meta["REGS"] = 152
-                bound = _RS_WS_LAUNCH.bind(meta, 4, maxnreg=152)
+                launch, consumer, tma = SM_REGISTERS[self.cfg.ctas_per_sm]
+                meta |= {"REGS": consumer, "TMA_REGS": tma}
+                bound = _RS_WS_LAUNCH.bind(meta, 4, maxnreg=launch)
             else:
                 bound = _RS_LAUNCH.bind(meta, BLOCK_N // 16)
             self._bound[None] = bound

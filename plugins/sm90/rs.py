@@ -6,8 +6,11 @@ NVFP4 bytes in registers and feed them to ``wgmma`` as its A operand, the tokens
 from shared memory, a TMA warp fills the ring. The activations are first written in the
 dot's K order by a short pass (part of each call). Tactics: ``tile_m`` 64 (4 stages) or
 128 (3 stages) tokens, 128-wide K steps, ``split_k`` 1-4: the measured best variants
-(RESULTS.md, "Hopper W4A16" run 9); the kernel's other knobs (its single-partition
-variant, a 256-token tile) stay in `RsConfig`, benchmarked and not offered.
+(RESULTS.md, "Hopper W4A16" run 9); with 64-token tiles also ``ctas_per_sm`` 2 (a
+register budget that lets two CTAs share an SM, offered where the grid is over one CTA an
+SM: 13-15% faster there in run 10, ~2% slower below). The kernel's other knobs (its
+single-partition variant, a 256-token tile) stay in `RsConfig`, benchmarked and not
+offered.
 
 Why a backend of its own: it competes with ``triton-sm90-ws`` (faster on 14 of the 18
 shapes of run 9 at M = 64-256, by up to 24%, within 2% on the rest) and with the direct
@@ -29,7 +32,7 @@ from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo
 from fp4_dispatch.plugins.sm90 import _gluon_support, _pow2_at_least, cost_model, split_k_rule
 from fp4_dispatch.plugins.sm90 import w4a16 as w4
-from fp4_dispatch.plugins.sm90.ws import one_cta_waves_us
+from fp4_dispatch.plugins.sm90.ws import cta_waves_us
 from fp4_dispatch.tactics import Problem, Tactic
 
 if TYPE_CHECKING:
@@ -40,6 +43,9 @@ RS_TILE_M = (64, 128)
 #: M 64 and 128 only; at M = 256 the estimate would otherwise pick an untimed tactic)
 RS_TILE_MAX_M = {64: 128, 128: 256}
 RS_SPLIT_K = (1, 2, 3, 4)
+#: CTAs an SM by token tile (`gemm_w4a16_rs.SM_REGISTERS`: a 128-token accumulator does
+#: not fit the two-CTA budget)
+RS_CTAS_PER_SM = {64: (1, 2), 128: (1,)}
 #: ring slots per token tile: the best of each in run 9 (shared memory: 100 / 123 KiB)
 RS_STAGES = {64: 4, 128: 3}
 #: weight rows per CTA and K per step (the kernel's `BLOCK_N` and `STEP_K`)
@@ -58,20 +64,24 @@ class TritonSm90RsTactic(w4.TritonSm90W4A16Tactic):
     path: Literal["rs"] = "rs"  # type: ignore[assignment]
     tile_n: Literal[128] = 128  # type: ignore[assignment]
     tile_k: Literal[128] = 128  # type: ignore[assignment]
+    #: CTAs one SM holds at once (`RS_CTAS_PER_SM`)
+    ctas_per_sm: Literal[1, 2] = 1
 
     def kernel_config(self) -> RsConfig:  # type: ignore[override]
         """The kernel's compile-time config (warp-specialized, the tile's stages)."""
         from fp4_dispatch.backends.sm90.gemm_w4a16_rs import RsConfig  # noqa: PLC0415 - optional: Triton
 
         return RsConfig(block_m=self.tile_m, split_k=self.split_k, stages=self.num_stages,
-                        specialized=True)  # fmt: skip
+                        specialized=True, ctas_per_sm=self.ctas_per_sm)  # fmt: skip
 
 
 def why_invalid(t: TritonSm90RsTactic, problem: Problem, device: DeviceInfo) -> str | None:
     """Why `t` is not offered for `problem`, else None: M in [`RS_MIN_M`, `RS_MAX_M`],
     K % 128 (whole steps), the token tile within M padded to a power of 2 and its
-    `RS_TILE_MAX_M`, with its stages, split-K within one wave of CTAs (one CTA an SM)
-    with >= 2 K steps a split."""
+    `RS_TILE_MAX_M`, with its stages, split-K within one wave of CTAs (``ctas_per_sm``
+    CTAs an SM) with >= 2 K steps a split; two CTAs an SM only where the grid is over
+    one CTA an SM (below, the second slot stays empty and the smaller register budget
+    only costs)."""
     if not RS_MIN_M <= problem.m <= RS_MAX_M:
         return f"M={problem.m}: offered for {RS_MIN_M} <= M <= {RS_MAX_M} (measured range)"
     if problem.k % RS_TILE_K:
@@ -85,12 +95,19 @@ def why_invalid(t: TritonSm90RsTactic, problem: Problem, device: DeviceInfo) -> 
     if t.split_k not in RS_SPLIT_K or t.num_warps != 4 or t.block_r != 64:
         return (f"split_k in {RS_SPLIT_K}, 4 warps, block_r 64 (got {t.split_k}, "
                 f"{t.num_warps}, {t.block_r})")  # fmt: skip
+    if t.ctas_per_sm not in RS_CTAS_PER_SM[t.tile_m]:
+        return (f"ctas_per_sm={t.ctas_per_sm}: tile_m={t.tile_m} runs "
+                f"{RS_CTAS_PER_SM[t.tile_m]}")  # fmt: skip
     tiles = -(-problem.m // t.tile_m) * -(-problem.n // RS_TILE_N)
-    return split_k_rule(t.split_k, tiles, problem.k // RS_TILE_K, device.sm_count, 1)
+    if t.ctas_per_sm > 1 and tiles * t.split_k <= device.sm_count:
+        return (f"ctas_per_sm={t.ctas_per_sm}: {tiles * t.split_k} CTAs fit one an SM "
+                f"({device.sm_count} SMs)")  # fmt: skip
+    return split_k_rule(t.split_k, tiles, problem.k // RS_TILE_K, device.sm_count,
+                        t.ctas_per_sm)  # fmt: skip
 
 
 # Calibration: the "rs" part of plugins/sm90/cost_model.json, fitted by
-# benchmarks/fit_rs_model.py on the committed H200 sweep of benchmarks/bench_w4a16_rs.py
+# benchmarks/fit_w4a16_model.py --rs on the committed H200 sweep of benchmarks/bench_w4a16_rs.py
 # (the file's note says on what).
 
 
@@ -99,11 +116,11 @@ def _c() -> dict:
 
 
 def _estimate_rs(t: TritonSm90RsTactic, p: Problem, device: DeviceInfo) -> float:
-    """`ws.one_cta_waves_us` with the rs constants and its 128 x 128 step (``fixed_us``:
-    both launches, pipeline fill and epilogue), plus the activation pass, which reads and
-    writes the activations once at HBM speed."""
+    """`ws.cta_waves_us` with the rs constants, its 128 x 128 step and the tactic's CTAs
+    an SM (``fixed_us``: both launches, pipeline fill and epilogue), plus the activation
+    pass, which reads and writes the activations once at HBM speed."""
     c = _c()
-    gemm = one_cta_waves_us(c, t.tile_m, t.split_k, RS_TILE_N, RS_TILE_K, p, device)
+    gemm = cta_waves_us(c, t.tile_m, t.split_k, RS_TILE_N, RS_TILE_K, p, device, t.ctas_per_sm)
     return gemm + 4.0 * p.m * p.k / (device.mem_bw_gbps * 1e3 * c["bw_fraction"])
 
 
@@ -122,9 +139,10 @@ class TritonSm90RsBackend(Backend):
 
     def tactics(self, problem: Problem, device: DeviceInfo) -> Iterator[TritonSm90RsTactic]:
         for tm, split in itertools.product(RS_TILE_M, RS_SPLIT_K):
-            t = _tactic(tm, split)
-            if why_invalid(t, problem, device) is None:
-                yield t
+            for ctas in RS_CTAS_PER_SM[tm]:
+                t = _tactic(tm, split, ctas)
+                if why_invalid(t, problem, device) is None:
+                    yield t
 
     def validate(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> str | None:
         checked = TritonSm90RsTactic.model_validate(tactic.model_dump())
@@ -155,9 +173,10 @@ class TritonSm90RsBackend(Backend):
 
 
 @functools.cache
-def _tactic(tm: int, split: int) -> TritonSm90RsTactic:
+def _tactic(tm: int, split: int, ctas: int = 1) -> TritonSm90RsTactic:
     """Cached tactic objects (the ranking memoizes validation by identity)."""
-    return TritonSm90RsTactic(tile_m=tm, split_k=split, num_stages=RS_STAGES[tm])
+    return TritonSm90RsTactic(tile_m=tm, split_k=split, num_stages=RS_STAGES[tm],
+                              ctas_per_sm=ctas)  # fmt: skip
 
 
 @functools.cache

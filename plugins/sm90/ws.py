@@ -95,27 +95,30 @@ def _c() -> dict:
 
 
 def _estimate_ws(t: TritonSm90WsTactic, p: Problem, device: DeviceInfo) -> float:
-    """`one_cta_waves_us` with the ws constants and its 128 x 64 step."""
-    return one_cta_waves_us(_c(), t.tile_m, t.split_k, WS_TILE_N, WS_TILE_K, p, device)
+    """`cta_waves_us` with the ws constants and its 128 x 64 step (one CTA an SM)."""
+    return cta_waves_us(_c(), t.tile_m, t.split_k, WS_TILE_N, WS_TILE_K, p, device)
 
 
-def one_cta_waves_us(c: dict, tile_m: int, split_k: int, tile_n: int, tile_k: int, p: Problem,
-                     device: DeviceInfo) -> float:  # fmt: skip
-    """Rounds of one-CTA-an-SM waves x K steps x the step, plus fixed and split costs
-    (the ws kernel's model, `rs._estimate_rs`'s core; constants ``c``).
+def cta_waves_us(c: dict, tile_m: int, split_k: int, tile_n: int, tile_k: int, p: Problem,
+                 device: DeviceInfo, ctas_per_sm: int = 1) -> float:  # fmt: skip
+    """Rounds of waves x K steps x the step, plus fixed and split costs (the ws kernel's
+    model, `rs._estimate_rs`'s core; constants ``c``).
 
-    The step is the slower of the weight tile's expansion (``deq_step_us`` for ``tile_n x
-    tile_k`` values, whatever the token tile) and its MMA (``2 * tile_n * tile_m * tile_k``
-    flops at ``mma_eff`` of an SM's bf16 rate); HBM bounds it from below (the weights
-    re-read per token tile). ``fixed_us``: launch, pipeline fill and epilogue; a split
-    adds its fp32 partial tile's round trip at HBM speed."""
+    A wave is ``ctas_per_sm`` CTAs on every SM. The step is the slower of the weight
+    tile's expansion (``deq_step_us`` for ``tile_n x tile_k`` values, whatever the token
+    tile) and its MMA (``2 * tile_n * tile_m * tile_k`` flops at ``mma_eff`` of an SM's
+    bf16 rate); CTAs that share an SM take ``shared_step`` times as long a step each
+    (fitted: 2 would mean no gain over running them one after the other). HBM bounds it
+    from below (the weights re-read per token tile). ``fixed_us``: launch, pipeline fill
+    and epilogue; a split adds its fp32 partial tile's round trip at HBM speed."""
     m_tiles, n_tiles = -(-p.m // tile_m), -(-p.n // tile_n)
     ctas = m_tiles * n_tiles * split_k
-    waves = math.ceil(ctas / device.sm_count)
+    waves = math.ceil(ctas / (device.sm_count * ctas_per_sm))
+    shared = c["shared_step"] if ctas > device.sm_count and ctas_per_sm > 1 else 1.0
     steps = math.ceil(math.ceil(p.k / tile_k) / split_k)
     mma_rate = device.bf16_tflops * 1e6 / device.sm_count * c["mma_eff"]
     mma = 2.0 * tile_n * tile_m * tile_k / mma_rate
-    compute = waves * steps * max(c["deq_step_us"], mma)
+    compute = waves * steps * max(c["deq_step_us"], mma) * shared
     bw = device.mem_bw_gbps * 1e3 * c["bw_fraction"]
     weight_bytes = p.n * p.k * (0.5 + 1.0 / 16) * m_tiles
     memory = (weight_bytes + p.m * p.k * 2.0 + 2.0 * p.m * p.n) / bw  # x re-reads hit L2
