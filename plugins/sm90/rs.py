@@ -8,7 +8,8 @@ dot's K order by a short pass (part of each call). Tactics: ``tile_m`` 64 (4 sta
 128 (3 stages) tokens, 128-wide K steps, ``split_k`` 1-4: the measured best variants
 (RESULTS.md, "Hopper W4A16" run 9); with 64-token tiles also ``ctas_per_sm`` 2 (a
 register budget that lets two CTAs share an SM, offered where the grid is over one CTA an
-SM: 13-15% faster there in run 10, ~2% slower below). The kernel's other knobs (its
+SM: 0.85-0.97x the one-CTA time on most such shapes in run 10; below one wave the second
+slot stays empty). The kernel's other knobs (its
 single-partition variant, a 256-token tile) stay in `RsConfig`, benchmarked and not
 offered.
 
