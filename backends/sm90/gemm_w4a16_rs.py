@@ -74,7 +74,7 @@ from fp4_dispatch.backends.sm90.epilogue_gluon import (
 )
 from fp4_dispatch.backends.sm90.gemm_w4a16 import DenseKernel, W4A16Operands
 from fp4_dispatch.backends.sm90.gemm_w4a16_mma import expand_dot_order
-from fp4_dispatch.backends.sm90.gemm_w4a16_ws import _S_LAYOUT, _descriptor, _tma_load, _x_layout
+from fp4_dispatch.backends.sm90.gemm_w4a16_ws import _descriptor, _tma_load, _x_layout
 from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher, launch_aligned
 from fp4_dispatch.backends.workspace import Scratch
 
@@ -435,9 +435,7 @@ class RsKernel(DenseKernel):
         (m, k), n, bm = x.shape, b.shape[0], self.cfg.block_m
         x_desc = _descriptor(x, [m, k], [k, 1], [bm, 64], _x_layout(bm))
         w_desc = _descriptor(b, [n, k // 2], [k // 2, 1], [BLOCK_N, 64], _W_LAYOUT)
-        rows = s.view(torch.uint8).view(-1, 256)  # two rows of 256 bytes per scale chunk
-        s_desc = _descriptor(rows, list(rows.shape), [256, 1], [4, 256], _S_LAYOUT)
-        return x_desc, w_desc, s_desc
+        return x_desc, w_desc, gemm_w4a16_ws.scale_descriptor(s, 2)
 
     def precompile(
         self, m: int, n: int, k: int, dtype: torch.dtype, prepared: bool = False

@@ -310,6 +310,14 @@ def _descriptor(base: torch.Tensor, shape: list, strides: list, block: list, lay
     return d
 
 
+def scale_descriptor(s: torch.Tensor, chunks: int):
+    """The swizzled scales ``s`` as rows of 256 bytes (two a 512-byte chunk of the 128x4
+    swizzle), in boxes of ``chunks`` chunks: one a 64-wide K step (ws), two a 128-wide
+    one (`gemm_w4a16_rs`)."""
+    rows = s.view(torch.uint8).view(-1, 256)
+    return _descriptor(rows, list(rows.shape), [256, 1], [2 * chunks, 256], _S_LAYOUT)
+
+
 def check_tma(a: torch.Tensor) -> str | None:
     """Why the activations cannot be read by TMA (None if they can): a 16-byte aligned
     base and a row stride of a multiple of 16 bytes (bf16: 8 elements)."""
@@ -371,9 +379,7 @@ class W4A16WsKernel(DenseKernel):
         (m, k), n, bm = a.shape, b.shape[0], self.cfg.block_m
         x_desc = _descriptor(a, [m, k], [a.stride(0), 1], [bm, STEP_K], _x_layout(bm))
         w_desc = _descriptor(b, [n, k // 2], [k // 2, 1], [BLOCK_N, 32], _W_LAYOUT)
-        rows = s.view(torch.uint8).view(-1, 256)  # two rows of 256 bytes per scale chunk
-        s_desc = _descriptor(rows, list(rows.shape), [256, 1], [2, 256], _S_LAYOUT)
-        return x_desc, w_desc, s_desc
+        return x_desc, w_desc, scale_descriptor(s, 1)
 
     def precompile(
         self, m: int, n: int, k: int, dtype: torch.dtype, prepared: bool = False

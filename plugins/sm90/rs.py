@@ -174,7 +174,7 @@ class TritonSm90RsBackend(Backend):
 
 
 @functools.cache
-def _tactic(tm: int, split: int, ctas: int = 1) -> TritonSm90RsTactic:
+def _tactic(tm: int, split: int, ctas: int) -> TritonSm90RsTactic:
     """Cached tactic objects (the ranking memoizes validation by identity)."""
     return TritonSm90RsTactic(tile_m=tm, split_k=split, num_stages=RS_STAGES[tm],
                               ctas_per_sm=ctas)  # fmt: skip
