@@ -1,7 +1,7 @@
 """H200: the register-sourced wgmma W4A16 kernel (`gemm_w4a16_rs`) against ws, bf16 and FP8.
 
-    python3 benchmarks/bench_w4a16_rs.py --ms 64 128 256   # OUT=/dir: also $OUT/w4a16_rs.json
-    python3 benchmarks/bench_w4a16_rs.py --smoke           # CPU: the activation pass only
+    python3 benchmarks/bench_w4a16_rs.py --ms 64 128 192 256  # OUT=/dir: $OUT/w4a16_rs.json
+    python3 benchmarks/bench_w4a16_rs.py --smoke              # CPU: the activation pass only
 
 Grid: M of ``--ms`` x `bench_w4a16_decode.NK` (the issue's (N, K)). Per shape, in one run:
 
@@ -17,8 +17,8 @@ Grid: M of ``--ms`` x `bench_w4a16_decode.NK` (the issue's (N, K)). Per shape, i
 
 GPU time: CUDA graph, L2 flushed before every call (`harness.gpu_time_us`); eager: back to
 back calls, one synchronisation (`harness.eager_wall_us`). The ``triton-sm90-rs`` backend
-offers the specialized variants at 64 (4 stages; one or two CTAs an SM) and 128 tokens
-(3 stages).
+offers the specialized variants at 64 (4 stages; one or two CTAs an SM), 128 and 256
+tokens (3 stages). M = 192 is held out of the ``fit_w4a16_model.py --rs`` fit, as M = 128.
 """
 
 from __future__ import annotations
@@ -40,21 +40,25 @@ from bench_w4a16_ws import dispatcher_row
 from fp4_dispatch import Dispatcher
 
 #: (block_m, split_k, stages, specialized, ctas_per_sm) timed per M: every offered tactic
-#: of ``triton-sm90-rs`` and what the two-CTA budget would give below one wave. Run 9 also
-#: timed the single-partition variant and other stage counts (sm90_w4a16_rs_run9_final.json)
+#: of ``triton-sm90-rs``, what the two-CTA budget would give below one wave, and splits
+#: over one wave. Run 9 also timed the single-partition variant and other stage counts
+#: (sm90_w4a16_rs_run9_final.json)
 RS_CONFIGS = {
     64: [(64, s, 4, True, c) for s in (1, 2, 3, 4) for c in (1, 2)],
     128: [(128, s, 3, True, 1) for s in (1, 2, 3, 4)]
     + [(64, s, 4, True, c) for s in (1, 2, 3, 4) for c in (1, 2)],
-    256: [(128, s, 3, True, 1) for s in (1, 2, 3, 4)],
+    192: [(t, s, 3, True, 1) for t in (128, 256) for s in (1, 2, 3, 4)],
+    256: [(t, s, 3, True, 1) for t in (128, 256) for s in (1, 2, 3, 4)],
 }  # fmt: skip
 #: (block_m, split_k) of the ws kernel per M (run 6's best tactics at these M)
-WS_CONFIGS = {64: [(64, 1), (64, 2), (64, 3)], 128: [(128, 1), (128, 2)], 256: [(128, 1)]}
+WS_CONFIGS = {64: [(64, 1), (64, 2), (64, 3)], 128: [(128, 1), (128, 2)],
+              192: [(64, 1), (64, 2), (128, 1), (128, 2)], 256: [(128, 1)]}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ms", type=int, nargs="+", default=[64, 128, 256], choices=sorted(RS_CONFIGS))
+    ms = sorted(RS_CONFIGS)
+    p.add_argument("--ms", type=int, nargs="+", default=ms, choices=ms)
     p.add_argument("--budget-s", type=float, default=400.0, help="stop starting shapes after")
     p.add_argument("--smoke", action="store_true", help="CPU: check the activation pass only")
     return p.parse_args(argv)

@@ -123,6 +123,10 @@ for spec in json.loads(sys.argv[1]):
         "hgmma_rs": len(re.findall(r"HGMMA\S* R\d+, R\d+, gdesc", sass)),
         "hgmma_ss": len(re.findall(r"HGMMA\S* R\d+, gdesc", sass)),
         "spills": len(re.findall(r"\b(STL|LDL)\b", sass)),
+        # spills in a main loop: between a consumer's wait for its ring slot and its wait
+        # for the step's wgmma (the expansion and the MMA issue)
+        "loop_spills": sum(len(re.findall(r"\b(STL|LDL)\b", body.split("TRYWAIT")[-1]))
+                           for body in sass.split("WARPGROUP.DEPBAR")[:-1]),
         "registers": int(re.search(r"REG:(\d+)", subprocess.run(
             [str(nvdisasm.with_name("cuobjdump")), "--dump-resource-usage", str(path)],
             capture_output=True, text=True).stdout).group(1)),
@@ -134,8 +138,9 @@ print(json.dumps(out))
 
 def test_compiles_for_sm90_with_the_weights_from_registers(tmp_path):
     """Both variants compile for sm_90 on a CPU (Triton's own ptxas): every wgmma takes
-    its A operand (the expanded weights) from registers, nothing spills, shared memory
-    stays within a CTA's 227 KiB."""
+    its A operand (the expanded weights) from registers, no main loop spills and the
+    epilogues next to nothing (the split-K sum included: before run 11 it spilled ~900
+    values at 256 tokens), shared memory stays within a CTA's 227 KiB."""
     specs = [
         {"name": "m64-split2", "m": 64, "n": 4096, "k": 4096,
          "cfg": {"block_m": 64, "split_k": 2, "stages": 4}},
@@ -149,6 +154,10 @@ def test_compiles_for_sm90_with_the_weights_from_registers(tmp_path):
         {"name": "m64-specialized-2cta-split3", "m": 64, "n": 4096, "k": 4096,
          "cfg": {"block_m": 64, "split_k": 3, "stages": 4, "specialized": True,
                  "ctas_per_sm": 2}},
+        {"name": "m256-specialized", "m": 256, "n": 4096, "k": 4096,
+         "cfg": {"block_m": 256, "stages": 3, "specialized": True}},
+        {"name": "m256-specialized-split2", "m": 256, "n": 4096, "k": 4096,
+         "cfg": {"block_m": 256, "split_k": 2, "stages": 3, "specialized": True}},
     ]  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(specs)],
                           capture_output=True, text=True, env=sm90_compile_env(tmp_path),
@@ -161,12 +170,18 @@ def test_compiles_for_sm90_with_the_weights_from_registers(tmp_path):
         # Triton's warp-specialized lowering keeps one value in local memory across the
         # register reallocation (one STL, an LDL in each partition); nothing else spills
         allowed = 5 if "specialized" in name else 0
-        if name == "m64-specialized-2cta-split3":
-            allowed = 96  # the 112-register split-K epilogue (the main loop spills nothing)
+        if name.startswith("m256-specialized"):
+            # a 128-register accumulator stored from its own layout: Triton 3.6 leaves 56
+            # spill instructions (split 2: 40), 3.9 none (2). Summed in the accumulator's
+            # layout, split 2 had ~810 (`epilogue_gluon._sum_splits`)
+            allowed = 64
         assert row["spills"] <= allowed and row["shared"] <= 227 * 1024, (name, row)
+        assert row["loop_spills"] == 0, (name, row)
     # two CTAs an SM: 384 threads x 80 registers x 2 and 2 x the shared memory fit an SM
     two = got["m64-specialized-2cta"]
     assert two["registers"] <= 80 and 2 * two["shared"] <= 228 * 1024, two
+    # 256 tokens: 384 threads x 168 registers fit an SM's 65536
+    assert got["m256-specialized"]["registers"] <= 168, got["m256-specialized"]
 
 
 @pytest.mark.gpu
@@ -186,7 +201,13 @@ def test_kernel_on_the_gpu_matches_float64():
             (64, 1024, 2048, {"block_m": 64, "split_k": 2, "stages": 4, "specialized": spec},
              "float16", True, False),
         ]  # fmt: skip
-    cases.append((256, 512, 1024, {"block_m": 256, "stages": 2}, "bfloat16", False, False))
+    cases += [
+        (256, 512, 1024, {"block_m": 256, "stages": 2}, "bfloat16", False, False),
+        (200, 384, 1280, {"block_m": 256, "stages": 3, "specialized": True}, "float16", True,
+         False),
+        (256, 512, 1536, {"block_m": 256, "stages": 3, "split_k": 2, "specialized": True},
+         "bfloat16", True, True),
+    ]  # fmt: skip
     check_w4a16_kernel_on_gpu(lambda knobs: rs.build(rs.RsConfig(**knobs)), cases)
 
 

@@ -40,7 +40,15 @@ def test_offered_for_64_to_256_tokens_within_one_wave():
     # which in turn are not offered where one CTA an SM holds the grid
     assert {(t.split_k, t.ctas_per_sm) for t in ts} == {(1, 1), (2, 1), (3, 2), (4, 2)}
     assert {t.tile_m for t in b.tactics(_w4a16(128, 8192, 8192), SM90)} == {64, 128}
-    assert {t.tile_m for t in b.tactics(_w4a16(256, 8192, 8192), SM90)} == {128}  # as timed
+    big = list(b.tactics(_w4a16(256, 8192, 8192), SM90))
+    assert {t.tile_m for t in big} == {128, 256}  # 64-token tiles untimed at M = 256
+    # 64 tiles of 256 tokens: split 2 is the largest within one wave of 132 SMs
+    assert {t.split_k for t in big if t.tile_m == 256} == {1, 2}
+    assert {t.num_stages for t in big if t.tile_m == 256} == {RS_STAGES[256]}
+    assert 256 in {t.tile_m for t in b.tactics(_w4a16(129, 8192, 8192), SM90)}
+    whole = TritonSm90RsTactic(tile_m=256, split_k=1, num_stages=3)
+    assert "does not fit M=128" in why_invalid(whole, _w4a16(128, 8192, 8192), SM90)
+    assert whole.kernel_config().block_m == 256
     assert list(b.tactics(_w4a16(100, 4096, 4096, "float16"), SM90))  # fp16 activations too
     assert not list(b.tactics(_w4a16(RS_MIN_M - 1, 8192, 8192), SM90))
     assert not list(b.tactics(_w4a16(RS_MAX_M + 1, 8192, 8192), SM90))

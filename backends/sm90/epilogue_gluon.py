@@ -9,7 +9,8 @@ Gluon twin of
 times ``alpha * 2**14`` (the dequantizers' ``2**-14`` undone), plus the bias in fp32, one
 rounding, a masked store of the transposed tile through ``out``'s strides; with split-K
 the deterministic workspace protocol of `splitk` (partials, a counter, the last split
-sums in split order and resets the counter).
+sums in split order and resets the counter); here the partials are stored token-major and
+summed in a layout of their own (`_sum_splits`).
 """
 
 from __future__ import annotations
@@ -52,29 +53,57 @@ def store_tile(acc, n0, m0, alpha_ptr, bias_ptr, has_bias, out_ptr, ws_ptr, cnt_
     BM: gl.constexpr = acc.shape[1]
     r_o = gl.arange(0, BN, layout=gl.SliceLayout(1, OL))
     c_o = gl.arange(0, BM, layout=gl.SliceLayout(0, OL))
-    offs_n = n0 + r_o
-    offs_m = m0 + c_o
     scale = gl.load(alpha_ptr) * 16384.0  # alpha * 2**14
-    bias = gl.zeros([BN], gl.float32, gl.SliceLayout(1, OL))
+    if SPLIT_K == 1:
+        _scale_store(acc, r_o, c_o, n0, m0, scale, bias_ptr, has_bias, out_ptr, M, N, stride_om,
+                     stride_on)  # fmt: skip
+    else:
+        tile: gl.constexpr = BN * BM
+        ws_tile = ws_ptr + tile_id.to(gl.int64) * (SPLIT_K * tile)
+        # token-major partials (offset c * BN + r), summed in `_sum_splits`' layout
+        offs_t = gl.expand_dims(c_o, 0) * BN + gl.expand_dims(r_o, 1)
+        gl.store(ws_tile + pid_k * tile + offs_t, acc)
+        cta_barrier()  # every thread's partial is written before the release below
+        arrived = gl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            _sum_splits(ws_tile, n0, m0, scale, bias_ptr, has_bias, out_ptr, M, N, stride_om,
+                        stride_on, BN, BM, SPLIT_K)  # fmt: skip
+            gl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")  # for the next call
+
+
+@gluon.jit
+def _sum_splits(ws_tile, n0, m0, scale, bias_ptr, has_bias, out_ptr, M, N, stride_om, stride_on,
+                BN: gl.constexpr, BM: gl.constexpr, SPLIT_K: gl.constexpr):  # fmt: skip
+    """The last split of a tile: sum the ``SPLIT_K`` partials in split order, then
+    `_scale_store`. Its own layout, four consecutive weight rows a thread: the loads are
+    vectors at constant offsets from one address. In the accumulator's layout every value
+    had an address of its own, and the 256-token tile spilled there (~810 spill
+    instructions; 29 MB of local-memory traffic at 256x8192², RESULTS.md "Hopper W4A16"
+    run 11)."""
+    TR: gl.constexpr = BN // 4 if BN // 4 < 32 else 32
+    RL: gl.constexpr = gl.BlockedLayout([4, 1], [TR, 32 // TR], [1, gl.num_warps()], [0, 1])
+    r = gl.arange(0, BN, layout=gl.SliceLayout(1, RL))
+    c = gl.arange(0, BM, layout=gl.SliceLayout(0, RL))
+    offs = gl.expand_dims(c, 0) * BN + gl.expand_dims(r, 1)
+    total = gl.zeros([BN, BM], gl.float32, RL)
+    for s in gl.static_range(SPLIT_K):
+        total += gl.load(ws_tile + s * (BN * BM) + offs, cache_modifier=".cg")
+    _scale_store(total, r, c, n0, m0, scale, bias_ptr, has_bias, out_ptr, M, N, stride_om,
+                 stride_on)  # fmt: skip
+
+
+@gluon.jit
+def _scale_store(v, r, c, n0, m0, scale, bias_ptr, has_bias, out_ptr, M, N, stride_om,
+                 stride_on):  # fmt: skip
+    """``v * scale + bias`` (fp32, one rounding) stored to rows ``m0 + c``, columns ``n0 +
+    r`` of ``out``, masked; ``r`` and ``c`` index ``v``'s two dims in its layout."""
+    offs_n = n0 + r
+    offs_m = m0 + c
+    bias = gl.zeros_like(r).to(gl.float32)
     if has_bias != 0:
         bias = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
     ptrs = (out_ptr + gl.expand_dims(offs_m, 0).to(gl.int64) * stride_om
             + gl.expand_dims(offs_n, 1) * stride_on)  # fmt: skip
     mask = (gl.expand_dims(offs_m, 0) < M) & (gl.expand_dims(offs_n, 1) < N)
-    if SPLIT_K == 1:
-        v = acc * scale + gl.expand_dims(bias, 1)
-        gl.store(ptrs, v.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tile: gl.constexpr = BN * BM
-        offs_t = gl.expand_dims(r_o, 1) * BM + gl.expand_dims(c_o, 0)
-        ws_tile = ws_ptr + tile_id.to(gl.int64) * (SPLIT_K * tile)
-        gl.store(ws_tile + pid_k * tile + offs_t, acc)
-        cta_barrier()  # every thread's partial is written before the release below
-        arrived = gl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = gl.zeros([BN, BM], gl.float32, OL)
-            for s in gl.static_range(SPLIT_K):
-                total += gl.load(ws_tile + s * tile + offs_t, cache_modifier=".cg")
-            v = total * scale + gl.expand_dims(bias, 1)
-            gl.store(ptrs, v.to(out_ptr.dtype.element_ty), mask=mask)
-            gl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")  # for the next call
+    out = v * scale + gl.expand_dims(bias, 1)
+    gl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)

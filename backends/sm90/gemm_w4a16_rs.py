@@ -82,14 +82,24 @@ STEP_K = 128
 BLOCK_N = 128  # weight rows per CTA: two warpgroups of 64, one 128-row scale block
 BLOCK_M_CHOICES = (64, 128, 256)
 STAGES_CHOICES = (2, 3, 4)
-#: the specialized kernel's registers a thread by CTAs an SM: (at launch, the second
-#: consumer warpgroup's, the TMA warpgroup's), moved by setmaxnreg; the default partition
-#: (the first consumer) gets what the other two leave. Three warpgroups a CTA, 65536
-#: registers an SM. One CTA launches at 152 (the first consumer may then use up to 248,
-#: the second 152, the TMA warp 56). Two launch at 80 (2 x 384 x 80 <= 65536) and the
-#: consumers get 104 and 112 from a TMA warp at 24: enough for a 64-token tile (the split-K
-#: epilogue spills a few values); shared memory holds two at 4 stages (2 x 100 KiB).
-SM_REGISTERS = {1: (152, 152, 56), 2: (80, 112, 24)}
+#: the specialized kernel's registers a thread by (CTAs an SM, tokens a tile): (at launch,
+#: the second consumer warpgroup's, the TMA warpgroup's), moved by setmaxnreg; the default
+#: partition (the first consumer) gets what the other two leave. Three warpgroups a CTA,
+#: 65536 registers an SM, a consumer's accumulator is BT/2 registers a thread.
+#: - One CTA, up to 128 tokens: launch at 152 (the first consumer may use up to 248, the
+#:   second 152, the TMA warp 56).
+#: - One CTA, 256 tokens: launch at 168 (384 x 168 <= 65536), both consumers 240 (a
+#:   128-register accumulator plus the expansion; the main loop does not spill), the TMA
+#:   warp 24. Shared memory: three slots of 73 KiB.
+#: - Two CTAs, 64 tokens: launch at 80 (2 x 384 x 80 <= 65536), consumers 104 and 112 from
+#:   a TMA warp at 24; shared memory holds two at 4 stages (2 x 100 KiB).
+SM_REGISTERS = {
+    (1, 64): (152, 152, 56),
+    (1, 128): (152, 152, 56),
+    (1, 256): (168, 240, 24),
+    (2, 64): (80, 112, 24),
+}
+CTAS_PER_SM_CHOICES = tuple(sorted({ctas for ctas, _ in SM_REGISTERS}))
 
 #: weight bytes are read by threads, never by an MMA: no swizzle (a warp's 128-bit
 #: loads of 8 rows x 64 bytes are 512 contiguous bytes, conflict-free)
@@ -280,18 +290,19 @@ def _w4a16_rs_ws_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws
 
 @triton.jit
 def _dot_order_pass(x_ptr, out_ptr, M, K, stride_xm, BLOCK_R: tl.constexpr):
-    """``out[r, 128 b + kd] = x[r, 128 b + nat(kd)]``: ``nat`` from the bits of ``kd`` (the
-    order of `gemm_w4a16_mma.expand_dot_order`; `gemm_w4a16_mma.dot_order` is the host
-    twin). Plain Triton: runs under the interpreter."""
+    """``out[r, 128 b + kd] = x[r, 128 b + nat(kd)]`` in the order of
+    `gemm_w4a16_mma.expand_dot_order` (`gemm_w4a16_mma.dot_order` is the host twin): the
+    order only permutes the seven bits of the index within a 128-wide block, so each
+    block is loaded and stored contiguously and permuted in registers (a reshape to the
+    bits and a permute). Plain Triton: runs under the interpreter."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    kd = tl.arange(0, 128)
-    nat = (((kd >> 1) & 3) * 32 + ((kd >> 6) & 1) * 16 + ((kd >> 5) & 1) * 8
-           + ((kd >> 4) & 1) * 4 + (kd & 1) * 2 + ((kd >> 3) & 1))  # fmt: skip
-    base = tl.program_id(1) * 128
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     mask = (rows < M)[:, None]
     r64 = rows[:, None].to(tl.int64)
-    v = tl.load(x_ptr + r64 * stride_xm + base + nat[None, :], mask=mask)
-    tl.store(out_ptr + r64 * K + base + kd[None, :], v, mask=mask)
+    v = tl.load(x_ptr + r64 * stride_xm + cols[None, :], mask=mask)
+    v = tl.reshape(v, [BLOCK_R, 4, 2, 2, 2, 2, 2])  # natural (c, i1, i0, t, e, h)
+    v = tl.reshape(tl.permute(v, (0, 2, 3, 4, 6, 1, 5)), [BLOCK_R, 128])  # (i1, i0, t, h, c, e)
+    tl.store(out_ptr + r64 * K + cols[None, :], v, mask=mask)
 
 
 #: rows per CTA of `_dot_order_pass` (128 K columns each)
@@ -356,8 +367,8 @@ class RsConfig:
                 raise ValueError(f"{name}: expected one of {choices}, got {getattr(self, name)}")
         if self.split_k < 1:
             raise ValueError(f"split_k: expected >= 1, got {self.split_k}")
-        if self.ctas_per_sm not in SM_REGISTERS:
-            raise ValueError(f"ctas_per_sm: expected one of {tuple(SM_REGISTERS)}, got "
+        if self.ctas_per_sm not in CTAS_PER_SM_CHOICES:
+            raise ValueError(f"ctas_per_sm: expected one of {CTAS_PER_SM_CHOICES}, got "
                              f"{self.ctas_per_sm}")  # fmt: skip
         if self.ctas_per_sm == 2 and not (self.specialized and self.block_m == 64):
             raise ValueError("ctas_per_sm=2: expected specialized=True and block_m=64 (the "
@@ -416,7 +427,7 @@ class RsKernel(DenseKernel):
         if bound is None:
             meta = {"SPLIT_K": self.cfg.split_k, "STAGES": self.cfg.stages}
             if self.cfg.specialized:
-                launch, consumer, tma = SM_REGISTERS[self.cfg.ctas_per_sm]
+                launch, consumer, tma = SM_REGISTERS[self.cfg.ctas_per_sm, self.cfg.block_m]
                 meta |= {"REGS": consumer, "TMA_REGS": tma}
                 bound = _RS_WS_LAUNCH.bind(meta, 4, maxnreg=launch)
             else:

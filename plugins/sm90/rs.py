@@ -4,14 +4,15 @@ The kernel (`fp4_dispatch.backends.sm90.gemm_w4a16_rs`, Gluon, its warp-speciali
 variant) gives each of two warpgroups 64 of a CTA's 128 weight rows: they expand their
 NVFP4 bytes in registers and feed them to ``wgmma`` as its A operand, the tokens (B) come
 from shared memory, a TMA warp fills the ring. The activations are first written in the
-dot's K order by a short pass (part of each call). Tactics: ``tile_m`` 64 (4 stages) or
-128 (3 stages) tokens, 128-wide K steps, ``split_k`` 1-4: the measured best variants
-(RESULTS.md, "Hopper W4A16" run 9); with 64-token tiles also ``ctas_per_sm`` 2 (a
+dot's K order by a short pass (part of each call). Tactics: ``tile_m`` 64 (4 stages), 128
+(3 stages) or 256 (3 stages) tokens, 128-wide K steps, ``split_k`` 1-4 within one wave
+(RESULTS.md, "Hopper W4A16" runs 9-11); with 64-token tiles also ``ctas_per_sm`` 2 (a
 register budget that lets two CTAs share an SM, offered where the grid is over one CTA an
 SM: 0.85-0.97x the one-CTA time on most such shapes in run 10; below one wave the second
-slot stays empty). The kernel's other knobs (its
-single-partition variant, a 256-token tile) stay in `RsConfig`, benchmarked and not
-offered.
+slot stays empty). A 256-token tile expands each weight once for twice the tokens: at
+M = 192-256 it is the fastest rs tactic on 8 of 12 shapes of run 11 (256x13824x5120: 61.0
+against 73.4 µs with 128-token tiles). The kernel's single-partition variant stays in
+`RsConfig`, benchmarked and not offered.
 
 Why a backend of its own: it competes with ``triton-sm90-ws`` (faster on 14 of the 18
 shapes of run 9 at M = 64-256, by up to 24%, within 2% on the rest) and with the direct
@@ -39,16 +40,17 @@ from fp4_dispatch.tactics import Problem, Tactic
 if TYPE_CHECKING:
     from fp4_dispatch.backends.sm90.gemm_w4a16_rs import RsConfig
 
-RS_TILE_M = (64, 128)
-#: the largest M each token tile is offered for: what run 9 timed (64-token tiles at
+RS_TILE_M = (64, 128, 256)
+#: the largest M each token tile is offered for: what the sweeps timed (64-token tiles at
 #: M 64 and 128 only; at M = 256 the estimate would otherwise pick an untimed tactic)
-RS_TILE_MAX_M = {64: 128, 128: 256}
+RS_TILE_MAX_M = {64: 128, 128: 256, 256: 256}
 RS_SPLIT_K = (1, 2, 3, 4)
 #: CTAs an SM by token tile (`gemm_w4a16_rs.SM_REGISTERS`: a 128-token accumulator does
 #: not fit the two-CTA budget)
-RS_CTAS_PER_SM = {64: (1, 2), 128: (1,)}
-#: ring slots per token tile: the best of each in run 9 (shared memory: 100 / 123 KiB)
-RS_STAGES = {64: 4, 128: 3}
+RS_CTAS_PER_SM = {64: (1, 2), 128: (1,), 256: (1,)}
+#: ring slots per token tile: the best of each in run 9; 256 tokens: as many as fit
+#: (shared memory: 100 / 123 / 219 KiB)
+RS_STAGES = {64: 4, 128: 3, 256: 3}
 #: weight rows per CTA and K per step (the kernel's `BLOCK_N` and `STEP_K`)
 RS_TILE_N = 128
 RS_TILE_K = 128
@@ -63,6 +65,7 @@ class TritonSm90RsTactic(w4.TritonSm90W4A16Tactic):
 
     backend: Literal["triton-sm90-rs"] = "triton-sm90-rs"  # type: ignore[assignment]
     path: Literal["rs"] = "rs"  # type: ignore[assignment]
+    tile_m: Literal[64, 128, 256] = 128  # type: ignore[assignment]
     tile_n: Literal[128] = 128  # type: ignore[assignment]
     tile_k: Literal[128] = 128  # type: ignore[assignment]
     #: CTAs one SM holds at once (`RS_CTAS_PER_SM`)

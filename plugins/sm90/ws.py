@@ -105,12 +105,16 @@ def cta_waves_us(c: dict, tile_m: int, split_k: int, tile_n: int, tile_k: int, p
     model, `rs._estimate_rs`'s core; constants ``c``).
 
     A wave is ``ctas_per_sm`` CTAs on every SM. The step is the slower of the weight
-    tile's expansion (``deq_step_us`` for ``tile_n x tile_k`` values, whatever the token
-    tile) and its MMA (``2 * tile_n * tile_m * tile_k`` flops at ``mma_eff`` of an SM's
-    bf16 rate); CTAs that share an SM take ``shared_step`` times as long a step each
+    tile's MMA (``2 * tile_n * tile_m * tile_k`` flops at ``mma_eff`` of an SM's bf16
+    rate) and its expansion (``deq_step_us`` for ``tile_n x tile_k`` values, whatever the
+    token tile) followed by ``mma_serial`` of the MMA (0: expansion and MMA overlap
+    fully, ws; the rs warpgroups wait for their own MMA before expanding again); CTAs that
+    share an SM take ``shared_step`` times as long a step each
     (fitted: 2 would mean no gain over running them one after the other). HBM bounds it
     from below (the weights re-read per token tile). ``fixed_us``: launch, pipeline fill
-    and epilogue; a split adds its fp32 partial tile's round trip at HBM speed."""
+    and epilogue. A split adds its fp32 partial tiles' round trip at HBM speed and, per
+    wave, ``split_tile_us`` a 128 x 128 partial tile (the split-K epilogue's own time,
+    which grows with the tile: RESULTS.md "Hopper W4A16" run 11)."""
     m_tiles, n_tiles = -(-p.m // tile_m), -(-p.n // tile_n)
     ctas = m_tiles * n_tiles * split_k
     waves = math.ceil(ctas / (device.sm_count * ctas_per_sm))
@@ -118,11 +122,14 @@ def cta_waves_us(c: dict, tile_m: int, split_k: int, tile_n: int, tile_k: int, p
     steps = math.ceil(math.ceil(p.k / tile_k) / split_k)
     mma_rate = device.bf16_tflops * 1e6 / device.sm_count * c["mma_eff"]
     mma = 2.0 * tile_n * tile_m * tile_k / mma_rate
-    compute = waves * steps * max(c["deq_step_us"], mma) * shared
+    compute = waves * steps * max(c["deq_step_us"] + c["mma_serial"] * mma, mma) * shared
     bw = device.mem_bw_gbps * 1e3 * c["bw_fraction"]
     weight_bytes = p.n * p.k * (0.5 + 1.0 / 16) * m_tiles
     memory = (weight_bytes + p.m * p.k * 2.0 + 2.0 * p.m * p.n) / bw  # x re-reads hit L2
-    partial = 2 * 4.0 * ctas * tile_m * tile_n / bw if split_k > 1 else 0.0
+    partial = 0.0
+    if split_k > 1:
+        epilogue = waves * c["split_tile_us"] * tile_m * tile_n / 128**2
+        partial = 2 * 4.0 * ctas * tile_m * tile_n / bw + epilogue
     return max(compute, memory) + c["fixed_us"] + partial
 
 
