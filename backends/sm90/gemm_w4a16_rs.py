@@ -370,10 +370,12 @@ class RsConfig:
         if self.ctas_per_sm not in CTAS_PER_SM_CHOICES:
             raise ValueError(f"ctas_per_sm: expected one of {CTAS_PER_SM_CHOICES}, got "
                              f"{self.ctas_per_sm}")  # fmt: skip
-        if self.ctas_per_sm == 2 and not (self.specialized and self.block_m == 64):
-            raise ValueError("ctas_per_sm=2: expected specialized=True and block_m=64 (the "
-                             "128-token accumulator needs more registers), got "
-                             f"specialized={self.specialized}, block_m={self.block_m}")  # fmt: skip
+        budgets = tuple(bm for ctas, bm in SM_REGISTERS if ctas == self.ctas_per_sm)
+        if self.ctas_per_sm > 1 and not (self.specialized and self.block_m in budgets):
+            got = f"specialized={self.specialized}, block_m={self.block_m}"
+            raise ValueError(f"ctas_per_sm={self.ctas_per_sm}: expected specialized=True and "
+                             f"block_m in {budgets} (the register budgets of SM_REGISTERS), "
+                             f"got {got}")  # fmt: skip
 
 
 @dataclass
