@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4_dispatch.backends import pdl
 from fp4_dispatch.backends.triton_launch import CachedLauncher, launch_aligned
 from fp4_dispatch.nvfp4 import swizzled_scale_shape
 
@@ -40,10 +41,14 @@ def _e2m1(code):
 
 @triton.jit
 def _expand_kernel(data_ptr, scale_ptr, out_ptr, alpha_ptr, alpha_b_ptr, alpha_out_ptr, K,
-                   stride_out, scale_rows_stride, BLOCK: tl.constexpr):  # fmt: skip
+                   stride_out, scale_rows_stride, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr):  # fmt: skip
     """Row ``program_id(1)``, K ``BLOCK * program_id(0)`` onwards: bytes, their scales
     (the 128x4 swizzle of `fp4_dispatch.nvfp4`), one store of ``BLOCK`` values; the first
-    program also stores ``alpha * alpha_b`` (fp32) for the GEMM that follows."""
+    program also stores ``alpha * alpha_b`` (fp32) for the GEMM that follows. With
+    ``PDL`` every program first lets that GEMM launch (`fp4_dispatch.backends.pdl`)."""
+    if PDL:
+        pdl.gdc_launch_dependents()
     row = tl.program_id(1)
     kb = tl.program_id(0) * BLOCK
     if (row == 0) & (kb == 0):
@@ -98,4 +103,4 @@ def _scale_rows_stride(k: int) -> int:
     return swizzled_scale_shape(1, k)[1] * 128
 
 
-_BOUND = CachedLauncher(_expand_kernel).bind({"BLOCK": BLOCK_K}, num_warps=4)
+_BOUND = CachedLauncher(_expand_kernel).bind({"BLOCK": BLOCK_K, "PDL": pdl.ENABLED}, num_warps=4)

@@ -60,6 +60,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from fp4_dispatch.backend import GemmOperands
+from fp4_dispatch.backends import pdl
 from fp4_dispatch.backends.sm90 import expand_rows, gemm_w4a16
 from fp4_dispatch.backends.sm90.epilogue_gluon import store_tile, tile_origin
 from fp4_dispatch.backends.sm90.gemm_w4a16 import (
@@ -73,6 +74,11 @@ from fp4_dispatch.backends.triton_launch import CachedLauncher
 from fp4_dispatch.backends.workspace import Scratch, one_like
 
 STEP_K = gl.constexpr(128)
+#: K steps of each warp's weight bytes prefetched to L2 before a PDL-launched kernel
+#: waits for the kernel before it (`fp4_dispatch.backends.pdl`): 4 steps are a quarter
+#: of the weights at 1x8192² (8 MiB, ~1.7 µs of HBM time: about what the activations'
+#: expansion takes)
+PDL_STEPS = gl.constexpr(4)
 
 _BF16_ASM = gl.constexpr(_BF16_NATURAL)
 _F16_ASM = gl.constexpr(_F16_NATURAL)
@@ -169,7 +175,8 @@ def _w4a16_mma_kernel(x_ptr, b_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr, ws_ptr
                       M, N, K, stride_xm, stride_om, stride_on, b_sblk, has_bias,
                       BN: gl.constexpr, BM: gl.constexpr, KW: gl.constexpr,
                       RW: gl.constexpr, SPLIT_K: gl.constexpr, EVEN: gl.constexpr,
-                      PREFETCH: gl.constexpr, UNROLL: gl.constexpr):  # fmt: skip
+                      PREFETCH: gl.constexpr, UNROLL: gl.constexpr,
+                      PDL: gl.constexpr):  # fmt: skip
     # NW = KW x RW warps along dim 0: warp b takes K range b // RW (of KW) and the rows
     # of group b % RW (of RW groups of BN a CTA); K last
     NW: gl.constexpr = KW * RW
@@ -221,7 +228,7 @@ def _w4a16_mma_kernel(x_ptr, b_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr, ws_ptr
     acc = gl.zeros([NW, BN, BM], gl.float32, MMA)
     # no register prefetch: a loop-carried byte tensor is repacked byte by byte every
     # step (PRMT); the loads in flight come from the many warps an SM holds instead
-    if PREFETCH > 0:  # one address a thread and row: its 16 bytes of the step
+    if PREFETCH > 0 or PDL:  # one address a thread and row: its 16 bytes of the step
         PL: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 8, 4], [NW, 1, 1], [2, 1, 0])
         pw = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, PL)))
         pb = pw // RW
@@ -234,8 +241,13 @@ def _w4a16_mma_kernel(x_ptr, b_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr, ws_ptr
         p_ptrs = b_ptr + gl.expand_dims(prow.to(gl.int64) * k_half, 2) + pk
         pend = gl.minimum((pid_k * KW + pb) * per + per, k_steps) * 64
         pend = gl.expand_dims(gl.expand_dims(pend, 1), 2)
-        for d in gl.static_range(PREFETCH):
-            _prefetch_l2(p_ptrs + d * 64, pk + d * 64 < pend)
+        if PDL:  # launched while the activations are written: fetch weights meanwhile
+            for d in gl.static_range(PDL_STEPS):  # PREFETCH <= 4 = PDL_STEPS
+                _prefetch_l2(p_ptrs + d * 64, pk + d * 64 < pend)
+            pdl.gdc_wait()  # the kernel before (`expand_rows`) has written the activations
+        else:
+            for d in gl.static_range(PREFETCH):
+                _prefetch_l2(p_ptrs + d * 64, pk + d * 64 < pend)
     # UNROLL steps' loads issued together before their expansion: more bytes in flight a
     # warp (the latency chain of a warp with few steps, small shapes); the second of a
     # pair past the warp's range is masked off
@@ -315,6 +327,9 @@ class W4A16MmaKernel(DenseKernel):
     them is ignored; prepared bytes alone run the direct kernel)."""
 
     cfg: MmaConfig
+    #: launched with PDL (`fp4_dispatch.backends.pdl`): only where a kernel of the same
+    #: call writes the activations first (`W4A4MmaKernel`); a W4A16 call is one launch
+    pdl: bool = False
 
     @property
     def tile_rows(self) -> int:
@@ -339,13 +354,14 @@ class W4A16MmaKernel(DenseKernel):
     def _binding(self, k: int, prepared: bool, act_dtype: torch.dtype):
         del prepared, act_dtype  # natural bytes only; the dtype is Triton's own key
         even = self.even(k)
-        bound = self._bound.get(even)
+        bound = self._bound.get((even, self.pdl))
         if bound is None:
-            cfg = self.cfg
+            cfg, options = self.cfg, pdl.launch_options(self.pdl)
             meta = {"BN": cfg.block_n, "BM": cfg.block_m, "KW": cfg.warps, "RW": cfg.row_warps,
                     "SPLIT_K": cfg.split_k, "EVEN": even, "PREFETCH": cfg.prefetch,
-                    "UNROLL": cfg.unroll}  # fmt: skip
-            bound = self._bound[even] = _MMA_LAUNCH.bind(meta, cfg.warps * cfg.row_warps)
+                    "UNROLL": cfg.unroll, "PDL": bool(options)}  # fmt: skip
+            bound = _MMA_LAUNCH.bind(meta, cfg.warps * cfg.row_warps, **options)
+            self._bound[(even, self.pdl)] = bound
         return bound
 
 
@@ -360,7 +376,11 @@ class W4A4MmaKernel(W4A16MmaKernel):
     ``out``'s dtype (`expand_rows`: one short launch over M x K values, which also
     multiplies the two global scales), then multiplied as W4A16 operands. The buffer
     holds whole token tiles, is made outside CUDA-graph pools on the first call of a
-    tile count and reused after (run that call outside capture, as for split-K)."""
+    tile count and reused after (run that call outside capture, as for split-K). The
+    GEMM launches with PDL (`fp4_dispatch.backends.pdl`): its CTAs prefetch their first
+    `PDL_STEPS` weight steps to L2 while the expansion runs."""
+
+    pdl: bool = True
 
     #: the GEMM takes alpha as two factors (`GemmOperands.alpha_b`): `expand_rows`
     #: multiplies them on the way

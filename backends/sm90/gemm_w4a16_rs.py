@@ -65,6 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from fp4_dispatch.backends import pdl
 from fp4_dispatch.backends.sm90 import gemm_w4a16_ws
 from fp4_dispatch.backends.sm90.epilogue_gluon import (
     cta_barrier,
@@ -118,13 +119,44 @@ def _scales(chunks, NW: gl.constexpr):
 @gluon.jit
 def _issue(w_desc, s_desc, x_desc, bar, w_buf, s_buf, x_bufs, slot, n0, s_row0, m0, kt, ok):
     """TMA loads of K step ``kt`` into ring slot ``slot`` (when ``ok``)."""
+    _issue_weights(w_desc, s_desc, x_desc, bar, w_buf, s_buf, n0, s_row0, kt, ok)
+    _issue_acts(x_desc, bar, x_bufs, slot, m0, kt, ok)
+
+
+@gluon.jit
+def _issue_weights(w_desc, s_desc, x_desc, bar, w_buf, s_buf, n0, s_row0, kt, ok):
+    """The first half of `_issue`: the slot's expected bytes (all of the step's), then
+    the TMA loads of its weight bytes and scale chunks."""
     nbytes: gl.constexpr = (w_desc.block_type.nbytes + s_desc.block_type.nbytes
                             + 2 * x_desc.block_type.nbytes)  # fmt: skip
     mbarrier.expect(bar, nbytes, pred=ok)
     _tma_load(w_desc, [n0, kt * 64], bar, w_buf, pred=ok)
     _tma_load(s_desc, [s_row0 + 4 * kt, 0], bar, s_buf, pred=ok)
+
+
+@gluon.jit
+def _issue_acts(x_desc, bar, x_bufs, slot, m0, kt, ok):
+    """The second half of `_issue`: the TMA loads of the step's two activation boxes."""
     _tma_load(x_desc, [m0, kt * 128], bar, x_bufs.index(2 * slot), pred=ok)
     _tma_load(x_desc, [m0, kt * 128 + 64], bar, x_bufs.index(2 * slot + 1), pred=ok)
+
+
+@gluon.jit
+def _fill_ring(w_desc, s_desc, x_desc, ready, w_bufs, s_bufs, x_bufs, n0, s_row0, m0, kt0,
+               n_steps, PDL: gl.constexpr):  # fmt: skip
+    """The loads of the ring's first ``STAGES`` steps. With ``PDL`` (the kernel launched
+    while `_dot_order_pass` runs: `fp4_dispatch.backends.pdl`) the weight bytes and
+    scales of every slot go first, then the wait for the pass, then the activations."""
+    STAGES: gl.constexpr = w_bufs.shape[0]
+    for j in gl.static_range(STAGES):
+        _issue_weights(w_desc, s_desc, x_desc, ready.index(j), w_bufs.index(j),
+                       s_bufs.index(j), n0, s_row0, kt0 + j, j < n_steps)  # fmt: skip
+        if not PDL:
+            _issue_acts(x_desc, ready.index(j), x_bufs, j, m0, kt0 + j, j < n_steps)
+    if PDL:
+        pdl.gdc_wait()
+        for j in gl.static_range(STAGES):
+            _issue_acts(x_desc, ready.index(j), x_bufs, j, m0, kt0 + j, j < n_steps)
 
 
 @gluon.jit
@@ -165,7 +197,8 @@ def _mma_step(a0, a1, x_bufs, slot, acc):
 @gluon.jit(do_not_specialize=["M", "N", "has_bias"])
 def _w4a16_rs_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                      M, N, K, stride_om, stride_on, has_bias, s_chunks,
-                     SPLIT_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+                     SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
+                     PDL: gl.constexpr):  # fmt: skip
     # s_chunks: 512-byte scale chunks per 128-row block (padded K / 64); the scale
     # descriptor views the swizzled scales as rows of 256 bytes, two rows a chunk
     BT: gl.constexpr = x_desc.block_type.shape[0]
@@ -189,9 +222,8 @@ def _w4a16_rs_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws_pt
     for j in gl.static_range(STAGES):
         mbarrier.init(ready.index(j), count=1)
     fence_async_shared()
-    for j in gl.static_range(STAGES):
-        _issue(w_desc, s_desc, x_desc, ready.index(j), w_bufs.index(j), s_bufs.index(j),
-               x_bufs, j, n0, s_row0, m0, kt0 + j, j < n_steps)  # fmt: skip
+    _fill_ring(w_desc, s_desc, x_desc, ready, w_bufs, s_bufs, x_bufs, n0, s_row0, m0, kt0,
+               n_steps, PDL)  # fmt: skip
 
     acc = gl.zeros([BN, BT], gl.float32, ACC)
     if n_steps > 0:
@@ -247,12 +279,15 @@ def _consumer(p, WG: gl.constexpr, SPLIT_K: gl.constexpr):
 
 
 @gluon.jit
-def _producer(p):
-    """One warp: the TMA loads of every step, each into a slot both warpgroups released."""
+def _producer(p, PDL: gl.constexpr):
+    """One warp: the TMA loads of every step, each into a slot both warpgroups released
+    (the first ``STAGES`` free: `_fill_ring`, which waits for the pass under ``PDL``)."""
     (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, s_row0, m0, kt0,
      n_steps) = p  # fmt: skip
     STAGES: gl.constexpr = w_bufs.shape[0]
-    for i in range(n_steps):
+    _fill_ring(w_desc, s_desc, x_desc, ready, w_bufs, s_bufs, x_bufs, n0, s_row0, m0, kt0,
+               n_steps, PDL)  # fmt: skip
+    for i in range(STAGES, n_steps):
         slot = i % STAGES
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # a new barrier: passes
         _issue(w_desc, s_desc, x_desc, ready.index(slot), w_bufs.index(slot),
@@ -263,7 +298,8 @@ def _producer(p):
 def _w4a16_rs_ws_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                         M, N, K, stride_om, stride_on, has_bias, s_chunks,
                         SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
-                        REGS: gl.constexpr, TMA_REGS: gl.constexpr):  # fmt: skip
+                        REGS: gl.constexpr, TMA_REGS: gl.constexpr,
+                        PDL: gl.constexpr):  # fmt: skip
     BT: gl.constexpr = x_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     pid, pid_k, pid_n, n0, m0 = tile_origin(N, BN, BT)
@@ -282,19 +318,23 @@ def _w4a16_rs_ws_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws
     prod = (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, pid_n * s_chunks * 2,
             m0, kt0, n_steps)  # fmt: skip
     gl.warp_specialize(
-        [(_consumer, (cons, 0, SPLIT_K)), (_consumer, (cons, 1, SPLIT_K)), (_producer, (prod,))],
+        [(_consumer, (cons, 0, SPLIT_K)), (_consumer, (cons, 1, SPLIT_K)),
+         (_producer, (prod, PDL))],
         [4, 1],
         [REGS, TMA_REGS],
     )  # fmt: skip
 
 
 @triton.jit
-def _dot_order_pass(x_ptr, out_ptr, M, K, stride_xm, BLOCK_R: tl.constexpr):
+def _dot_order_pass(x_ptr, out_ptr, M, K, stride_xm, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """``out[r, 128 b + kd] = x[r, 128 b + nat(kd)]`` in the order of
     `gemm_w4a16_mma.expand_dot_order` (`gemm_w4a16_mma.dot_order` is the host twin): the
     order only permutes the seven bits of the index within a 128-wide block, so each
     block is loaded and stored contiguously and permuted in registers (a reshape to the
-    bits and a permute). Plain Triton: runs under the interpreter."""
+    bits and a permute). Plain Triton: runs under the interpreter. With ``PDL`` every
+    program first lets the GEMM launch (`fp4_dispatch.backends.pdl`)."""
+    if PDL:
+        pdl.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     mask = (rows < M)[:, None]
@@ -323,7 +363,7 @@ def dot_order_into(a: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _pass_binding() -> BoundLaunch:
-    return _PASS_LAUNCH.bind({"BLOCK_R": PASS_ROWS}, 4)
+    return _PASS_LAUNCH.bind({"BLOCK_R": PASS_ROWS, "PDL": pdl.ENABLED}, 4)
 
 
 # ---- host side ------------------------------------------------------------------------
@@ -387,6 +427,10 @@ class RsKernel(DenseKernel):
     run the direct kernel (`why_unsupported`)."""
 
     cfg: RsConfig
+    #: the GEMM launches with PDL (`fp4_dispatch.backends.pdl`) where it holds one CTA an
+    #: SM (`launches_with_pdl`): the TMA warp loads the ring's first weight steps while
+    #: the activations' pass runs (False: after it)
+    pdl: bool = True
     _acts: Scratch = field(default_factory=Scratch, repr=False)
     _views: dict = field(default_factory=dict, repr=False)
 
@@ -396,7 +440,17 @@ class RsKernel(DenseKernel):
             # mark the tactic broken for every later call of the dispatcher
             _direct_fallback()(operands, out)
             return
-        self.launch(self.permute_activations(operands.a), operands, out)
+        a = self.permute_activations(operands.a)
+        self.launch(a, operands, out, pdl=self.launches_with_pdl)
+
+    @property
+    def launches_with_pdl(self) -> bool:
+        """`pdl`, for one CTA an SM only. Measured on the H200 (RESULTS.md "Hopper
+        W4A16" run 12, ``bench_pdl.py``): PDL took every one-CTA pick's call to
+        0.955-0.999x its time (20 shapes, M 64-256) and three of the four two-CTA picks'
+        to 1.016-1.036x. The suspected cause: a pass CTA still on an SM leaves room for
+        one GEMM CTA there, not two, so the grid spreads unevenly."""
+        return self.pdl and self.cfg.ctas_per_sm == 1
 
     def permute_activations(self, a: torch.Tensor) -> torch.Tensor:
         """``a`` in the dot's K order (`dot_order`), in this kernel object's kept buffer
@@ -409,8 +463,12 @@ class RsKernel(DenseKernel):
             x = self._views[key] = buf.view(a.dtype)[: m * k].view(m, k)
         return dot_order_into(a, x)
 
-    def launch(self, x: torch.Tensor, operands: W4A16Operands, out: torch.Tensor) -> None:
-        """The GEMM on activations ``x`` already in the dot's K order."""
+    def launch(
+        self, x: torch.Tensor, operands: W4A16Operands, out: torch.Tensor, pdl: bool = False
+    ) -> None:
+        """The GEMM on activations ``x`` already in the dot's K order; ``pdl`` only right
+        after the kernel that wrote ``x`` (`dot_order_into`: the contract of
+        `fp4_dispatch.backends.pdl`)."""
         b, s = operands.b_data, operands.b_scale
         m, k = x.shape
         n = b.shape[0]
@@ -420,21 +478,22 @@ class RsKernel(DenseKernel):
         args = (*self._descriptors(x, b, s), operands.alpha, bias, out, ws, cnt, m, n, k,
                 so0, so1, int(operands.bias is not None), s.shape[1] // 4)  # fmt: skip
         key = (m, n, k, so0, so1, out.dtype, bias.dtype)
-        bound = self._binding()
+        bound = self._binding(pdl)
         launch_aligned(bound, key, grid, args, (operands.alpha, bias, out, ws, cnt))
         self.compiled = bound.last_compiled
 
-    def _binding(self, *_: object) -> BoundLaunch:
-        bound = self._bound.get(None)
+    def _binding(self, with_pdl: bool) -> BoundLaunch:
+        bound = self._bound.get(with_pdl)
         if bound is None:
-            meta = {"SPLIT_K": self.cfg.split_k, "STAGES": self.cfg.stages}
+            options = pdl.launch_options(with_pdl)
+            meta = {"SPLIT_K": self.cfg.split_k, "STAGES": self.cfg.stages, "PDL": bool(options)}
             if self.cfg.specialized:
                 launch, consumer, tma = SM_REGISTERS[self.cfg.ctas_per_sm, self.cfg.block_m]
                 meta |= {"REGS": consumer, "TMA_REGS": tma}
-                bound = _RS_WS_LAUNCH.bind(meta, 4, maxnreg=launch)
+                bound = _RS_WS_LAUNCH.bind(meta, 4, maxnreg=launch, **options)
             else:
-                bound = _RS_LAUNCH.bind(meta, BLOCK_N // 16)
-            self._bound[None] = bound
+                bound = _RS_LAUNCH.bind(meta, BLOCK_N // 16, **options)
+            self._bound[with_pdl] = bound
         return bound
 
     @property
@@ -457,7 +516,7 @@ class RsKernel(DenseKernel):
         if prepared:
             raise ValueError("prepared: this kernel reads natural weight bytes")
         args = gemm_w4a16_ws.meta_launch_args(self, m, n, k, dtype)
-        return self._binding().warmup(self.grid(m, n), args)
+        return self._binding(self.launches_with_pdl).warmup(self.grid(m, n), args)
 
 
 _RS_LAUNCH = CachedLauncher(_w4a16_rs_kernel)
