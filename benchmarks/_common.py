@@ -14,9 +14,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from fp4_dispatch import precompile as pc
 
@@ -127,3 +130,12 @@ def record_section(text: str, heading: str, path: Path = RESULTS_MD) -> None:
         new = "\n".join([*lines[:start], *text.rstrip("\n").splitlines(), "", *lines[end:]])
         new = new.rstrip("\n") + "\n"
     path.write_text(new)
+
+
+def on_sm90() -> bool:
+    """Whether this process sees an sm90 GPU (H100/H200); if not, says so on stderr with
+    the ``--smoke`` hint (the Hopper-only drivers then exit 2)."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        return True
+    print("needs an sm90 GPU (H100/H200): run with --smoke on a CPU", file=sys.stderr)
+    return False

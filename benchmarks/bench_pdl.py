@@ -35,7 +35,7 @@ if "--smoke" in sys.argv:  # must precede the first triton import
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
-from _common import markdown_table, num, ratio, write_json, write_text
+from _common import markdown_table, num, on_sm90, ratio, write_json, write_text
 from bench_w4a4_decode import Shape as W4A4Shape
 from bench_w4a16_decode import HELD_NK, NK, TOL, eager, rel_err
 from bench_w4a16_decode import Shape as W4A16Shape
@@ -165,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.smoke:
         return smoke()
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        print("needs an sm90 GPU (H100/H200): run with --smoke on a CPU", file=sys.stderr)
+    if not on_sm90():
         return 2
     from fp4_dispatch.backends import pdl
 

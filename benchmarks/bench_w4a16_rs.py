@@ -33,7 +33,7 @@ if "--smoke" in sys.argv:  # must precede the first triton import
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
-from _common import write_json
+from _common import on_sm90, write_json
 from bench_w4a16_decode import NK, TOL, Shape, baselines, eager, rel_err, timed
 from bench_w4a16_ws import dispatcher_row
 
@@ -156,8 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.smoke:
         return smoke()
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        print("needs an sm90 GPU (H100/H200): run with --smoke on a CPU", file=sys.stderr)
+    if not on_sm90():
         return 2
     device = torch.device("cuda")
     dispatcher = Dispatcher(cache=False)  # untuned: its heuristic pick

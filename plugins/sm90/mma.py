@@ -32,7 +32,9 @@ W4A4 (operation ``"w4a4"``): the same tactics run `gemm_w4a16_mma.W4A4MmaKernel`
 expands the NVFP4 activations into a kept bf16/fp16 buffer first (exact; one short
 launch, `EXPAND_US`) and then multiplies them as W4A16 operands. At decode that is cheaper
 than expanding them inside every CTA (``triton-sm90-dense``): 20.6 against 26.0 µs at
-1x8192² (run 8).
+1x8192² (run 8). The GEMM launches with PDL (`fp4_dispatch.backends.pdl`) and prefetches
+its first weight steps while the expansion runs: 0.94-1.03x the time, median 0.98
+(RESULTS.md "Hopper W4A16" run 12; `EXPAND_US` is still the expansion timed alone).
 
 Why a backend of its own: at 1-8 tokens it takes 0.75-0.96x the time of the best direct
 tactic of ``triton-sm90-w4a16`` on every shape of RESULTS.md "Hopper W4A16" run 7
