@@ -42,7 +42,9 @@ protocol of `splitk` (partials, a counter, the last split sums in order).
 Shapes: any M (token tiles of ``BM``), N >= 1 (rows wrap modulo N: in-bounds loads,
 never stored), ``K % 32 == 0`` (a thread's 32 K are all in range or all out; masks past
 K unless ``EVEN``: whole steps for every warp). ``x`` needs unit stride along K.
-`W4A4MmaKernel` runs W4A4 through it: the NVFP4 activations expanded first (`expand_rows`).
+`W4A4MmaKernel` runs W4A4 through it: the NVFP4 activations expanded first (`expand_rows`),
+the GEMM launched with PDL (``PDL``: `PDL_STEPS` weight steps prefetched to L2, then the
+wait for the expansion).
 Prepared (sm90-prepared) weight bytes alone run the direct kernel (`_direct_fallback`);
 a prepared copy beside the natural bytes is ignored. Gluon has no interpreter: CI
 compiles this kernel for sm_90, the numerics are checked on the H200.

@@ -36,7 +36,9 @@ partition waits on another.
   (RESULTS.md "Hopper W4A16" runs 9-10).
 - ``ctas_per_sm=2`` (specialized, 64 tokens): a register budget (`SM_REGISTERS`) under
   which two CTAs share an SM, so a grid of up to two CTAs an SM runs in one wave.
-- The activations' pass (`_dot_order_pass`) is plain Triton and a launch of its own.
+- The activations' pass (`_dot_order_pass`) is plain Triton and a launch of its own. At
+  one CTA an SM the GEMM launches with PDL and loads the ring's first weight steps while
+  the pass runs (`_fill_ring`, `RsKernel.launches_with_pdl`).
 
 Epilogue: ``alpha * 2**14``, bias in fp32, one rounding, masked store through ``out``'s
 strides; split-K (``SPLIT_K`` CTAs a tile) through the workspace protocol of `splitk`.
