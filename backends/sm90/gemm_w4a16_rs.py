@@ -443,7 +443,7 @@ class RsKernel(DenseKernel):
             _direct_fallback()(operands, out)
             return
         a = self.permute_activations(operands.a)
-        self.launch(a, operands, out, pdl=self.launches_with_pdl)
+        self.launch(a, operands, out, with_pdl=self.launches_with_pdl)
 
     @property
     def launches_with_pdl(self) -> bool:
@@ -466,10 +466,10 @@ class RsKernel(DenseKernel):
         return dot_order_into(a, x)
 
     def launch(
-        self, x: torch.Tensor, operands: W4A16Operands, out: torch.Tensor, pdl: bool = False
+        self, x: torch.Tensor, operands: W4A16Operands, out: torch.Tensor, with_pdl: bool = False
     ) -> None:
-        """The GEMM on activations ``x`` already in the dot's K order; ``pdl`` only right
-        after the kernel that wrote ``x`` (`dot_order_into`: the contract of
+        """The GEMM on activations ``x`` already in the dot's K order; ``with_pdl`` only
+        right after the kernel that wrote ``x`` (`dot_order_into`: the contract of
         `fp4_dispatch.backends.pdl`)."""
         b, s = operands.b_data, operands.b_scale
         m, k = x.shape
@@ -480,7 +480,7 @@ class RsKernel(DenseKernel):
         args = (*self._descriptors(x, b, s), operands.alpha, bias, out, ws, cnt, m, n, k,
                 so0, so1, int(operands.bias is not None), s.shape[1] // 4)  # fmt: skip
         key = (m, n, k, so0, so1, out.dtype, bias.dtype)
-        bound = self._binding(pdl)
+        bound = self._binding(with_pdl)
         launch_aligned(bound, key, grid, args, (operands.alpha, bias, out, ws, cnt))
         self.compiled = bound.last_compiled
 
