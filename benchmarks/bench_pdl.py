@@ -125,7 +125,7 @@ def w4a16_row(m: int, n: int, k: int, device, dispatcher: Dispatcher, samples: i
 def table(rows: list[dict]) -> str:
     head = ["op", "M", "N x K", "pick", "bf16 µs", "FP8 µs", "PDL on µs", "PDL off µs",
             "on / off", "bf16 / on", "bf16 / off", "FP8 / on", "eager on µs",
-            "eager off µs"]  # fmt: skip
+            "eager off µs", "eager bf16 µs", "eager FP8 µs"]  # fmt: skip
     body = []
     for r in rows:
         if "on_us" not in r:
@@ -135,14 +135,15 @@ def table(rows: list[dict]) -> str:
                      num(r["fp8_us"]), num(r["on_us"]), num(r["off_us"]),
                      ratio(r["on_us"], r["off_us"]), ratio(r["bf16_us"], r["on_us"]),
                      ratio(r["bf16_us"], r["off_us"]), ratio(r["fp8_us"], r["on_us"]),
-                     num(r["eager_on_us"]), num(r["eager_off_us"])])  # fmt: skip
+                     num(r["eager_on_us"]), num(r["eager_off_us"]),
+                     num(r.get("bf16_eager_us")), num(r.get("fp8_eager_us"))])  # fmt: skip
     return markdown_table(head, body)
 
 
 def smoke() -> int:
     """CPU: the two first kernels (PDL compiled out under the interpreter) still match
-    their references: `expand_rows` against `nvfp4.dequantize`, the pass against
-    `dot_order`."""
+    their references: `expand_rows` against `harness.dequant` (float64), the pass
+    against `dot_order`."""
     from fp4_dispatch.backends import pdl
     from fp4_dispatch.backends.sm90 import expand_rows
     from fp4_dispatch.backends.sm90 import gemm_w4a16_rs as rs
