@@ -1,4 +1,4 @@
-"""H200: one W4A16 decode kernel, run a few times, for Nsight Compute to profile.
+"""H200: one W4A16 kernel (decode, or the rs GEMM), run a few times, for Nsight Compute.
 
     ncu --clock-control none --kernel-name regex:w4a16 --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats \\
@@ -9,7 +9,10 @@ Nsight Compute replays each one it profiles many times; this runs one tactic on 
 shape (stress operands, checked against float64 first, so a profile of a wrong kernel is
 never read) and nothing else on the GPU after the check. ``--kernel mma`` is
 ``triton-sm90-mma`` (`gemm_w4a16_mma.MmaConfig` knobs), ``--kernel direct`` the direct
-kernel of ``triton-sm90-w4a16`` (`gemm_w4a16.W4A16Config` knobs: 16 tokens, 64 rows).
+kernel of ``triton-sm90-w4a16`` (`gemm_w4a16.W4A16Config` knobs: 16 tokens, 64 rows),
+``--kernel rs`` the specialized ``triton-sm90-rs`` kernel (`gemm_w4a16_rs.RsConfig`:
+``--tile-m`` tokens, ``--stages``, ``--ctas-per-sm``); its calls after the check launch
+the GEMM alone on activations already in the dot's order (profile ``regex:rs_ws``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from fp4_dispatch.backends.sm90 import gemm_w4a16_mma as mm
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kernel", choices=("mma", "direct"), default="mma")
+    p.add_argument("--kernel", choices=("mma", "direct", "rs"), default="mma")
     p.add_argument("--m", type=int, default=16, help="tokens")
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--k", type=int, default=8192)
@@ -37,13 +40,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--split-k", type=int, default=1)
     p.add_argument("--prefetch", type=int, default=2, help="mma: L2 prefetch steps ahead")
     p.add_argument("--unroll", type=int, default=2, help="mma: steps whose loads go together")
-    p.add_argument("--stages", type=int, default=4, help="direct: pipeline stages")
+    p.add_argument("--stages", type=int, default=4, help="direct, rs: pipeline stages")
+    p.add_argument("--ctas-per-sm", type=int, default=1, help="rs: CTAs an SM")
     p.add_argument("--calls", type=int, default=4, help="launches after the check")
     return p.parse_args(argv)
 
 
 def build(args: argparse.Namespace):
     """The kernel object of the chosen tactic."""
+    if args.kernel == "rs":
+        from fp4_dispatch.backends.sm90 import gemm_w4a16_rs as rs
+
+        return rs.build(rs.RsConfig(block_m=args.tile_m, split_k=args.split_k,
+                                    stages=args.stages, specialized=True,
+                                    ctas_per_sm=args.ctas_per_sm))  # fmt: skip
     if args.kernel == "mma":
         return mm.build(mm.MmaConfig(block_m=args.tile_m, block_n=args.tile_n, warps=args.warps,
                                      split_k=args.split_k, prefetch=args.prefetch,
@@ -65,8 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.kernel} {args.m}x{args.n}x{args.k}: rel err {err:.2e}", flush=True)
     if not err <= TOL:
         return 1
+    if args.kernel == "rs":
+        x = kernel.permute_activations(s.x).clone()
+        run = lambda: kernel.launch(x, s.ops, s.out)  # noqa: E731
+    else:
+        run = lambda: kernel(s.ops, s.out)  # noqa: E731
     for _ in range(args.calls):
-        kernel(s.ops, s.out)
+        run()
     torch.cuda.synchronize()
     return 0
 
