@@ -15,7 +15,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,15 @@ def record_section(text: str, heading: str, path: Path = RESULTS_MD) -> None:
         new = "\n".join([*lines[:start], *text.rstrip("\n").splitlines(), "", *lines[end:]])
         new = new.rstrip("\n") + "\n"
     path.write_text(new)
+
+
+def smoke_or_sm90(smoke: bool, run_smoke: Callable[[], int]) -> int | None:
+    """The first step of a Hopper-only driver's ``main``: with ``--smoke`` (`smoke`) the
+    exit code of `run_smoke` (its CPU check); without an sm90 GPU 2 (`on_sm90` says why
+    on stderr); else None: go on with the H200 run."""
+    if smoke:
+        return run_smoke()
+    return None if on_sm90() else 2
 
 
 def on_sm90() -> bool:

@@ -39,7 +39,7 @@ if "--smoke" in sys.argv:  # must precede the first triton import
 import torch
 import triton
 import triton.language as tl
-from _common import markdown_table, num, on_sm90, ratio, write_json
+from _common import markdown_table, num, ratio, smoke_or_sm90, write_json
 from bench_w4a16_decode import TOL, Shape, baselines, rel_err, timed
 
 from fp4_dispatch import Dispatcher
@@ -317,10 +317,8 @@ def smoke() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.smoke:
-        return smoke()
-    if not on_sm90():
-        return 2
+    if (code := smoke_or_sm90(args.smoke, smoke)) is not None:
+        return code
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     out: dict = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -35,7 +35,7 @@ if "--smoke" in sys.argv:  # must precede the first triton import
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
-from _common import markdown_table, num, on_sm90, ratio, write_json, write_text
+from _common import markdown_table, num, ratio, smoke_or_sm90, write_json, write_text
 from bench_w4a4_decode import Shape as W4A4Shape
 from bench_w4a16_decode import HELD_NK, NK, TOL, eager, rel_err
 from bench_w4a16_decode import Shape as W4A16Shape
@@ -164,10 +164,8 @@ def smoke() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.smoke:
-        return smoke()
-    if not on_sm90():
-        return 2
+    if (code := smoke_or_sm90(args.smoke, smoke)) is not None:
+        return code
     from fp4_dispatch.backends import pdl
 
     device, dispatcher = torch.device("cuda"), Dispatcher(cache=False)

@@ -33,7 +33,7 @@ if "--smoke" in sys.argv:  # must precede the first triton import
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
-from _common import on_sm90, write_json
+from _common import smoke_or_sm90, write_json
 from bench_w4a16_decode import NK, TOL, Shape, baselines, eager, rel_err, timed
 from bench_w4a16_ws import dispatcher_row
 
@@ -154,10 +154,8 @@ def smoke() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.smoke:
-        return smoke()
-    if not on_sm90():
-        return 2
+    if (code := smoke_or_sm90(args.smoke, smoke)) is not None:
+        return code
     device = torch.device("cuda")
     dispatcher = Dispatcher(cache=False)  # untuned: its heuristic pick
     t0, rows = time.time(), []
