@@ -32,6 +32,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 
 if "--smoke" in sys.argv:  # must precede the first triton import
     os.environ["TRITON_INTERPRET"] = "1"
@@ -80,7 +81,6 @@ MISSED = (
     (64, 18944, 3584),
 )
 K_SWEEP = (1024, 2048, 4096, 8192)
-SMOKE_K_SWEEP = (128, 256)
 
 
 @triton.jit
@@ -200,8 +200,6 @@ def fixed_cost(device: torch.device, shapes, ks, dispatcher: Dispatcher) -> list
 def split_twin(backend: str, kernel):
     """The pick's kernel with one split (None when it has one already): what its fixed
     cost is without the split-K sum."""
-    from dataclasses import replace
-
     from fp4_dispatch.backends.sm90 import gemm_w4a16 as w4
     from fp4_dispatch.backends.sm90 import gemm_w4a16_mma as mm
     from fp4_dispatch.backends.sm90 import gemm_w4a16_rs as rs
@@ -302,8 +300,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def smoke() -> int:
-    """CPU: the L2 kernel on a small buffer (every program must read the same bytes), the
-    traffic formula and the line fit on known values."""
+    """CPU: the L2 kernel on a small buffer (every program's XOR against the host's), the
+    traffic formula and the line fit on known values; exit 1 if the kernel is wrong."""
     device = torch.device("cpu")
     l2 = l2_ceiling(device, sms=2, buffer_bytes=4 * L2_BLOCK * 4)
     a, b = fit_line([1.0, 2.0, 4.0], [3.0, 5.0, 9.0])
@@ -312,7 +310,7 @@ def smoke() -> int:
            "rs_bytes_256x256x256": rs_l2_bytes(256, 256, 256, 256)}  # fmt: skip
     write_json("limits.json", got)
     print(got)
-    return 0
+    return 0 if got["l2_correct"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
