@@ -1,9 +1,9 @@
-"""H200: what bounds the W4A16 targets still missed - the L2 read ceiling, and fixed costs.
+"""H200: what bounds the W4A16 targets still missed: L2, fixed costs, bytes in flight.
 
     python3 benchmarks/bench_limits.py            # OUT=/dir: also $OUT/limits.json
     python3 benchmarks/bench_limits.py --smoke    # CPU: tiny sizes, interpreter
 
-Three measurements, one device call:
+Four measurements, one device call:
 
 1. **L2 read ceiling.** Every program of `_l2_read_kernel` reads the same 4 MiB buffer
    (``ld.global.cg``: L2 to the SM, no L1; checked against the XOR of its blocks), as
@@ -19,6 +19,10 @@ Three measurements, one device call:
    ``t = fixed + slope * K`` (`fit_line`), the same for bf16 cuBLAS and FP8 cuBLASLt, so
    a kernel's fixed cost (launch, first loads, epilogue, split-K sum) and its streaming
    rate (weight bytes per µs of the slope) are read apart.
+4. **More bytes in flight at decode** (``--sections pipes``). The ``triton-sm90-mma``
+   kernel with 8 tokens and 16 rows a warp, as offered (4 K ranges a CTA, L2 prefetch 2
+   steps ahead, two steps' loads together), against deeper prefetch (3, 4) and 8 K ranges
+   a CTA (twice the warps an SM), split-K 1 and 2 (`PIPES`), on `PIPE_SHAPES`.
 
 GPU time: CUDA graph, L2 flushed before every call (`harness.gpu_time_us`; the ceiling of
 1. with a warm L2). Every GEMM output is checked against float64 first (poisoned with
@@ -81,6 +85,12 @@ MISSED = (
     (64, 18944, 3584),
 )
 K_SWEEP = (1024, 2048, 4096, 8192)
+#: section 4: (K ranges a CTA, L2 prefetch steps, unroll) of the mma kernel; the first is
+#: the offered (8, 16, 4, 2, 2) of ``plugins/sm90/mma.py``
+PIPES = ((4, 2, 2), (4, 4, 2), (4, 4, 1), (4, 3, 2), (8, 0, 1), (8, 2, 1), (8, 2, 2),
+         (8, 4, 2), (8, 4, 1))  # fmt: skip
+PIPE_SHAPES = ((1, 5120, 5120), (1, 4608, 3584), (1, 6144, 4096), (1, 8192, 8192),
+               (1, 13824, 5120), (4, 5120, 5120), (8, 6144, 4096), (8, 4096, 14336))  # fmt: skip
 
 
 @triton.jit
@@ -218,13 +228,11 @@ def k_point(kernel, twin, m: int, n: int, k: int, device: torch.device) -> dict:
     s = Shape(m, n, k, device, torch.bfloat16)
     point: dict = {"k": k}
     for name, kern in (("us", kernel), ("split1_us", twin)):
-        if kern is None:
-            continue
-        s.out.fill_(math.nan)
-        kern(s.ops, s.out)
-        point[f"{name}_rel_err"] = err = rel_err(s.out, s.ref)
-        if err <= TOL:
-            point[name] = timed(lambda kern=kern: kern(s.ops, s.out), device)
+        if kern is not None:
+            entry = checked_time(kern, s, device)
+            point[f"{name}_rel_err"] = entry["rel_err"]
+            if "us" in entry:
+                point[name] = entry["us"]
     if "us" in point and hasattr(kernel, "permute_activations"):  # rs: pass, GEMM alone
         xp = kernel.permute_activations(s.x).clone()
         point["pass_us"] = timed(lambda: kernel.permute_activations(s.x), device)
@@ -248,9 +256,41 @@ def fit_points(points: list[dict]) -> dict:
     return fits
 
 
+def pipes(device: torch.device, shapes, variants) -> list[dict]:
+    """Section 4: every (K ranges, prefetch, unroll) of `variants` at split-K 1 and 2 on
+    each shape, checked then timed; bf16 and FP8 of the shape."""
+    from fp4_dispatch.backends.sm90 import gemm_w4a16_mma as mm
+
+    rows = []
+    for m, n, k in shapes:
+        s = Shape(m, n, k, device, torch.bfloat16)
+        base = baselines(s)
+        row: dict = {"m": m, "n": n, "k": k, "bf16_us": base["bf16_us"],
+                     "fp8_us": base["fp8_us"], "variants": {}}  # fmt: skip
+        for warps, prefetch, unroll in variants:
+            for split in (1, 2):
+                cfg = mm.MmaConfig(block_m=8, warps=warps, split_k=split, block_n=16,
+                                   prefetch=prefetch, unroll=unroll)  # fmt: skip
+                name = f"{warps} K ranges, prefetch {prefetch}, unroll {unroll}, split {split}"
+                row["variants"][name] = checked_time(mm.build(cfg), s, device)
+        rows.append(row)
+    return rows
+
+
+def checked_time(kernel, s: Shape, device: torch.device) -> dict:
+    """``{"rel_err"}`` of `kernel` on `s` (output poisoned with NaN first), and ``"us"``
+    (GPU time) where it is within `TOL`."""
+    s.out.fill_(math.nan)
+    kernel(s.ops, s.out)
+    entry = {"rel_err": rel_err(s.out, s.ref)}
+    if entry["rel_err"] <= TOL:
+        entry["us"] = timed(lambda: kernel(s.ops, s.out), device)
+    return entry
+
+
 def tables(out: dict) -> str:
     """The sections that ran, as markdown tables."""
-    makers = (("l2", l2_table), ("rs", rs_table), ("fixed", fixed_table))
+    makers = (("l2", l2_table), ("rs", rs_table), ("fixed", fixed_table), ("pipes", pipes_table))
     return "\n\n".join(make(out[key]) for key, make in makers if out[key])
 
 
@@ -291,10 +331,24 @@ def fixed_table(rows: list[dict]) -> str:
     return markdown_table(head, body)
 
 
+def pipes_table(rows: list[dict]) -> str:
+    offered = "4 K ranges, prefetch 2, unroll 2, split 1"
+    body = []
+    for r in rows:
+        timed_ = sorted((e["us"], name) for name, e in r["variants"].items() if "us" in e)
+        best_us, best = timed_[0] if timed_ else (math.nan, "-")
+        body.append([r["m"], f"{r['n']}x{r['k']}", num(r["bf16_us"]), num(r["fp8_us"]),
+                     num(r["variants"].get(offered, {}).get("us")), best, num(best_us),
+                     len(r["variants"]) - len(timed_)])  # fmt: skip
+    head = ["M", "N x K", "bf16 µs", "FP8 µs", "offered variant µs", "best variant",
+            "its µs", "not timed"]  # fmt: skip
+    return markdown_table(head, body)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sections", nargs="+", default=["l2", "rs", "fixed"],
-                   choices=["l2", "rs", "fixed"])  # fmt: skip
+    p.add_argument("--sections", nargs="+", default=["l2", "rs", "fixed", "pipes"],
+                   choices=["l2", "rs", "fixed", "pipes"])  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="CPU: tiny sizes, interpreter")
     return p.parse_args(argv)
 
@@ -321,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     out: dict = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                           "triton": triton.__version__, "date": time.strftime("%Y-%m-%d")},
-                 "l2": [], "rs": [], "fixed": []}  # fmt: skip
+                 "l2": [], "rs": [], "fixed": [], "pipes": []}  # fmt: skip
     if "l2" in args.sections:
         out["l2"] = l2_ceiling(device, sms, L2_BUFFER_BYTES)
         print(f"L2 ceiling: {max(r['gb_s'] for r in out['l2']):.0f} GB/s", flush=True)
@@ -329,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         out["rs"] = rs_traffic(device, RS_TACTICS)
     if "fixed" in args.sections:
         out["fixed"] = fixed_cost(device, MISSED, K_SWEEP, Dispatcher(cache=False))
+    if "pipes" in args.sections:
+        out["pipes"] = pipes(device, PIPE_SHAPES, PIPES)
     write_json("limits.json", out)
     print(tables(out))
     return 0
