@@ -18,15 +18,17 @@ Four measurements, one device call:
    same kernel object at the K of `K_SWEEP` and the shape's own: a least-squares line
    ``t = fixed + slope * K`` (`fit_line`), the same for bf16 cuBLAS and FP8 cuBLASLt, so
    a kernel's fixed cost (launch, first loads, epilogue, split-K sum) and its streaming
-   rate (weight bytes per µs of the slope) are read apart.
+   rate (weight bytes per µs of the slope) are read apart; with the eager wall time per
+   call of the pick, bf16 and FP8 at every K.
 4. **More bytes in flight at decode** (``--sections pipes``). The ``triton-sm90-mma``
    kernel with 8 tokens and 16 rows a warp, as offered (4 K ranges a CTA, L2 prefetch 2
    steps ahead, two steps' loads together), against deeper prefetch (3, 4) and 8 K ranges
    a CTA (twice the warps an SM), split-K 1 and 2 (`PIPES`), on `PIPE_SHAPES`.
 
 GPU time: CUDA graph, L2 flushed before every call (`harness.gpu_time_us`; the ceiling of
-1. with a warm L2). Every GEMM output is checked against float64 first (poisoned with
-NaN; relative error <= 1e-2, else not timed).
+1. with a warm L2); eager: back-to-back calls, one synchronisation at the end
+(`harness.eager_wall_us`). Every GEMM output is checked against float64 first (poisoned
+with NaN; relative error <= 1e-2, else not timed).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 from _common import markdown_table, num, ratio, smoke_or_sm90, write_json
-from bench_w4a16_decode import TOL, Shape, baselines, rel_err, timed
+from bench_w4a16_decode import TOL, Shape, baselines, eager, rel_err, timed
 
 from fp4_dispatch import Dispatcher
 from fp4_dispatch.harness import gpu_time_us
@@ -238,8 +240,10 @@ def k_point(kernel, twin, m: int, n: int, k: int, device: torch.device) -> dict:
         point["pass_us"] = timed(lambda: kernel.permute_activations(s.x), device)
         point["gemm_us"] = timed(lambda: kernel.launch(xp, s.ops, s.out), device)
     if "us" in point:
+        point["eager_us"] = eager(lambda: kernel(s.ops, s.out), device)
         base = baselines(s)
-        point.update(bf16_us=base["bf16_us"], fp8_us=base["fp8_us"])
+        point.update({key: base.get(key, math.nan) for key in
+                      ("bf16_us", "fp8_us", "bf16_eager_us", "fp8_eager_us")})  # fmt: skip
     return point
 
 
@@ -324,10 +328,13 @@ def fixed_table(rows: list[dict]) -> str:
                      num(own.get("fp8_us")), num(f["fp8_us"].get("fixed_us")),
                      ratio(own.get("bf16_us"), own.get("us")),
                      *(num(r.get(f"fit_{c}", {}).get("fixed_us"))
-                       for c in ("split1_us", "pass_us", "gemm_us"))])  # fmt: skip
+                       for c in ("split1_us", "pass_us", "gemm_us")),
+                     *(num(own.get(c))
+                       for c in ("eager_us", "bf16_eager_us", "fp8_eager_us"))])  # fmt: skip
     head = ["M", "N x K", "pick", "µs", "fixed µs", "µs / 1K of K", "stream GB/s", "bf16 µs",
             "bf16 fixed", "FP8 µs", "FP8 fixed", "bf16 / pick", "fixed: one split",
-            "fixed: pass", "fixed: GEMM alone"]  # fmt: skip
+            "fixed: pass", "fixed: GEMM alone", "eager µs", "bf16 eager µs",
+            "FP8 eager µs"]  # fmt: skip
     return markdown_table(head, body)
 
 
