@@ -98,16 +98,31 @@ def run_interpreted(script: str, cases: object) -> dict:
     In a subprocess: interpreter mode must be set before triton is imported, and other
     tests import the kernel modules in-process. Returns the JSON on its last stdout line.
     """
+    return _interpreted_outputs(script, [cases])[0]
+
+
+def run_interpreted_split(script: str, cases: list, parts: int = 2) -> list:
+    """`run_interpreted` for a `script` that prints one JSON list for a list of cases:
+    the cases dealt into `parts` subprocesses that run at once (CI has two cores), their
+    lists joined (every part's results in its own order, the parts one after another)."""
+    chunks = [cases[i::parts] for i in range(parts)]
+    return [r for out in _interpreted_outputs(script, [c for c in chunks if c]) for r in out]
+
+
+def _interpreted_outputs(script: str, argvs: list) -> list:
+    """One TRITON_INTERPRET=1 subprocess of `script` per argv (JSON), all at once; each
+    must exit 0. The JSON on each one's last stdout line, in argv order."""
     pytest.importorskip("triton")
-    proc = subprocess.run(
-        [sys.executable, "-c", script, json.dumps(cases)],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    procs = [subprocess.Popen([sys.executable, "-c", script, json.dumps(a)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for a in argvs]  # fmt: skip
+    outs = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    return outs
 
 
 def sm90_compile_env(tmp_path: Path) -> dict[str, str]:

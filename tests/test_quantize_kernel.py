@@ -1,6 +1,7 @@
 """The fused Triton quantize kernel against the torch reference, byte for byte.
 
-The kernel runs under TRITON_INTERPRET=1 in a subprocess (`run_interpreted`); the
+The kernel runs under TRITON_INTERPRET=1 in subprocesses (`run_interpreted`, the cases
+split over two at once by `run_interpreted_split`); the
 reference is `quantize_nvfp4` on the CPU (the torch path: `quantize_blocks` +
 `swizzle_scales`), which tests/test_nvfp4.py checks against an independent slow
 reference. Every case is run twice: with the default tile size and with a tiny one
@@ -14,7 +15,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import run_interpreted
+from conftest import run_interpreted, run_interpreted_split
 
 from fp4_dispatch.backends.triton_launch import specialization_key
 
@@ -200,7 +201,7 @@ def _cases() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    return run_interpreted(SCRIPT, _cases())
+    return run_interpreted_split(SCRIPT, _cases())
 
 
 def test_every_case_ran_at_both_tile_sizes(results: list[dict]) -> None:
