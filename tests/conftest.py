@@ -117,12 +117,10 @@ def _interpreted_outputs(script: str, argvs: list) -> list:
     procs = [subprocess.Popen([sys.executable, "-c", script, json.dumps(a)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for a in argvs]  # fmt: skip
-    outs = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=600)
+    done = [(proc, *proc.communicate(timeout=600)) for proc in procs]  # all ended first
+    for proc, _, stderr in done:
         assert proc.returncode == 0, stderr[-3000:]
-        outs.append(json.loads(stdout.strip().splitlines()[-1]))
-    return outs
+    return [json.loads(stdout.strip().splitlines()[-1]) for _, stdout, _ in done]
 
 
 def sm90_compile_env(tmp_path: Path) -> dict[str, str]:
