@@ -117,7 +117,13 @@ def _interpreted_outputs(script: str, argvs: list) -> list:
     procs = [subprocess.Popen([sys.executable, "-c", script, json.dumps(a)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for a in argvs]  # fmt: skip
-    done = [(proc, *proc.communicate(timeout=600)) for proc in procs]  # all ended first
+    try:
+        done = [(proc, *proc.communicate(timeout=600)) for proc in procs]  # all ended first
+    finally:  # a timeout (or any error) leaves no subprocess running, as subprocess.run
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     for proc, _, stderr in done:
         assert proc.returncode == 0, stderr[-3000:]
     return [json.loads(stdout.strip().splitlines()[-1]) for _, stdout, _ in done]

@@ -1,12 +1,12 @@
 """The fused Triton quantize kernel against the torch reference, byte for byte.
 
-The kernel runs under TRITON_INTERPRET=1 in subprocesses (`run_interpreted`, the cases
-split over two at once by `run_interpreted_split`); the
-reference is `quantize_nvfp4` on the CPU (the torch path: `quantize_blocks` +
-`swizzle_scales`), which tests/test_nvfp4.py checks against an independent slow
-reference. Every case is run twice: with the default tile size and with a tiny one
-(`_TILE_ELEMS = _AMAX_ELEMS = 256`) so that small inputs still exercise many programs, several K
-tiles, the partial-amax kernel and the swizzled row/column padding of the last tiles.
+The kernel runs under TRITON_INTERPRET=1 in subprocesses (`run_interpreted`; the cases
+split over two at once by `run_interpreted_split`); the reference is `quantize_nvfp4` on
+the CPU (the torch path: `quantize_blocks` + `swizzle_scales`), which tests/test_nvfp4.py
+checks against an independent slow reference. Every case is run twice: with the default
+tile size and with a tiny one (`_TILE_ELEMS = _AMAX_ELEMS = 256`) so that small inputs
+still exercise many programs, several K tiles, the partial-amax kernel and the swizzled
+row/column padding of the last tiles.
 """
 
 from __future__ import annotations
