@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 from _common import markdown_table, num, ratio, smoke_or_sm90, write_json
-from bench_w4a16_decode import TOL, Shape, baselines, eager, rel_err, timed
+from bench_w4a16_decode import TOL, Shape, baselines, check_and_time, eager, rel_err, timed
 
 from fp4_dispatch import Dispatcher
 from fp4_dispatch.harness import gpu_time_us
@@ -232,7 +232,7 @@ def k_point(kernel, twin, m: int, n: int, k: int, device: torch.device) -> dict:
     for name, kern in (("us", kernel), ("split1_us", twin)):
         if kern is not None:
             entry = checked_time(kern, s, device)
-            point[f"{name}_rel_err"] = entry["rel_err"]
+            point.update({f"{name}_{key}": v for key, v in entry.items() if key != "us"})
             if "us" in entry:
                 point[name] = entry["us"]
     if "us" in point and hasattr(kernel, "permute_activations"):  # rs: pass, GEMM alone
@@ -282,13 +282,11 @@ def pipes(device: torch.device, shapes, variants) -> list[dict]:
 
 
 def checked_time(kernel, s: Shape, device: torch.device) -> dict:
-    """``{"rel_err"}`` of `kernel` on `s` (output poisoned with NaN first), and ``"us"``
-    (GPU time) where it is within `TOL`."""
-    s.out.fill_(math.nan)
-    kernel(s.ops, s.out)
-    entry = {"rel_err": rel_err(s.out, s.ref)}
-    if entry["rel_err"] <= TOL:
-        entry["us"] = timed(lambda: kernel(s.ops, s.out), device)
+    """`bench_w4a16_decode.check_and_time` of `kernel` on `s`: ``rel_err`` of a fresh
+    output poisoned with NaN (`Shape.check`), ``us`` where it is within `TOL`, ``error``
+    if it raised."""
+    entry: dict = {}
+    check_and_time(entry, lambda: s.check(kernel, s.ops), lambda: kernel(s.ops, s.out), device)
     return entry
 
 
