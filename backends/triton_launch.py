@@ -29,16 +29,27 @@ declaration order; `BoundLaunch` interleaves the constexprs by parameter name).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Hashable, Sequence
+import threading
+import weakref
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BoundLaunch", "CachedLauncher", "all_aligned", "launch_aligned", "specialization_key"]
+__all__ = [
+    "BoundLaunch",
+    "CachedLauncher",
+    "all_aligned",
+    "launch_aligned",
+    "launch_hooks_active",
+    "recording",
+    "specialization_key",
+]
 
 _INT32_MAX = 2**31 - 1
 
@@ -151,6 +162,68 @@ def _hook_set(hook: Any) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def launch_hooks_active() -> bool:
+    """Whether Triton has a launch hook that does something (a profiler such as proton):
+    launches must then go through Triton's own runner, which calls it. Runs before every
+    replayed launch: the hooks object is looked up once."""
+    hooks = _runtime_knobs()
+    if hooks is None:
+        return False
+    return _hook_set(hooks.launch_enter_hook) or _hook_set(hooks.launch_exit_hook)
+
+
+_knobs: list = []
+
+
+def _runtime_knobs() -> Any:
+    """``triton.knobs.runtime`` (where launch hooks live), or None (no Triton, or one
+    without knobs); looked up once."""
+    if not _knobs:
+        try:
+            import triton  # noqa: PLC0415 - optional: Triton
+        except ImportError:
+            _knobs.append(None)
+        else:
+            _knobs.append(getattr(getattr(triton, "knobs", None), "runtime", None))
+    return _knobs[0]
+
+
+# ---- recording the launches of one call (fp4_dispatch.backends.driver_launch) -----------
+
+#: (thread id, list) while `recording` is active on that thread, else None: read on every
+#: launch, so a module global rather than a thread-local (one load and a compare)
+_noted: tuple[int, list] | None = None
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list]:
+    """Note every launch this thread makes through a `BoundLaunch` inside the block: one
+    ``(compiled kernel or None, grid, arguments, liveness)`` entry each, the arguments
+    with tensors replaced by their addresses and ``liveness`` weak references to the
+    tensors (nothing is kept alive by the note). Not re-entrant."""
+    global _noted
+    if _noted is not None:
+        raise RuntimeError("triton_launch.recording() is already active")
+    notes: list = []
+    _noted = (threading.get_ident(), notes)
+    try:
+        yield notes
+    finally:
+        _noted = None
+
+
+def _note(bound: BoundLaunch, grid: tuple[int, ...], args: Sequence[object]) -> None:
+    """Add one launch to the active recording (`recording`) if this thread has one."""
+    noted = _noted
+    if noted is None or noted[0] != threading.get_ident():
+        return
+    full = bound._all_args(args)
+    compiled = bound._compiled.get((specialization_key(args), _device_index()))
+    frozen = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in full)
+    alive = [weakref.ref(a) if isinstance(a, torch.Tensor) else None for a in full]
+    noted[1].append((compiled, tuple(grid), frozen, alive))
+
+
 def _direct_runner(compiled: Any, grid3: tuple[int, int, int], device: int, standard: Any) -> Any:
     """A launcher of `compiled` on `grid3` that calls its CUDA launcher directly, or None.
 
@@ -246,6 +319,11 @@ class BoundLaunch:
                                         num_warps=self.num_warps, **self.options)  # fmt: skip
 
     def __call__(self, grid: tuple[int, ...], args: Sequence[object]) -> None:
+        self._call(grid, args)
+        if _noted is not None:
+            _note(self, grid, args)
+
+    def _call(self, grid: tuple[int, ...], args: Sequence[object]) -> None:
         if not self.owner.fast:
             self._slow(grid, args)
             return
@@ -296,9 +374,10 @@ class BoundLaunch:
         keyed = (key, grid, _device_index())  # a runner is bound to one device
         runner = self._keyed.get(keyed)
         if runner is not None:
-            if self._launch(runner, grid, args):
-                return
-            self._keyed.clear()
+            if not self._launch(runner, grid, args):
+                self._keyed.clear()
+            if _noted is not None:
+                _note(self, grid, args)
             return
         self(grid, args)
         if self.owner.fast:  # remember the runner the ordinary path chose, if any

@@ -7,9 +7,17 @@ launcher below it - beside `torch._scaled_mm` and bf16 `nn.Linear` from the same
 and profiles the whole calls (cProfile, top functions by own time). Eager walls are
 `fp4_dispatch.harness.eager_wall_us` (back-to-back calls, synchronised once at the end).
 
+The ``--paths`` section compares the two launch paths on the calls users make - each
+call with replays (a warm plan relaunching its recorded kernels through
+``cuLaunchKernelEx``, `fp4_dispatch.backends.driver_launch`) and without
+(``Dispatcher(replay=False)``: Triton's launcher) - beside ``nn.Linear`` and
+``torch._scaled_mm``, each the median of 5 samples of 200 back-to-back calls, and times the
+replay's own layers (the driver launch alone, the replay with its patching, the plan's
+run, the dispatcher's run).
+
 Run on the H200 (writes ``$OUT/launch_overhead.json``)::
 
-    python benchmarks/bench_launch_overhead.py [--n 4096] [--k 4096]
+    python benchmarks/bench_launch_overhead.py [--n 4096] [--k 4096] [--paths]
 """
 
 from __future__ import annotations
@@ -117,14 +125,92 @@ def _launch_layers(d: Dispatcher, op: str, key: tuple, call, wall) -> None:
              getattr(compiled.run, "profile_scratch_size", "?"))  # fmt: skip
 
 
+def _median_wall(fn) -> float:
+    """Eager µs per call: the median of 5 samples of 200 back-to-back calls."""
+    import statistics
+
+    from fp4_dispatch.harness import eager_wall_samples
+
+    return statistics.median(eager_wall_samples(fn, calls=200, warmup=50, replays=5))
+
+
+def launch_paths(dev: torch.device) -> dict[str, float]:
+    """Each user-facing eager call with replays and without, beside nn.Linear and
+    ``_scaled_mm`` (the issue's table), then the replay's layers."""
+    walls: dict[str, float] = {}
+
+    def wall(name: str, fn) -> None:
+        fn()
+        torch.cuda.synchronize()
+        walls[name] = round(_median_wall(fn), 2)
+        log.info("%-58s %8.2f us", name, walls[name])
+
+    on, off = Dispatcher(cache=False, replay=True), Dispatcher(cache=False, replay=False)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for n, k in ((4096, 4096), (14336, 4096)):
+        lin = nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+        layers = {"replay": Nvfp4Linear.from_linear(lin, dispatcher=on),
+                  "triton": Nvfp4Linear.from_linear(lin, dispatcher=off)}  # fmt: skip
+        with torch.inference_mode():
+            for shape in ((1, k), (1, 1, k), (16, k), (16, 1, k)):
+                x = torch.randn(*shape, device=dev, generator=gen).to(torch.bfloat16)
+                wall(f"nn.Linear {shape} -> {n}", lambda x=x, lin=lin: lin(x))
+                for path, layer in layers.items():
+                    for _ in range(3):  # warm: plan, recording, the layer's fast call
+                        layer(x)
+                    wall(f"Nvfp4Linear {shape} -> {n} [{path}]", lambda x=x, q=layer: q(x))
+    k = n = 4096
+    qb = quantize_nvfp4(torch.randn(n, k, device=dev, generator=gen) * 0.02)
+    x = torch.randn(1, k, device=dev, generator=gen).to(torch.bfloat16)
+    qa = quantize_nvfp4(x)
+    f8 = torch.float8_e4m3fn
+    one = torch.ones((), device=dev)
+    x8, w8 = x.to(f8), torch.randn(n, k, device=dev, generator=gen).to(f8)
+    wall("torch._scaled_mm 1x4096x4096", lambda: torch._scaled_mm(
+        x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))  # fmt: skip
+    for path, d in (("replay", on), ("triton", off)):
+        for _ in range(3):
+            d.gemm(qa, qb), d.gemm(x, qb)
+        wall(f"Dispatcher.gemm(qa, qb) 1x4096x4096 [{path}]", lambda d=d: d.gemm(qa, qb))
+        wall(f"Dispatcher.gemm(x, qb) w4a16 1x4096x4096 [{path}]", lambda d=d: d.gemm(x, qb))
+    wall("quantize_nvfp4(x) one row", lambda: quantize_nvfp4(x))
+    # the replay's layers, on the W4A16 plan of 1x4096x4096
+    out = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
+    alpha = qb.global_scale.reshape(1)
+    args = (x, qb.data, qb.scale, alpha, out, None, None)
+    key = (1, n, k, "bfloat16", "w4a16")
+    plan = on.cached_plan(*key)
+    replay = on.replay_of(key, args)
+    log.info("plan %r replay %r", plan, replay)
+    if replay is not None:
+        launch = replay.launches[-1]
+        stream = torch._C._cuda_getCurrentRawStream(dev.index or 0)
+        wall("DriverLaunch.launch (kept buffer, one kernel)", lambda: launch.launch(stream))
+        wall("Replay((x, out)) (patch + launches)", lambda: replay((x, out)))
+        wall("Plan.run(args) (key + replay)", lambda: plan.run(args))
+        wall("Dispatcher._run (plan look-up + run)", lambda: on._run(key, args))
+        wall("torch.empty((1, N)) bf16", lambda: torch.empty((1, n), dtype=torch.bfloat16,
+                                                             device=dev))  # fmt: skip
+    return walls
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    p.add_argument("--paths", action="store_true",
+                   help="only the two launch paths (replay, Triton) on users' calls")  # fmt: skip
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    if args.paths:
+        res = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
+               "walls_us": launch_paths(torch.device("cuda"))}  # fmt: skip
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "launch_paths.json").write_text(json.dumps(res, indent=1))
+        return 0
     import triton
     from triton.compiler import compiler as tcomp
 

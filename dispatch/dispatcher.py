@@ -39,7 +39,7 @@ from .device import DeviceInfo
 from .guard import Fault, Guard, PluginFault
 from .guard import launch_candidate as launch
 from .nvfp4 import Nvfp4Tensor
-from .plans import Plan, PlanKey, plan_for
+from .plans import Plan, PlanKey, plan_for, replays_default
 from .profiles import resolve
 from .progress import progress as bar_of
 from .ranking import Candidate, Ranker, Shortlist
@@ -62,7 +62,9 @@ class Dispatcher:
     cache dir; a path; a `TuningCache`; False = keep tuned winners in memory only).
     ``verify_cache`` (default ``FP4_DISPATCH_VERIFY_CACHE``, on): run each cached winner
     once on its first use in this process and ignore it (one warning) if its output is
-    not the reference's (`fp4_dispatch.winners`).
+    not the reference's (`fp4_dispatch.winners`). ``replay`` (default
+    ``FP4_DISPATCH_REPLAY``, on): a warm plan relaunches its recorded kernels through the
+    CUDA driver with a kept argument buffer (`fp4_dispatch.plans`), the eager fast path.
     """
 
     def __init__(
@@ -74,10 +76,14 @@ class Dispatcher:
         sm_count: int | None = None,
         cache: str | os.PathLike[str] | TuningCache | bool | None = None,
         verify_cache: bool | None = None,
+        replay: bool | None = None,
     ) -> None:
         if not isinstance(budget, int) or budget < 1:
             raise ValueError(f"budget: expected a positive int, got {budget!r}")
         self.strict = registry.strict_default() if strict is None else strict
+        if replay is not None and not isinstance(replay, bool):
+            raise TypeError(f"replay: expected a bool or None, got {type(replay).__name__}")
+        self.replay = replays_default() if replay is None else replay
         self.budget = budget
         self.registry = registry.load(strict=self.strict)
         #: every call into plugin code after loading goes through it
@@ -106,6 +112,9 @@ class Dispatcher:
         self.winners = TunedWinners(self, _tuning_cache(cache), verify_cache)
         self._untuned_logged: set[BucketKey] = set()
         self._autotune_depth = 0
+        #: bumped whenever a plan is dropped (tuned, fallen back): callers that keep a
+        #: plan's replay (`replay_of`) compare it instead of looking the plan up again
+        self.plan_epoch = 0
         #: (measure, group) of each active `autotuning` block, innermost last
         self._autotune_opts: list[tuple[str, object]] = []
         #: (bucket, policy) pairs `autotuning` has settled (tuned, or a hit of that policy)
@@ -337,6 +346,7 @@ class Dispatcher:
         if result.winner is None:
             return
         self.winners.adopt(result, save)
+        self.plan_epoch += 1
         self._plans = {
             key: plan for key, plan in self._plans.items()
             if (key[1], key[2], m_bucket(key[0]), key[3], key[4]) != bkey
@@ -438,7 +448,7 @@ class Dispatcher:
                     err = self.guard.fault(candidate.backend, "build()", exc, candidate.tactic)
                 self._fall_back(candidate, err)
                 continue
-            plan = self._plans[key] = plan_for(key, candidate, kernel)
+            plan = self._plans[key] = plan_for(key, candidate, kernel, self.replay)
             return plan
 
     def _fall_back(self, candidate: Candidate, err: PluginFault) -> None:
@@ -452,6 +462,7 @@ class Dispatcher:
         )  # fmt: skip
         self.ranker.clear()
         gone = (candidate.backend, candidate.tactic)
+        self.plan_epoch += 1
         self._plans = {
             key: plan for key, plan in self._plans.items()
             if (plan.candidate.backend, plan.candidate.tactic) != gone
@@ -527,7 +538,7 @@ class Dispatcher:
                 plan = self._new_plan(key)
             # inline (zero-cost try) rather than guard.contain: this is the hot path
             try:
-                plan(*args)
+                plan.run(args)  # a warm plan's replay where it has one (`fp4_dispatch.plans`)
                 break
             except KeyboardInterrupt:
                 raise
@@ -538,6 +549,16 @@ class Dispatcher:
             plan = None
         plan.warm = True
         self._ran.add(key)
+
+    def replay_of(self, key: PlanKey, args: tuple) -> object | None:
+        """The recorded replay that `args` (checked operands, as `_run` takes them) hit in
+        the warm plan of `key`, or None. Valid while `plan_epoch` is unchanged and no
+        `autotuning` block is active (`Nvfp4Linear` keeps it per layer)."""
+        plan = self._plans.get(key)
+        if plan is None or not plan.warm or self._autotune_depth:
+            return None
+        replay = plan.replays.get(plan.replay_key(args))
+        return replay if callable(replay) else None
 
     def _launch_captured(self, key: PlanKey, plan: Plan | None, args: tuple) -> None:
         if plan is None or not plan.warm:

@@ -206,6 +206,7 @@ class Nvfp4Linear(nn.Module):
             )
         qw = qw.with_layout("swizzled").to(self.weight_data.device)
         self.__dict__.pop("_prepared_cache", None)  # the prepared copy is of the old bytes
+        self.__dict__.pop("_fast", None)
         with torch.no_grad():
             self.weight_data.copy_(qw.data)
             self.weight_scale.copy_(qw.scale)
@@ -224,6 +225,7 @@ class Nvfp4Linear(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         """Accept a calibrated ``input_global_scale`` even when this module has none yet."""
         self.__dict__.pop("_prepared_cache", None)  # the prepared copy is of the old bytes
+        self.__dict__.pop("_fast", None)
         key = prefix + "input_global_scale"
         if key in state_dict and self.input_global_scale is None:
             self.input_global_scale = torch.ones((), device=self.weight_data.device)
@@ -233,6 +235,7 @@ class Nvfp4Linear(nn.Module):
         """Let a dtype cast reach the bias only; device moves still move the buffers."""
         kept = {n: self._buffers[n] for n in _QUANTIZED_BUFFERS if self._buffers.get(n) is not None}
         self.__dict__.pop("_prepared_cache", None)  # remade on the next forward where it runs
+        self.__dict__.pop("_fast", None)
         super()._apply(fn, recurse)
         for name, old in kept.items():
             new = self._buffers[name]
@@ -319,7 +322,14 @@ class Nvfp4Linear(nn.Module):
         cut to what a decode step needs (measured on the host: module attribute look-ups,
         reshapes and views are ~1 µs each, a custom op's dispatch tens of µs) - buffers
         read from the module's dicts, no reshape of a 2-D input, the W4A16 alpha view
-        made once per weight-scale buffer, the activation mode cached per device."""
+        made once per weight-scale buffer, the activation mode cached per device. A call
+        that matches the layer's kept fast call (`_FastCall`) is one comparison, the
+        output's allocation and the plan's replayed launches."""
+        fast = self.__dict__.get("_fast")
+        if fast is not None:
+            y = fast(x, self._buffers, self._parameters["bias"])
+            if y is not None:
+                return y
         k = self.in_features
         shape = x.shape
         if shape[-1] != k:
@@ -338,9 +348,11 @@ class Nvfp4Linear(nn.Module):
                 x2 = x2.contiguous()
             # the bias goes into the GEMM's epilogue (or is added right after it)
             w = bufs["weight_data"]
-            y = torch_ops.run_w4a16(d, x2, w, bufs["weight_scale"], self._weight_alpha(bufs),
-                                    out_dtype, None, self._bias_in(bias, out_dtype),
-                                    self._prepared_weight(w))  # fmt: skip
+            args = (x2, w, bufs["weight_scale"], self._weight_alpha(bufs), None,
+                    self._bias_in(bias, out_dtype), self._prepared_weight(w))  # fmt: skip
+            y = torch_ops.run_w4a16(d, x2, *args[1:4], out_dtype, *args[4:])
+            if x.device.type == "cuda" and not x.requires_grad:
+                self._keep_fast(x, y, args, d)
         else:
             a, sa, ga = torch_ops.quantize(x2, bufs["input_global_scale"])
             # alpha as two factors (no product kernel when the GEMM kernel multiplies them)
@@ -352,6 +364,22 @@ class Nvfp4Linear(nn.Module):
             wanting = [t for t in (x, bias) if t is not None and t.requires_grad]
             y = _NoGradient.apply(y, *wanting)
         return y if len(shape) == 2 else y.reshape(*shape[:-1], self.out_features)
+
+    def _keep_fast(self, x: torch.Tensor, y: torch.Tensor, args: tuple, d: Dispatcher | None
+                   ) -> None:  # fmt: skip
+        """Keep a `_FastCall` for calls shaped like `x` once the plan of this W4A16 call
+        has a replay for this layer's weight (`Dispatcher.replay_of`)."""
+        bias = self._parameters["bias"]
+        if bias is not None and (bias.requires_grad or args[5] is not bias):
+            return  # a per-call cast of the bias, or autograd: keep the ordinary path
+        d = d if d is not None else torch_ops.default_dispatcher(x.device)
+        x2, w, sb, alpha, _, bias_arg, prepared = args
+        m, n = x2.shape[0], self.out_features
+        key = (m, n, self.in_features, checks.out_dtype_name(y.dtype), "w4a16")
+        y2 = y if y.dim() == 2 else y.view(m, n)
+        replay = d.replay_of(key, (x2, w, sb, alpha, y2, bias_arg, prepared))
+        if replay is not None:
+            self.__dict__["_fast"] = _FastCall(x, y, replay, d, self._buffers, bias, prepared)
 
     @staticmethod
     def _bias_in(bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
@@ -421,3 +449,46 @@ class Nvfp4Linear(nn.Module):
 
     def _bias_wants_grad(self) -> bool:
         return self.bias is not None and self.bias.requires_grad
+
+
+class _FastCall:
+    """An eager W4A16 call of one layer at one input signature, kept by the layer: the
+    plan's replay (`fp4_dispatch.plans`) for this layer's weight, run with nothing but a
+    comparison of the input's signature, the output's allocation and the launches.
+
+    A call takes it only when everything the replay was recorded with still holds: the
+    input's shape, dtype, strides and device; no gradient asked for; the same weight,
+    scale, global-scale and bias objects (and the weight's version counter, which the
+    prepared copy follows); the dispatcher's plans unchanged (`Dispatcher.plan_epoch`)
+    and no `Dispatcher.autotuning` block active. Anything else returns None and the
+    layer runs its ordinary path (which may keep a new fast call)."""
+
+    __slots__ = ("bias", "device", "dispatcher", "dtype", "epoch", "index", "out_dtype",
+                 "out_shape", "prepared", "replay", "shape", "stride", "version",
+                 "weights")  # fmt: skip
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, replay, d: Dispatcher,
+                 bufs: dict[str, torch.Tensor], bias: torch.Tensor | None,
+                 prepared: torch.Tensor | None) -> None:  # fmt: skip
+        self.shape, self.dtype, self.stride = x.shape, x.dtype, x.stride()
+        self.index, self.device = x.get_device(), x.device
+        self.out_shape, self.out_dtype = y.shape, y.dtype
+        self.replay, self.dispatcher, self.epoch = replay, d, d.plan_epoch
+        w = bufs["weight_data"]
+        self.weights = (w, bufs["weight_scale"], bufs["weight_global_scale"])
+        self.version = _version(w)
+        self.bias, self.prepared = bias, prepared
+
+    def __call__(self, x: torch.Tensor, bufs: dict[str, torch.Tensor],
+                 bias: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
+        w, sb, g = self.weights
+        d = self.dispatcher
+        if (x.shape != self.shape or x.dtype is not self.dtype or x.stride() != self.stride
+                or x.requires_grad or x.get_device() != self.index or bias is not self.bias
+                or bufs["weight_data"] is not w or bufs["weight_scale"] is not sb
+                or bufs["weight_global_scale"] is not g or _version(w) != self.version
+                or d.plan_epoch != self.epoch or d._autotune_depth
+                or x.data_ptr() & 15):  # fmt: skip
+            return None
+        y = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+        return y if self.replay((x, y)) else None

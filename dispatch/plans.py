@@ -10,17 +10,30 @@ A plan is also the unit of the CUDA-graph rule: inside a capture only a plan tha
 already run eagerly (``warm``) may launch (see `fp4_dispatch.torch_ops`). Re-tuning makes
 new plan objects, so a captured shape whose pick changed is detectable: its new plan is
 not warm yet.
+
+Replays. A warm plan whose kernel can record its launches (a kernel attribute
+``record``, e.g. `fp4_dispatch.backends.driver_launch.record_launches` for the Triton
+kernels) keeps one *replay* per set of fixed operands (the weight, its scales, the
+bias...; `Plan.replay_key`): the launches of one recorded call, each with its argument
+buffer, relaunched with only the per-call tensors' addresses patched (`Plan.run`). The
+per-call layout (strides, dtypes, 16-byte alignment) is part of the key, so a call that
+would have compiled or launched differently never replays. A call that cannot be
+recorded (see that module) keeps the ordinary path, remembered per key.
+`Dispatcher(replay=False)` (default: ``FP4_DISPATCH_REPLAY``, on unless ``0``) makes
+plans without them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import os
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from .backend import DenseOperands, GemmOperands, Kernel
 
 if TYPE_CHECKING:
-    import torch
-
     from .ranking import Candidate
 
 #: (M, N, K, out dtype, operation): the exact problem a plan serves
@@ -37,9 +50,18 @@ class Plan:
     `DensePlan` is the W4A16 variant. Iterating a plan gives ``(candidate, kernel)``.
     """
 
-    __slots__ = ("candidate", "factors", "kernel", "key", "swap", "warm")
+    __slots__ = ("candidate", "factors", "kernel", "key", "record", "replays", "swap", "warm")
 
-    def __init__(self, key: PlanKey, candidate: Candidate, kernel: Kernel) -> None:
+    #: argument positions of the per-call tensors (patched on replay): a, sa, alpha, out;
+    #: the rest (b, sb, alpha_b) are fixed operands and key the replay
+    PER_CALL: tuple[int, ...] = (0, 1, 4, 5)
+    FIXED: tuple[int, ...] = (2, 3, 6)
+    #: the per-call tensor whose strides the kernels read (out; ``a`` is contiguous)
+    STRIDED: tuple[int, ...] = (5,)
+
+    def __init__(
+        self, key: PlanKey, candidate: Candidate, kernel: Kernel, replay: bool = True
+    ) -> None:
         self.key = key
         self.candidate = candidate
         self.kernel = kernel
@@ -48,6 +70,10 @@ class Plan:
         self.factors = getattr(type(kernel), "alpha_factors", False) is True
         #: True once it ran outside a capture: only then may a CUDA graph record it
         self.warm = False
+        #: the kernel's launch recorder (module docstring), or None: no replays
+        self.record = getattr(kernel, "record", None) if replay else None
+        #: replay key -> replay (a callable), or None where the call cannot be replayed
+        self.replays: dict[Hashable, Any] = {}
 
     def __call__(
         self,
@@ -69,6 +95,45 @@ class Plan:
     def __iter__(self):
         return iter((self.candidate, self.kernel))
 
+    def replay_key(self, args: tuple) -> Hashable | None:
+        """What a replay of `args` depends on beyond the plan's key: the fixed operands'
+        addresses and dtypes, the strided per-call tensors' strides, the per-call dtypes;
+        None when a per-call address is not 16-byte aligned (never replayed)."""
+        align = 0
+        key: list[Hashable] = []
+        for i in self.PER_CALL:
+            t = args[i]
+            align |= t.data_ptr()
+            key.append(t.dtype)
+        if align & 15:
+            return None
+        for i in self.STRIDED:
+            key.append(args[i].stride())
+        for i in self.FIXED:
+            t = args[i]
+            key.append(None if t is None else (t.data_ptr(), t.dtype))
+        return tuple(key)
+
+    def run(self, args: tuple) -> None:
+        """Run a warm plan on checked `args`: its replay for these fixed operands, recorded
+        on the first such call (that call launches normally while it is recorded), else
+        the ordinary call."""
+        record = self.record
+        if record is None or not self.warm:
+            self(*args)
+            return
+        key = self.replay_key(args)
+        replay = self.replays.get(key, _UNSEEN)
+        per_call = [args[i] for i in self.PER_CALL]
+        if replay is _UNSEEN and key is not None:
+            fixed = [args[i] for i in self.FIXED if args[i] is not None]
+            with record(repr(self), per_call, fixed) as rec:
+                self(*args)
+            self.replays[key] = rec.replay
+            return
+        if replay is None or replay is _UNSEEN or not replay(per_call):
+            self(*args)
+
     def __repr__(self) -> str:
         m, n, k, dtype, op = self.key
         state = "warm" if self.warm else "cold"
@@ -83,8 +148,14 @@ class DensePlan(Plan):
 
     __slots__ = ("fused_bias",)
 
-    def __init__(self, key: PlanKey, candidate: Candidate, kernel: Kernel) -> None:
-        super().__init__(key, candidate, kernel)
+    PER_CALL = (0, 4)  # a, out
+    FIXED = (1, 2, 3, 5, 6)  # b, sb, alpha, bias, b_prepared
+    STRIDED = (0, 4)
+
+    def __init__(
+        self, key: PlanKey, candidate: Candidate, kernel: Kernel, replay: bool = True
+    ) -> None:
+        super().__init__(key, candidate, kernel, replay)
         self.fused_bias = getattr(type(kernel), "bias_epilogue", False) is True
 
     def __call__(  # type: ignore[override]
@@ -104,6 +175,16 @@ class DensePlan(Plan):
             out.add_(bias)
 
 
-def plan_for(key: PlanKey, candidate: Candidate, kernel: Kernel) -> Plan:
-    """The plan class of the key's operation."""
-    return (DensePlan if key[4] == "w4a16" else Plan)(key, candidate, kernel)
+def replays_default() -> bool:
+    """Whether plans replay their launches unless told (``FP4_DISPATCH_REPLAY``, on
+    unless ``0``)."""
+    return os.environ.get("FP4_DISPATCH_REPLAY", "1") != "0"
+
+
+#: a replay key never seen (distinct from None: "seen, cannot be replayed")
+_UNSEEN = object()
+
+
+def plan_for(key: PlanKey, candidate: Candidate, kernel: Kernel, replay: bool = True) -> Plan:
+    """The plan class of the key's operation (``replay``: whether it may replay)."""
+    return (DensePlan if key[4] == "w4a16" else Plan)(key, candidate, kernel, replay)

@@ -88,6 +88,7 @@ import triton
 import triton.language as tl
 
 from fp4_dispatch.backend import DenseOperands
+from fp4_dispatch.backends.driver_launch import record_launches
 from fp4_dispatch.backends.sm90 import gemm_unpack
 from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_K_CHOICES as UK
 from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_R_CHOICES as UR
@@ -780,6 +781,9 @@ class DenseKernel:
 
     cfg: Any
     bias_epilogue: ClassVar[bool] = True
+    #: records a call's launches for the plan's driver-API replays
+    #: (`fp4_dispatch.plans`; a launch it cannot replay keeps Triton's launcher)
+    record: ClassVar = staticmethod(record_launches)
     _scratch: Scratch = field(default_factory=Scratch, repr=False)
     #: the Triton launch handle of the latest compiling call (its ``asm`` holds PTX and
     #: cubin: the benchmarks count SASS instructions per element from it)
