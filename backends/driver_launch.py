@@ -324,8 +324,7 @@ def record_launches(
 
 
 def _build(rec: Recording) -> tuple[Replay | None, str]:
-    ranges = [(t.data_ptr(), t.untyped_storage().nbytes() - t.storage_offset() * t.element_size())
-              for t in rec.per_call]  # fmt: skip
+    ranges = [_span(t) for t in rec.per_call]
     fixed = [(t.data_ptr(), t.untyped_storage().nbytes() - t.storage_offset() * t.element_size())
              for t in rec.fixed]  # fmt: skip
     launches: list[DriverLaunch] = []
@@ -347,6 +346,16 @@ def _build(rec: Recording) -> tuple[Replay | None, str]:
         launches.append(launch)
         patches.append(mine)
     return Replay(launches, patches, rec.per_call[0].get_device()), ""
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """(start, bytes) of the memory a per-call tensor's elements cover - the tensor's own
+    extent, not its storage's: two per-call tensors cut from one block are told apart,
+    and a replay given separate blocks patches each pointer from its own tensor."""
+    if t.numel() == 0:
+        return t.data_ptr(), 0
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), extent * t.element_size()
 
 
 def _inside(address: int, ranges: list[tuple[int, int]]) -> int | None:

@@ -147,10 +147,10 @@ def source_root() -> Path | None:
     return None
 
 
-def run_bench_smoke(tmp_path: Path, script: str, json_name: str, *args: str) -> dict:
+def run_bench_smoke(tmp_path: Path, script: str, json_name: str, *args: str) -> dict | list:
     """Run ``benchmarks/<script> --smoke`` (CPU, interpreter; `args` after it) with
-    ``OUT=tmp_path``; it must exit 0. Returns the JSON it wrote as `json_name`; skipped
-    where Triton or the source tree is not around."""
+    ``OUT=tmp_path``; it must exit 0. Returns the JSON it wrote as `json_name` (a list of
+    rows for a ``.jsonl`` file); skipped where Triton or the source tree is not around."""
     pytest.importorskip("triton")
     root = source_root()
     if root is None:
@@ -159,7 +159,10 @@ def run_bench_smoke(tmp_path: Path, script: str, json_name: str, *args: str) -> 
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / script), "--smoke", *args],
                           capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
-    return json.loads((tmp_path / json_name).read_text())
+    text = (tmp_path / json_name).read_text()
+    if json_name.endswith(".jsonl"):
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return json.loads(text)
 
 
 GOOD_PLUGIN = """

@@ -171,6 +171,22 @@ def test_per_call_addresses_are_patched_with_their_offsets(driver):
     assert struct.unpack("Q", raw[1])[0] == out2.data_ptr()
 
 
+def test_per_call_tensors_cut_from_one_block_are_patched_separately(driver):
+    """Two per-call tensors that share one storage (quantize's outputs) are told apart by
+    their own extents: a replay given separate blocks writes each its own address."""
+    block = torch.zeros(64)
+    data, scale = block[:16], block[32:48]
+    args = (data, scale, 7, 128, 1.0, 0, True)
+    notes = [_note(fake_compiled(SIGNATURE), args, [None] * 7)]
+    rec = _record([data, scale], [], notes)
+    assert rec.replay is not None, rec.why
+    data2, scale2 = torch.zeros(16), torch.zeros(16)
+    assert rec.replay([data2, scale2]) is True
+    _, raw = driver.launches[-1]
+    assert struct.unpack("Q", raw[0])[0] == data2.data_ptr()
+    assert struct.unpack("Q", raw[1])[0] == scale2.data_ptr()
+
+
 def test_a_recording_refuses_torch_operations_and_temporaries(driver):
     """A call that ran a torch operation (an ``add_`` a replay would skip), or passed a
     tensor that did not outlive the call (a temporary's memory is freed), is not replayed;
@@ -349,14 +365,16 @@ def test_the_layer_fast_call_in_eager_graphs_and_compile():
     its outputs equal the replays-off layer's, eagerly, replayed from a CUDA graph and
     under torch.compile (default and reduce-overhead)."""
     _sm90()
+    from fp4_dispatch import Dispatcher
     from fp4_dispatch.nn import Nvfp4Linear
 
     dev = torch.device("cuda")
     lin = torch.nn.Linear(4096, 14336, device=dev, dtype=torch.bfloat16)
     layer = Nvfp4Linear.from_linear(lin)
+    plain = Nvfp4Linear.from_linear(lin, dispatcher=Dispatcher(cache=False, replay=False))
     xs = [torch.randn(1, 1, 4096, device=dev, dtype=torch.bfloat16) for _ in range(4)]
     with torch.inference_mode():
-        ref = [layer(x).clone() for x in xs]
+        ref = [plain(x).clone() for x in xs]
         for x, r in zip(xs, ref, strict=True):
             assert torch.equal(layer(x), r)
         assert layer.__dict__.get("_fast") is not None
@@ -380,3 +398,39 @@ def test_the_layer_fast_call_in_eager_graphs_and_compile():
             for _ in range(3):
                 for x, r in zip(xs, ref, strict=True):
                     assert torch.equal(compiled(x.clone()), r), mode
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize("scale", ["dynamic", "tensor", "value"])
+def test_quantize_replays_match_the_reference_and_capture(rows, scale):
+    """`quantize_nvfp4` on the GPU: from its third call of a kind the launch is a replay
+    (checked), every output equals the torch reference's bit for bit for new inputs
+    each call, and a replayed quantize inside a CUDA graph gives the same bits."""
+    _sm90()
+    from fp4_dispatch import quantize_nvfp4
+    from fp4_dispatch.backends import quantize as qk
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(rows)
+    g = {"dynamic": None, "tensor": torch.tensor(0.01, device=dev), "value": 0.01}[scale]
+    xs = [torch.randn(rows, 5120, device=dev, generator=gen).to(torch.bfloat16) for _ in range(4)]
+    before = {k for k, v in qk._replays.items() if v is not None}
+    for x in xs:
+        got = quantize_nvfp4(x, g)
+        want = quantize_nvfp4(x.cpu(), g if not isinstance(g, torch.Tensor) else g.cpu())
+        assert torch.equal(got.data.cpu(), want.data), (rows, scale)
+        assert torch.equal(got.scale.cpu().view(torch.uint8), want.scale.view(torch.uint8))
+        assert torch.equal(got.global_scale.cpu(), want.global_scale)
+    made = {k for k, v in qk._replays.items() if v is not None} - before
+    plan = qk._plans[(rows, 5120, "swizzled", scale)]
+    if plan.amax_grid is None:  # a two-launch dynamic plan (a temporary between) never replays
+        assert made, "no quantize replay was recorded"
+    static = xs[0].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q = quantize_nvfp4(static, g)
+    static.copy_(xs[1])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(q.data, quantize_nvfp4(xs[1], g).data)

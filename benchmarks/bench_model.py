@@ -1,0 +1,563 @@
+"""The whole-model yardstick: one step of a transformers Llama decoder, bf16 vs NVFP4 vs FP8.
+
+What a user buys is the model's step time, not a GEMM's. This driver builds a Llama decoder
+from a config with random weights (nothing is downloaded), converts it the way a user does
+(`fp4_dispatch.quantize_model`, every Linear but ``lm_head``), and times one forward step
+the two ways users run it, in one process and beside bf16 and FP8 twins of the same model:
+
+- ``graph``: GPU time of a replayed CUDA graph of the step (`fp4_dispatch.harness.gpu_time_us`:
+  L2 flushed before each step; the weights are far larger than the L2 anyway);
+- ``eager``: host wall time per step of back-to-back steps, synchronised at the end
+  (`harness.eager_wall_samples`). Eager walls move between H200 hosts, so the eager pass
+  runs ``--rounds`` times (default 3), every variant once per round in turn, and the
+  table gives the median of the rounds' medians, bf16 from the same rounds;
+- ``compile`` (opt-in): ``torch.compile`` in its default mode (no CUDA graphs), eager
+  wall as above.
+
+Steps: decode at batch 1, 16 and 64 (one token per sequence against a static KV cache of
+``--context`` positions, what a serving step does) and prefill of 1024 and 4096 tokens
+(one sequence, logits of the last token only, as serving engines compute them).
+
+Variants (`VARIANTS`): ``bf16`` (the model itself), ``w4a16`` and ``w4a4``
+(`Nvfp4Linear` with ``activations="bf16"`` / ``"nvfp4"``: weight-only, or activations
+quantized too), ``fp8`` (per-tensor e4m3 weights, dynamic per-tensor activation scale in
+torch ops, ``torch._scaled_mm``: what a Hopper user compares with).
+
+The bf16 model holds the *dequantized* NVFP4 weights (the "twin"), so its step time is
+bf16's and its logits isolate the kernels' numerics from the format's: each variant's
+``cosine`` is the cosine similarity of its last-token logits (float64) with the twin's,
+on the same inputs.
+
+Configs (`CONFIGS`): ``8b`` (Llama-3-8B layer shapes, 8 layers by default), ``70b``
+(Llama-3-70B layer shapes, 4 layers), ``tiny`` (the CPU smoke). ``--layers`` overrides.
+
+Writes rows of one format (`Row`) as JSON lines to ``$OUT/model.jsonl`` (or ``--out``), a
+markdown table to ``model.md``, and a PNG plot of speedup over bf16 against batch/tokens
+per config and clock (``model_<config>.png``, matplotlib). ``--smoke`` runs the tiny
+config on the CPU, eager only (a script check; its times mean nothing).
+
+Run on the H200::
+
+    python benchmarks/bench_model.py --configs 8b 70b
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import datetime as dt
+import inspect
+import json
+import logging
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fp4_dispatch.harness import eager_wall_samples, gpu_time_samples
+
+log = logging.getLogger("bench_model")
+
+#: Llama layer shapes (hidden, intermediate, heads, kv heads, vocab, default layer count):
+#: Llama-3-8B and Llama-3-70B as published in their config.json files; tiny for the CPU
+CONFIGS: dict[str, dict[str, int]] = {
+    "8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "vocab_size": 128256, "num_hidden_layers": 8},
+    "70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
+            "num_key_value_heads": 8, "vocab_size": 128256, "num_hidden_layers": 4},
+    "tiny": {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 512, "num_hidden_layers": 2},
+}  # fmt: skip
+DECODE_BATCHES = (1, 16, 64)
+PREFILL_TOKENS = (1024, 4096)
+SMOKE_DECODE, SMOKE_PREFILL = (1, 4), (64,)
+VARIANTS = ("bf16", "w4a16", "w4a4", "fp8")
+CLOCKS = ("graph", "eager")
+
+
+@dataclasses.dataclass
+class Row:
+    """One measurement: the one row format of this driver (JSON lines)."""
+
+    suite: str
+    case: str  # "<config> <step> <tokens>", e.g. "8b decode 16"
+    config: str
+    layers: int
+    variant: str
+    step: str  # "decode" or "prefill"
+    batch: int  # sequences
+    tokens: int  # tokens per step (decode: batch; prefill: prompt length)
+    clock: str  # "graph", "eager" or "compile"
+    median_us: float | None
+    spread_us: tuple[float, float] | None  # min and max of the samples (or round medians)
+    vs_bf16: float | None  # bf16's time over this variant's (higher is faster)
+    tokens_per_s: float | None
+    cosine: float | None  # last-token logits against the dequantized bf16 twin
+    error: str | None
+    commit: str
+    device: str
+    date: str
+    command: str
+
+
+# ---- the models ---------------------------------------------------------------------------
+
+
+def llama_config(name: str, layers: int | None):
+    """A transformers `LlamaConfig` of `CONFIGS`[name] (``layers`` overrides the count)."""
+    from transformers import LlamaConfig
+
+    shape = dict(CONFIGS[name])
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
+    return LlamaConfig(**shape, max_position_embeddings=8192, tie_word_embeddings=False)
+
+
+def build_bf16(config, device: torch.device) -> nn.Module:
+    """A random-weight Llama in bf16 on `device` (transformers' own init, seeded)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    return model.to(torch.bfloat16).eval()
+
+
+class Fp8Linear(nn.Module):
+    """``nn.Linear`` as a Hopper user's plain FP8 path: e4m3 weight with one per-tensor scale,
+    the activation scaled per tensor by its amax at every call (torch ops), multiplied by
+    ``torch._scaled_mm`` (cuBLASLt) into bf16."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = (w.abs().amax() / 448).clamp(min=1e-12)
+        self.register_buffer("weight", (w / scale).to(torch.float8_e4m3fn))
+        self.register_buffer("weight_scale", scale.reshape(()))
+        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        self.out_features = linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        scale = (x2.abs().amax().float() / 448).clamp(min=1e-12)
+        xq = (x2 / scale).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(xq, self.weight.t(), scale, self.weight_scale,
+                             bias=self.bias, out_dtype=torch.bfloat16)  # fmt: skip
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def to_fp8(model: nn.Module, skip: Iterable[str] = ("lm_head",)) -> nn.Module:
+    """A copy of `model` with every Linear but `skip` as `Fp8Linear`."""
+    fp8 = copy.deepcopy(model)
+    skip = set(skip)
+    for mod in list(fp8.modules()):
+        for child_name, child in list(mod.named_children()):
+            if isinstance(child, nn.Linear) and child_name not in skip:
+                setattr(mod, child_name, Fp8Linear(child))
+    return fp8
+
+
+def build_variants(config, device: torch.device, variants: Iterable[str]) -> dict[str, nn.Module]:
+    """{variant: model}: the bf16 twin (weights replaced by the dequantized NVFP4 ones) and
+    the variants asked for. The NVFP4 variants are converted by `quantize_model`."""
+    from fp4_dispatch import quantize_model
+
+    base = build_bf16(config, device)
+    models: dict[str, nn.Module] = {}
+    twin_done = False
+    for variant in variants:
+        if variant not in ("w4a16", "w4a4"):
+            continue
+        q = copy.deepcopy(base)
+        acts = "bf16" if variant == "w4a16" else "nvfp4"
+        report = quantize_model(q, activations=acts)
+        log.info("%s: %d Linear layers converted, %d skipped", variant,
+                 len(report.converted), len(report.skipped))  # fmt: skip
+        models[variant] = q
+        if not twin_done:  # the twin holds exactly the weights the NVFP4 GEMMs multiply by
+            _load_dequantized(base, q)
+            twin_done = True
+    if not twin_done:  # no NVFP4 variant asked: quantize once for the twin's weights
+        q = copy.deepcopy(base)
+        quantize_model(q)
+        _load_dequantized(base, q)
+        del q
+    models = {"bf16": base, **models}
+    if "fp8" in variants:
+        models["fp8"] = to_fp8(base)
+    return {v: models[v] for v in ("bf16", *variants) if v in models}
+
+
+def _load_dequantized(twin: nn.Module, quantized: nn.Module) -> None:
+    """Copy each converted layer's dequantized weight into `twin`'s Linear of that name."""
+    from fp4_dispatch.nn import Nvfp4Linear
+
+    linears = dict(twin.named_modules())
+    with torch.no_grad():
+        for name, mod in quantized.named_modules():
+            if isinstance(mod, Nvfp4Linear):
+                linears[name].weight.copy_(mod.dequantized_weight().to(torch.bfloat16))
+
+
+# ---- the steps ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Step:
+    """One forward step: ``kind`` decode (``batch`` sequences, one token each, against a
+    static KV cache of ``context`` positions) or prefill (one sequence of ``tokens``)."""
+
+    kind: str
+    batch: int
+    tokens: int
+    context: int
+
+    def label(self) -> str:
+        return f"{self.kind} {self.batch if self.kind == 'decode' else self.tokens}"
+
+
+def make_step(model: nn.Module, step: Step, device: torch.device) -> Callable[[], torch.Tensor]:
+    """A no-argument callable running `step` on `model` (capturable after one eager run:
+    fixed input tensors, a static cache written at the same position every call)."""
+    gen = torch.Generator(device="cpu").manual_seed(step.batch * 131 + step.tokens)
+    vocab = model.config.vocab_size
+    if step.kind == "prefill":
+        ids = torch.randint(vocab, (1, step.tokens), generator=gen).to(device)
+
+        def prefill() -> torch.Tensor:
+            return model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+
+        return prefill
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=step.context + 1)
+    ids = torch.randint(vocab, (step.batch, 1), generator=gen).to(device)
+    position = torch.full((step.batch, 1), step.context, dtype=torch.long, device=device)
+    cache_position = torch.tensor([step.context], dtype=torch.long, device=device)
+
+    kwargs = {_cache_argument(model): cache, "position_ids": position,
+              "cache_position": cache_position, "use_cache": True, "logits_to_keep": 1}  # fmt: skip
+
+    def decode() -> torch.Tensor:
+        return model(input_ids=ids, **kwargs).logits
+
+    return decode
+
+
+def _cache_argument(model: nn.Module) -> str:
+    """The forward's KV-cache keyword: ``cache`` in newer transformers (which deprecate
+    ``past_key_values``), ``past_key_values`` before."""
+    forward = getattr(model, "_orig_mod", model).forward
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def step_m(step: Step) -> int:
+    """The GEMM M of a step: tokens through every Linear at once."""
+    return step.batch if step.kind == "decode" else step.tokens
+
+
+def precompile(models: dict[str, nn.Module], steps: list[Step], device: torch.device):
+    """Compile every NVFP4 GEMM kernel the steps will run, in parallel worker processes
+    (`fp4_dispatch.precompile`, through `_common.precompile_kernels`), so the first eager
+    run of a step loads kernels instead of compiling them one after another."""
+    from _common import precompile_kernels
+
+    from fp4_dispatch.nn import Nvfp4Linear
+    from fp4_dispatch.tactics import Problem
+    from fp4_dispatch.torch_ops import default_dispatcher
+
+    d = default_dispatcher(device)
+    planned = []
+    for model in models.values():
+        shapes = {(mod.out_features, mod.in_features, mod.operation(device))
+                  for mod in model.modules() if isinstance(mod, Nvfp4Linear)}  # fmt: skip
+        for n, k, op in sorted(shapes):
+            for m in sorted({step_m(s) for s in steps}):
+                c = d.select(m, n, k, "bfloat16", op)
+                problem = Problem(m=m, n=n, k=k, out_dtype="bfloat16", operation=op)
+                planned.append((d.registry.backends[c.backend], c.tactic, problem))
+    return precompile_kernels(planned, d.device, workers=min(16, os.cpu_count() or 1))
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Cosine similarity of two logit tensors, flattened, in float64."""
+    a, b = a.double().flatten(), b.double().flatten()
+    return float(a @ b / (a.norm() * b.norm()).clamp(min=1e-300))
+
+
+# ---- measuring ------------------------------------------------------------------------------
+
+
+def calls_for(step_us: float) -> int:
+    """Calls per sample: about 20 ms of work per sample, between 2 and 50 calls."""
+    return int(min(50, max(2, 20_000 / max(step_us, 1.0))))
+
+
+def eager_samples(fn: Callable[[], object], smoke: bool) -> list[float]:
+    """Eager wall µs per step: 5 samples of back-to-back calls, synchronised at the end."""
+    probe = statistics.median(eager_wall_samples(fn, calls=2, warmup=2, replays=3))
+    calls = 2 if smoke else calls_for(probe)
+    return eager_wall_samples(fn, calls=calls, warmup=2 if smoke else 5, replays=3 if smoke else 5)
+
+
+def graph_samples(fn: Callable[[], object], device: torch.device) -> list[float]:
+    """GPU µs per step in a replayed CUDA graph, L2 flushed before each step."""
+    probe = statistics.median(eager_wall_samples(fn, calls=2, warmup=2, replays=3))
+    return gpu_time_samples(fn, calls=calls_for(probe), replays=5, device=device)
+
+
+def _try(what: str, fn: Callable[[], list[float]]) -> tuple[list[float] | None, str | None]:
+    """``(samples, None)``, or ``(None, the error)`` when `what` cannot run (a row with a
+    gap, logged; the other measurements go on)."""
+    try:
+        return fn(), None
+    except Exception as exc:  # a variant that does not run here is a recorded gap
+        log.warning("%s: %s: %s", what, type(exc).__name__, exc)
+        return None, f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def measure_config(name: str, args: argparse.Namespace, device: torch.device, meta: dict
+                   ) -> list[Row]:  # fmt: skip
+    """Every (variant, step, clock) of one config: rows with ratios to bf16."""
+    config = llama_config(name, args.layers)
+    steps = [Step("decode", b, b, args.context) for b in args.decode] + [
+        Step("prefill", 1, t, 0) for t in args.prefill
+    ]
+    t0 = time.perf_counter()
+    models = build_variants(config, device, args.variants)
+    log.info("%s: built %s in %.1f s", name, list(models), time.perf_counter() - t0)
+    if device.type == "cuda":
+        t0 = time.perf_counter()
+        report = precompile(models, steps, device)
+        log.info("%s: precompiled %d kernels in %.1f s (%d failed)", name, len(report.outcomes),
+                 time.perf_counter() - t0, len(report.failed))  # fmt: skip
+    results: dict[tuple[str, str, str], Measured] = {}
+    cosines: dict[tuple[str, str], float] = {}
+    with torch.inference_mode():
+        for step in steps:
+            fns = {v: make_step(m, step, device) for v, m in models.items()}
+            warm = first_runs(f"{name} {step.label()}", fns)
+            for v, logits in warm.items():
+                if isinstance(logits, torch.Tensor) and isinstance(warm.get("bf16"), torch.Tensor):
+                    cosines[(v, step.label())] = cosine(logits, warm["bf16"])
+            for clock in args.clocks:
+                if clock == "graph":
+                    got = {v: _failed(warm[v]) or _try(f"{name} {v} {step.label()} graph",
+                                                       lambda fn=fn: graph_samples(fn, device))
+                           for v, fn in fns.items()}  # fmt: skip
+                else:
+                    run = fns if clock == "eager" else _compiled(models, step, device)
+                    got = eager_rounds(f"{name} {step.label()} {clock}", run, warm, args)
+                results.update({(v, step.label(), clock): r for v, r in got.items()})
+    return _rows(name, config.num_hidden_layers, steps, args, results, cosines, meta)
+
+
+#: samples (µs), or None and the error that stopped the measurement
+Measured = tuple[list[float] | None, str | None]
+
+
+def first_runs(what: str, fns: dict[str, Callable[[], torch.Tensor]]) -> dict[str, object]:
+    """One eager run of each variant (plans, compiles, caches): {variant: its last-token
+    logits as float32, or the error text when it cannot run here}."""
+    warm: dict[str, object] = {}
+    for v, fn in fns.items():
+        out, err = _try(f"{what} {v} first run", lambda fn=fn: [fn()])
+        warm[v] = out[0].float() if out is not None else err
+    return warm
+
+
+def _failed(warm: object) -> Measured | None:
+    """The measurement of a variant whose first run failed (its error), else None."""
+    return (None, warm) if isinstance(warm, str) else None
+
+
+def eager_rounds(what: str, run: dict[str, Callable[[], object]], warm: dict[str, object],
+                 args: argparse.Namespace) -> dict[str, Measured]:  # fmt: skip
+    """Eager (or compiled) walls: ``args.rounds`` rounds, every variant once per round in
+    turn (host drift hits all alike); each variant's samples are its rounds' medians."""
+    rounds: dict[str, list[float]] = {v: [] for v in run}
+    errors: dict[str, str] = {v: w for v, w in warm.items() if isinstance(w, str) and v in run}
+    for _ in range(args.rounds):
+        for v, fn in run.items():
+            if v in errors:
+                continue
+            samples, err = _try(f"{what} {v}", lambda fn=fn: eager_samples(fn, args.smoke))
+            if err or not samples:
+                errors[v] = err or "no samples"
+            else:
+                rounds[v].append(statistics.median(samples))
+    return {v: (None, errors[v]) if v in errors else (rounds[v], None) for v in run}
+
+
+def _compiled(models: dict[str, nn.Module], step: Step, device: torch.device) -> dict:
+    """`make_step` of each model under ``torch.compile`` (default mode: no CUDA graphs)."""
+    return {v: make_step(torch.compile(m), step, device) for v, m in models.items()}
+
+
+def _rows(name, layers, steps, args, results, cosines, meta) -> list[Row]:
+    rows = []
+    for step in steps:
+        for clock in args.clocks:
+            base = results.get(("bf16", step.label(), clock), (None, None))[0]
+            base_us = statistics.median(base) if base else None
+            for v in ("bf16", *[v for v in args.variants if v != "bf16"]):
+                samples, err = results.get((v, step.label(), clock), (None, "not measured"))
+                med = statistics.median(samples) if samples else None
+                cos = cosines.get((v, step.label()))
+                rows.append(Row(
+                    suite="model", case=f"{name} {step.label()}", config=name, layers=layers,
+                    variant=v, step=step.kind, batch=step.batch, tokens=step.tokens,
+                    clock=clock, median_us=med,
+                    spread_us=(min(samples), max(samples)) if samples else None,
+                    vs_bf16=(base_us / med) if (med and base_us) else None,
+                    tokens_per_s=(step.tokens / med * 1e6) if med else None,
+                    cosine=cos if isinstance(cos, float) else None,
+                    error=err, **meta,
+                ))  # fmt: skip
+    return rows
+
+
+# ---- output -----------------------------------------------------------------------------------
+
+
+def table(rows: list[Row]) -> str:
+    """Markdown: one line per (config, step, clock), a column per variant (µs and ratio)."""
+    variants = list(dict.fromkeys(r.variant for r in rows))
+    head = ["config", "step", "clock", *[f"{v} µs (x bf16)" for v in variants],
+            *[f"cos {v}" for v in variants if v != "bf16"]]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    keys = list(dict.fromkeys((r.config, r.case, r.clock) for r in rows))
+    for config, case, clock in keys:
+        by_v = {r.variant: r for r in rows if (r.config, r.case, r.clock) == (config, case, clock)}
+        cells = [config, case.split(" ", 1)[1], clock]
+        for v in variants:
+            r = by_v.get(v)
+            if r is None or r.median_us is None:
+                cells.append("n/a" if r is None else f"error: {(r.error or '')[:40]}")
+            else:
+                ratio = "" if r.vs_bf16 is None else f" ({r.vs_bf16:.2f}x)"
+                cells.append(f"{r.median_us:.0f}{ratio}")
+        for v in variants:
+            if v != "bf16":
+                r = by_v.get(v)
+                cells.append("n/a" if r is None or r.cosine is None else f"{r.cosine:.5f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], folder: Path) -> list[Path]:
+    """One PNG per config: speedup over bf16 (y) per step (x), a line per variant, a panel
+    per clock. Skipped (logged) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        log.warning("no plot: %s", exc)
+        return []
+    paths = []
+    for config in dict.fromkeys(r.config for r in rows):
+        mine = [r for r in rows if r.config == config and r.variant != "bf16"]
+        clocks = list(dict.fromkeys(r.clock for r in mine))
+        fig, axes = plt.subplots(1, len(clocks), figsize=(6 * len(clocks), 4), squeeze=False)
+        for ax, clock in zip(axes[0], clocks, strict=True):
+            cases = list(dict.fromkeys(r.case.split(" ", 1)[1] for r in mine if r.clock == clock))
+            for v in dict.fromkeys(r.variant for r in mine):
+                ys = []
+                for case in cases:
+                    hit = [r for r in mine if r.variant == v and r.clock == clock
+                           and r.case.endswith(" " + case)]  # fmt: skip
+                    ys.append(hit[0].vs_bf16 if hit and hit[0].vs_bf16 else math.nan)
+                ax.plot(range(len(cases)), ys, marker="o", label=v)
+            ax.axhline(1.0, color="grey", lw=0.8)
+            ax.set_xticks(range(len(cases)), cases, rotation=30)
+            ax.set_ylabel("speed over bf16 (x)")
+            ax.set_title(f"{config}, {rows[0].layers if False else ''}{clock}")
+            ax.legend()
+        fig.suptitle(f"{config}: step speed over bf16 ({rows[0].device}, {rows[0].date})")
+        fig.tight_layout()
+        path = folder / f"model_{config}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _commit() -> str:
+    """The source commit (``FP4_COMMIT`` or ``git rev-parse``), else "unknown"."""
+    if os.environ.get("FP4_COMMIT"):
+        return os.environ["FP4_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=Path(__file__).parent, timeout=10)  # fmt: skip
+    except OSError as exc:
+        log.info("no git here: %s", exc)
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", nargs="+", default=["8b", "70b"], choices=sorted(CONFIGS))
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: config's)")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--clocks", nargs="+", default=list(CLOCKS),
+                    choices=["graph", "eager", "compile"])  # fmt: skip
+    ap.add_argument("--decode", type=int, nargs="*", default=list(DECODE_BATCHES),
+                    help="decode batch sizes")  # fmt: skip
+    ap.add_argument("--prefill", type=int, nargs="*", default=list(PREFILL_TOKENS),
+                    help="prefill lengths (tokens)")  # fmt: skip
+    ap.add_argument("--context", type=int, default=1024, help="KV-cache positions at decode")
+    ap.add_argument("--rounds", type=int, default=3, help="eager rounds (median reported)")
+    ap.add_argument("--out", default=None, help="output folder (default $OUT, else .)")
+    ap.add_argument("--smoke", action="store_true", help="tiny config on the CPU, eager only")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.configs, args.clocks, args.context, args.rounds = ["tiny"], ["eager"], 16, 1
+        args.decode, args.prefill = [*SMOKE_DECODE], [*SMOKE_PREFILL]
+        args.variants = [v for v in args.variants if v != "fp8"]  # no FP8 GEMM on a CPU
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("fp4_dispatch").setLevel(logging.WARNING)  # one line per plan otherwise
+    if not args.smoke and not torch.cuda.is_available():
+        print("needs a CUDA GPU: run with --smoke on a CPU", file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if args.smoke else "cuda")
+    meta = {
+        "commit": _commit(),
+        "device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(),
+        "date": dt.date.today().isoformat(),
+        "command": "python benchmarks/bench_model.py " + " ".join(sys.argv[1:] if argv is None
+                                                                   else argv),
+    }  # fmt: skip
+    folder = Path(args.out or os.environ.get("OUT") or ".")
+    folder.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+    for name in args.configs:
+        rows += measure_config(name, args, device, meta)
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+        with (folder / "model.jsonl").open("w") as f:  # after each config: nothing lost
+            f.writelines(json.dumps(dataclasses.asdict(r)) + "\n" for r in rows)
+    text = table(rows)
+    (folder / "model.md").write_text(text + "\n")
+    plot(rows, folder)
+    print(json.dumps({k: meta[k] for k in ("commit", "device", "date")}))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

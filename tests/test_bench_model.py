@@ -1,0 +1,36 @@
+"""`benchmarks/bench_model.py --smoke`: the whole-model yardstick runs end to end on a CPU
+(tiny Llama, eager) and writes what its docstring promises: one row per variant, step
+and clock, ratios to bf16, logits cosines against the dequantized twin, a table, a plot."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import run_bench_smoke
+
+pytest.importorskip("transformers")
+
+
+def test_smoke_rows_cosines_table_and_plot(tmp_path):
+    rows = run_bench_smoke(tmp_path, "bench_model.py", "model.jsonl")
+    got = {(r["variant"], r["case"], r["clock"]) for r in rows}
+    cases = {"tiny decode 1", "tiny decode 4", "tiny prefill 64"}
+    assert got == {(v, c, "eager") for v in ("bf16", "w4a16", "w4a4") for c in cases}
+    for r in rows:
+        assert r["error"] is None, r
+        assert r["median_us"] > 0 and r["tokens_per_s"] > 0, r
+        low, high = r["spread_us"]
+        assert low <= r["median_us"] <= high, r
+        assert r["device"] == "cpu (smoke)" and r["date"] and r["command"], r
+        if r["variant"] == "bf16":
+            assert r["vs_bf16"] == pytest.approx(1.0) and r["cosine"] is None, r
+        # W4A16 multiplies by exactly the twin's weights: cosine >= 0.999 (the target);
+        # W4A4 also rounds the activations to NVFP4: lower, but far from noise
+        elif r["variant"] == "w4a16":
+            assert r["cosine"] >= 0.999, r
+        elif r["variant"] == "w4a4":
+            assert 0.9 < r["cosine"] < 0.9999, r
+    table = (tmp_path / "model.md").read_text().splitlines()
+    assert len(table) == 2 + 3, table  # header, rule, one line per step
+    assert all("x)" in line for line in table[2:]), table
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "model_tiny.png").stat().st_size > 1000
