@@ -472,7 +472,7 @@ class _FastCall:
                  prepared: torch.Tensor | None) -> None:  # fmt: skip
         self.shape, self.dtype, self.stride = x.shape, x.dtype, x.stride()
         self.index, self.device = x.get_device(), x.device
-        self.out_shape, self.out_dtype = y.shape, y.dtype
+        self.out_shape, self.out_dtype = (*x.shape[:-1], y.shape[-1]), y.dtype
         self.replay, self.dispatcher, self.epoch = replay, d, d.plan_epoch
         w = bufs["weight_data"]
         self.weights = (w, bufs["weight_scale"], bufs["weight_global_scale"])

@@ -310,7 +310,7 @@ def test_the_layer_fast_call_checks_everything_it_was_recorded_with():
     seen = []
     d = types.SimpleNamespace(plan_epoch=0, _autotune_depth=0)
     x = torch.zeros(1, 1, 32, dtype=torch.bfloat16)
-    y = torch.zeros(1, 1, 8, dtype=torch.bfloat16)
+    y = torch.zeros(1, 8, dtype=torch.bfloat16)  # the GEMM's 2-D output: the call gives x's rank
     fast = _FastCall(x, y, lambda t: seen.append(t) or True, d, layer._buffers, layer.bias, None)
     bufs, bias = layer._buffers, layer.bias
     got = fast(x, bufs, bias)
