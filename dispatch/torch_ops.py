@@ -149,6 +149,7 @@ def set_default_factory(factory: Callable[[str], Runner]) -> None:
     module sits below the engine and never imports it.
     """
     _factory[:] = [factory]
+    _checked.clear()
 
 
 @torch.compiler.assume_constant_result
@@ -254,6 +255,29 @@ def not_warm(device_name: str, key: PlanKey, why: str) -> CaptureNotWarmError:
 # ---- the ops -----------------------------------------------------------------------------
 
 
+#: argument signatures (`_signature`) whose checks passed with nothing to convert ->
+#: (dispatcher, output dtype name): a matching call skips the checks. Under torch.compile
+#: every GEMM runs this module's Python; the checks cost ~10-20 µs a call, the signature
+#: a few (benchmarks/RESULTS.md "Eager launch"). Emptied when it reaches `_CHECKED_MAX`
+#: and when the default dispatcher's factory changes.
+_checked: dict[tuple, tuple[Runner, str]] = {}
+_CHECKED_MAX = 4096
+
+
+def _meta(t: torch.Tensor | None) -> tuple | None:
+    """What the checks read of an operand: shape, dtype, strides and device."""
+    return None if t is None else (t.shape, t.dtype, t.stride(), t.device)
+
+
+def _signature(did: int, *operands: torch.Tensor | None) -> tuple:
+    """The key of `_checked`: the dispatcher id, every operand's `_meta`, and the
+    addresses of the weight-side operands (b_data, b_scale, bias, b_prepared: the checks
+    relate them to each other, so another weight is checked anew)."""
+    weight_side = (operands[2], operands[3], operands[6], operands[7])
+    fixed = tuple(None if t is None else t.data_ptr() for t in weight_side)
+    return (did, fixed, *[_meta(t) for t in operands])
+
+
 def _op_impl(
     did: int,
     a: torch.Tensor,
@@ -266,9 +290,39 @@ def _op_impl(
     b_prepared: torch.Tensor | None = None,
 ) -> None:
     """Every GEMM op's body: check the plain-tensor operands (the ops are public), then
-    run. ``a_scale`` None: W4A16 (``a`` dense bf16/fp16 ``[M, K]``, optional ``bias``
-    and ``b_prepared`` as in `DenseOperands`), else W4A4 (``a`` the packed ``[M, K/2]``
-    activation with its swizzled scales)."""
+    run; operands whose signature was checked before run straight away (`_checked`)."""
+    operands = (a, a_scale, b_data, b_scale, alpha, out, bias, b_prepared)
+    sig = _signature(did, *operands)
+    hit = _checked.get(sig)
+    if hit is not None:
+        d, dtype = hit
+        if a_scale is None:
+            d.run_dense(a, b_data, b_scale, alpha, out, dtype, bias, b_prepared)
+        else:
+            d.run_checked(a, a_scale, b_data, b_scale, alpha, out, dtype)
+        return
+    d, dtype, checked = _check_and_run(did, *operands)
+    if all(_meta(c) == _meta(t) for c, t in zip(checked, operands, strict=True)):
+        if len(_checked) >= _CHECKED_MAX:
+            _checked.clear()
+        _checked[sig] = (d, dtype)
+
+
+def _check_and_run(
+    did: int,
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    alpha: torch.Tensor,
+    out: torch.Tensor,
+    bias: torch.Tensor | None,
+    b_prepared: torch.Tensor | None,
+) -> tuple[Runner, str, tuple]:
+    """Check the operands, then run: ``a_scale`` None: W4A16 (``a`` dense bf16/fp16
+    ``[M, K]``, optional ``bias`` and ``b_prepared`` as in `DenseOperands`), else W4A4
+    (``a`` the packed ``[M, K/2]`` activation with its swizzled scales). Returns the
+    dispatcher, the output dtype name and the operands as checked (views of the inputs)."""
     dense = a_scale is None
     a_name = "a" if dense else "a_data"
     if dense:
@@ -296,13 +350,15 @@ def _op_impl(
             bias = checks.bias_vector("bias", bias, n, device)
         if b_prepared is not None:
             b_prepared = checks.prepared_bytes("b_prepared", b_prepared, b_data, device)
-        d.run_dense(a, b_data, sb, checks.alpha_tensor(alpha, device), out, dtype, bias,
-                    b_prepared)  # fmt: skip
-        return
+        alpha = checks.alpha_tensor(alpha, device)
+        d.run_dense(a, b_data, sb, alpha, out, dtype, bias, b_prepared)
+        return d, dtype, (a, None, b_data, sb, alpha, out, bias, b_prepared)
     checks.same_device(device, a_scale=a_scale, b_data=b_data, b_scale=b_scale, out=out)
     sa = checks.swizzled_scale("a_scale", a_scale, m, k)
     sb = checks.swizzled_scale("b_scale", b_scale, n, k)
-    d.run_checked(a, sa, b_data, sb, checks.alpha_tensor(alpha, device), out, dtype)
+    alpha = checks.alpha_tensor(alpha, device)
+    d.run_checked(a, sa, b_data, sb, alpha, out, dtype)
+    return d, dtype, (a, sa, b_data, sb, alpha, out, None, None)
 
 
 @torch.library.custom_op("fp4_dispatch::gemm", mutates_args=())

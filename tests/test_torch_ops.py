@@ -158,6 +158,36 @@ def test_gemm_op_checks_its_operands(dispatcher, operands):
     assert empty.shape == (0, 32)
 
 
+def test_a_checked_signature_skips_the_checks_and_anything_else_is_checked(
+    dispatcher, operands, monkeypatch
+):
+    """The ops' Python runs on every call under torch.compile: operands whose signature
+    (metadata, and the weight's addresses) passed the checks run without them - same
+    result - while a call that differs in anything checked is checked again."""
+    from fp4_dispatch import checks
+
+    qa, qb = operands(8, 32, 64)
+    did = torch_ops.dispatcher_id(dispatcher)
+    op = torch.ops.fp4_dispatch.gemm
+    torch_ops._checked.clear()
+    first = op(qa.data, qa.scale, qb.data, qb.scale, alpha_of(qa, qb), torch.bfloat16, did)
+    assert len(torch_ops._checked) == 1
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("checked again")
+
+    monkeypatch.setattr(checks, "fp4_data", refuse)
+    again = op(qa.data, qa.scale, qb.data, qb.scale, alpha_of(qa, qb), torch.bfloat16, did)
+    assert torch.equal(again, first)
+    _, qc = operands(8, 32, 64)  # another weight (another address): checked
+    with pytest.raises(AssertionError, match="checked again"):
+        op(qa.data, qa.scale, qc.data, qc.scale, alpha_of(qa, qc), torch.bfloat16, did)
+    monkeypatch.undo()
+    with pytest.raises(TypeError, match="float8_e4m3fn"):  # same addresses, other dtype
+        op(qa.data, qa.scale.view(torch.uint8), qb.data, qb.scale, alpha_of(qa, qb),
+           torch.bfloat16, did)  # fmt: skip
+
+
 # ---- torch.compile -------------------------------------------------------------------------
 
 
