@@ -27,9 +27,13 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ConversionReport", "MetaWeightsError", "quantize_model"]
 
-#: float32 bytes of one quantization chunk (rows of a weight at a time): bounds the
-#: scratch of the conversion well below one layer's weight for any model worth converting
+#: float32 bytes of one quantization chunk (rows of a weight at a time), and the fewest
+#: chunks a weight is cut into: the scratch (a float32 copy of the chunk and its
+#: temporaries, ~13 bytes an element on a GPU) stays under half a 16-bit weight's size,
+#: so the new NVFP4 buffers (~0.56 bytes an element, made twice in passing) and the
+#: scratch fit in one layer's dense size
 _CHUNK_BYTES = 64 << 20
+_CHUNKS_MIN = 32
 #: the GEMM's K rule (whole bytes per pair of 16-element blocks; `fp4_dispatch.checks`)
 _K_MULTIPLE = 2 * BLOCK_SIZE
 
@@ -75,13 +79,14 @@ def _check_skip(skip: Iterable[str] | str | None) -> tuple[str, ...]:
 
 
 def _candidates(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
-    """(full name, parent, attribute, layer) of every ``nn.Linear`` child, model order."""
+    """(full name, parent, attribute, layer) of every ``nn.Linear`` below `model`, in model
+    order, once per place a shared layer sits."""
+    mods = dict(model.named_modules(remove_duplicate=False))
     found = []
-    for parent_name, parent in model.named_modules():
-        for attr, child in parent.named_children():
-            if isinstance(child, nn.Linear):
-                full = f"{parent_name}.{attr}" if parent_name else attr
-                found.append((full, parent, attr, child))
+    for full, child in mods.items():
+        if full and isinstance(child, nn.Linear):
+            parent, _, attr = full.rpartition(".")
+            found.append((full, mods[parent], attr, child))
     return found
 
 
@@ -122,9 +127,9 @@ def _global_scale(w: torch.Tensor, rows: int) -> torch.Tensor:
 
 def quantize_weight(w: torch.Tensor) -> Nvfp4Tensor:
     """``quantize_nvfp4(w)`` (swizzled scales, default global scale), computed a chunk of
-    rows at a time so the float32 scratch stays under `_CHUNK_BYTES`: the same bytes."""
+    rows at a time (`_CHUNK_BYTES`, `_CHUNKS_MIN`): the same bytes, bounded scratch."""
     n, k = w.shape
-    rows = max(1, _CHUNK_BYTES // (4 * k))
+    rows = max(1, min(_CHUNK_BYTES // (4 * k), -(-n // _CHUNKS_MIN)))
     g = _global_scale(w, rows)
     data = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
     scale = torch.empty((n, k // BLOCK_SIZE), dtype=torch.float8_e4m3fn, device=w.device)
