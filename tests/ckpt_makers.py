@@ -31,9 +31,18 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 def tiny_llama_config(**kw):
     from transformers import LlamaConfig
 
-    args = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                attention_bias=True, tie_word_embeddings=False, dtype="bfloat16")  # fmt: skip
+    args = dict(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_bias=True,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
     args.update(kw)
     return LlamaConfig(**args)
 
@@ -51,8 +60,11 @@ def tiny_llama(seed: int = 0, **kw):
 
 
 def quantized_linears(model: nn.Module, skip=("lm_head",)) -> list[tuple[str, nn.Linear]]:
-    return [(n, m) for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] not in skip]  # fmt: skip
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] not in skip
+    ]
 
 
 # ---- ModelOpt --------------------------------------------------------------------------
@@ -67,8 +79,9 @@ def _codes_rne(y: torch.Tensor) -> torch.Tensor:
     ties = dist == best
     # among tied codes prefer the even one (ties happen between two neighbours)
     even = torch.arange(8) % 2 == 0
-    code = torch.where((ties & even).any(-1), (ties & even).float().argmax(-1),
-                       ties.float().argmax(-1))  # fmt: skip
+    code = torch.where(
+        (ties & even).any(-1), (ties & even).float().argmax(-1), ties.float().argmax(-1)
+    )
     return code.to(torch.uint8) | ((y < 0).to(torch.uint8) << 3)
 
 
@@ -111,8 +124,11 @@ def modelopt_tensors(w: torch.Tensor, use_library: bool) -> dict[str, torch.Tens
         packed = q._quantized_data
     else:
         packed, scale, scale_2 = modelopt_quantize(w)
-    return {"weight": packed.contiguous(), "weight_scale": scale.contiguous(),
-            "weight_scale_2": scale_2.float().reshape(())}  # fmt: skip
+    return {
+        "weight": packed.contiguous(),
+        "weight_scale": scale.contiguous(),
+        "weight_scale_2": scale_2.float().reshape(()),
+    }
 
 
 # ---- compressed-tensors ----------------------------------------------------------------
@@ -137,8 +153,11 @@ def ct_tensors(w: torch.Tensor) -> dict[str, torch.Tensor]:
     out = NVFP4PackedCompressor.compress(
         {"weight": w, "weight_scale": scale, "weight_global_scale": g}, scheme
     )
-    return {k: v for k, v in out.items() if k in ("weight_packed", "weight_scale",
-                                                    "weight_global_scale")}  # fmt: skip
+    return {
+        k: v
+        for k, v in out.items()
+        if k in ("weight_packed", "weight_scale", "weight_global_scale")
+    }
 
 
 def ct_decompress(t: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -151,26 +170,34 @@ def ct_decompress(t: dict[str, torch.Tensor]) -> torch.Tensor:
 def ct_quantization_config() -> dict:
     from compressed_tensors.quantization import QuantizationConfig
 
-    qc = QuantizationConfig(config_groups={"group_0": ct_scheme()}, ignore=["lm_head"],
-                            format="nvfp4-pack-quantized", quantization_status="compressed")  # fmt: skip
+    qc = QuantizationConfig(
+        config_groups={"group_0": ct_scheme()},
+        ignore=["lm_head"],
+        format="nvfp4-pack-quantized",
+        quantization_status="compressed",
+    )
     return {**qc.model_dump(mode="json"), "quant_method": "compressed-tensors"}
 
 
 # ---- writing a checkpoint directory -----------------------------------------------------
 
 
-def checkpoint_tensors(model: nn.Module, fmt: str, use_library: bool = True,
-                       input_scales: bool = True) -> dict[str, torch.Tensor]:  # fmt: skip
+def checkpoint_tensors(
+    model: nn.Module, fmt: str, use_library: bool = True, input_scales: bool = True
+) -> dict[str, torch.Tensor]:
     """The model's state dict with every linear but lm_head in `fmt`'s NVFP4 tensors."""
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        del sd["lm_head.weight"]  # as save_pretrained writes a tied model: one copy
     gen = torch.Generator().manual_seed(1)
     for name, lin in quantized_linears(model):
         del sd[f"{name}.weight"]
         if fmt == "modelopt":
             parts = modelopt_tensors(lin.weight.detach(), use_library)
             if input_scales:  # a calibrated activation amax / (6 * 448): a decode scale
-                parts["input_scale"] = torch.tensor(1.0 + torch.rand((), generator=gen).item()
-                                                    ) / 2688.0  # fmt: skip
+                parts["input_scale"] = (
+                    torch.tensor(1.0 + torch.rand((), generator=gen).item()) / 2688.0
+                )
         else:
             parts = ct_tensors(lin.weight.detach())
             if input_scales:  # 448 * 6 / amax: an encode scale
@@ -181,8 +208,14 @@ def checkpoint_tensors(model: nn.Module, fmt: str, use_library: bool = True,
     return sd
 
 
-def write_checkpoint(path: Path, model: nn.Module, fmt: str, shards: int = 2,
-                     use_library: bool = True, input_scales: bool = True) -> Path:  # fmt: skip
+def write_checkpoint(
+    path: Path,
+    model: nn.Module,
+    fmt: str,
+    shards: int = 2,
+    use_library: bool = True,
+    input_scales: bool = True,
+) -> Path:
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
@@ -191,11 +224,19 @@ def write_checkpoint(path: Path, model: nn.Module, fmt: str, shards: int = 2,
     if fmt == "compressed-tensors":
         config["quantization_config"] = ct_quantization_config()
     else:
-        (path / "hf_quant_config.json").write_text(json.dumps({
-            "producer": {"name": "modelopt", "version": "0.47.0"},
-            "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None,
-                             "group_size": 16, "exclude_modules": ["lm_head"]},
-        }))  # fmt: skip
+        (path / "hf_quant_config.json").write_text(
+            json.dumps(
+                {
+                    "producer": {"name": "modelopt", "version": "0.47.0"},
+                    "quantization": {
+                        "quant_algo": "NVFP4",
+                        "kv_cache_quant_algo": None,
+                        "group_size": 16,
+                        "exclude_modules": ["lm_head"],
+                    },
+                }
+            )
+        )
     (path / "config.json").write_text(json.dumps(config))
     names = list(sd)
     per = -(-len(names) // shards)

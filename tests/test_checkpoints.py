@@ -27,11 +27,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 pytest.importorskip("compressed_tensors")
 
-import ckpt_makers as mk  # noqa: E402 - after the skips
+import ckpt_makers as mk
 
-from fp4_dispatch import CheckpointError, load_checkpoint  # noqa: E402
-from fp4_dispatch.nn import Nvfp4Linear  # noqa: E402
-from fp4_dispatch.nvfp4 import unpack_e2m1  # noqa: E402
+from fp4_dispatch import CheckpointError, load_checkpoint
+from fp4_dispatch.nn import Nvfp4Linear
+from fp4_dispatch.nvfp4 import unpack_e2m1
 
 FORMATS = ["modelopt", "compressed-tensors"]
 
@@ -45,8 +45,7 @@ def source_model():
 def ckpt_dirs(source_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpts")
     use_lib = mk.modelopt_library() is not None
-    return {f: mk.write_checkpoint(root / f, source_model, f, use_library=use_lib)
-            for f in FORMATS}  # fmt: skip
+    return {f: mk.write_checkpoint(root / f, source_model, f, use_library=use_lib) for f in FORMATS}
 
 
 def fresh_model():
@@ -108,8 +107,9 @@ def test_codes_scales_and_dequantization_are_exact(fmt, ckpt_dirs, source_model)
             ulp = torch.finfo(torch.float32).eps * exact.abs()
             assert ((ours.double() - theirs.double()).abs() <= ulp).all()
         else:
-            lib = mk.ct_decompress({k.rsplit(".", 1)[1]: v for k, v in tensors.items()
-                                    if k.rsplit(".", 1)[0] == name})  # fmt: skip
+            lib = mk.ct_decompress(
+                {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == name}
+            )
             lib_exact = exact_dequant(packed, scale, 1.0 / enc.double())
             assert ((ours.double() - lib_exact).abs() <= 2.0**-23 * lib_exact.abs()).all()
             bf16_ulp = 2.0**-7 * lib_exact.abs()
@@ -160,7 +160,9 @@ def test_a_state_dict_loads_like_the_directory(fmt, ckpt_dirs, source_model):
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
     for k in sa:
-        assert torch.equal(sa[k].reshape(-1).view(torch.uint8), sb[k].reshape(-1).view(torch.uint8)), k
+        assert torch.equal(
+            sa[k].reshape(-1).view(torch.uint8), sb[k].reshape(-1).view(torch.uint8)
+        ), k
 
 
 def test_a_meta_model_is_materialized_on_the_device(ckpt_dirs):
@@ -252,14 +254,21 @@ def _wrong_plain_shape(p, fmt):
     return n, _edit_tensor(p, n, lambda sd: sd.__setitem__(n, torch.ones(7)))
 
 
-BAD = [_bad_scale_shape, _bad_data_dtype, _missing_global_scale, _zero_global_scale,
-       _unknown_module, _unknown_format, _truncated_shard, _wrong_plain_shape]  # fmt: skip
+BAD = [
+    _bad_scale_shape,
+    _bad_data_dtype,
+    _missing_global_scale,
+    _zero_global_scale,
+    _unknown_module,
+    _unknown_format,
+    _truncated_shard,
+    _wrong_plain_shape,
+]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("corrupt", BAD, ids=[f.__name__.strip("_") for f in BAD])
-def test_a_bad_checkpoint_raises_and_leaves_the_model_unchanged(fmt, corrupt, ckpt_dirs,
-                                                                tmp_path):  # fmt: skip
+def test_a_bad_checkpoint_raises_and_leaves_the_model_unchanged(fmt, corrupt, ckpt_dirs, tmp_path):
     path = tmp_path / "ckpt"
     shutil.copytree(ckpt_dirs[fmt], path)
     what, file = corrupt(path, fmt)
@@ -272,8 +281,9 @@ def test_a_bad_checkpoint_raises_and_leaves_the_model_unchanged(fmt, corrupt, ck
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_strict_wants_every_tensor_placed_and_every_model_tensor_filled(fmt, ckpt_dirs,
-                                                                        source_model):  # fmt: skip
+def test_strict_wants_every_tensor_placed_and_every_model_tensor_filled(
+    fmt, ckpt_dirs, source_model
+):
     sd = mk.checkpoint_tensors(source_model, fmt, mk.modelopt_library() is not None)
     extra = {**sd, "model.extra.weight": torch.ones(3)}
     model = fresh_model()

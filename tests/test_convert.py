@@ -56,8 +56,9 @@ def test_layers_hold_exactly_what_from_linear_would():
     quantize_model(model, activations="nvfp4")
     got = model[0]
     for name, buf in expected.state_dict().items():
-        assert torch.equal(got.state_dict()[name].reshape(-1).view(torch.uint8),
-                           buf.reshape(-1).view(torch.uint8)), name  # fmt: skip
+        assert torch.equal(
+            got.state_dict()[name].reshape(-1).view(torch.uint8), buf.reshape(-1).view(torch.uint8)
+        ), name
     assert got.activations == "nvfp4" and got.bias.dtype == torch.bfloat16
 
 

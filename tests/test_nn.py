@@ -256,7 +256,7 @@ def test_prepared_weight_copy_reaches_the_kernel_and_follows_the_weight(layer, m
 
 
 def test_auto_activations_follow_the_device():
-    """"auto" is W4A4 only where FP4 tensor cores are (CUDA, compute capability >= 10):
+    """ "auto" is W4A4 only where FP4 tensor cores are (CUDA, compute capability >= 10):
     on the CPU it is W4A16, exact weight-only (docs/checkpoints.md, "Activations")."""
     mod = Nvfp4Linear(64, 16)
     assert mod.activations == "auto" and mod.operation("cpu") == "w4a16"
