@@ -39,12 +39,14 @@ _LAZY = {
     "CheckpointError": "checkpoints",
     "LoadReport": "checkpoints",
     "load_checkpoint": "checkpoints",
+    "save_checkpoint": "ckpt_save",
     "from_pretrained": "hf",
 }
 
 if TYPE_CHECKING:  # for type checkers and IDEs only; at run time the names are lazy
     from .backend import Backend, DenseOperands, GemmOperands, Kernel, Support
     from .checkpoints import CheckpointError, LoadReport, load_checkpoint
+    from .ckpt_save import save_checkpoint
     from .convert import ConversionReport, quantize_model
     from .device import DeviceInfo, DeviceProfile
     from .dispatcher import BackendStatus, Dispatcher
@@ -97,4 +99,5 @@ __all__ = [
     "quantize_model",
     "quantize_nvfp4",
     "reference_gemm",
+    "save_checkpoint",
 ]

@@ -317,3 +317,30 @@ def test_kv_cache_scales_are_reported_unused(source_model):
     sd["model.layers.0.self_attn.k_proj.k_scale"] = torch.tensor(1.0)
     report = load_checkpoint(fresh_model(), sd)
     assert report.unused == ["model.layers.0.self_attn.k_proj.k_scale"]
+
+
+# ---- save_checkpoint: ModelOpt layout, read back bit for bit ------------------------------
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_converted_model_saves_and_loads_back_bit_for_bit(tied, tmp_path):
+    from fp4_dispatch import quantize_model, save_checkpoint
+
+    model = mk.tiny_llama(tie_word_embeddings=tied)
+    quantize_model(model)
+    layer = model.model.layers[0].mlp.down_proj
+    layer.set_input_global_scale(0.01)
+    path = save_checkpoint(model, tmp_path / "saved", max_shard_bytes=60_000)
+    assert len(list(path.glob("*.safetensors"))) > 2
+    hq = json.loads((path / "hf_quant_config.json").read_text())["quantization"]
+    assert hq["quant_algo"] == "NVFP4" and hq["exclude_modules"] == ["lm_head"]
+    again = mk.tiny_llama(seed=5, tie_word_embeddings=tied)
+    report = load_checkpoint(again, path)
+    assert report.format == "modelopt" and len(report.quantized) == 14
+    sa, sb = model.state_dict(), again.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k].reshape(-1).view(torch.uint8), sb[k].reshape(-1).view(torch.uint8)), k
+    assert torch.equal(again.model.layers[0].mlp.down_proj.input_global_scale, torch.tensor(0.01))
+    if tied:
+        assert again.lm_head.weight is again.model.embed_tokens.weight
