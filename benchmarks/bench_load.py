@@ -51,13 +51,13 @@ def linear_shapes(shape: dict) -> dict[str, tuple[int, int]]:
     kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
     outs = (h, kv, kv, h, i, i, h)
     ins = (h, h, h, h, h, h, i)
-    return {p: (n, k) for p, n, k in zip(PROJ, outs, ins)}
+    return {p: (n, k) for p, n, k in zip(PROJ, outs, ins, strict=True)}
 
 
 def layer_tensors(prefix: str, shape: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     h = shape["hidden_size"]
-    out = {f"{prefix}.input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-           f"{prefix}.post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)}  # fmt: skip
+    norms = ("input_layernorm", "post_attention_layernorm")
+    out = {f"{prefix}.{n}.weight": torch.ones(h, dtype=torch.bfloat16) for n in norms}
     for proj, (n, k) in linear_shapes(shape).items():
         p = f"{prefix}.{proj}"
         out[f"{p}.weight"] = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)

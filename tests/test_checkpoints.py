@@ -340,7 +340,9 @@ def test_a_converted_model_saves_and_loads_back_bit_for_bit(tied, tmp_path):
     sa, sb = model.state_dict(), again.state_dict()
     assert sa.keys() == sb.keys()
     for k in sa:
-        assert torch.equal(sa[k].reshape(-1).view(torch.uint8), sb[k].reshape(-1).view(torch.uint8)), k
+        assert torch.equal(
+            sa[k].reshape(-1).view(torch.uint8), sb[k].reshape(-1).view(torch.uint8)
+        ), k
     assert torch.equal(again.model.layers[0].mlp.down_proj.input_global_scale, torch.tensor(0.01))
     if tied:
         assert again.lm_head.weight is again.model.embed_tokens.weight
