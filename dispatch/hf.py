@@ -53,7 +53,8 @@ def _dtype_of(config: object, dtype: torch.dtype | None) -> torch.dtype:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
         return dtype
-    got = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # transformers >= 4.56 names it dtype (reading torch_dtype there warns)
+    got = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
     if isinstance(got, str):
         got = getattr(torch, got, None)
     return got if isinstance(got, torch.dtype) else torch.bfloat16
