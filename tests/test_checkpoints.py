@@ -177,6 +177,32 @@ def test_a_meta_model_is_materialized_on_the_device(ckpt_dirs):
     assert tensors and not any(t.is_meta for t in tensors.values())
 
 
+def test_the_documented_modelopt_arithmetic_is_the_library_s():
+    """tests/ckpt_makers.modelopt_quantize (the fallback where nvidia-modelopt does not
+    import) gives ModelOpt's own bytes, and its dequantization ModelOpt's values."""
+    lib = mk.modelopt_library()
+    if lib is None:
+        pytest.skip("nvidia-modelopt does not import here")
+    w = torch.randn(96, 256, dtype=torch.bfloat16) * 0.05
+    w[3, :16] = 0  # a zero block: ModelOpt sets its scale to 1.0
+    q, scale, scale_2 = lib.quantize(w.float(), 16)
+    packed, s2, g2 = mk.modelopt_quantize(w)
+    assert torch.equal(q._quantized_data, packed)
+    assert torch.equal(scale.view(torch.uint8), s2.view(torch.uint8))
+    assert torch.equal(scale_2.reshape(()), g2.reshape(()))
+    theirs = q.dequantize(dtype=torch.float32, scale=scale, double_scale=scale_2,
+                          block_sizes={-1: 16})  # fmt: skip
+    assert torch.equal(theirs, mk.modelopt_dequantize(packed, s2, g2))
+
+
+def test_bench_load_smoke(tmp_path):
+    from conftest import run_bench_smoke
+
+    got = run_bench_smoke(tmp_path, "bench_load.py", "bench_load.json")
+    assert got["shards"] == 2 and got["peak"] >= got["base"] > 0
+    assert got["model_host_bytes"] > 0
+
+
 # ---- bad input: one clear error naming tensor and file; the model unchanged -------------
 
 
