@@ -402,7 +402,10 @@ def _stage(
                 slot = plan.plain[name]
                 if id(slot) not in staged:
                     dtype = slot.old.dtype if slot.old.is_floating_point() else t.dtype
-                    staged[id(slot)] = t.to(device=device, dtype=dtype)
+                    new = t.to(device=device, dtype=dtype)
+                    # safetensors maps the file: a CPU tensor read from it shares the
+                    # file's pages, which a later save to the same path would pull away
+                    staged[id(slot)] = new.clone() if new is t and src.maps_files else new
                 del t
     if pending:  # read_files yields every planned tensor: only a changed file gets here
         name = next(iter(pending))

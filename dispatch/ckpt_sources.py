@@ -70,6 +70,8 @@ class Source:
     """Tensors by name: their `TensorInfo` up front, their data per file on demand."""
 
     label: str
+    #: True when tensors read are views of memory-mapped files (safetensors on the CPU)
+    maps_files: bool = False
     #: config.json and hf_quant_config.json contents where the source has them
     config: dict
     quant_config: dict | None
@@ -135,6 +137,7 @@ class DirectorySource(Source):
         from safetensors import safe_open  # noqa: PLC0415 - optional: the [hf] extra
 
         self._open = safe_open
+        self.maps_files = True
         self.path = path
         self.label = str(path)
         cfg = path / "config.json"
