@@ -207,9 +207,15 @@ class DirectorySource(Source):
                 yield f.name, self._read(f, wanted)
 
     def _read(self, f: Path, wanted: list[str]):
-        with self._open(str(f), framework="pt") as st:
-            for name in wanted:
-                yield name, st.get_tensor(name)
+        """The tensors of one shard, the file mapped once per tensor: safetensors maps the
+        whole file, and every page read stays resident while the mapping lives, so one
+        long-lived mapping would hold a whole shard; this one holds one tensor (measured:
+        benchmarks/RESULTS.md, "Loading checkpoints")."""
+        for name in wanted:
+            with self._open(str(f), framework="pt") as st:
+                t = st.get_tensor(name)
+            yield name, t
+            del t  # the caller has its copy: the mapping goes with the last view
 
     def read_small(self, name: str) -> torch.Tensor:
         with self._open(str(self.path / self._infos[name].file), framework="pt") as st:
