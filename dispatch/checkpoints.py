@@ -313,14 +313,16 @@ def _plan(model: nn.Module, src: Source, fmt: LayerFormat, strict: bool) -> _Pla
             unused.append(name)
             continue
         slot = slots.get(name)
-        if slot is None or any(name.startswith(p + ".") for p in layers):
+        in_layer = name.rpartition(".")[0] in layers
+        if slot is None or in_layer:
             if strict:
-                raise _err(
-                    name,
-                    info,
-                    src,
-                    "the model has no parameter or buffer of this name (strict=True)",
+                what = (
+                    f"not a tensor of a {fmt.name} NVFP4 layer this loader knows (zero "
+                    "points and other extras are not supported)"
+                    if in_layer
+                    else "the model has no parameter or buffer of this name"
                 )
+                raise _err(name, info, src, f"{what} (strict=True)")
             unused.append(name)
             continue
         _check_plain(name, info, slot, src)
@@ -340,7 +342,7 @@ def _check_missing(
     meta-device one always: it has no value to keep."""
     filled = {id(s) for s in plain.values()}
     for name, slot in slots.items():
-        if id(slot) in filled or any(name.startswith(p + ".") for p in layers):
+        if id(slot) in filled or name.rpartition(".")[0] in layers:
             continue
         if strict or slot.old.is_meta:
             why = "its weights are on the meta device" if slot.old.is_meta else "strict=True"

@@ -381,3 +381,10 @@ def test_a_converted_model_saves_and_loads_back_bit_for_bit(tied, tmp_path):
             fh.write(bytes(f.stat().st_size - start))
     for k, v in again.state_dict().items():
         assert torch.equal(v.reshape(-1).view(torch.uint8), sa[k].reshape(-1).view(torch.uint8)), k
+
+
+def test_an_unknown_tensor_of_a_quantized_layer_is_named(source_model):
+    sd = mk.checkpoint_tensors(source_model, "compressed-tensors")
+    sd[f"{L0}.weight_zero_point"] = torch.zeros(128, 8, dtype=torch.float8_e4m3fn)
+    with pytest.raises(CheckpointError, match=r"weight_zero_point in <state dict>: not a tensor"):
+        load_checkpoint(fresh_model(), sd)
