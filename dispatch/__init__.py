@@ -34,12 +34,23 @@ _LAZY = {
     "Dispatcher": "dispatcher",
     "BackendStatus": "dispatcher",
     "Nvfp4Linear": "nn",
+    "ConversionReport": "convert",
+    "quantize_model": "convert",
+    "CheckpointError": "checkpoints",
+    "LoadReport": "checkpoints",
+    "load_checkpoint": "checkpoints",
+    "save_checkpoint": "ckpt_save",
+    "from_pretrained": "hf",
 }
 
 if TYPE_CHECKING:  # for type checkers and IDEs only; at run time the names are lazy
     from .backend import Backend, DenseOperands, GemmOperands, Kernel, Support
+    from .checkpoints import CheckpointError, LoadReport, load_checkpoint
+    from .ckpt_save import save_checkpoint
+    from .convert import ConversionReport, quantize_model
     from .device import DeviceInfo, DeviceProfile
     from .dispatcher import BackendStatus, Dispatcher
+    from .hf import from_pretrained
     from .hookspecs import hookimpl
     from .nn import Nvfp4Linear
     from .nvfp4 import Nvfp4Tensor, dequantize, quantize_nvfp4, reference_gemm
@@ -64,6 +75,8 @@ def __dir__() -> list[str]:
 __all__ = [
     "Backend",
     "BackendStatus",
+    "CheckpointError",
+    "ConversionReport",
     "DenseOperands",
     "DeviceInfo",
     "DeviceProfile",
@@ -71,6 +84,7 @@ __all__ = [
     "GemmOperands",
     "Kernel",
     "LoadError",
+    "LoadReport",
     "Nvfp4Linear",
     "Nvfp4Tensor",
     "PluginLoadError",
@@ -79,7 +93,11 @@ __all__ = [
     "Tactic",
     "__version__",
     "dequantize",
+    "from_pretrained",
     "hookimpl",
+    "load_checkpoint",
+    "quantize_model",
     "quantize_nvfp4",
     "reference_gemm",
+    "save_checkpoint",
 ]

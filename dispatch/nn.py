@@ -79,8 +79,10 @@ class Nvfp4Linear(nn.Module):
       the input's device (`fp4_dispatch.torch_ops.default_dispatcher`).
     - ``activations``: ``"nvfp4"`` quantizes activations per call (W4A4, FP4 tensor
       cores); ``"bf16"`` keeps them dense (W4A16, weight-only: no activation rounding,
-      activations cast to the output dtype); ``"auto"`` (default) is W4A16 on CUDA GPUs
-      without FP4 tensor cores (Hopper) and W4A4 elsewhere. ``repr`` shows the choice.
+      activations cast to the output dtype); ``"auto"`` (default) is W4A4 on CUDA GPUs
+      with FP4 tensor cores (compute capability >= 10) and W4A16 elsewhere (Hopper, the
+      CPU: no FP4 tensor cores, so W4A16 is as fast and more accurate). ``repr`` shows
+      the choice.
     - Buffers: ``weight_data`` uint8 ``[out, in/2]``, ``weight_scale`` e4m3 in the
       swizzled 128x4 layout, ``weight_global_scale`` float32 ``[]``, and optionally
       ``input_global_scale`` (a calibrated static activation scale; when absent the
@@ -196,6 +198,42 @@ class Nvfp4Linear(nn.Module):
             mod.set_input_global_scale(input_global_scale)
         return mod
 
+    @classmethod
+    def from_quantized(
+        cls,
+        qw: Nvfp4Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        dispatcher: Dispatcher | None = None,
+        input_global_scale: float | torch.Tensor | None = None,
+        activations: Activations = "auto",
+        prepare_weight: bool = True,
+        bias_dtype: torch.dtype | None = None,
+    ) -> Nvfp4Linear:
+        """A new `Nvfp4Linear` on ``qw``'s device holding an already quantized weight
+        (``[out, in]``, either scale layout): how a converted model or a loaded NVFP4
+        checkpoint becomes a layer without a dense copy of the weight ever existing.
+
+        ``bias`` (``[out]``) is copied in ``bias_dtype`` (default: its own dtype when
+        16-bit, else bfloat16); ``input_global_scale``, ``activations`` and
+        ``prepare_weight`` as in `from_linear` and the constructor.
+        """
+        if not isinstance(qw, Nvfp4Tensor):
+            raise TypeError(f"qw: expected an Nvfp4Tensor, got {type(qw).__name__}")
+        if bias is not None and tuple(bias.shape) != (qw.rows,):
+            raise ValueError(f"bias: expected shape ({qw.rows},), got {tuple(bias.shape)}")
+        if bias_dtype is None and bias is not None:
+            bias_dtype = bias.dtype if bias.dtype in _OUT_DTYPES else torch.bfloat16
+        mod = cls(qw.k, qw.rows, bias=bias is not None, dispatcher=dispatcher,
+                  activations=activations, prepare_weight=prepare_weight,
+                  device=qw.device, dtype=bias_dtype)  # fmt: skip
+        mod.load_quantized(qw)
+        if bias is not None:
+            mod.bias.data.copy_(bias.detach())
+        if input_global_scale is not None:
+            mod.set_input_global_scale(input_global_scale)
+        return mod
+
     def load_quantized(self, qw: Nvfp4Tensor) -> None:
         """Take an already quantized ``[out, in]`` weight (either scale layout)."""
         if not isinstance(qw, Nvfp4Tensor):
@@ -272,15 +310,19 @@ class Nvfp4Linear(nn.Module):
         )
 
     def operation(self, device: torch.device | str | None = None) -> str:
-        """``"w4a16"`` or ``"w4a4"``: what a forward on `device` runs (resolves "auto":
-        W4A16 on a CUDA GPU of compute capability < 10, which has no FP4 tensor cores)."""
+        """``"w4a16"`` or ``"w4a4"``: what a forward on `device` runs. "auto" resolves to
+        W4A4 only on a CUDA GPU with FP4 tensor cores (compute capability >= 10) and to
+        W4A16 everywhere else: Hopper and the CPU have no FP4 tensor cores, so there
+        rounding the activations buys no speed and costs accuracy (logits cosine against
+        the dequantized twin of a small Llama on the CPU: 0.987 W4A4, 0.99997 W4A16;
+        docs/checkpoints.md, "Activations")."""
         if self.activations != "auto":
             return "w4a16" if self.activations == "bf16" else "w4a4"
         dev = torch.device(device if device is not None else self.weight_data.device)
         key = str(dev)
         dense = self._dense_on.get(key)
         if dense is None:
-            dense = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] < 10
+            dense = dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 10
             self._dense_on[key] = dense
         return "w4a16" if dense else "w4a4"
 

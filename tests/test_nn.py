@@ -44,7 +44,7 @@ def layer():
 
 
 def test_matches_linear_on_dequantized_operands_tightly(layer):
-    mod = Nvfp4Linear.from_linear(layer)
+    mod = Nvfp4Linear.from_linear(layer, activations="nvfp4")
     x = torch.randn(2, 7, 256, dtype=torch.bfloat16)
     y = mod(x)
     assert y.shape == (2, 7, 96) and y.dtype == torch.bfloat16
@@ -57,7 +57,7 @@ def test_matches_linear_on_dequantized_operands_tightly(layer):
 
 
 def test_error_vs_nn_linear_is_the_quantization_error(layer):
-    mod = Nvfp4Linear.from_linear(layer)
+    mod = Nvfp4Linear.from_linear(layer, activations="nvfp4")
     x = torch.randn(33, 256)
     y = mod(x).float()  # float32 input -> bfloat16 output
     e_x, e_w = qerr(x), qerr(layer.weight.detach())
@@ -109,14 +109,14 @@ def test_constructor_and_from_linear_checks():
 
 
 def test_state_dict_round_trip_with_static_input_scale(layer):
-    src = Nvfp4Linear.from_linear(layer, input_global_scale=0.004)
+    src = Nvfp4Linear.from_linear(layer, input_global_scale=0.004, activations="nvfp4")
     sd = src.state_dict()
     assert set(sd) == {"weight_data", "weight_scale", "weight_global_scale",
                        "input_global_scale", "bias"}  # fmt: skip
     assert (
         sd["weight_scale"].dtype == torch.float8_e4m3fn and sd["weight_data"].dtype == torch.uint8
     )
-    dst = Nvfp4Linear(256, 96)
+    dst = Nvfp4Linear(256, 96, activations="nvfp4")
     dst.load_state_dict(sd)
     x = torch.randn(5, 256, dtype=torch.bfloat16)
     assert torch.equal(dst(x), src(x))
@@ -129,7 +129,7 @@ def test_state_dict_round_trip_with_static_input_scale(layer):
 
 def test_explicit_dispatcher_is_the_one_that_runs():
     d = Dispatcher(device="cpu")
-    mod = Nvfp4Linear.from_linear(nn.Linear(64, 48), dispatcher=d)
+    mod = Nvfp4Linear.from_linear(nn.Linear(64, 48), dispatcher=d, activations="nvfp4")
     mod(torch.randn(6, 64, dtype=torch.float16))
     assert torch_ops.is_warm(d, 6, 48, 64, torch.float16)
     assert (6, 48, 64, "float16", "w4a4") in d._plans
@@ -141,8 +141,10 @@ def test_compiled_model_fullgraph_inductor_matches_eager():
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32)).to(torch.bfloat16)
     d = Dispatcher(device="cpu")
-    model[0] = Nvfp4Linear.from_linear(model[0], dispatcher=d)  # an explicit dispatcher
-    model[2] = Nvfp4Linear.from_linear(model[2])  # the default one of the input's device
+    # an explicit dispatcher, then the default one of the input's device; W4A4: the
+    # activation quantizer's op is in the graph too
+    model[0] = Nvfp4Linear.from_linear(model[0], dispatcher=d, activations="nvfp4")
+    model[2] = Nvfp4Linear.from_linear(model[2], activations="nvfp4")
     x = torch.randn(4, 128, dtype=torch.bfloat16)
     eager = model(x)
     compiled = torch.compile(model, fullgraph=True)
@@ -254,9 +256,13 @@ def test_prepared_weight_copy_reaches_the_kernel_and_follows_the_weight(layer, m
 
 
 def test_auto_activations_follow_the_device():
+    """ "auto" is W4A4 only where FP4 tensor cores are (CUDA, compute capability >= 10):
+    on the CPU it is W4A16, exact weight-only (docs/checkpoints.md, "Activations")."""
     mod = Nvfp4Linear(64, 16)
-    assert mod.activations == "auto" and mod.operation("cpu") == "w4a4"
-    assert "activations=auto (cpu: w4a4)" in repr(mod)
+    assert mod.activations == "auto" and mod.operation("cpu") == "w4a16"
+    assert "activations=auto (cpu: w4a16)" in repr(mod)
+    mod(torch.randn(3, 64, dtype=torch.bfloat16))  # runs the W4A16 plan of the CPU
+    assert (3, 16, 64, "bfloat16", "w4a16") in torch_ops.default_dispatcher("cpu")._plans
     with pytest.raises(ValueError, match="activations"):
         Nvfp4Linear(64, 16, activations="fp8")
 
