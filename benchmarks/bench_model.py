@@ -345,8 +345,12 @@ def measure_config(name: str, args: argparse.Namespace, device: torch.device, me
         for step in steps:
             fns = {v: make_step(m, step, device) for v, m in models.items()}
             warm = first_runs(f"{name} {step.label()}", fns)
-            for v, logits in warm.items():
-                if isinstance(logits, torch.Tensor) and isinstance(warm.get("bf16"), torch.Tensor):
+            for v, logits in warm.items():  # the twin is bf16 itself: no cosine of its own
+                if (
+                    v != "bf16"
+                    and isinstance(logits, torch.Tensor)
+                    and isinstance(warm.get("bf16"), torch.Tensor)
+                ):
                     cosines[(v, step.label())] = cosine(logits, warm["bf16"])
             for clock in args.clocks:
                 if clock == "graph":
