@@ -85,6 +85,8 @@ CHECK_RTOL_LOSSY = 6e-2
 def check_rtol(operation: str) -> float:
     """The tolerance of `check_output` for a candidate computing `operation`."""
     return CHECK_RTOL_LOSSY if is_lossy(operation) else CHECK_RTOL
+
+
 #: problems up to this many multiply-adds (M*N*K) are checked in full; larger ones on
 #: a sample of rows and columns (`check_indices`): float64 on the device, ~2 GFLOP max
 CHECK_FULL_MACS = 1 << 31

@@ -28,7 +28,6 @@ from torch import nn
 
 from . import checks, torch_ops
 from .dispatcher import Dispatcher
-from .tactics import check_precision
 from .nvfp4 import (
     BLOCK_SIZE,
     SM90_GROUP,
@@ -38,6 +37,7 @@ from .nvfp4 import (
     sm90_prepare_data,
     swizzled_scale_shape,
 )
+from .tactics import check_precision
 
 __all__ = ["Nvfp4Linear"]
 

@@ -18,14 +18,15 @@ have no ``env`` field: they are treated as stale ("no environment record"), neve
 migrated, because nothing says which versions measured them.
 
 An entry also records its ``operation``, the problem's ("w4a4" | "w4a16" | "w4a8": a
-dense call under ``precision="fp8"``; an entry without one is "w4a4", all that was
-tuned before), ``winner_operation``, what the winner computes ("w4a16" or the lossy
-"w4a8" for a "w4a8" problem; absent in older entries: the problem's), its measurement policy ``measure`` ("graph" |
-"eager"; without one it is read from ``method``: "wall-clock" and "cuda-eager" are
-eager) and the never-loses check: ``kept_default`` (the measured winner was not faster
-than the heuristic default beyond the noise band in the paired check, so the default is
-the entry's tactic), ``paired_ratio`` (median winner / default of the pairs), ``pairs``,
-``decision`` (one line) and ``challenger`` (the tactic that lost the check).
+dense call under ``precision="fp8"``; an entry without one is "w4a4", all that was tuned
+before), ``winner_operation``, what the winner computes ("w4a16" or the lossy "w4a8" for
+a "w4a8" problem; absent in older entries: the problem's), its measurement policy
+``measure`` ("graph" | "eager"; without one it is read from ``method``: "wall-clock" and
+"cuda-eager" are eager) and the never-loses check: ``kept_default`` (the measured winner
+was not faster than the heuristic default beyond the noise band in the paired check, so
+the default is the entry's tactic), ``paired_ratio`` (median winner / default of the
+pairs), ``pairs``, ``decision`` (one line) and ``challenger`` (the tactic that lost the
+check).
 """
 
 from __future__ import annotations

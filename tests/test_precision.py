@@ -43,7 +43,7 @@ def test_policy_values_and_errors():
         problem_operation("w4a8", "exact")
     with pytest.raises(ValueError, match="operation: expected one of"):
         problem_operation("w8a8", "fp8")
-    assert LOSSY_OPERATIONS == {"w4a8"} and is_lossy("w4a8") and not is_lossy("w4a16")
+    assert {"w4a8"} == LOSSY_OPERATIONS and is_lossy("w4a8") and not is_lossy("w4a16")
     # an exact problem is never computed by a lossy operation
     for op in ("w4a4", "w4a16"):
         assert not any(is_lossy(o) for o in computed_as(op))
@@ -51,7 +51,7 @@ def test_policy_values_and_errors():
         Dispatcher("cpu", precision="fp16", cache=False)
 
 
-@pytest.mark.parametrize("device", sorted(profiles()) + ["cpu"])
+@pytest.mark.parametrize("device", [*sorted(profiles()), "cpu"])
 def test_exact_never_offers_a_lossy_candidate(device):
     """Every simulated part and the CPU, both operations, both output dtypes, decode to
     prefill: no lossy candidate in a shortlist or a pick, under the default policy."""
@@ -115,6 +115,7 @@ def test_explain_marks_lossy_candidates(capsys):
 def _cpu_w4a8_wins_from(monkeypatch, m_min: int) -> None:
     """Make the portable W4A8 twin the heuristic pick on a CPU from `m_min` tokens on
     (its real estimate never wins there), so a CPU test can watch the policy work."""
+
     def estimate(self, problem, device, tactic):
         return 1e-3 if problem.m >= m_min else 1e9
 

@@ -446,7 +446,8 @@ def _kernel_for(cfg: KernelConfig) -> Kernel:
 
 @hookimpl
 def fp4_dispatch_register_backends(register) -> None:
-    # the W4A16, dense, ws, mma, rs and W4A8 modules build on this one's shared rules: imported after it
+    # the W4A16, dense, ws, mma, rs and W4A8 modules build on this one's shared rules:
+    # imported after it
     from fp4_dispatch.plugins.sm90.dense import TritonSm90DenseBackend  # noqa: PLC0415
     from fp4_dispatch.plugins.sm90.mma import TritonSm90MmaBackend  # noqa: PLC0415
     from fp4_dispatch.plugins.sm90.rs import TritonSm90RsBackend  # noqa: PLC0415
