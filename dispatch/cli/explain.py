@@ -53,7 +53,8 @@ def render(sl: Shortlist, sm_count: int | None = None) -> str:
     sms = f", {sm_count} SMs" if sm_count else ""
     floor = f", floor {sl.floor} per family" if sl.cut else ""
     lines = [
-        f"explain {p.operation} M={p.m} N={p.n} K={p.k} ({p.out_dtype}) on {sl.device}{sms}",
+        f"explain M={p.m} N={p.n} K={p.k} ({p.out_dtype}{_op_note(p.operation)}) on "
+        f"{sl.device}{sms}",
         f"kept {len(sl.candidates)} of {sl.total} valid tactics (budget {sl.budget}{floor})",
         "",
         _ranked(sl),
@@ -70,6 +71,13 @@ def render(sl: Shortlist, sm_count: int | None = None) -> str:
         lines += ["", "warnings:"]
         lines += [f"  {w}" for w in sl.warnings]
     return "\n".join(lines)
+
+
+def _op_note(operation: str) -> str:
+    """The header's note on the problem's operation ("" for w4a4, the default)."""
+    if operation == "w4a8":
+        return ", w4a8: dense activations under precision fp8"
+    return "" if operation == "w4a4" else f", {operation}"
 
 
 def tuned_entry(dispatcher, m: int, n: int, k: int, dtype: str, op: str) -> dict | None:

@@ -1,0 +1,26 @@
+"""benchmarks/bench_w4a8.py on the CPU (``--smoke``): the fused W4A8 kernel under the
+interpreter and the dispatchers' paths on the portable backends, through the same code
+that times and checks the H200 run (the GPU-only paths, cuBLASLt's ``_scaled_mm``, are
+left out there and reported as n/a)."""
+
+from __future__ import annotations
+
+from conftest import run_bench_smoke
+
+
+def test_bench_w4a8_smoke_runs_on_the_cpu(tmp_path):
+    got = run_bench_smoke(tmp_path, "bench_w4a8.py", "w4a8.json")
+    rows = got["rows"]
+    assert [(r["m"], r["n"], r["k"]) for r in rows] == [(1, 96, 128), (16, 96, 128)]
+    for r in rows:
+        # the exact paths round only the output; W4A8 rounds both operands to E4M3
+        assert r["bf16"]["rel_err"] < 1e-2 and r["w4a16"]["rel_err"] < 1e-2, r
+        assert 0.01 < r["w4a8_fused"]["rel_err"] < 0.06, r
+        assert r["w4a16"]["operation"] == "w4a16"
+        assert r["fp8_pick"]["operation"] in ("w4a16", "w4a8")
+        assert r["scaled_mm"] is None and r["w4a8_unpack"] is None  # CUDA only
+        assert all(r[p]["gpu_us"] > 0 for p in ("bf16", "w4a16", "w4a8_fused", "fp8_pick"))
+    md = (tmp_path / "w4a8.md").read_text()
+    assert "speed relative to bf16" in md and "w4a8_fused x" in md
+    lines = (tmp_path / "w4a8.jsonl").read_text().splitlines()
+    assert len(lines) == len(rows)
