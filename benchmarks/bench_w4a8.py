@@ -101,7 +101,8 @@ def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def bench_shape(m: int, n: int, k: int, ctx: dict) -> dict:
     """Every path of one shape: times, errors, which tactic ran."""
     device, smoke, top = ctx["device"], ctx["smoke"], ctx["top"]
-    from fp4_dispatch.backends.sm90 import gemm_w4a8 as g  # noqa: PLC0415 - after TRITON_INTERPRET
+    # imported here, after --smoke set TRITON_INTERPRET (the module reads it on import)
+    from fp4_dispatch.backends.sm90 import gemm_w4a8 as g
 
     x, qw, w64 = operands(m, n, k, device, seed=m + n + k)
     ref = x.double() @ w64.T
@@ -166,7 +167,7 @@ def precompile(ctx: dict, grid: list[tuple[int, int, int]]) -> dict:
     """Compile every kernel the run launches (the dispatchers' picks, the W4A8 tactics)."""
     planned = []
     for m, n, k in grid:
-        for d, op in ((ctx["exact"], "w4a16"), (ctx["fp8"], "w4a8")):
+        for d in (ctx["exact"], ctx["fp8"]):
             c = d.select(m, n, k, operation="w4a16")
             p = Problem(m=m, n=n, k=k, operation=c.operation)
             planned.append((d.registry.backends[c.backend], c.tactic, p))

@@ -76,9 +76,9 @@ OUT_DTYPES = TORCH_DTYPES
 CHECK_RTOL = 1e-2
 #: The same check for a lossy operation's candidates (``w4a8``: activations and weights
 #: rounded to FP8 E4M3). Why 6e-2: E4M3 keeps 4 significant bits, so each operand's
-#: rounding costs ~2-2.6% relative RMS and W4A8 measured 3.3-3.4% against the exact
-#: product on random-normal and outlier-channel data (README, "Accuracy"); 6e-2 leaves
-#: ~1.8x headroom and still fails every fault the check is for (errors of ~1).
+#: rounding costs ~2-2.6% relative RMS and W4A8 measured 2.9-3.5% against the exact
+#: product on random-normal and outlier-channel data (README, "Precision"); 6e-2 leaves
+#: ~1.7x headroom and still fails every fault the check is for (errors of ~1).
 CHECK_RTOL_LOSSY = 6e-2
 
 
