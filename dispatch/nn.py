@@ -130,6 +130,9 @@ class Nvfp4Linear(nn.Module):
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations: expected one of {ACTIVATIONS}, got {activations!r}")
         self.precision = _precision_of(precision, dispatcher)
+        #: what a dense forward passes `torch_ops.run_w4a16` about the policy: nothing
+        #: under "exact" (the call is the one made before the policy existed)
+        self._policy_kwargs = {} if self.precision == "exact" else {"precision": self.precision}
         if not isinstance(prepare_weight, bool):
             raise TypeError(f"prepare_weight: expected a bool, got {type(prepare_weight).__name__}")
         self.activations = activations
@@ -334,7 +337,7 @@ class Nvfp4Linear(nn.Module):
             y = torch_ops.run_w4a16(self.dispatcher, x2.to(out_dtype), self.weight_data,
                                     self.weight_scale, alpha, out_dtype, None,
                                     self._bias_in(self.bias, out_dtype),
-                                    precision=self.precision)  # fmt: skip
+                                    **self._policy_kwargs)  # fmt: skip
         else:
             a, sa, ga = torch_ops.quantize(x2, self.input_global_scale)
             alpha = (ga * self.weight_global_scale).reshape(1)
@@ -383,7 +386,7 @@ class Nvfp4Linear(nn.Module):
             args = (x2, w, bufs["weight_scale"], self._weight_alpha(bufs), None,
                     self._bias_in(bias, out_dtype), self._prepared_weight(w))  # fmt: skip
             y = torch_ops.run_w4a16(d, x2, *args[1:4], out_dtype, *args[4:],
-                                    precision=self.precision)  # fmt: skip
+                                    **self._policy_kwargs)  # fmt: skip
             if x.device.type == "cuda" and not x.requires_grad:
                 self._keep_fast(x, y, args, d)
         else:
