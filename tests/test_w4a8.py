@@ -9,10 +9,12 @@ unpack path needs the GPU.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import run_interpreted_split
+from conftest import TARGET_ONLY, run_interpreted_split, sm90_compile_env
 
 from fp4_dispatch.backend import DenseOperands
 from fp4_dispatch.backends.reference import w4a8 as ref
@@ -242,6 +244,34 @@ def test_kernels_under_the_interpreter_match_the_emulation():
         assert r["act_bits"] and r["w_bits"] and r["w_scale"], (case, r)
         assert r["finite"], (case, r)
         assert r["rel"] < _TOL[case["out"]], (case, r)
+
+
+_COMPILE = r"""
+from fp4_dispatch.backends.sm90 import gemm_w4a8 as g
+res = {}
+for bn, bm, split in ((128, 64, 1), (64, 16, 4)):
+    ck = g.build(g.W4A8Config(block_n=bn, block_m=bm, split_k=split)).precompile(
+        256, 5120, 5120, torch.bfloat16)
+    ptx = ck.asm["ptx"]
+    res[f"{bn}x{bm}"] = {"wgmma": ptx.count("wgmma.mma_async"), "cvt": "e4m3x2" in ptx,
+                         "cubin": len(ck.asm["cubin"])}
+g.build_unpack(32, 128).precompile(256, 5120, 5120, torch.bfloat16)
+print(json.dumps(res))
+"""
+
+
+def test_compiles_for_sm90_to_fp8_wgmma(tmp_path):
+    """The fused kernel (a prefill and a split-K decode tile) and the unpack path's
+    passes compile for sm_90 on the CPU (Triton's ptxas): FP8 wgmma, and the rounding to
+    E4M3 is the conversion instruction (``cvt.rn.satfinite.e4m3x2``), not the
+    interpreter's integer twin."""
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", TARGET_ONLY + _COMPILE], capture_output=True,
+                          text=True, env=sm90_compile_env(tmp_path), timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for tile, row in got.items():
+        assert row["wgmma"] > 0 and row["cvt"] and row["cubin"] > 1000, (tile, row)
 
 
 # ---- the plugin ----------------------------------------------------------------------------
