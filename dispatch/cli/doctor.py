@@ -140,9 +140,8 @@ def _run_check(dispatcher, cand, problem, result: dict[str, Any]) -> None:
     import torch  # noqa: PLC0415 - lazy: start-up time
 
     from ..backend import GemmOperands  # noqa: PLC0415 - lazy: start-up time
-    from ..nvfp4 import quantize_nvfp4, reference_gemm  # noqa: PLC0415 - lazy: start-up time
-
     from ..harness import CHECK_RTOL_LOSSY, random_operands  # noqa: PLC0415 - lazy: start-up time
+    from ..nvfp4 import quantize_nvfp4, reference_gemm  # noqa: PLC0415 - lazy: start-up time
     from ..tactics import is_lossy  # noqa: PLC0415 - lazy: start-up time
 
     m, n, k = problem.m, problem.n, problem.k
