@@ -15,7 +15,8 @@ quantized), every path on the same operands:
 - ``w4a16``: the exact dispatcher's pick (``Dispatcher().gemm``, untuned: the estimate);
 - ``w4a8_fused``: the fused W4A8 kernel, best of the ``--top`` fused tactics the fp8
   estimate ranks first (offered for M <= 1024);
-- ``w4a8_unpack``: the weight to E4M3 per call, then ``torch._scaled_mm`` (M >= 128);
+- ``w4a8_unpack``: the weight to E4M3 per call, then ``torch._scaled_mm`` (M >= 128; in
+  ``--smoke`` at every M, on torch's CPU ``_scaled_mm``);
 - ``fp8_pick``: ``Dispatcher(precision="fp8").gemm`` (its pick's operation recorded);
 - ``scaled_mm``: ``torch._scaled_mm`` alone on E4M3 weights kept in memory and activations
   already in E4M3 (row-wise scales): the FP8 GEMM the issue compares with;
@@ -119,7 +120,9 @@ def bench_shape(m: int, n: int, k: int, ctx: dict) -> dict:
     fused = [(c.tactic, g.build(c.tactic.kernel_config())) for c in cands["fused"]]
     if smoke:  # the interpreter: one small fused config, no estimate needed
         fused = [("smoke 64x16x64", g.build(g.W4A8Config(block_n=64, block_m=16, block_k=64)))]
-    if device.type == "cuda":
+    if smoke:  # the interpreter's passes, torch's CPU _scaled_mm
+        cands["unpack"] = [None]
+    if device.type == "cuda" or smoke:
         wq, sw = g.weight_to_fp8(qw.data, qw.scale, alpha)
         xq, sa = g.quantize_activations(x)
         mm = torch._scaled_mm
@@ -132,8 +135,10 @@ def bench_shape(m: int, n: int, k: int, ctx: dict) -> dict:
 
         runs["scaled_mm_q"] = (with_quant, "rowwise + activation pass")
         for c in cands["unpack"]:
-            kern = g.build_unpack(c.tactic.block_r, c.tactic.tile_k)
-            runs["w4a8_unpack"] = (lambda o, kern=kern: kern(ops, o), tactic_label(c.tactic))
+            br, bk = (16, 128) if c is None else (c.tactic.block_r, c.tactic.tile_k)
+            kern = g.build_unpack(br, bk)
+            label = f"block_r={br} tile_k={bk}" if c is None else tactic_label(c.tactic)
+            runs["w4a8_unpack"] = (lambda o, kern=kern: kern(ops, o), label)
     timed: dict[str, tuple[float, float]] = {}
     for label, kern in fused:  # the best of the top fused tactics (by GPU time)
         out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
