@@ -185,3 +185,47 @@ def test_tuned_fp8_winner_stays_out_of_exact(tmp_path, monkeypatch):
     forged.pop("winner_operation")
     with pytest.raises(StaleEntry, match="does not compute a w4a16 problem"):
         exact.winners.validate(forged)
+
+
+def test_default_dispatchers_per_policy():
+    """The op-level default ids: -1 the exact default dispatcher of a device, -2 the fp8
+    one (what a compiled `Nvfp4Linear(precision="fp8")` without a dispatcher names)."""
+    from fp4_dispatch import torch_ops
+
+    cpu = torch.device("cpu")
+    exact = torch_ops.get_dispatcher(torch_ops.DEFAULT, cpu)
+    fp8 = torch_ops.get_dispatcher(torch_ops.DEFAULT_FP8, cpu)
+    assert exact.precision == "exact" and fp8.precision == "fp8" and exact is not fp8
+    assert torch_ops.default_dispatcher("cpu", "fp8") is fp8
+    with pytest.raises(ValueError, match="precision"):
+        torch_ops.default_dispatcher("cpu", "int8")
+
+
+@pytest.mark.gpu
+def test_fp8_layer_on_hopper_follows_the_pick():
+    """On an sm90 GPU, `Nvfp4Linear(activations="auto", precision="fp8")`: whatever the
+    pick per M, a W4A8 forward matches the emulation (fp32 summation order apart) and a
+    W4A16 one the exact product; the exact twin never computes W4A8."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm90 GPU")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(5120, 5120, bias=False).to("cuda", torch.bfloat16)
+    layer = Nvfp4Linear.from_linear(lin, precision="fp8")
+    exact = Nvfp4Linear.from_linear(lin)
+    qw = layer.quantized_weight()
+    seen = set()
+    for m in (1, 64, 4096):
+        x = torch.randn(m, 5120, device="cuda").to(torch.bfloat16)
+        op = layer.computed_operation(m)
+        seen.add(op)
+        assert exact.computed_operation(m) == "w4a16"
+        y = layer(x)
+        if op == "w4a8":
+            want = torch.empty_like(y)
+            emulation.gemm_w4a8(DenseOperands(x, qw.data, qw.scale,
+                                              qw.global_scale.reshape(1)), want)  # fmt: skip
+        else:
+            want = (x.double() @ qw.dequantize().double().T).to(torch.bfloat16)
+        err = float((y.double() - want.double()).norm() / want.double().norm())
+        assert err < 4e-3, (m, op, err)
+    assert "w4a16" in seen  # decode stays exact
