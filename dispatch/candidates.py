@@ -9,18 +9,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .tactics import Problem, Tactic
+from .tactics import Problem, Tactic, is_lossy
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One kept tactic: who offers it, its estimate, and why the cap kept it."""
+    """One kept tactic: who offers it, its estimate, and why the cap kept it.
+
+    ``operation``: what the tactic computes (`fp4_dispatch.tactics.computed_as` of the
+    problem's operation): under ``precision="fp8"`` a dense problem's candidates are
+    ``w4a16`` (exact) or ``w4a8`` (lossy, `lossy`)."""
 
     backend: str
     family: str
     tactic: Tactic
     est_us: float
     reason: str
+    operation: str = "w4a4"
+
+    @property
+    def lossy(self) -> bool:
+        """Whether this candidate rounds the caller's activations (`is_lossy`)."""
+        return is_lossy(self.operation)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -29,6 +39,8 @@ class Candidate:
             "tactic": self.tactic.model_dump(mode="json"),
             "est_us": self.est_us,
             "reason": self.reason,
+            "operation": self.operation,
+            "lossy": self.lossy,
         }
 
 

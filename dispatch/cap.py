@@ -145,7 +145,7 @@ def shortlist(
     entries.sort()  # (est_us, backend, canonical JSON) are unique: tactics never compared
     kept, cut, floor_used = _cap(entries, _axes_of(backends), budget, floor)
     candidates = [
-        Candidate(entries[i][1], entries[i][4], entries[i][3], entries[i][0], reason)
+        Candidate(entries[i][1], entries[i][4], entries[i][3], entries[i][0], reason, entries[i][5])
         for i, reason in kept
     ]
     return Shortlist(

@@ -29,7 +29,7 @@ from .dispatcher import Dispatcher
 from .guard import launch
 from .profiles import profiles, resolve
 from .progress import progress
-from .tactics import Problem, Tactic
+from .tactics import Problem, Tactic, is_lossy
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,14 @@ DEFAULT_PROBLEMS: tuple[Problem, ...] = (
     Problem(m=256, n=128, k=512),
 )
 DEFAULT_TOLERANCE = 1e-2  # relative Frobenius error; 16-bit output rounding is ~4e-3
+
+
+def _tolerance_for(operation: str, tolerance: float) -> float:
+    """`tolerance`, widened to the tuner's lossy bound for a lossy operation (W4A8 rounds
+    both operands to FP8: ~3% against the exact product, `harness.CHECK_RTOL_LOSSY`)."""
+    return max(tolerance, harness.CHECK_RTOL_LOSSY) if is_lossy(operation) else tolerance
+
+
 _SHOW = 3  # offending items quoted per check
 
 
@@ -282,6 +290,7 @@ def _run_one(
             torch.cuda.synchronize(tdev)
     except Exception as exc:  # recorded as a failure of the plugin
         return "FAIL", f"kernel raised {_err(exc)}", "numerics"
+    tolerance = _tolerance_for(problem.operation, tolerance)
     err, why = harness.compare(out, ref, tolerance)
     if why:
         return "FAIL", why, "numerics"
@@ -486,8 +495,10 @@ def _check_dispatcher(
     problems: Sequence[Problem],
     tolerance: float,
 ) -> None:
-    """The real path: a Dispatcher lists, merges and runs the plugin's backends."""
-    d = Dispatcher(device=dev, strict=False)
+    """The real path: a Dispatcher lists, merges and runs the plugin's backends (under
+    ``precision="fp8"``, so that backends of a lossy operation are merged too; exact
+    problems rank as they do under "exact")."""
+    d = Dispatcher(device=dev, strict=False, precision="fp8")
     rows = {r.name: r for r in d.backends()}
     for name in names:
         row = rows.get(name)
@@ -511,7 +522,8 @@ def _check_merged(
     kept, first = 0, None
     mine_problems = _for_operations(problems, d.registry.backends[name])
     for problem in mine_problems:
-        sl = d.candidates(problem.m, problem.n, problem.k, problem.out_dtype, problem.operation)
+        sl = d.candidates(problem.m, problem.n, problem.k, problem.out_dtype,
+                          "w4a16" if problem.dense else problem.operation)  # fmt: skip
         if name in sl.skipped:
             where = f"M={problem.m} N={problem.n} K={problem.k}"
             report.add("dispatcher", "merge", "FAIL", f"{where}: {sl.skipped[name]}", name)
@@ -550,7 +562,7 @@ def _check_top_runs(
     except Exception as exc:  # recorded as a failure of the plugin
         report.add("dispatcher", "run", "FAIL", f"run_candidate raised {_err(exc)}", name)
         return
-    err, why = harness.compare(out, ref, tolerance)
+    err, why = harness.compare(out, ref, _tolerance_for(cand.operation, tolerance))
     report.add(
         "dispatcher",
         "run",

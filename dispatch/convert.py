@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .dispatcher import Dispatcher
-from .nn import ACTIVATIONS, Activations, Nvfp4Linear
+from .nn import ACTIVATIONS, Activations, Nvfp4Linear, precision_of
 from .nvfp4 import BLOCK_SIZE, E2M1_MAX, E4M3_MAX, Nvfp4Tensor, quantize_fields, swizzle_scales
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,10 @@ def quantize_weight(w: torch.Tensor) -> Nvfp4Tensor:
 
 
 def _convert(
-    layer: nn.Linear, activations: Activations, dispatcher: Dispatcher | None
+    layer: nn.Linear,
+    activations: Activations,
+    dispatcher: Dispatcher | None,
+    precision: str | None,
 ) -> Nvfp4Linear:
     """One layer as `Nvfp4Linear.from_linear` would make it, quantized in row chunks."""
     w = layer.weight
@@ -154,6 +157,7 @@ def _convert(
             dispatcher=dispatcher,
             activations=activations,
             bias_dtype=bias_dtype,
+            precision=precision,
         )
     new.train(layer.training)
     return new
@@ -166,6 +170,7 @@ def quantize_model(
     skip: Iterable[str] | str | None = ("lm_head",),
     filter: Callable[[str, nn.Module], bool] | None = None,
     dispatcher: Dispatcher | None = None,
+    precision: str | None = None,
 ) -> ConversionReport:
     """Replace every eligible ``nn.Linear`` of `model` by an `Nvfp4Linear`, in place.
 
@@ -176,7 +181,10 @@ def quantize_model(
       rounding every logit sees) or an fnmatch pattern.
     - ``filter(name, module) -> bool``: False keeps a layer dense.
     - ``dispatcher``: the `Dispatcher` the new layers run on (None: the default one of
-      the input's device).
+      the input's device and policy).
+    - ``precision``: the layers' precision policy, as in `Nvfp4Linear` (None: the
+      dispatcher's, else ``"exact"``; ``"fp8"`` lets dense calls run as W4A8,
+      docs/PRECISION.md).
 
     A layer whose ``in_features`` is not a multiple of 32 stays dense (the GEMM's K
     rule), as does an ``nn.MultiheadAttention`` projection. Each weight is quantized on
@@ -192,6 +200,7 @@ def quantize_model(
     if filter is not None and not callable(filter):
         raise TypeError(f"filter: expected a callable (name, module) -> bool, got {filter!r}")
     patterns = _check_skip(skip)
+    precision_of(precision, dispatcher)  # a bad policy fails before anything changes
     report = ConversionReport()
     todo = []
     for name, parent, attr, layer in _candidates(model):
@@ -211,7 +220,7 @@ def quantize_model(
         name, parent, attr, layer = todo.pop(0)
         new = done.get(id(layer))
         if new is None:
-            new = done[id(layer)] = _convert(layer, activations, dispatcher)
+            new = done[id(layer)] = _convert(layer, activations, dispatcher, precision)
         setattr(parent, attr, new)
         del layer  # the dense weight goes with its last reference (the parent's, just now)
         report.converted.append(name)

@@ -44,7 +44,7 @@ from .profiles import resolve
 from .progress import progress as bar_of
 from .ranking import Candidate, Ranker, Shortlist
 from .status import BackendStatus, Status, backend_rows
-from .tactics import Problem, Tactic
+from .tactics import Problem, Tactic, check_precision, problem_operation
 from .winners import TunedWinners
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,11 @@ class Dispatcher:
     not the reference's (`fp4_dispatch.winners`). ``replay`` (default
     ``FP4_DISPATCH_REPLAY``, on): a warm plan relaunches its recorded kernels through the
     CUDA driver with a kept argument buffer (`fp4_dispatch.plans`), the eager fast path.
+    ``precision``: ``"exact"`` (default) never runs a lossy candidate; ``"fp8"`` lets
+    dense (W4A16) calls also run as W4A8, activations and weights rounded to FP8 E4M3
+    for the FP8 tensor cores, whenever that ranks (or tunes) faster: the problem is then
+    ``operation="w4a8"`` everywhere (plans, ranking, tuning, cache), its candidates
+    ``w4a16`` or ``w4a8`` (docs/PRECISION.md).
     """
 
     def __init__(
@@ -77,9 +82,14 @@ class Dispatcher:
         cache: str | os.PathLike[str] | TuningCache | bool | None = None,
         verify_cache: bool | None = None,
         replay: bool | None = None,
+        precision: str = "exact",
     ) -> None:
         if not isinstance(budget, int) or budget < 1:
             raise ValueError(f"budget: expected a positive int, got {budget!r}")
+        #: the precision policy (`fp4_dispatch.tactics.PRECISIONS`)
+        self.precision = check_precision(precision)
+        #: the operation a dense call is planned, ranked, tuned and cached as
+        self.dense_operation = problem_operation("w4a16", self.precision)
         self.strict = registry.strict_default() if strict is None else strict
         if replay is not None and not isinstance(replay, bool):
             raise TypeError(f"replay: expected a bool or None, got {type(replay).__name__}")
@@ -127,7 +137,8 @@ class Dispatcher:
         where = "memory only" if cache is None else str(cache.path)
         names = ", ".join(b.name for b in self.available) or "none available"
         return (f"Dispatcher(device={self.device.name!r} ({self.device.kind}), "
-                f"backends=[{names}], budget={self.budget}, cache={where!r})")  # fmt: skip
+                f"backends=[{names}], budget={self.budget}, precision={self.precision!r}, "
+                f"cache={where!r})")  # fmt: skip
 
     @property
     def cache(self) -> TuningCache | None:
@@ -154,11 +165,19 @@ class Dispatcher:
 
     # ---- ranking --------------------------------------------------------------------
 
+    def operation_of(self, operation: str) -> str:
+        """The problem operation a call of `operation` is under this dispatcher's precision
+        (`fp4_dispatch.tactics.problem_operation`: "w4a16" becomes "w4a8" under "fp8";
+        "w4a8" itself is refused under "exact")."""
+        return problem_operation(operation, self.precision)
+
     def candidates(
         self, m: int, n: int, k: int, out_dtype: str = "bfloat16", operation: str = "w4a4"
     ) -> Shortlist:
-        """The capped, explained shortlist for one problem (``operation`` w4a4 or w4a16)."""
+        """The capped, explained shortlist for one problem (``operation`` w4a4 or w4a16,
+        ranked as `operation_of` says; each candidate names the operation it computes)."""
         checks.problem_dims(m, n, k)
+        operation = self.operation_of(operation)
         return self.ranker.shortlist(
             Problem(m=m, n=n, k=k, out_dtype=out_dtype, operation=operation)
         )
@@ -170,6 +189,7 @@ class Dispatcher:
         is a valid one, else the heuristic pick (logged once per bucket). A (backend,
         tactic) that failed to build or run in this process is never selected."""
         checks.problem_dims(m, n, k)
+        operation = self.operation_of(operation)
         tuned = self.winners.pick(m, n, k, out_dtype, operation)
         if tuned is not None and (tuned.backend, tuned.tactic) not in self.guard.broken:
             return tuned
@@ -231,8 +251,7 @@ class Dispatcher:
             raise ValueError(
                 f"out_dtype: expected one of {sorted(_tuning.OUT_DTYPES)}, got {out_dtype!r}"
             )
-        if operation not in ("w4a4", "w4a16"):
-            raise ValueError(f"operation: expected 'w4a4' or 'w4a16', got {operation!r}")
+        operation = self.operation_of(operation)  # raises for an unknown or refused one
         fleet = _distributed.fleet_of(group)
         tuner = _tuning.Tuner(self.device, self.kernel_for, self.ranker, timer=timer, band=band,
                               measure=measure)  # fmt: skip
@@ -284,7 +303,8 @@ class Dispatcher:
                 ours = {(c.backend, c.tactic) for c in mine}
                 extra = fleet.is_root and (default.backend, default.tactic) not in ours
                 race = mine + [default] * extra
-            pairs += [(self.registry.backends[c.backend], c.tactic, p) for c in race]
+            pairs += [(self.registry.backends[c.backend], c.tactic, p.as_operation(c.operation))
+                      for c in race]  # fmt: skip
         return pairs
 
     def _tune_todo(
@@ -408,7 +428,7 @@ class Dispatcher:
 
     def kernel_for(self, candidate: Candidate, problem: Problem) -> Kernel:
         """Build (once) the kernel of `candidate` for problems of this bucket."""
-        bucketed = kernel_problem(problem, candidate.tactic)
+        bucketed = kernel_problem(problem.as_operation(candidate.operation), candidate.tactic)
         key = (candidate.backend, candidate.tactic, bucketed)
         kernel = self._kernels.get(key)
         if kernel is None:
@@ -426,7 +446,10 @@ class Dispatcher:
         """The plan of this exact problem if one was made, else None (never ranks or builds).
 
         Tuning replaces a bucket's plans with new objects, so a changed plan is not warm.
+        A dense call's plan is found by "w4a16" under either precision (`dense_operation`).
         """
+        if operation == "w4a16":
+            operation = self.dense_operation
         return self._plans.get((m, n, k, dtype, operation))
 
     def _new_plan(self, key: PlanKey) -> Plan:
@@ -511,12 +534,13 @@ class Dispatcher:
         bias: torch.Tensor | None = None,
         b_prepared: torch.Tensor | None = None,
     ) -> None:
-        """The W4A16 hot path: dense ``a`` [M, K] times the NVFP4 ``b`` through their plan;
+        """The dense hot path: ``a`` [M, K] times the NVFP4 ``b`` through their plan (W4A16;
+        under ``precision="fp8"`` the plan's candidate may be W4A8);
         ``bias`` ([N], optional) is added to every row (`DenseOperands.bias`);
         ``b_prepared``: ``b`` in the sm90-prepared byte order, or None
         (`DenseOperands.b_prepared`)."""
         if a.shape[0] and b.shape[0]:
-            self._run((a.shape[0], b.shape[0], a.shape[1], dtype, "w4a16"),
+            self._run((a.shape[0], b.shape[0], a.shape[1], dtype, self.dense_operation),
                       (a, b, sb, alpha, out, bias, b_prepared))  # fmt: skip
 
     def _run(self, key: PlanKey, args: tuple) -> None:
@@ -685,7 +709,9 @@ class Dispatcher:
         return torch_ops.run(self, a, a_scale, b.t(), b_scale, alpha, out_dtype, out)
 
 
-torch_ops.set_default_factory(lambda device: Dispatcher(device=device))
+torch_ops.set_default_factory(
+    lambda device, precision: Dispatcher(device=device, precision=precision)
+)
 
 
 def _pick_of(result: _tuning.TuneResult) -> tuple:

@@ -40,7 +40,7 @@ from .backend import Backend
 from .costmodel import _k_fields, _peak_tflops, _shared_us
 from .device import DeviceInfo
 from .guard import Guard, PluginFault
-from .tactics import Problem, Tactic
+from .tactics import Problem, Tactic, computed_as
 
 log = logging.getLogger(__name__)
 
@@ -167,9 +167,16 @@ def _remember(tactic: Tactic, info: _Info) -> None:
     _BY_ID[id(tactic)] = (tactic, info)
 
 
-# An entry: (est_us, backend name, canonical JSON, tactic, family). The first three are
-# unique after de-duplication, so sorting (plain tuple order) never compares tactics.
-_Entry = tuple[float, str, str, Tactic, str]
+# An entry: (est_us, backend name, canonical JSON, tactic, family, operation computed).
+# The first three are unique after de-duplication, so sorting (plain tuple order) never
+# compares tactics.
+_Entry = tuple[float, str, str, Tactic, str, str]
+
+
+def operation_for(backend: Backend, problem: Problem) -> str | None:
+    """The operation `backend` computes `problem` with: the first of the problem's
+    `computed_as` that it serves, or None (it does not serve the problem)."""
+    return next((op for op in computed_as(problem.operation) if op in backend.operations), None)
 
 
 def _overrides_estimate(backend: Backend) -> bool:
@@ -192,13 +199,16 @@ def _collect(
     sms, peak, bw = device.sm_count, _peak_tflops(device), device.mem_bw_gbps
     by_geom: dict[tuple, float] = {}
     by_id, by_value = _BY_ID, _CHECKED
-    dense = problem.operation == "w4a16"
+    dense = problem.dense
+    asked = problem
     guard = Guard() if guard is None else guard
     broken = guard.broken
     for backend in sorted(backends, key=lambda b: b.name):
         name, family, ttype = backend.name, backend.family, backend.tactic_type
-        if problem.operation not in backend.operations:
-            continue  # families compete only within one operation
+        op = operation_for(backend, asked)
+        if op is None:
+            continue  # families compete only within one problem operation
+        problem = asked.as_operation(op)  # what the backend computes, as it sees it
         tactics = guard.tactics(backend, problem, device)
         if isinstance(tactics, PluginFault):  # recorded (and raised in strict mode)
             skipped[name] = tactics.fault.what
@@ -230,7 +240,7 @@ def _collect(
             canon, geom = info
             if dense and geom[4]:  # the dispatcher never exchanges dense and NVFP4 operands
                 invalid += 1
-                first_invalid = first_invalid or f"{canon}: swap_ab=True on a w4a16 problem"
+                first_invalid = first_invalid or f"{canon}: swap_ab=True on a dense problem"
                 continue
             if canon in seen:
                 continue
@@ -251,7 +261,7 @@ def _collect(
                     refine = False
                 elif value is not None:
                     est = value
-            entries.append((est, name, canon, t, family))
+            entries.append((est, name, canon, t, family, op))
         if invalid:
             why = (
                 f"{invalid} invalid tactic(s) dropped ({len(seen)} valid kept); "

@@ -37,6 +37,7 @@ from .nvfp4 import (
     sm90_prepare_data,
     swizzled_scale_shape,
 )
+from .tactics import check_precision
 
 __all__ = ["Nvfp4Linear"]
 
@@ -83,6 +84,16 @@ class Nvfp4Linear(nn.Module):
       with FP4 tensor cores (compute capability >= 10) and W4A16 elsewhere (Hopper, the
       CPU: no FP4 tensor cores, so W4A16 is as fast and more accurate). ``repr`` shows
       the choice.
+    - ``precision``: the precision policy of the dense (``"bf16"``/resolved ``"auto"``)
+      forward. ``"exact"``: W4A16, activations never rounded. ``"fp8"``: the dispatcher
+      may also run it as W4A8 (activations and weights rounded to FP8 E4M3 per token and
+      per output channel for Hopper's FP8 tensor cores, ~3% relative error; README,
+      "Accuracy"), per M bucket whichever ranks or tunes faster, so a layer typically
+      runs W4A16 at decode and W4A8 at prefill (`computed_operation`). None (default):
+      the given dispatcher's policy, else ``"exact"``; a dispatcher of another policy is
+      an error. Without a dispatcher the default one of the device and policy is used
+      (`fp4_dispatch.torch_ops.default_dispatcher`). The weight stays NVFP4 either way.
+      NVFP4 activations (W4A4) are unaffected.
     - Buffers: ``weight_data`` uint8 ``[out, in/2]``, ``weight_scale`` e4m3 in the
       swizzled 128x4 layout, ``weight_global_scale`` float32 ``[]``, and optionally
       ``input_global_scale`` (a calibrated static activation scale; when absent the
@@ -113,12 +124,17 @@ class Nvfp4Linear(nn.Module):
         dispatcher: Dispatcher | None = None,
         activations: Activations = "auto",
         prepare_weight: bool = True,
+        precision: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations: expected one of {ACTIVATIONS}, got {activations!r}")
+        self.precision = precision_of(precision, dispatcher)
+        #: what a dense forward passes `torch_ops.run_w4a16` about the policy: nothing
+        #: under "exact" (the call is the one made before the policy existed)
+        self._policy_kwargs = {} if self.precision == "exact" else {"precision": self.precision}
         if not isinstance(prepare_weight, bool):
             raise TypeError(f"prepare_weight: expected a bool, got {type(prepare_weight).__name__}")
         self.activations = activations
@@ -170,12 +186,13 @@ class Nvfp4Linear(nn.Module):
         input_global_scale: float | torch.Tensor | None = None,
         activations: Activations = "auto",
         prepare_weight: bool = True,
+        precision: str | None = None,
     ) -> Nvfp4Linear:
         """Quantize ``linear``'s weight (on its device) into a new `Nvfp4Linear`.
 
         ``weight_global_scale`` defaults to ``amax(|W|) / (6 * 448)``;
         ``input_global_scale`` (decode multiplier of activations) defaults to dynamic;
-        ``activations`` and ``prepare_weight`` as in the constructor.
+        ``activations``, ``prepare_weight`` and ``precision`` as in the constructor.
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
@@ -188,6 +205,7 @@ class Nvfp4Linear(nn.Module):
             dispatcher=dispatcher,
             activations=activations,
             prepare_weight=prepare_weight,
+            precision=precision,
             device=w.device,
             dtype=bias_dtype,
         )
@@ -209,14 +227,15 @@ class Nvfp4Linear(nn.Module):
         activations: Activations = "auto",
         prepare_weight: bool = True,
         bias_dtype: torch.dtype | None = None,
+        precision: str | None = None,
     ) -> Nvfp4Linear:
         """A new `Nvfp4Linear` on ``qw``'s device holding an already quantized weight
         (``[out, in]``, either scale layout): how a converted model or a loaded NVFP4
         checkpoint becomes a layer without a dense copy of the weight ever existing.
 
         ``bias`` (``[out]``) is copied in ``bias_dtype`` (default: its own dtype when
-        16-bit, else bfloat16); ``input_global_scale``, ``activations`` and
-        ``prepare_weight`` as in `from_linear` and the constructor.
+        16-bit, else bfloat16); ``input_global_scale``, ``activations``,
+        ``prepare_weight`` and ``precision`` as in `from_linear` and the constructor.
         """
         if not isinstance(qw, Nvfp4Tensor):
             raise TypeError(f"qw: expected an Nvfp4Tensor, got {type(qw).__name__}")
@@ -226,7 +245,7 @@ class Nvfp4Linear(nn.Module):
             bias_dtype = bias.dtype if bias.dtype in _OUT_DTYPES else torch.bfloat16
         mod = cls(qw.k, qw.rows, bias=bias is not None, dispatcher=dispatcher,
                   activations=activations, prepare_weight=prepare_weight,
-                  device=qw.device, dtype=bias_dtype)  # fmt: skip
+                  precision=precision, device=qw.device, dtype=bias_dtype)  # fmt: skip
         mod.load_quantized(qw)
         if bias is not None:
             mod.bias.data.copy_(bias.detach())
@@ -306,7 +325,8 @@ class Nvfp4Linear(nn.Module):
             ) + ")"  # fmt: skip
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, activations={acts}, activation_scale={scale}"
+            f"bias={self.bias is not None}, activations={acts}, activation_scale={scale}, "
+            f"precision={self.precision}"
         )
 
     def operation(self, device: torch.device | str | None = None) -> str:
@@ -326,6 +346,21 @@ class Nvfp4Linear(nn.Module):
             self._dense_on[key] = dense
         return "w4a16" if dense else "w4a4"
 
+    def computed_operation(
+        self, m: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> str:
+        """What a forward of `m` tokens on `device` computes: ``"w4a4"``, ``"w4a16"`` or,
+        under ``precision="fp8"``, ``"w4a8"`` where the dispatcher's pick for that M (the
+        bucket's tuned winner, else the heuristic pick) is a W4A8 candidate. ``dtype``:
+        the output dtype (default bfloat16)."""
+        op = self.operation(device)
+        if op != "w4a16":
+            return op
+        dev = torch.device(device if device is not None else self.weight_data.device)
+        d = self.dispatcher or torch_ops.default_dispatcher(dev, self.precision)
+        dtype = checks.out_dtype_name(torch.bfloat16 if dtype is None else dtype)
+        return d.select(m, self.out_features, self.in_features, dtype, "w4a16").operation
+
     # ---- forward ----------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -344,7 +379,8 @@ class Nvfp4Linear(nn.Module):
             alpha = self.weight_global_scale.reshape(1)
             y = torch_ops.run_w4a16(self.dispatcher, x2.to(out_dtype), self.weight_data,
                                     self.weight_scale, alpha, out_dtype, None,
-                                    self._bias_in(self.bias, out_dtype))  # fmt: skip
+                                    self._bias_in(self.bias, out_dtype),
+                                    **self._policy_kwargs)  # fmt: skip
         else:
             a, sa, ga = torch_ops.quantize(x2, self.input_global_scale)
             alpha = (ga * self.weight_global_scale).reshape(1)
@@ -392,7 +428,8 @@ class Nvfp4Linear(nn.Module):
             w = bufs["weight_data"]
             args = (x2, w, bufs["weight_scale"], self._weight_alpha(bufs), None,
                     self._bias_in(bias, out_dtype), self._prepared_weight(w))  # fmt: skip
-            y = torch_ops.run_w4a16(d, x2, *args[1:4], out_dtype, *args[4:])
+            y = torch_ops.run_w4a16(d, x2, *args[1:4], out_dtype, *args[4:],
+                                    **self._policy_kwargs)  # fmt: skip
             if x.device.type == "cuda" and not x.requires_grad:
                 self._keep_fast(x, y, args, d)
         else:
@@ -414,10 +451,10 @@ class Nvfp4Linear(nn.Module):
         bias = self._parameters["bias"]
         if bias is not None and (bias.requires_grad or args[5] is not bias):
             return  # a per-call cast of the bias, or autograd: keep the ordinary path
-        d = d if d is not None else torch_ops.default_dispatcher(x.device)
+        d = d if d is not None else torch_ops.default_dispatcher(x.device, self.precision)
         x2, w, sb, alpha, _, bias_arg, prepared = args
         m, n = x2.shape[0], self.out_features
-        key = (m, n, self.in_features, checks.out_dtype_name(y.dtype), "w4a16")
+        key = (m, n, self.in_features, checks.out_dtype_name(y.dtype), d.dense_operation)
         y2 = y if y.dim() == 2 else y.view(m, n)
         replay = d.replay_of(key, (x2, w, sb, alpha, y2, bias_arg, prepared))
         if replay is not None:
@@ -491,6 +528,21 @@ class Nvfp4Linear(nn.Module):
 
     def _bias_wants_grad(self) -> bool:
         return self.bias is not None and self.bias.requires_grad
+
+
+def precision_of(precision: str | None, dispatcher: Dispatcher | None) -> str:
+    """The layer's precision policy: `precision`, else the dispatcher's, else "exact";
+    a ValueError when both are given and differ (the dispatcher decides what runs)."""
+    theirs = getattr(dispatcher, "precision", None) if dispatcher is not None else None
+    if precision is None:
+        return theirs or "exact"
+    check_precision(precision)
+    if theirs is not None and theirs != precision:
+        raise ValueError(
+            f"precision: expected the dispatcher's policy {theirs!r} (or None), got "
+            f"{precision!r}; pass Dispatcher(precision={precision!r}) or leave dispatcher=None"
+        )
+    return precision
 
 
 class _FastCall:

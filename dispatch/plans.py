@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .backend import DenseOperands, GemmOperands, Kernel
+from .tactics import DENSE_OPERATIONS
 
 if TYPE_CHECKING:
     from .ranking import Candidate
@@ -141,7 +142,8 @@ class Plan:
 
 
 class DensePlan(Plan):
-    """A W4A16 plan: ``plan(a, b, sb, alpha, out, bias=None, b_prepared=None)`` with
+    """A dense plan (W4A16, or W4A8 under ``precision="fp8"``: the same call):
+    ``plan(a, b, sb, alpha, out, bias=None, b_prepared=None)`` with
     dense ``a`` (never swapped); ``bias`` goes to kernels with a bias epilogue
     (``bias_epilogue``) and is added after the kernel for the others; ``b_prepared`` is
     handed on as it is (`DenseOperands`)."""
@@ -187,4 +189,4 @@ _UNSEEN = object()
 
 def plan_for(key: PlanKey, candidate: Candidate, kernel: Kernel, replay: bool = True) -> Plan:
     """The plan class of the key's operation (``replay``: whether it may replay)."""
-    return (DensePlan if key[4] == "w4a16" else Plan)(key, candidate, kernel, replay)
+    return (DensePlan if key[4] in DENSE_OPERATIONS else Plan)(key, candidate, kernel, replay)

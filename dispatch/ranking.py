@@ -61,6 +61,7 @@ from .merge import (  # noqa: F401 - re-exported
     _fast_canonical,
     _plain_model,
     _revalidate,
+    operation_for,
 )
 from .tactics import Problem
 
@@ -164,6 +165,7 @@ class Ranker:
 
     def _invalid_for(self, cand: Candidate, problem: Problem) -> str | None:
         backend = self._by_name[cand.backend]
+        problem = problem.as_operation(cand.operation)
         return self.guard.validate(backend, cand.tactic, problem, self.device)
 
     def _best(self, problem: Problem) -> Candidate:
@@ -171,12 +173,12 @@ class Ranker:
         if not entries:
             raise RuntimeError(self._none_qualifies(problem, skipped))
         e = min(entries, key=_sort_key)
-        return Candidate(e[1], e[4], e[3], e[0], "heuristic top-1")
+        return Candidate(e[1], e[4], e[3], e[0], "heuristic top-1", e[5])
 
     def _none_qualifies(self, problem: Problem, skipped: dict[str, str]) -> str:
         p = (f"{problem.operation} M={problem.m} N={problem.n} K={problem.k} "
              f"out={problem.out_dtype}")  # fmt: skip
-        serving = [b for b in self.backends if problem.operation in b.operations]
+        serving = [b for b in self.backends if operation_for(b, problem) is not None]
         if not serving:
             return f"no NVFP4 GEMM backend is available on {self.device.name} for {p}"
         lines = [f"no backend has a valid tactic for {p} on {self.device.name}:"]

@@ -14,10 +14,61 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 OutDtype = Literal["bfloat16", "float16"]
-#: the two operations: both operands NVFP4 (``mm_fp4``), or dense bf16/fp16 activations
-#: times NVFP4 weights (weight-only, FlashInfer's ``mm_bf16_fp4``)
-Operation = Literal["w4a4", "w4a16"]
-OPERATIONS: tuple[str, ...] = ("w4a4", "w4a16")
+#: the operations: both operands NVFP4 (``mm_fp4``); dense bf16/fp16 activations times
+#: NVFP4 weights (weight-only, FlashInfer's ``mm_bf16_fp4``); and ``w4a8``, dense
+#: activations rounded to FP8 E4M3 per token and the weights to FP8 inside the GEMM (FP8
+#: tensor cores: lossy, only under ``precision="fp8"``, docs/PRECISION.md)
+Operation = Literal["w4a4", "w4a16", "w4a8"]
+OPERATIONS: tuple[str, ...] = ("w4a4", "w4a16", "w4a8")
+#: operations whose result rounds an operand the caller handed over exactly (the dense
+#: activations): never chosen unless the user's precision policy allows it
+LOSSY_OPERATIONS: frozenset[str] = frozenset({"w4a8"})
+#: operations that take dense activations (`fp4_dispatch.backend.DenseOperands`)
+DENSE_OPERATIONS: frozenset[str] = frozenset({"w4a16", "w4a8"})
+#: the precision policies: ``exact`` (default) never rounds what the caller passed beyond
+#: the output's rounding; ``fp8`` also lets dense calls run as ``w4a8``
+Precision = Literal["exact", "fp8"]
+PRECISIONS: tuple[str, ...] = ("exact", "fp8")
+#: a problem's operation -> the operations its candidates may compute it with, in order.
+#: A dense call under ``fp8`` is the problem ``w4a8``: its W4A16 (exact) and W4A8 (lossy)
+#: candidates are ranked, tuned and cached together
+_COMPUTED_AS: dict[str, tuple[str, ...]] = {
+    "w4a4": ("w4a4",),
+    "w4a16": ("w4a16",),
+    "w4a8": ("w4a16", "w4a8"),
+}
+
+
+def check_precision(precision: object) -> str:
+    """`precision` when it names a policy; a ValueError naming the choices otherwise."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
+    return precision
+
+
+def problem_operation(call: str, precision: str) -> str:
+    """The operation a call is ranked as under `precision`: a dense (``w4a16``) call under
+    ``"fp8"`` becomes ``w4a8`` (W4A16 and W4A8 candidates together); anything else is
+    unchanged (an NVFP4 ``w4a4`` call rounds nothing more under either policy)."""
+    check_precision(precision)
+    if call not in OPERATIONS:
+        raise ValueError(f"operation: expected one of {OPERATIONS}, got {call!r}")
+    if call == "w4a8" and precision != "fp8":
+        raise ValueError(
+            "operation: 'w4a8' rounds the activations to FP8 (lossy); it needs "
+            "precision='fp8', got precision='exact'"
+        )
+    return "w4a8" if call == "w4a16" and precision == "fp8" else call
+
+
+def computed_as(operation: str) -> tuple[str, ...]:
+    """The operations a problem of `operation` may be computed with (its own included)."""
+    return _COMPUTED_AS[operation]
+
+
+def is_lossy(operation: str) -> bool:
+    """Whether `operation` rounds an operand the caller passed (`LOSSY_OPERATIONS`)."""
+    return operation in LOSSY_OPERATIONS
 
 
 class Tactic(BaseModel):
@@ -108,8 +159,11 @@ def tactic_label(tactic: Tactic | Mapping[str, Any]) -> str:
 class Problem(BaseModel):
     """One GEMM: out[M, N] = A[M, K] @ B[N, K].T with B in NVFP4 (16-element blocks).
 
-    ``operation`` says what A is: NVFP4 too (``w4a4``) or dense bf16/fp16 (``w4a16``).
-    Families compete only within one operation.
+    ``operation`` says what A is: NVFP4 too (``w4a4``) or dense bf16/fp16 (``w4a16``);
+    ``w4a8`` is a dense call under the ``fp8`` precision policy, whose candidates compute
+    it as ``w4a16`` or ``w4a8`` (`computed_as`). A backend always receives the problem in
+    the operation its tactic computes (`as_operation`). Families compete only within one
+    problem operation.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -119,6 +173,17 @@ class Problem(BaseModel):
     k: PositiveInt
     out_dtype: OutDtype = "bfloat16"
     operation: Operation = "w4a4"
+
+    @property
+    def dense(self) -> bool:
+        """Whether A is dense bf16/fp16 activations (`DENSE_OPERATIONS`)."""
+        return self.operation in DENSE_OPERATIONS
+
+    def as_operation(self, operation: str) -> Problem:
+        """This problem as a backend computing it with `operation` sees it (self if same)."""
+        if operation == self.operation:
+            return self
+        return self.model_copy(update={"operation": operation})
 
     def swapped(self) -> Problem:
         """The problem the kernel sees when a tactic sets swap_ab."""
@@ -131,7 +196,7 @@ class Problem(BaseModel):
     @property
     def min_bytes(self) -> float:
         """Fewest bytes moved: fp4 operands with e4m3 scales (1 per 16 values: 0.5625
-        bytes per value), a dense 2-byte A for w4a16, and the 2-byte output."""
+        bytes per value), a dense 2-byte A for w4a16 and w4a8, and the 2-byte output."""
         fp4 = 0.5 + 1.0 / 16
-        a_bytes = 2.0 if self.operation == "w4a16" else fp4
+        a_bytes = 2.0 if self.dense else fp4
         return self.m * self.k * a_bytes + self.n * self.k * fp4 + 2.0 * self.m * self.n

@@ -24,7 +24,8 @@ Ops, namespace ``fp4_dispatch`` (``torch.ops.fp4_dispatch.*``):
   dense bf16/fp16 activations ``a`` (``b_prepared``: `DenseOperands.b_prepared`).
 
 ``dispatcher`` is an int: `dispatcher_id` of a registered dispatcher, or -1 for the
-per-device default (`default_dispatcher`). An int keeps the op schema plain and lets a
+per-device default (`default_dispatcher`), -2 for the per-device default of the ``"fp8"``
+precision policy (`default_dispatcher(device, "fp8")`). An int keeps the op schema plain and lets a
 compiled graph hold the choice as a constant.
 
 CUDA graphs. Outside a capture a GEMM runs its plan (`fp4_dispatch.plans`; the
@@ -59,6 +60,7 @@ from .nvfp4 import (
 )
 from .plans import PlanKey
 from .progress import progress
+from .tactics import check_precision
 
 if TYPE_CHECKING:
     from .device import DeviceInfo
@@ -86,6 +88,10 @@ __all__ = [
 
 #: the ``dispatcher`` argument meaning "the default dispatcher of the operands' device"
 DEFAULT = -1
+#: the same for the default dispatcher of the ``"fp8"`` precision policy
+DEFAULT_FP8 = -2
+#: precision policy -> its default-dispatcher argument
+_DEFAULT_IDS = {"exact": DEFAULT, "fp8": DEFAULT_FP8}
 
 
 class CaptureNotWarmError(RuntimeError):
@@ -138,12 +144,13 @@ _lock = threading.Lock()
 _next_id = itertools.count(1)
 _by_id: weakref.WeakValueDictionary[int, Runner] = weakref.WeakValueDictionary()
 _id_of: weakref.WeakKeyDictionary[Runner, int] = weakref.WeakKeyDictionary()
-_defaults: dict[str, Runner] = {}
-_factory: list[Callable[[str], Runner]] = []
+_defaults: dict[tuple[str, str], Runner] = {}
+_factory: list[Callable[[str, str], Runner]] = []
 
 
-def set_default_factory(factory: Callable[[str], Runner]) -> None:
-    """Name what makes the default dispatcher of a device (``factory("cuda:0")``).
+def set_default_factory(factory: Callable[[str, str], Runner]) -> None:
+    """Name what makes the default dispatcher of a device and precision policy
+    (``factory("cuda:0", "exact")``).
 
     `fp4_dispatch.dispatcher` registers `Dispatcher` here when it is imported: this
     module sits below the engine and never imports it.
@@ -175,9 +182,10 @@ def _device_key(device: torch.device | str) -> str:
     return str(device)
 
 
-def default_dispatcher(device: torch.device | str = "cpu") -> Runner:
-    """The shared dispatcher of a torch device (created on first use, then reused)."""
-    key = _device_key(device)
+def default_dispatcher(device: torch.device | str = "cpu", precision: str = "exact") -> Runner:
+    """The shared dispatcher of a torch device and precision policy (created on first
+    use, then reused): ``"exact"`` (default) or ``"fp8"`` (`fp4_dispatch.Dispatcher`)."""
+    key = (_device_key(device), check_precision(precision))
     with _lock:
         d = _defaults.get(key)
     if d is None:
@@ -185,7 +193,7 @@ def default_dispatcher(device: torch.device | str = "cpu") -> Runner:
             raise RuntimeError(
                 "fp4_dispatch: no dispatcher factory registered; import fp4_dispatch.dispatcher"
             )
-        d = _factory[0](key)
+        d = _factory[0](*key)
         with _lock:
             d = _defaults.setdefault(key, d)
     return d
@@ -193,8 +201,8 @@ def default_dispatcher(device: torch.device | str = "cpu") -> Runner:
 
 def get_dispatcher(did: int, device: torch.device) -> Runner:
     """Resolve the op's ``dispatcher`` argument (see module docstring)."""
-    if did == DEFAULT:
-        return _resolve(None, device)
+    if did in (DEFAULT, DEFAULT_FP8):
+        return _resolve(None, device, "fp8" if did == DEFAULT_FP8 else "exact")
     d = _by_id.get(did)
     if d is None:
         raise RuntimeError(
@@ -204,16 +212,17 @@ def get_dispatcher(did: int, device: torch.device) -> Runner:
     return d
 
 
-def _resolve(dispatcher: Runner | None, device: torch.device) -> Runner:
-    """`dispatcher`, or the default one of `device` (never first created inside a capture)."""
+def _resolve(dispatcher: Runner | None, device: torch.device, precision: str = "exact") -> Runner:
+    """`dispatcher`, or the default one of `device` and `precision` (never first created
+    inside a capture)."""
     if dispatcher is not None:
         return dispatcher
-    if stream_capturing() and _device_key(device) not in _defaults:
+    if stream_capturing() and (_device_key(device), precision) not in _defaults:
         raise CaptureNotWarmError(
             f"fp4_dispatch: the default dispatcher of {device} was first needed inside a "
             "CUDA graph capture; run the model once before capturing"
         )
-    return default_dispatcher(device)
+    return default_dispatcher(device, precision)
 
 
 # ---- capture state -----------------------------------------------------------------------
@@ -241,7 +250,7 @@ def is_warm(
 def not_warm(device_name: str, key: PlanKey, why: str) -> CaptureNotWarmError:
     """The error for a shape whose plan may not launch inside a capture (names the fix)."""
     m, n, k, dtype, op = key
-    what = "GEMM" if op == "w4a4" else "W4A16 GEMM"
+    what = {"w4a4": "GEMM", "w4a16": "W4A16 GEMM"}.get(op, f"{op.upper()} GEMM")
     return CaptureNotWarmError(
         f"fp4_dispatch: {what} M={m} N={n} K={k} out={dtype} on {device_name} reached a "
         f"CUDA graph capture {why}. Inside a capture nothing is ranked, built, compiled, "
@@ -533,8 +542,12 @@ def run_w4a16(
     out: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     b_prepared: torch.Tensor | None = None,
+    precision: str = "exact",
 ) -> torch.Tensor:
     """W4A16 ``alpha * a @ dequant(b).T (+ bias)`` (dense ``a``) on checked operands.
+
+    ``dispatcher`` None: the default dispatcher of ``a``'s device for ``precision``
+    (``"fp8"``: it may run the call as W4A8); a given dispatcher uses its own policy.
 
     Under torch.compile this is the ``fp4_dispatch::gemm_w4a16`` op; eagerly the plan
     runs directly (same CUDA-graph rules as `run`). Both hand ``bias`` and ``b_prepared``
@@ -544,11 +557,11 @@ def run_w4a16(
     copy under torch.compile (the op returns a new tensor).
     """
     if torch.compiler.is_compiling():
-        did = DEFAULT if dispatcher is None else dispatcher.op_id
+        did = _DEFAULT_IDS[precision] if dispatcher is None else dispatcher.op_id
         y = torch.ops.fp4_dispatch.gemm_w4a16(a, b_data, b_scale, alpha, out_dtype, did, bias,
                                               b_prepared)  # fmt: skip
         return y if out is None else out.copy_(y)
-    d = _resolve(dispatcher, a.device)
+    d = _resolve(dispatcher, a.device, precision)
     dtype = checks.out_dtype_name(out_dtype)
     if out is None:
         out = torch.empty((a.shape[0], b_data.shape[0]), dtype=out_dtype, device=a.device)

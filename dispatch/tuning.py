@@ -106,6 +106,7 @@ from .harness import (  # noqa: F401 - re-exported
     Inputs,
     check_indices,
     check_output,
+    check_rtol,
     make_dense_inputs,
     make_inputs,
     n_copies,
@@ -324,7 +325,7 @@ def verify_candidate(
         _sync(device)
     except Exception as exc:  # a plugin's build or kernel failing: the answer is "wrong"
         return f"{type(exc).__name__}: {exc}"
-    return check_output(inputs.out, inputs, seed)
+    return check_output(inputs.out, inputs, seed, check_rtol(cand.operation))
 
 
 def _sync(device: DeviceInfo) -> None:
@@ -463,7 +464,7 @@ class Tuner:
             _sync(self.device)
         except Exception as exc:  # a tactic that fails to run is timed as inf, reported
             return self._failed(cand, "run", exc, name)
-        why = check_output(out, inputs, self.seed)
+        why = check_output(out, inputs, self.seed, check_rtol(cand.operation))
         if why is not None:
             log.warning("tuning: %s gives a wrong result, never adopted: %s", name, why)
             return Measurement(cand, math.inf, "wrong", error=f"wrong result: {why}")
@@ -677,4 +678,4 @@ def _tuned_candidate(m: Measurement, verdict: Verdict | None = None) -> Candidat
         why += f"; default kept, paired ratio {verdict.ratio:.3f}"
     elif verdict is not None and math.isfinite(verdict.ratio):
         why += f"; paired ratio {verdict.ratio:.3f} vs default"
-    return Candidate(c.backend, c.family, c.tactic, c.est_us, why + ")")
+    return Candidate(c.backend, c.family, c.tactic, c.est_us, why + ")", c.operation)

@@ -17,13 +17,16 @@ re-tuned under ``autotuning()``). Entries written before the environment was rec
 have no ``env`` field: they are treated as stale ("no environment record"), never
 migrated, because nothing says which versions measured them.
 
-An entry also records its ``operation`` ("w4a4" | "w4a16"; an entry without one is
-"w4a4", all that was tuned before), its measurement policy ``measure`` ("graph" |
-"eager"; without one it is read from ``method``: "wall-clock" and "cuda-eager" are
-eager) and the never-loses check: ``kept_default`` (the measured winner was not faster
-than the heuristic default beyond the noise band in the paired check, so the default is
-the entry's tactic), ``paired_ratio`` (median winner / default of the pairs), ``pairs``,
-``decision`` (one line) and ``challenger`` (the tactic that lost the check).
+An entry also records its ``operation``, the problem's ("w4a4" | "w4a16" | "w4a8": a
+dense call under ``precision="fp8"``; an entry without one is "w4a4", all that was tuned
+before), ``winner_operation``, what the winner computes ("w4a16" or the lossy "w4a8" for
+a "w4a8" problem; absent in older entries: the problem's), its measurement policy
+``measure`` ("graph" | "eager"; without one it is read from ``method``: "wall-clock" and
+"cuda-eager" are eager) and the never-loses check: ``kept_default`` (the measured winner
+was not faster than the heuristic default beyond the noise band in the paired check, so
+the default is the entry's tactic), ``paired_ratio`` (median winner / default of the
+pairs), ``pairs``, ``decision`` (one line) and ``challenger`` (the tactic that lost the
+check).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from . import tuning
 from .buckets import DEFAULT_OPERATION, BucketKey
 from .cache import CacheReadOnlyError, ImportReport, TuningCache
 from .device import DeviceInfo
-from .ranking import Candidate, estimate_us, m_bucket
+from .ranking import Candidate, estimate_us, m_bucket, operation_for
 from .tactics import Problem
 from .version import __version__
 
@@ -178,6 +181,7 @@ class CacheEntry(BaseModel):
     timestamp: _OptStr = None
     env: _OptDict = None
     operation: _OptStr = None
+    winner_operation: _OptStr = None
     measure: _OptStr = None
     kept_default: _OptBool = None
     paired_ratio: _OptFloat = None
@@ -235,7 +239,7 @@ class CacheEntry(BaseModel):
             noise_band=result.noise_band, measured=len(result.measurements),
             failed=len(result.failures), method=method or "unknown",
             timestamp=time.strftime("%Y-%m-%dT%H:%M:%S%z"), env=env,
-            operation=p.operation, measure=result.measure,
+            operation=p.operation, winner_operation=w.operation, measure=result.measure,
             kept_default=result.kept_default, paired_ratio=_finite(result.paired_ratio),
             pairs=result.pairs, decision=result.decision or None,
             challenger=ref(result.challenger, result.runner_up_us)
@@ -339,7 +343,11 @@ class TunedWinners:
             raise StaleEntry(f"tactic no longer parses for {name}: {exc}") from exc
         if tactic.backend != name:
             raise StaleEntry(f"tactic names backend {tactic.backend!r}, entry says {name!r}")
-        problem = entry.problem
+        op = operation_for(backend, entry.problem)
+        if op is None or op != (entry.winner_operation or op):
+            raise StaleEntry(f"backend {name!r} does not compute a {entry.op} problem as "
+                             f"{entry.winner_operation or entry.op}")  # fmt: skip
+        problem = entry.problem.as_operation(op)
         try:
             why = backend.validate(tactic, problem, d.device)
         except Exception as exc:  # a raising check counts as "not valid here"
@@ -350,7 +358,7 @@ class TunedWinners:
         if est is None:
             est = estimate_us(problem, d.device, tactic)
         return Candidate(
-            name, backend.family, tactic, float(est), f"tuned ({entry.us:.4g} us measured)"
+            name, backend.family, tactic, float(est), f"tuned ({entry.us:.4g} us measured)", op
         )
 
     def cached_result(
@@ -444,7 +452,7 @@ class TunedWinners:
         d = self._d
         backend = d.registry.backends[cand.backend]
         try:
-            exact = Problem(m=m, n=n, k=k, out_dtype=dtype, operation=operation)
+            exact = Problem(m=m, n=n, k=k, out_dtype=dtype, operation=cand.operation)
             why = backend.validate(cand.tactic, exact, d.device)
         except Exception as exc:  # a raising check counts as "not valid here"
             why = f"validate() raised {type(exc).__name__}: {exc}"

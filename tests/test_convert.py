@@ -37,6 +37,21 @@ def test_report_names_what_converted_and_why_the_rest_did_not():
     assert "converted 1 linear layers" in str(report) and "skipped lm_head" in str(report)
 
 
+def test_precision_reaches_every_layer_and_a_bad_policy_changes_nothing():
+    model = Block().to(torch.bfloat16)
+    with pytest.raises(ValueError, match="precision"):
+        quantize_model(model, precision="fp4")
+    assert type(model.up) is nn.Linear and type(model.odd) is nn.Linear
+    with pytest.raises(ValueError, match="precision"):  # a policy against the dispatcher's
+        quantize_model(model, precision="fp8", dispatcher=Dispatcher(device="cpu"))
+    assert type(model.up) is nn.Linear
+    quantize_model(model, precision="fp8")
+    assert model.up.precision == "fp8" and model.odd.precision == "fp8"
+    exact = Block().to(torch.bfloat16)
+    quantize_model(exact)
+    assert exact.up.precision == "exact"
+
+
 def test_skip_matches_full_names_last_components_and_patterns():
     model = nn.Sequential(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), nn.Linear(32, 32))
     report = quantize_model(model, skip=("0.1", "1*"))

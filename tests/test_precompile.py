@@ -263,7 +263,7 @@ def test_tune_precompiles_first_with_one_bar_for_both_phases(plugin_dist, tmp_pa
     markers = tmp_path / "tune-markers"
     markers.mkdir()
     monkeypatch.setenv("PC_MARKERS", str(markers))
-    monkeypatch.setenv("FP4_DISPATCH_DISABLE", "torch-reference")
+    monkeypatch.setenv("FP4_DISPATCH_DISABLE", "reference")  # the built-in portable plugin
     monkeypatch.setenv("FP4_DISPATCH_PLUGINS", "slowref")
     plugin_dist("slowref-dist", {"slowref": PLUGIN})
     monkeypatch.setattr(dmod, "bar_of", _Bar)

@@ -710,7 +710,8 @@ def test_explain_json_shape():
     data = sample_shortlist().to_json()
     assert set(data) >= {"candidates", "cut", "skipped", "problem", "device", "budget"}
     c = data["candidates"][0]
-    assert set(c) == {"backend", "family", "tactic", "est_us", "reason"}
+    assert set(c) == {"backend", "family", "tactic", "est_us", "reason", "operation", "lossy"}
+    assert (c["operation"], c["lossy"]) == ("w4a4", False)
     assert c["tactic"]["backend"] == c["backend"]
     json.dumps(data)  # plain JSON
     assert data["cut"] == {

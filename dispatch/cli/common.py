@@ -137,7 +137,8 @@ def add_budget_arg(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 def add_problem_kind_args(parser: argparse.ArgumentParser) -> None:
-    """``--out-dtype`` and ``--op``: which problem of a shape (the same choices everywhere)."""
+    """``--out-dtype``, ``--op`` and ``--precision``: which problem of a shape, under which
+    precision policy (the same choices everywhere)."""
     parser.add_argument(
         "--out-dtype",
         default="bfloat16",
@@ -149,6 +150,13 @@ def add_problem_kind_args(parser: argparse.ArgumentParser) -> None:
         default="w4a4",
         choices=("w4a4", "w4a16"),
         help="w4a4: both operands NVFP4 (default); w4a16: dense activations, NVFP4 weights",
+    )
+    parser.add_argument(
+        "--precision",
+        default="exact",
+        choices=("exact", "fp8"),
+        help="exact (default): nothing lossy is ever chosen; fp8: a w4a16 call may also run "
+        "as w4a8 (activations and weights rounded to FP8 E4M3, FP8 tensor cores)",
     )
 
 
@@ -173,6 +181,8 @@ def make_dispatcher(args: argparse.Namespace, **kwargs: Any):
     """A `Dispatcher` for the device the command line names."""
     from ..dispatcher import Dispatcher  # noqa: PLC0415 - lazy: start-up time
 
+    if getattr(args, "precision", None) is not None:
+        kwargs.setdefault("precision", args.precision)
     return Dispatcher(device=args.device, sm_count=getattr(args, "sm_count", None), **kwargs)
 
 

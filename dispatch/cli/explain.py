@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         examples="""fp4-dispatch explain 128 4096 4096
 fp4-dispatch explain 32768 4096 8192 --device sm107 --budget 16
 fp4-dispatch explain 1 8192 8192 --device sm90 --json
-fp4-dispatch explain 16 4096 4096 --op w4a16""",
+fp4-dispatch explain 16 4096 4096 --op w4a16
+fp4-dispatch explain 1024 5120 5120 --op w4a16 --precision fp8 --device sm90""",
     )
     common.add_shape_args(p)
     common.add_device_args(p)
@@ -52,11 +53,15 @@ def render(sl: Shortlist, sm_count: int | None = None) -> str:
     sms = f", {sm_count} SMs" if sm_count else ""
     floor = f", floor {sl.floor} per family" if sl.cut else ""
     lines = [
-        f"explain M={p.m} N={p.n} K={p.k} ({p.out_dtype}) on {sl.device}{sms}",
+        f"explain M={p.m} N={p.n} K={p.k} ({p.out_dtype}{_op_note(p.operation)}) on "
+        f"{sl.device}{sms}",
         f"kept {len(sl.candidates)} of {sl.total} valid tactics (budget {sl.budget}{floor})",
         "",
         _ranked(sl),
     ]
+    if any(c.lossy for c in sl.candidates):
+        lines += ["", "lossy: the candidate rounds the activations (and weights) to FP8 E4M3 "
+                  "(precision='fp8'; docs/PRECISION.md)"]  # fmt: skip
     if sl.cut:
         lines += _per_family(sl)
     if sl.skipped:
@@ -66,6 +71,13 @@ def render(sl: Shortlist, sm_count: int | None = None) -> str:
         lines += ["", "warnings:"]
         lines += [f"  {w}" for w in sl.warnings]
     return "\n".join(lines)
+
+
+def _op_note(operation: str) -> str:
+    """The header's note on the problem's operation ("" for w4a4, the default)."""
+    if operation == "w4a8":
+        return ", w4a8: dense activations under precision fp8"
+    return "" if operation == "w4a4" else f", {operation}"
 
 
 def tuned_entry(dispatcher, m: int, n: int, k: int, dtype: str, op: str) -> dict | None:
@@ -83,6 +95,7 @@ def tuned_entry(dispatcher, m: int, n: int, k: int, dtype: str, op: str) -> dict
         return None
     row = entry.to_json()
     row["measure"], row["operation"] = entry.policy, entry.op
+    row["winner_operation"] = entry.winner_operation or entry.op
     try:
         winners.validate(entry)
         row["usable"], row["stale"] = True, None
@@ -126,10 +139,11 @@ def _ranked(sl: Shortlist) -> str:
     for i, c in enumerate(sl.candidates, 1):
         t = c.tactic
         rel = f"+{(c.est_us / best - 1) * 100:.1f}%" if best > 0 and i > 1 else ""
-        rows.append((i, c.backend, c.family, f"{t.tile_m}x{t.tile_n}",
+        op = f"{c.operation} (lossy)" if c.lossy else c.operation
+        rows.append((i, c.backend, c.family, op, f"{t.tile_m}x{t.tile_n}",
                      f"{t.cluster_m}x{t.cluster_n}", "swap" if t.swap_ab else "-", _extra(c),
                      common.us(c.est_us), rel, c.reason))  # fmt: skip
-    headers = ("#", "backend", "family", "tile", "cluster", "swap", "knobs", "est µs",
+    headers = ("#", "backend", "family", "operation", "tile", "cluster", "swap", "knobs", "est µs",
                "vs #1", "kept because")  # fmt: skip
     return common.format_table(rows, headers)
 
@@ -155,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
     sl = dispatcher.candidates(args.m, args.n, args.k, out_dtype=args.out_dtype,
                                operation=args.op)  # fmt: skip
     faults = list(getattr(dispatcher, "faults", ()))
-    tuned = tuned_entry(dispatcher, args.m, args.n, args.k, args.out_dtype, args.op)
+    op = sl.problem.operation  # the call's operation under the precision policy
+    tuned = tuned_entry(dispatcher, args.m, args.n, args.k, args.out_dtype, op)
     if args.json:
         common.emit_json({**sl.to_json(), "tuned": tuned, "faults": [f.to_json() for f in faults]})
     else:

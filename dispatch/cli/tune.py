@@ -66,7 +66,10 @@ def _tactic(c: Candidate | None) -> str:
     (`fp4_dispatch.tactics.tactic_label`: tile, cluster, swap, knobs off their default)."""
     from ..tactics import tactic_label  # noqa: PLC0415 - lazy: start-up time (--help)
 
-    return "-" if c is None else f"{c.backend} {tactic_label(c.tactic)}"
+    if c is None:
+        return "-"
+    lossy = f" [{c.operation}, lossy]" if c.lossy else ""
+    return f"{c.backend} {tactic_label(c.tactic)}{lossy}"
 
 
 def _paired(r: TuneResult) -> str:
@@ -146,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
     else:
         where = "not saved" if path is None else f"cache: {path}"
-        print(f"device: {d.device.name} ({d.device.kind}); {args.op}; budget {args.budget}; "
+        print(f"device: {d.device.name} ({d.device.kind}); {args.op}, precision "
+              f"{d.precision}; budget {args.budget}; "
               f"{where}\n")  # fmt: skip
         print(render(results))
     return 0 if all(r.winner is not None for r in results) else 1

@@ -15,6 +15,7 @@ import torch
 from fp4_dispatch import __version__
 from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.backends import reference
+from fp4_dispatch.backends.reference import w4a8
 from fp4_dispatch.device import DeviceInfo
 from fp4_dispatch.hookspecs import hookimpl
 from fp4_dispatch.tactics import Problem, Tactic
@@ -79,10 +80,60 @@ class ReferenceBackend(Backend):
 
     def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
         assert isinstance(tactic, ReferenceTactic)
-        fn = reference.gemm_dense if problem.operation == "w4a16" else reference.gemm
+        fn = reference.gemm_dense if problem.dense else reference.gemm
         return functools.partial(fn, compute_dtype=tactic.compute_dtype, k_chunk=tactic.k_chunk)
+
+
+class ReferenceW4A8Tactic(Tactic):
+    """The W4A8 emulation has no knobs (tiles nominal)."""
+
+    backend: Literal["torch-reference-w4a8"] = "torch-reference-w4a8"
+    tile_m: Literal[128] = 128
+    tile_n: Literal[128] = 128
+
+
+class ReferenceW4A8Backend(Backend):
+    """W4A8 (lossy, ``precision="fp8"`` only) in plain torch: the exact emulation of the
+    FP8 kernels' roundings (`fp4_dispatch.backends.reference.w4a8`), float64 products.
+
+    A correctness twin, not a contender: its estimate is the W4A16 reference's times
+    `SLOWDOWN` (it quantizes both operands and multiplies in float64), so the heuristic
+    never prefers it over the exact reference; tuning or a test may still pick it."""
+
+    name = "torch-reference-w4a8"
+    family = "portable"
+    version = __version__
+    tactic_type = ReferenceW4A8Tactic
+    operations = ("w4a8",)
+    #: estimate relative to the W4A16 reference's float32 tactic (float64 GEMM, two
+    #: quantization passes)
+    SLOWDOWN = 4.0
+
+    def supports(self, device: DeviceInfo) -> Support:
+        if device.is_simulated:
+            return Support(False, "simulated devices run no kernels; reference runs on cpu/cuda")
+        return Support(True, f"plain torch {torch.__version__} on {device.kind}")
+
+    def tactics(self, problem: Problem, device: DeviceInfo) -> Iterator[ReferenceW4A8Tactic]:
+        yield _w4a8_tactic()
+
+    def estimate_us(self, problem: Problem, device: DeviceInfo, tactic: Tactic) -> float:
+        dense = problem.as_operation("w4a16")
+        base = ReferenceBackend().estimate_us(dense, device, ReferenceTactic())
+        return base * self.SLOWDOWN
+
+    def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
+        assert isinstance(tactic, ReferenceW4A8Tactic)
+        return w4a8.gemm_w4a8
+
+
+@functools.cache
+def _w4a8_tactic() -> ReferenceW4A8Tactic:
+    """One cached tactic object (the ranking memoizes validation by identity)."""
+    return ReferenceW4A8Tactic()
 
 
 @hookimpl
 def fp4_dispatch_register_backends(register) -> None:
     register(ReferenceBackend())
+    register(ReferenceW4A8Backend())

@@ -1,0 +1,425 @@
+"""Hopper (sm90) W4A8 GEMM in Triton: dense activations x NVFP4 weights on FP8 tensor cores.
+
+``out[M, N] = alpha * x[M, K] @ dequant(W)[N, K].T (+ bias)``, computed with both operands
+rounded to FP8 E4M3 (lossy: only under ``precision="fp8"``). The numerics are those of
+`fp4_dispatch.backends.reference.w4a8`, which emulates them exactly (its docstring says
+why the scales are powers of two chosen per token and per output channel); the weight
+stays NVFP4 in memory.
+
+Two paths (tactic knob ``path``, `fp4_dispatch.plugins.sm90.w4a8`), both after one fused
+activation pass (`quantize_activations`: per token the absolute maximum, the power-of-two
+scale and the E4M3 codes, one Triton kernel, one read of ``x``):
+
+- ``fused``: one CTA owns ``BLOCK_N`` weight rows and ``BLOCK_M`` tokens. It first reads
+  its rows' block scales once (``K/16`` bytes a row) for their per-channel scale, then
+  per K step expands the NVFP4 tile to fp32 (``e2m1 * block scale / channel scale``,
+  exact), rounds it to E4M3 and multiplies it with the E4M3 activation tile on the FP8
+  tensor cores (``tl.dot`` on ``float8e4nv``: wgmma), accumulating in fp32. Weights are
+  the MMA's wide side, tokens the narrow one, as in the W4A16 direct kernel, whose
+  epilogue (bias, split-K, transposed store: `gemm_w4a16.store_dense`) it shares.
+- ``unpack`` (large M): one memory-bound pass writes the weight as E4M3 into a per-call
+  workspace (``N * K`` bytes) with its per-channel scale (alpha folded in), then cuBLASLt
+  multiplies (``torch._scaled_mm`` with row-wise scales), as the W4A16 unpack path does
+  with bf16 and ``torch.mm``. bf16 output only (row-wise scaling's rule in torch).
+
+Accumulation. Hopper's FP8 MMA accumulates with fewer than fp32's bits unless the sum
+is promoted to an fp32 register often enough (DeepSeek-V3 report, section 3.3.2); Triton
+promotes every ``max_num_imprecise_acc`` products, which this kernel sets to one K step
+(``fast_accum=False``, the default) and cuBLASLt does with ``use_fast_accum=False``.
+
+Rounding to E4M3. On the GPU ``x.to(tl.float8e4nv)`` is ``cvt.rn.satfinite`` (round to
+nearest even, saturating). Triton's interpreter rounds ties away and flushes E4M3
+subnormals, so under TRITON_INTERPRET=1 `_to_e4m3` rounds with integer operations on
+the float32 bits instead (the same values as ``torch.to(float8_e4m3fn)``; tested on
+every tie). Nothing reaches the saturation: the scales keep every value within 448.
+
+Shapes: any M, N >= 1 (weight rows wrap modulo N inside a tile; token rows past M are
+zero-filled loads; stores are masked); ``K % 32 == 0``. ``x`` needs unit stride along K;
+``out`` may have any strides (fused) or is written through a copy when not contiguous
+(unpack). Workspaces (activation codes and scales; the unpack path's E4M3 weight) come
+from ``torch.empty`` per call: cheap with the caching allocator, and from the graph's
+pool under CUDA-graph capture (run one call before capturing, which compiles).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4_dispatch.backend import DenseOperands
+from fp4_dispatch.backends.sm90.gemm_unpack import _e2m1_to_f32, _e4m3_to_f32
+from fp4_dispatch.backends.sm90.gemm_w4a16 import store_dense
+from fp4_dispatch.backends.sm90.splitk import k_tile_range
+from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
+from fp4_dispatch.backends.workspace import Scratch
+
+#: the GPU's conversion instruction; the integer rounding under TRITON_INTERPRET=1
+_HW_CVT = os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
+
+#: rows per program and K elements per step of the activation pass
+QUANT_ROWS = 4
+QUANT_BLOCK_K = 512
+#: rows and K elements per program step of the unpack path's weight pass
+UNPACK_BLOCK_R = (16, 32, 64)
+UNPACK_BLOCK_K = (128, 256)
+
+
+@triton.jit
+def _pow2_exponent(amax):
+    """int32 ``e``, the smallest with ``amax <= 448 * 2**e``, in [-126, 127] (exact, from
+    the float32 bits; the twin of `reference.w4a8.pow2_exponent`)."""
+    bits = amax.to(tl.float32).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return tl.minimum(tl.maximum(e, -126), 127)
+
+
+@triton.jit
+def _pow2(e):
+    """float32 ``2**e`` for int32 ``e`` in [-126, 127] (its bits)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_bits_rne(x):
+    """float32 -> float8_e4m3fn bits (uint8) rounded to nearest even, saturating at 448,
+    with subnormals (NaN -> 0x7F): what ``cvt.rn.satfinite.e4m3x2.f32`` computes."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    exp = (a >> 23).to(tl.int32) - 127
+    mant = a & 0x7FFFFF
+    # normal E4M3 (exp >= -6): 3 mantissa bits, the carry of the rounding runs into the
+    # exponent (and from 1.111b * 2**8 to 2**9, caught by the saturation below)
+    low = mant & 0xFFFFF
+    keep = ((exp + 7).to(tl.uint32) << 3) | (mant >> 20)
+    up = (low > 0x80000) | ((low == 0x80000) & ((keep & 1) == 1))
+    normal = keep + up.to(tl.uint32)
+    # subnormal (exp < -6): k * 2**-9, k = significand >> (14 - exp), rounded to even
+    sig = mant | 0x800000
+    shift = tl.maximum(tl.minimum(14 - exp, 31), 1).to(tl.uint32)
+    k = sig >> shift
+    rest = sig & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    sub = k + ((rest > half) | ((rest == half) & ((k & 1) == 1))).to(tl.uint32)
+    out = tl.where(exp >= -6, normal, tl.where(shift >= 25, 0, sub))
+    out = tl.minimum(out, 0x7E)  # 448: satfinite
+    out = tl.where(a > 0x7F800000, 0x7F, out)  # NaN
+    return (out | sign).to(tl.uint8)
+
+
+@triton.jit
+def _to_e4m3(x, HW_CVT: tl.constexpr):
+    """float32 -> float8e4nv, round to nearest even (module docstring, "Rounding")."""
+    if HW_CVT:
+        return x.to(tl.float8e4nv)
+    return _e4m3_bits_rne(x).to(tl.float8e4nv, bitcast=True)
+
+
+# ---- the activation pass ----------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, HW_CVT: tl.constexpr,
+):  # fmt: skip
+    """Per token row: ``amax``, ``e = _pow2_exponent(amax)``, ``q = e4m3(x * 2**-e)``;
+    writes ``q`` [M, K] (contiguous) and ``2**e`` [M] float32."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = (rows < M)[:, None]
+    rk = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask = rmask & ((k0 + rk) < K)[None, :]
+        x = tl.load(x_row + (k0 + rk)[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    e = _pow2_exponent(amax)
+    inv = _pow2(-e)[:, None]
+    q_row = q_ptr + rows.to(tl.int64)[:, None] * K
+    for k0 in range(0, K, BLOCK_K):
+        mask = rmask & ((k0 + rk) < K)[None, :]
+        x = tl.load(x_row + (k0 + rk)[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(q_row + (k0 + rk)[None, :], _to_e4m3(x * inv, HW_CVT), mask=mask)
+    tl.store(s_ptr + rows, _pow2(e), mask=rows < M)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 codes ``[M, K]`` float8_e4m3fn, scales ``[M]`` float32) of a bf16/fp16/fp32
+    ``[M, K]`` with unit stride along K: `reference.w4a8.quantize_activations`, one
+    Triton kernel."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((m,), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, QUANT_ROWS),)
+    _quantize_rows_kernel[grid](x, q, s, m, k, x.stride(0), BLOCK_R=QUANT_ROWS,
+                                BLOCK_K=QUANT_BLOCK_K, HW_CVT=_HW_CVT, num_warps=4)  # fmt: skip
+    return q, s
+
+
+# ---- the weight's per-channel scale and its conversion -----------------------------------
+
+
+@triton.jit
+def _channel_exponent(bs_ptr, s_row, rmask, K, ROWS: tl.constexpr, KG: tl.constexpr):
+    """int32 exponent of the per-channel scale of the rows at ``s_row`` (their offsets in
+    the swizzled block scales, read as uint8): ``_pow2_exponent(6 * max block scale)``.
+    Positive e4m3 bit patterns order like their values; the sign bit is dropped."""
+    rg = tl.arange(0, KG)
+    best = tl.zeros((ROWS,), dtype=tl.int32)
+    for g0 in range(0, K // 16, KG):
+        g = g0 + rg
+        sb = tl.load(bs_ptr + s_row[:, None] + scale_group_offset(g)[None, :],
+                     mask=rmask[:, None] & (g < K // 16)[None, :], other=0)  # fmt: skip
+        best = tl.maximum(best, tl.max(sb.to(tl.int32) & 0x7F, axis=1))
+    return _pow2_exponent(6.0 * _e4m3_to_f32(best.to(tl.uint8)))
+
+
+@triton.jit
+def _weight_tile_e4m3(w, sb, inv_c, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                      HW_CVT: tl.constexpr):  # fmt: skip
+    """A ``[ROWS, BLOCK_K/2]`` tile of packed e2m1 bytes with its ``[ROWS, BLOCK_K/16]``
+    block-scale bytes -> ``[ROWS, BLOCK_K]`` E4M3 of ``e2m1 * scale * inv_c`` (natural K
+    order: byte j holds K 2j in its low nibble)."""
+    KB: tl.constexpr = BLOCK_K // 2
+    KG: tl.constexpr = BLOCK_K // 16
+    sc = (_e4m3_to_f32(sb) * inv_c[:, None])[:, :, None]  # exact: inv_c is a power of two
+    lo = tl.reshape(tl.reshape(_e2m1_to_f32(w & 0xF), (ROWS, KG, 8)) * sc, (ROWS, KB))
+    hi = tl.reshape(tl.reshape(_e2m1_to_f32(w >> 4), (ROWS, KG, 8)) * sc, (ROWS, KB))
+    vals = tl.reshape(tl.join(lo, hi), (ROWS, BLOCK_K))
+    return _to_e4m3(vals, HW_CVT)
+
+
+# ---- the fused kernel -------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["M", "N", "has_bias"])
+def _w4a8_kernel(
+    q_ptr, sa_ptr, b_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_om, stride_on, b_sblk, has_bias,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HW_CVT: tl.constexpr, IMPRECISE: tl.constexpr,
+):  # fmt: skip
+    """``acc[BLOCK_N, BLOCK_M] = e4m3(W) @ e4m3(x).T`` for one tile (module docstring),
+    times the channel and token scales, stored with alpha and the bias by `store_dense`."""
+    KB: tl.constexpr = BLOCK_K // 2
+    KG: tl.constexpr = BLOCK_K // 16
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    pid_n = pid % grid_n  # consecutive CTAs walk N: the token tile stays hot in L2
+    pid_m = pid // grid_n
+    k_half = tl.multiple_of(K // 2, 16)
+    kt0, kt1 = k_tile_range(K, BLOCK_K, SPLIT_K, pid_k)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = offs_n % N  # wrapped rows: in-bounds loads, never stored
+    rm = offs_m % M
+    rb = tl.arange(0, KB)
+    rg = tl.arange(0, KG)
+    rk = tl.arange(0, BLOCK_K)
+    s_row = scale_row_offset(rn, b_sblk)
+    ew = _channel_exponent(bs_ptr, s_row, rn < N, K, BLOCK_N, KG)
+    inv_c = _pow2(-ew)
+
+    w_ptrs = b_ptr + rn[:, None].to(tl.int64) * k_half + (kt0 * KB + rb)[None, :]
+    s_ptrs = bs_ptr + s_row[:, None] + (scale_group_offset(rg) + kt0 * (KG // 4) * 512)[None, :]
+    x_ptrs = q_ptr + rm[:, None].to(tl.int64) * K + (kt0 * BLOCK_K + rk)[None, :]
+    xrow = (offs_m < M)[:, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kt in range(kt0, kt1):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            sb = tl.load(s_ptrs)
+            xq = tl.load(x_ptrs, mask=xrow, other=0.0)
+        else:
+            kmask = (kt * KB + rb) < k_half
+            w = tl.load(w_ptrs, mask=kmask[None, :], other=0)
+            sb = tl.load(s_ptrs, mask=((kt * KG + rg) < K // 16)[None, :], other=0)
+            xq = tl.load(x_ptrs, mask=xrow & ((kt * BLOCK_K + rk) < K)[None, :], other=0.0)
+        wq = _weight_tile_e4m3(w, sb, inv_c, BLOCK_N, BLOCK_K, HW_CVT)
+        acc = tl.dot(wq, tl.trans(xq), acc, max_num_imprecise_acc=IMPRECISE)
+        w_ptrs += KB
+        s_ptrs += (KG // 4) * 512
+        x_ptrs += BLOCK_K
+    sa = tl.load(sa_ptr + rm)
+    acc = acc * _pow2(ew)[:, None] * sa[None, :]  # powers of two: exact
+    store_dense(acc, tl.load(alpha_ptr), bias_ptr, has_bias, out_ptr, offs_m, offs_n, M, N,
+                stride_om, stride_on, ws_ptr, cnt_ptr, pid, pid_k, BLOCK_N, BLOCK_M,
+                SPLIT_K)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class W4A8Config:
+    """Compile-time knobs of the fused kernel (the tactic's, `plugins.sm90.w4a8`).
+    ``fast_accum``: let the FP8 MMA accumulate a whole split's K in its own precision
+    (faster, less accurate: module docstring); off by default."""
+
+    block_n: int = 128
+    block_m: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    fast_accum: bool = False
+
+
+@dataclass
+class W4A8Kernel:
+    """The fused path: ``kernel(operands, out)`` with `DenseOperands` (bias fused)."""
+
+    cfg: W4A8Config
+    bias_epilogue = True
+    _scratch: Scratch = field(default_factory=Scratch, repr=False)
+
+    def grid(self, m: int, n: int) -> tuple[int, int]:
+        cfg = self.cfg
+        return triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k
+
+    def __call__(self, operands: DenseOperands, out: torch.Tensor) -> None:
+        xq, sa = quantize_activations(operands.a)
+        self.launch(xq, sa, operands, out)
+
+    def launch(self, xq: torch.Tensor, sa: torch.Tensor, operands: DenseOperands,
+               out: torch.Tensor) -> None:  # fmt: skip
+        """The GEMM on already quantized activations (``xq``, ``sa``)."""
+        cfg = self.cfg
+        m, k = xq.shape
+        b, sb = operands.b_data, operands.b_scale.view(torch.uint8)
+        n = b.shape[0]
+        grid = self.grid(m, n)
+        if cfg.split_k > 1:
+            elems = grid[0] * cfg.split_k * cfg.block_n * cfg.block_m
+            ws, cnt = self._scratch.get(out.device, elems, grid[0])
+        else:
+            ws = cnt = out
+        bias = operands.bias
+        has_bias = bias is not None
+        _w4a8_kernel[grid](
+            xq, sa, b, sb, operands.alpha, bias if has_bias else out, out, ws, cnt,
+            m, n, k, out.stride(0), out.stride(1), sb.shape[1] * 128, int(has_bias),
+            BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+            SPLIT_K=cfg.split_k, EVEN_K=k % cfg.block_k == 0, HW_CVT=_HW_CVT,
+            IMPRECISE=2**30 if cfg.fast_accum else cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    def precompile(self, m: int, n: int, k: int, dtype: torch.dtype) -> object:
+        """Compile (Triton ``warmup``, no launch) the activation pass and the GEMM a call
+        with contiguous ``dtype`` activations and output runs."""
+        cfg = self.cfg
+        f8, f32, u8 = torch.float8_e4m3fn, torch.float32, torch.uint8
+        _quantize_rows_kernel.warmup(dtype, f8, f32, m, k, k, grid=(triton.cdiv(m, QUANT_ROWS),),
+                                     BLOCK_R=QUANT_ROWS, BLOCK_K=QUANT_BLOCK_K, HW_CVT=_HW_CVT,
+                                     num_warps=4)  # fmt: skip
+        ws, cnt = (f32, torch.int32) if cfg.split_k > 1 else (dtype, dtype)
+        sblk = -(-(k // 16) // 4) * 4 * 128
+        return _w4a8_kernel.warmup(
+            f8, f32, u8, u8, f32, dtype, dtype, ws, cnt, m, n, k, n, 1, sblk, 0,
+            grid=self.grid(m, n), BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
+            BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, EVEN_K=k % cfg.block_k == 0,
+            HW_CVT=_HW_CVT, IMPRECISE=2**30 if cfg.fast_accum else cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+
+# ---- the unpack path --------------------------------------------------------------------
+
+
+@triton.jit
+def _weight_fp8_kernel(
+    b_ptr, bs_ptr, alpha_ptr, wq_ptr, sw_ptr, N, K, b_sblk,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, HW_CVT: tl.constexpr,
+):  # fmt: skip
+    """``BLOCK_R`` weight rows: their channel scale (first pass over the block scales),
+    then the E4M3 codes of every K step; writes ``wq`` [N, K] and ``alpha * 2**ew`` [N]."""
+    KB: tl.constexpr = BLOCK_K // 2
+    KG: tl.constexpr = BLOCK_K // 16
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < N
+    s_row = scale_row_offset(rows, b_sblk)
+    ew = _channel_exponent(bs_ptr, s_row, rmask, K, BLOCK_R, KG)
+    inv_c = _pow2(-ew)
+    k_half = K // 2
+    rb = tl.arange(0, KB)
+    rg = tl.arange(0, KG)
+    rk = tl.arange(0, BLOCK_K)
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+        bmask = rmask[:, None] & ((kt * KB + rb) < k_half)[None, :]
+        w = tl.load(b_ptr + rows.to(tl.int64)[:, None] * k_half + (kt * KB + rb)[None, :],
+                    mask=bmask, other=0)  # fmt: skip
+        g = kt * KG + rg
+        sb = tl.load(bs_ptr + s_row[:, None] + scale_group_offset(g)[None, :],
+                     mask=rmask[:, None] & (g < K // 16)[None, :], other=0)  # fmt: skip
+        wq = _weight_tile_e4m3(w, sb, inv_c, BLOCK_R, BLOCK_K, HW_CVT)
+        kmask = rmask[:, None] & ((kt * BLOCK_K + rk) < K)[None, :]
+        tl.store(wq_ptr + rows.to(tl.int64)[:, None] * K + (kt * BLOCK_K + rk)[None, :], wq,
+                 mask=kmask)  # fmt: skip
+    tl.store(sw_ptr + rows, _pow2(ew) * tl.load(alpha_ptr), mask=rmask)
+
+
+def weight_to_fp8(
+    b_data: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor,
+    block_r: int = 32, block_k: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(E4M3 weight ``[N, K]``, ``alpha * channel scale`` ``[N]`` float32): the unpack
+    path's weight pass (`reference.w4a8.weight_to_fp8`, alpha folded into the scale)."""
+    n, k = b_data.shape[0], b_data.shape[1] * 2
+    wq = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=b_data.device)
+    sw = torch.empty((n,), dtype=torch.float32, device=b_data.device)
+    sb = b_scale.view(torch.uint8)
+    _weight_fp8_kernel[(triton.cdiv(n, block_r),)](
+        b_data, sb, alpha, wq, sw, n, k, sb.shape[1] * 128, BLOCK_R=block_r, BLOCK_K=block_k,
+        HW_CVT=_HW_CVT, num_warps=4,
+    )  # fmt: skip
+    return wq, sw
+
+
+@dataclass(frozen=True)
+class W4A8UnpackKernel:
+    """Large-M path: the weight to E4M3 per call, then ``torch._scaled_mm`` (cuBLASLt,
+    row-wise scales, bf16 out). The bias is the plan's (added after the GEMM)."""
+
+    block_r: int = 32
+    block_k: int = 128
+    fast_accum: bool = False
+
+    def __call__(self, operands: DenseOperands, out: torch.Tensor) -> None:
+        xq, sa = quantize_activations(operands.a)
+        wq, sw = weight_to_fp8(operands.b_data, operands.b_scale, operands.alpha,
+                               self.block_r, self.block_k)  # fmt: skip
+        args = (xq, wq.t(), sa[:, None], sw[None, :])
+        kw = {"out_dtype": out.dtype, "use_fast_accum": self.fast_accum}
+        if out.is_contiguous():
+            torch._scaled_mm(*args, **kw, out=out)
+        else:
+            out.copy_(torch._scaled_mm(*args, **kw))
+
+    def precompile(self, m: int, n: int, k: int, dtype: torch.dtype) -> None:
+        """Compile (Triton warmup, no launch) the activation and weight passes."""
+        f8, f32, u8 = torch.float8_e4m3fn, torch.float32, torch.uint8
+        _quantize_rows_kernel.warmup(dtype, f8, f32, m, k, k, grid=(triton.cdiv(m, QUANT_ROWS),),
+                                     BLOCK_R=QUANT_ROWS, BLOCK_K=QUANT_BLOCK_K, HW_CVT=_HW_CVT,
+                                     num_warps=4)  # fmt: skip
+        sblk = -(-(k // 16) // 4) * 4 * 128
+        _weight_fp8_kernel.warmup(u8, u8, f32, f8, f32, n, k, sblk,
+                                  grid=(triton.cdiv(n, self.block_r),), BLOCK_R=self.block_r,
+                                  BLOCK_K=self.block_k, HW_CVT=_HW_CVT, num_warps=4)  # fmt: skip
+
+
+def build(cfg: W4A8Config) -> W4A8Kernel:
+    """A fused W4A8 kernel object."""
+    return W4A8Kernel(cfg)
+
+
+def build_unpack(block_r: int, block_k: int) -> W4A8UnpackKernel:
+    """An unpack + ``_scaled_mm`` kernel object."""
+    if block_r not in UNPACK_BLOCK_R or block_k not in UNPACK_BLOCK_K:
+        raise ValueError(f"block_r/block_k: expected one of {UNPACK_BLOCK_R}/{UNPACK_BLOCK_K}, "
+                         f"got {block_r}/{block_k}")  # fmt: skip
+    return W4A8UnpackKernel(block_r, block_k)
