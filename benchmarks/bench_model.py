@@ -20,8 +20,10 @@ Steps: decode at batch 1, 16 and 64 (one token per sequence against a static KV 
 
 Variants (`VARIANTS`): ``bf16`` (the model itself), ``w4a16`` and ``w4a4``
 (`Nvfp4Linear` with ``activations="bf16"`` / ``"nvfp4"``: weight-only, or activations
-quantized too), ``fp8`` (per-tensor e4m3 weights, dynamic per-tensor activation scale in
-torch ops, ``torch._scaled_mm``: what a Hopper user compares with).
+quantized too), ``nvfp4-fp8`` (the NVFP4 weights under ``precision="fp8"``: per M the
+dispatcher runs exact W4A16 or lossy W4A8, docs/PRECISION.md), ``fp8`` (per-tensor e4m3
+weights, dynamic per-tensor activation scale in torch ops, ``torch._scaled_mm``: what a
+Hopper user compares with).
 
 The bf16 model holds the *dequantized* NVFP4 weights (the "twin"), so its step time is
 bf16's and its logits isolate the kernels' numerics from the format's: each variant's
@@ -79,7 +81,10 @@ CONFIGS: dict[str, dict[str, int]] = {
 DECODE_BATCHES = (1, 16, 64)
 PREFILL_TOKENS = (1024, 4096)
 SMOKE_DECODE, SMOKE_PREFILL = (1, 4), (64,)
-VARIANTS = ("bf16", "w4a16", "w4a4", "fp8")
+VARIANTS = ("bf16", "w4a16", "w4a4", "nvfp4-fp8", "fp8")
+#: the NVFP4 variants: (activations, precision) of `quantize_model`
+NVFP4_VARIANTS = {"w4a16": ("bf16", "exact"), "w4a4": ("nvfp4", "exact"),
+                  "nvfp4-fp8": ("bf16", "fp8")}  # fmt: skip
 CLOCKS = ("graph", "eager")
 
 
@@ -174,11 +179,11 @@ def build_variants(config, device: torch.device, variants: Iterable[str]) -> dic
     models: dict[str, nn.Module] = {}
     twin_done = False
     for variant in variants:
-        if variant not in ("w4a16", "w4a4"):
+        if variant not in NVFP4_VARIANTS:
             continue
         q = copy.deepcopy(base)
-        acts = "bf16" if variant == "w4a16" else "nvfp4"
-        report = quantize_model(q, activations=acts)
+        acts, precision = NVFP4_VARIANTS[variant]
+        report = quantize_model(q, activations=acts, precision=precision)
         log.info("%s: %d Linear layers converted, %d skipped", variant,
                  len(report.converted), len(report.skipped))  # fmt: skip
         models[variant] = q
@@ -274,15 +279,15 @@ def precompile(models: dict[str, nn.Module], steps: list[Step], device: torch.de
     from fp4_dispatch.tactics import Problem
     from fp4_dispatch.torch_ops import default_dispatcher
 
-    d = default_dispatcher(device)
     planned = []
     for model in models.values():
-        shapes = {(mod.out_features, mod.in_features, mod.operation(device))
+        shapes = {(mod.out_features, mod.in_features, mod.operation(device), mod.precision)
                   for mod in model.modules() if isinstance(mod, Nvfp4Linear)}  # fmt: skip
-        for n, k, op in sorted(shapes):
+        for n, k, op, precision in sorted(shapes):
+            d = default_dispatcher(device, precision)
             for m in sorted({step_m(s) for s in steps}):
                 c = d.select(m, n, k, "bfloat16", op)
-                problem = Problem(m=m, n=n, k=k, out_dtype="bfloat16", operation=op)
+                problem = Problem(m=m, n=n, k=k, out_dtype="bfloat16", operation=c.operation)
                 planned.append((d.registry.backends[c.backend], c.tactic, problem))
     return precompile_kernels(planned, d.device, workers=min(16, os.cpu_count() or 1))
 
