@@ -194,7 +194,29 @@ def out_tensor(
         raise ValueError(f"out: expected a tensor on {device}, got one on {out.device}")
     if not out.is_contiguous():
         raise ValueError("out: expected a contiguous tensor")
+    writable_out(out)
     return out
+
+
+def writable_out(out: torch.Tensor) -> None:
+    """Raise unless the kernels may write `out` in place here (before any kernel runs).
+
+    A tensor that requires grad (with grad mode on) or an inference tensor outside
+    ``torch.inference_mode()`` refuses in-place writes; kernels would fail on it, and
+    that failure is the caller's, not the backend's.
+    """
+    if out.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "out: expected a tensor that does not require grad (the GEMM writes it in "
+            "place, which autograd cannot track), got requires_grad=True; pass "
+            "out.detach() or call under torch.no_grad()"
+        )
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(
+            "out: expected a normal tensor, got an inference tensor (made under "
+            "torch.inference_mode()) outside inference mode, where it cannot be written "
+            "in place; call under torch.inference_mode() or allocate out outside it"
+        )
 
 
 def tune_shape(shape: object) -> tuple[int, int, int]:

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from . import blame as _blame
 from . import checks, registry, torch_ops
 from . import distributed as _distributed
 from . import precompile as _precompile
@@ -543,6 +544,11 @@ class Dispatcher:
             except KeyboardInterrupt:
                 raise
             except BaseException as exc:  # plugin kernel: recorded; the next one rewrites out
+                # the caller's fault (it runs on fresh copies of the arguments)? then raise,
+                # recording nothing: no caller can disable a backend for later callers
+                blame = _blame.callers_fault(plan, args, exc)
+                if blame is not None:
+                    raise blame from exc
                 cand = plan.candidate
                 err = self.guard.fault(cand.backend, "kernel()", exc, cand.tactic, quiet=True)
             self._fall_back(plan.candidate, err)
