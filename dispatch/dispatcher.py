@@ -682,10 +682,10 @@ class Dispatcher:
             )
         m, n = a.shape[0], b.shape[1]
         k = checks.k_dims(a.shape[1] * 2, b.shape[0] * 2, ("a", "b"))
+        a_scale = checks.swizzled_scale("a_descale", a_descale, m, k)  # types before devices
+        b_scale = checks.swizzled_scale("b_descale", b_descale, n, k)
         device = self.check_device("a", a)
         checks.same_device(device, b=b, a_descale=a_descale, b_descale=b_descale)
-        a_scale = checks.swizzled_scale("a_descale", a_descale, m, k)
-        b_scale = checks.swizzled_scale("b_descale", b_descale, n, k)
         alpha = checks.alpha_tensor(alpha, device)
         out = checks.out_tensor(out, m, n, out_dtype, device)
         return torch_ops.run(self, a, a_scale, b.t(), b_scale, alpha, out_dtype, out)
