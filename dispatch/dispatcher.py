@@ -29,6 +29,7 @@ import torch
 from . import blame as _blame
 from . import checks, registry, torch_ops
 from . import distributed as _distributed
+from . import firstuse as _firstuse
 from . import precompile as _precompile
 from . import tuning as _tuning
 from .backend import Backend, GemmOperands, Kernel, kernel_problem
@@ -66,6 +67,10 @@ class Dispatcher:
     not the reference's (`fp4_dispatch.winners`). ``replay`` (default
     ``FP4_DISPATCH_REPLAY``, on): a warm plan relaunches its recorded kernels through the
     CUDA driver with a kept argument buffer (`fp4_dispatch.plans`), the eager fast path.
+    ``verify_plugins`` (default ``FP4_DISPATCH_VERIFY_PLUGINS``, on): the first run of each
+    (backend, tactic, shape bucket) of a plugin that is not built in is compared with the
+    float64 reference on a sample of its output, once per process; a wrong kernel is
+    marked broken and the call falls back (`fp4_dispatch.firstuse`).
     """
 
     def __init__(
@@ -78,6 +83,7 @@ class Dispatcher:
         cache: str | os.PathLike[str] | TuningCache | bool | None = None,
         verify_cache: bool | None = None,
         replay: bool | None = None,
+        verify_plugins: bool | None = None,
     ) -> None:
         if not isinstance(budget, int) or budget < 1:
             raise ValueError(f"budget: expected a positive int, got {budget!r}")
@@ -109,6 +115,15 @@ class Dispatcher:
         self._announced: set[PlanKey] = set()
         self._torch_device = (
             None if self.device.is_simulated else torch.device(self.device.torch_device)
+        )
+        if verify_plugins is not None and not isinstance(verify_plugins, bool):
+            raise TypeError(
+                f"verify_plugins: expected a bool or None, got {type(verify_plugins).__name__}"
+            )
+        #: the first run of each third-party (backend, tactic, bucket) is checked
+        self.first_use = _firstuse.FirstUse(
+            _firstuse.default() if verify_plugins is None else verify_plugins,
+            lambda name: not getattr(self.registry.plugin_of.get(name), "builtin", True),
         )
         self.winners = TunedWinners(self, _tuning_cache(cache), verify_cache)
         self._untuned_logged: set[BucketKey] = set()
@@ -540,7 +555,6 @@ class Dispatcher:
             # inline (zero-cost try) rather than guard.contain: this is the hot path
             try:
                 plan.run(args)  # a warm plan's replay where it has one (`fp4_dispatch.plans`)
-                break
             except KeyboardInterrupt:
                 raise
             except BaseException as exc:  # plugin kernel: recorded; the next one rewrites out
@@ -551,6 +565,15 @@ class Dispatcher:
                     raise blame from exc
                 cand = plan.candidate
                 err = self.guard.fault(cand.backend, "kernel()", exc, cand.tactic, quiet=True)
+            else:
+                if plan.warm or not self.first_use.needed(plan):
+                    break
+                wrong = self.first_use.check(plan, args)  # a plugin's kernel, first run
+                if wrong is None:
+                    break
+                cand = plan.candidate
+                err = self.guard.fault(cand.backend, "kernel() result", wrong, cand.tactic,
+                                       quiet=True)  # fmt: skip
             self._fall_back(plan.candidate, err)
             plan = None
         plan.warm = True
