@@ -166,7 +166,7 @@ class Dispatcher:
 
     def backends(self) -> list[BackendStatus]:
         """Every backend and every plugin that failed or was disabled, for ``list-backends``."""
-        return backend_rows(self.registry, self._status)
+        return backend_rows(self.registry, self._status, self.guard.hook_summary)
 
     # ---- ranking --------------------------------------------------------------------
 
