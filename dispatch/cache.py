@@ -111,6 +111,10 @@ class CacheFormatError(ValueError):
     """The file is not a tuning cache this version can read (corrupt, truncated, foreign)."""
 
 
+class ExportTargetError(OSError):
+    """Writing an export file failed; ``filename`` is the destination (not the cache)."""
+
+
 class CacheReadOnlyError(PermissionError):
     """The file was written by a newer format version: this library never overwrites it."""
 
@@ -427,16 +431,14 @@ class TuningCache:
             out.metadata["devices"] = {d: v for d, v in devices.items() if d == device}
         dest = Path(path).expanduser()
         if not dest.parent.is_dir():
-            raise FileNotFoundError(errno.ENOENT, "export: the folder does not exist "
+            raise ExportTargetError(errno.ENOENT, "export: the folder does not exist "
                                     "(create it first)", str(dest.parent))  # fmt: skip
         try:
             safefs.check_regular(dest, "export target")
             _replace_file(dest, out)
         except OSError as exc:  # name the destination, not this cache
-            if exc.filename is None or str(dest) not in str(exc.filename):
-                raise type(exc)(exc.errno, f"export to {dest} failed: {exc.strerror or exc}",
-                                str(dest)) from exc  # fmt: skip
-            raise
+            raise ExportTargetError(exc.errno, f"export failed: {exc.strerror or exc}",
+                                    str(dest)) from exc  # fmt: skip
         return len(out.entries)
 
     def import_from(

@@ -67,8 +67,14 @@ def gemm_k(k: object, name: str = "K") -> int:
     return k
 
 
+#: the largest M, N or K a problem may have: torch's and the kernels' 32-bit sizes (an
+#: explain of M = 1e20 ranked tactics at 1e22 us instead of saying the size is wrong)
+MAX_DIM = 2**31 - 1
+
+
 def problem_dims(m: object, n: object, k: object) -> tuple[int, int, int]:
-    """(M, N, K) of a problem to rank or tune: positive ints, K by `gemm_k`.
+    """(M, N, K) of a problem to rank or tune: positive ints up to `MAX_DIM`, K by
+    `gemm_k`.
 
     ValueError for every bad value (wrong type included) so that callers parsing user
     input have one error to catch.
@@ -79,6 +85,9 @@ def problem_dims(m: object, n: object, k: object) -> tuple[int, int, int]:
     if type(k) is not int:
         raise ValueError(f"K: expected a positive int multiple of {K_MULTIPLE}, got {k!r}")
     gemm_k(k)
+    for name, v in (("M", m), ("N", n), ("K", k)):
+        if v > MAX_DIM:
+            raise ValueError(f"{name}: expected at most {MAX_DIM} (2**31 - 1), got {v}")
     return m, n, k  # type: ignore[return-value]
 
 

@@ -85,7 +85,7 @@ class Dispatcher:
         replay: bool | None = None,
         verify_plugins: bool | None = None,
     ) -> None:
-        if not isinstance(budget, int) or budget < 1:
+        if type(budget) is not int or budget < 1:  # bool is an int subclass: not a budget
             raise ValueError(f"budget: expected a positive int, got {budget!r}")
         self.strict = registry.strict_default() if strict is None else strict
         if replay is not None and not isinstance(replay, bool):
@@ -249,6 +249,9 @@ class Dispatcher:
             )
         if operation not in ("w4a4", "w4a16"):
             raise ValueError(f"operation: expected 'w4a4' or 'w4a16', got {operation!r}")
+        if shapes is None or isinstance(shapes, (str, bytes)) or not isinstance(shapes, Iterable):
+            raise TypeError(f"shapes: expected an iterable of (M, N, K) tuples, got "
+                            f"{type(shapes).__name__}")  # fmt: skip
         fleet = _distributed.fleet_of(group)
         tuner = _tuning.Tuner(self.device, self.kernel_for, self.ranker, timer=timer, band=band,
                               measure=measure)  # fmt: skip

@@ -322,6 +322,8 @@ class TunedWinners:
         the bucket's problem."""
         if not isinstance(entry, CacheEntry):
             entry = CacheEntry.model_validate(dict(entry))
+        if not (math.isfinite(entry.us) and entry.us > 0):  # no kernel runs in <= 0 us
+            raise StaleEntry(f"measured time {entry.us!r} us is not a positive finite number")
         why = environment_mismatch(entry.env, environment(self._d.device))
         if why is not None:
             raise StaleEntry(why)

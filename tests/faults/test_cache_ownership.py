@@ -33,7 +33,7 @@ from test_cache_faults import (
 
 from fp4_dispatch import cache as cache_mod
 from fp4_dispatch import safefs
-from fp4_dispatch.cache import TuningCache
+from fp4_dispatch.cache import ExportTargetError, TuningCache
 
 ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 #: a user id that is not this process's and not root (the "other user" who plants links)
@@ -232,8 +232,9 @@ def test_export_never_writes_through_a_symlink(tmp_path):
     precious.write_bytes(SYSTEM_TEXT)
     dest = tmp_path / "out.json"
     dest.symlink_to(precious)
-    with pytest.raises(PermissionError, match=r"out\.json"):
+    with pytest.raises(ExportTargetError, match="symlink") as err:
         TuningCache(src).export_to(dest)
+    assert err.value.filename == str(dest)
     assert precious.read_bytes() == SYSTEM_TEXT and dest.is_symlink()
 
 
@@ -241,7 +242,7 @@ def test_export_into_a_missing_folder_names_it_and_creates_nothing(tmp_path):
     src = tmp_path / "tuning.json"
     _seeded(src)
     dest = tmp_path / "no" / "such" / "out.json"
-    with pytest.raises(FileNotFoundError) as err:
+    with pytest.raises(ExportTargetError, match="does not exist") as err:
         TuningCache(src).export_to(dest)
     assert str(dest.parent) in str(err.value) and str(src) not in str(err.value)
     assert not (tmp_path / "no").exists()

@@ -81,6 +81,7 @@ class Ext(Backend):
 def install(monkeypatch):
     """`install(kernel, builtin=False)`: the real registry plus `Ext` running `kernel`."""
     real_load = registry_mod.load
+    monkeypatch.setenv("FP4_DISPATCH_PLUGINS", "")  # built-ins only (CI installs examples)
     firstuse.forget()
     RUNS.clear()
 

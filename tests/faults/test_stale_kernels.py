@@ -74,7 +74,8 @@ def test_builtin_backends_know_their_source_without_importing_triton():
         import json, sys
         from fp4_dispatch import registry
         reg = registry.load(strict=False)
-        print(json.dumps({"versions": {n: b.version for n, b in reg.backends.items()},
+        print(json.dumps({"versions": {n: b.version for n, b in reg.backends.items()
+                                       if reg.plugin_of[n].builtin},
                           "triton": "triton" in sys.modules}))
         """
     )
