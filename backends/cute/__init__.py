@@ -71,7 +71,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'fp4-dispatch[cute]'"
+INSTALL_HINT = "pip install '.[cute]' in the fp4-dispatch checkout"
 NOT_INSTALLED = f"nvidia-cutlass-dsl[cu13] not installed: {INSTALL_HINT}"
 #: modules whose absence means "the extra is not installed" (anything else is a failure)
 _EXTRA_MODULES = ("cutlass", "nvidia_cutlass_dsl", "tvm_ffi", "cuda")

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'fp4-dispatch[flashinfer]'"
+INSTALL_HINT = "pip install '.[flashinfer]' in the fp4-dispatch checkout"
 NOT_INSTALLED = f"flashinfer-python not installed: {INSTALL_HINT}"
 #: the version the tactic specs and this module were written against
 TESTED_VERSION = "0.7.2.post1"

@@ -1,6 +1,7 @@
 """Plugin ``flashinfer``: FlashInfer's CuTe-DSL ``mm_fp4`` kernels, one family per kernel.
 
-Installed by the extra ``fp4-dispatch[flashinfer]`` (``flashinfer-python==0.7.2.post1``).
+Installed by the extra ``flashinfer`` (``flashinfer-python==0.7.2.post1``; ``pip install
+'.[flashinfer]'`` in the checkout).
 Five families, one backend each, one typed tactic per FlashInfer kernel family:
 
 =================  ==========================================  =================

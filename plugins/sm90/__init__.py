@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from fp4_dispatch.backends.sm90.gemm_direct import KernelConfig
     from fp4_dispatch.backends.sm90.gemm_unpack import UnpackGemmKernel
 
-INSTALL_HINT = "pip install fp4-dispatch[triton]"
+INSTALL_HINT = "pip install '.[triton]' in the fp4-dispatch checkout"
 #: a Triton kernel's config class (gemm_direct.KernelConfig, gemm_w4a16.W4A16Config)
 C = TypeVar("C")
 #: shared memory one CTA may use on Hopper, bytes (227 KiB: the opt-in per-block limit
