@@ -1,5 +1,7 @@
-"""Verify before trusting: the first use of a third-party kernel is checked against the
-float64 reference on a sample of its output, once per process.
+"""Verify before trusting: a third-party kernel's first use is checked on sampled outputs.
+
+The first run in a process of each (backend, tactic, shape bucket) of a plugin that is
+not built in is compared with the float64 reference on a sample of its output.
 
 Why: only tuning used to verify kernels. An untuned call ran the heuristic pick as it
 was, so an installed third-party kernel that writes zeros, NaN rows or ignores strides
