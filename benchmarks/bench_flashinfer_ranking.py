@@ -24,7 +24,7 @@ include them.
     python benchmarks/bench_flashinfer_ranking.py --record   # and write RESULTS.md
     OUT=dir python benchmarks/bench_flashinfer_ranking.py    # + dir/bench_flashinfer_ranking.json
 
-Needs ``pip install 'fp4-dispatch[flashinfer]'``; no GPU (nothing is run or compiled).
+Needs ``pip install '.[flashinfer]'`` (in the checkout); no GPU (nothing is run or compiled).
 """
 
 from __future__ import annotations

@@ -6,12 +6,12 @@ This is what a user with the hardware runs to check every shortlisted CuTe-DSL t
 against the float64 reference and to time it against cuBLASLt (``torch._scaled_mm`` with
 NVFP4 operands), e.g.::
 
-    pip install 'fp4-dispatch[cute]'
+    pip install '.[cute]'
     python benchmarks/blackwell_acceptance.py                    # default shapes
     python benchmarks/blackwell_acceptance.py --shapes 1x8192x8192 32768x4096x8192
 
 For each shape it prints one row per shortlisted tactic of a CuTe-DSL family (sm100,
-sm103, sm107, and FlashInfer's fi-* with ``pip install 'fp4-dispatch[flashinfer]'``):
+sm103, sm107, and FlashInfer's fi-* with ``pip install '.[flashinfer]'``):
 PASS/FAIL against the reference (relative Frobenius error <= --tol), the median time over
 CUDA-graph replays with a cold L2, TFLOP/s, and the ratio to cuBLASLt. Exit status 1 if
 any tactic fails to build, run or match. Add the table to benchmarks/RESULTS.md with the

@@ -2,9 +2,9 @@
 
 Why a file lock *and* an atomic rename: the rename alone makes every reader see either
 the old or the new file (never half of one), but two writers that each read, add their
-entries and rename would drop each other's entries. So a writer takes
-``<path>.lock`` (`filelock`), re-reads the file under it, merges its own entries in,
-writes a temporary file in the same directory, fsyncs it and ``os.replace``-s it over
+entries and rename would drop each other's entries. So a writer takes ``<path>.lock``
+(``flock``, `fp4_dispatch.safefs.lock`), re-reads the file under it, merges its own
+entries in, writes a temporary file in the same directory, fsyncs it and ``os.replace``-s it over
 the old one. Readers take no lock.
 
 Format (``FORMAT_VERSION`` 1)::
@@ -35,23 +35,31 @@ warning each) but are written back unchanged by the next write. Whether an entry
 still *usable* (backend present, version, tactic valid, same environment) is the winner
 store's question (`fp4_dispatch.winners`), not the file's.
 
-**Writes follow symlinks**: the lock and the temporary file sit next to the link's
-final target (``os.path.realpath``), and the target is replaced, so a cache shared
-through links stays shared and two links to one file share one lock. **The mode is
-kept**: a replaced file gets the old file's permission bits (a cache shared between
-users stays readable to them); a new file gets ``0o666 & ~umask`` like any file the
-user creates (not `tempfile.mkstemp`'s private 0600). **Killed writers**: a writer
-killed mid-write leaves ``.<name>.<random>.tmp``; every writer removes such files whose
-mtime predates its own lock acquisition (only the lock holder writes, so an older temp
-file belongs to a writer that no longer holds the lock, i.e. is dead).
+**Only its own regular files** (`fp4_dispatch.safefs`): a symlink at the path is
+followed only when this user or root owns every link of its chain (a link planted by
+another user is refused), and writes then lock and replace the link's final target, so
+a cache shared through links stays shared and two links to one file share one lock.
+Nothing that is not a regular file (a folder, device, FIFO) is read, renamed, replaced
+or removed, and an unreadable file behind a symlink is never set aside (the link's
+target may be any file): the cache is then ignored with one warning and winners stay
+in memory. The lock file is opened without following a link and never truncated. A
+world-writable cache folder gets one warning. **The mode is kept**: a replaced file
+gets the old file's permission bits (a cache shared between users stays readable to
+them) and, when running as root, its owner; a new file gets ``0o666 & ~umask`` like
+any file the user creates (not `tempfile.mkstemp`'s private 0600). **Killed writers**:
+a writer killed mid-write leaves ``.<name>.<random>.tmp``; every writer removes such
+regular files whose mtime predates its own lock acquisition (only the lock holder
+writes, so an older temp file belongs to a writer that no longer holds the lock,
+i.e. is dead).
 
-This module depends only on the standard library, `filelock` and `platformdirs`, so a
+This module depends only on the standard library, `safefs` and `platformdirs`, so a
 process can use it without importing torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import json
 import logging
@@ -59,12 +67,12 @@ import os
 import stat
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import filelock
+from . import safefs
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +109,10 @@ Key = tuple[str, int, int, int, str, str]
 
 class CacheFormatError(ValueError):
     """The file is not a tuning cache this version can read (corrupt, truncated, foreign)."""
+
+
+class ExportTargetError(OSError):
+    """Writing an export file failed; ``filename`` is the destination (not the cache)."""
 
 
 class CacheReadOnlyError(PermissionError):
@@ -280,26 +292,34 @@ class TuningCache:
 
     @property
     def target(self) -> Path:
-        """The file writes replace: `path` with every symlink resolved (may not exist)."""
-        return Path(os.path.realpath(self.path))
+        """The file writes replace: `path` with its trusted symlinks resolved (may not
+        exist). Raises `safefs.UnsafePathError` for a link another user owns."""
+        return safefs.resolve(self.path)
 
     @property
     def lock_path(self) -> Path:
         t = self.target
         return t.with_name(t.name + ".lock")
 
-    def _lock(self) -> filelock.BaseFileLock:
-        self.target.parent.mkdir(parents=True, exist_ok=True)
-        return filelock.FileLock(str(self.lock_path), timeout=lock_timeout())
+    @contextlib.contextmanager
+    def _lock(self) -> Iterator[None]:
+        folder = self.target.parent
+        folder.mkdir(parents=True, exist_ok=True)
+        safefs.warn_world_writable(folder, "tuning cache")
+        with safefs.lock(self.lock_path, lock_timeout()):
+            yield
 
     # ---- reading ----------------------------------------------------------------------
 
     def _read(self) -> CacheData:
-        """Parse the file as it is now (empty when absent); raises `CacheFormatError`."""
-        try:
-            text = self.path.read_text(encoding="utf-8")
-        except FileNotFoundError:
+        """Parse the file as it is now (empty when absent); raises `CacheFormatError`,
+        or `safefs.UnsafePathError` for what is not a regular file of this cache's own."""
+        safefs.warn_world_writable(self.path.parent, "tuning cache")
+        raw = safefs.read_regular(self.path)
+        if raw is None:
             return CacheData()
+        try:
+            text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise CacheFormatError(f"{self.path}: not UTF-8 text: {exc}") from exc
         data = parse(text, str(self.path))
@@ -385,8 +405,10 @@ class TuningCache:
                 data = CacheData()
             if data.read_only:
                 raise CacheReadOnlyError(data.read_only)
-            with contextlib.suppress(FileNotFoundError):
-                self.target.unlink()
+            target = self.target
+            if safefs.check_regular(target, "tuning cache") is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    target.unlink()
             return len(data.entries)
 
     # ---- travelling -------------------------------------------------------------------
@@ -394,9 +416,12 @@ class TuningCache:
     def export_to(self, path: str | os.PathLike[str], device: str | None = None) -> int:
         """Write this cache's entries (only `device`'s fingerprint if given) to `path`.
 
-        The export is a cache file itself (same format), written atomically like every
-        write (lock, temp file, rename; an existing file at `path` is replaced). Returns
-        the number of entries exported.
+        The export is a cache file itself (same format), written atomically (temp file,
+        rename; an existing regular file at `path` is replaced). Its folder must exist
+        (a typo is not silently made a folder tree), and `path` must not be a symlink or
+        anything but a regular file: the export never writes through a link. No lock
+        file is left beside it (an export replaces the whole file; the rename alone
+        makes it atomic). Errors name `path`. Returns the number of entries exported.
         """
         data = self.load()
         out = CacheData(metadata=dict(data.metadata))
@@ -404,9 +429,16 @@ class TuningCache:
         devices = data.metadata.get("devices")
         if device is not None and isinstance(devices, dict):
             out.metadata["devices"] = {d: v for d, v in devices.items() if d == device}
-        dest = TuningCache(path)
-        with dest._lock():
-            dest._write(out)
+        dest = Path(path).expanduser()
+        if not dest.parent.is_dir():
+            raise ExportTargetError(errno.ENOENT, "export: the folder does not exist "
+                                    "(create it first)", str(dest.parent))  # fmt: skip
+        try:
+            safefs.check_regular(dest, "export target")
+            _replace_file(dest, out)
+        except OSError as exc:  # name the destination, not this cache
+            raise ExportTargetError(exc.errno, f"export failed: {exc.strerror or exc}",
+                                    str(dest)) from exc  # fmt: skip
         return len(out.entries)
 
     def import_from(
@@ -425,8 +457,11 @@ class TuningCache:
         (nothing is written), OSError/TimeoutError like `put`.
         """
         src = Path(path).expanduser()
+        raw = safefs.read_regular(src)  # never blocks on a FIFO nor opens a device
+        if raw is None:
+            raise FileNotFoundError(errno.ENOENT, "no such file", str(src))
         try:
-            text = src.read_text(encoding="utf-8")
+            text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise CacheFormatError(f"{src}: not UTF-8 text: {exc}") from exc
         incoming = parse(text, str(src))
@@ -453,25 +488,13 @@ class TuningCache:
     def _write(self, data: CacheData) -> None:
         """Temp file next to the target, same mode, fsync, os.replace (call under the lock).
 
-        Readers never see half a file; the target of a symlink is replaced, not the link.
+        Readers never see half a file; the target of a trusted symlink is replaced, not
+        the link; anything but a regular file at the target is refused.
         """
         target = self.target
+        safefs.check_regular(target, "tuning cache")
         self._remove_dead_temp_files(target)
-        text = json.dumps(data.to_json(), indent=1, sort_keys=True)
-        mode = _mode_for(target)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=TMP_SUFFIX, dir=target.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, mode)  # mkstemp made it 0600; os.fchmod is POSIX-only
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(target.parent)
+        _replace_file(target, data)
 
     def _remove_dead_temp_files(self, target: Path) -> None:
         """Remove ``.<name>.*.tmp`` files older than our lock: their writer is dead.
@@ -483,24 +506,59 @@ class TuningCache:
         now = time.time()
         for tmp in target.parent.glob(f".{glob.escape(target.name)}.*{TMP_SUFFIX}"):
             try:
-                if tmp.stat().st_mtime < now - 1.0:
+                st = tmp.lstat()  # only regular files: never a link's target
+                if stat.S_ISREG(st.st_mode) and st.st_mtime < now - 1.0:
                     tmp.unlink()
                     log.info("tuning cache %s: removed %s left by a killed writer", target, tmp)
             except OSError as exc:  # gone meanwhile, or not ours to remove: say so, go on
                 log.debug("tuning cache %s: cannot remove %s: %r", target, tmp, exc)
 
     def _set_aside(self, exc: CacheFormatError) -> Path:
-        """Move an unreadable file to ``<target>.corrupt-<timestamp>`` (under the lock)."""
-        target_file = self.target
+        """Move an unreadable file to ``<path>.corrupt-<timestamp>`` (under the lock).
+
+        Only a regular file at `path` itself is moved: behind a symlink the unreadable
+        file may be anything (a system file a planted link points to), so it is left
+        alone and `safefs.UnsafePathError` raised (the caller runs without the cache).
+        """
+        if self.path.is_symlink():
+            raise safefs.UnsafePathError(
+                errno.EPERM, f"{exc}; it is behind a symlink, so it is not set aside or "
+                "replaced (point the link at a tuning cache, or remove it)", str(self.path),
+            )  # fmt: skip
+        safefs.check_regular(self.path, "tuning cache")
+        source = Path(os.path.realpath(self.path.parent)) / self.path.name
         stamp = time.strftime("%Y%m%dT%H%M%S")
-        target = target_file.with_name(f"{target_file.name}.corrupt-{stamp}")
+        aside = source.with_name(f"{source.name}.corrupt-{stamp}")
         n = 1
-        while target.exists():
-            target = target_file.with_name(f"{target_file.name}.corrupt-{stamp}.{n}")
+        while os.path.lexists(aside):
+            aside = source.with_name(f"{source.name}.corrupt-{stamp}.{n}")
             n += 1
-        os.replace(target_file, target)
-        log.warning("tuning cache: %s; moved it aside to %s and starting afresh", exc, target)
-        return target
+        os.replace(source, aside)
+        log.warning("tuning cache: %s; moved it aside to %s and starting afresh", exc, aside)
+        return aside
+
+
+def _replace_file(target: Path, data: CacheData) -> None:
+    """Write `data` to a temp file beside `target`, keep `target`'s mode (and owner, as
+    root), fsync, then ``os.replace`` (which replaces the name, never a link's target)."""
+    text = json.dumps(data.to_json(), indent=1, sort_keys=True)
+    old = safefs.check_regular(target, "file")
+    mode = stat.S_IMODE(old.st_mode) if old is not None else 0o666 & ~_umask()
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=TMP_SUFFIX, dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)  # mkstemp made it 0600; os.fchmod is POSIX-only
+        if old is not None and hasattr(os, "geteuid") and os.geteuid() == 0:
+            os.chown(tmp, old.st_uid, old.st_gid)  # root keeps a user's cache theirs
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(target.parent)
 
 
 def _devices_of(data: CacheData, report: ImportReport) -> dict[str, Any]:
@@ -523,14 +581,6 @@ def _umask() -> int:
     old = os.umask(0o022)
     os.umask(old)
     return old
-
-
-def _mode_for(target: Path) -> int:
-    """The permission bits a rewrite of `target` gets: its own, else ``0o666 & ~umask``."""
-    try:
-        return stat.S_IMODE(target.stat().st_mode)
-    except FileNotFoundError:
-        return 0o666 & ~_umask()
 
 
 def _merge_metadata(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:

@@ -67,8 +67,14 @@ def gemm_k(k: object, name: str = "K") -> int:
     return k
 
 
+#: the largest M, N or K a problem may have: torch's and the kernels' 32-bit sizes (an
+#: explain of M = 1e20 ranked tactics at 1e22 us instead of saying the size is wrong)
+MAX_DIM = 2**31 - 1
+
+
 def problem_dims(m: object, n: object, k: object) -> tuple[int, int, int]:
-    """(M, N, K) of a problem to rank or tune: positive ints, K by `gemm_k`.
+    """(M, N, K) of a problem to rank or tune: positive ints up to `MAX_DIM`, K by
+    `gemm_k`.
 
     ValueError for every bad value (wrong type included) so that callers parsing user
     input have one error to catch.
@@ -79,6 +85,9 @@ def problem_dims(m: object, n: object, k: object) -> tuple[int, int, int]:
     if type(k) is not int:
         raise ValueError(f"K: expected a positive int multiple of {K_MULTIPLE}, got {k!r}")
     gemm_k(k)
+    for name, v in (("M", m), ("N", n), ("K", k)):
+        if v > MAX_DIM:
+            raise ValueError(f"{name}: expected at most {MAX_DIM} (2**31 - 1), got {v}")
     return m, n, k  # type: ignore[return-value]
 
 
@@ -194,7 +203,29 @@ def out_tensor(
         raise ValueError(f"out: expected a tensor on {device}, got one on {out.device}")
     if not out.is_contiguous():
         raise ValueError("out: expected a contiguous tensor")
+    writable_out(out)
     return out
+
+
+def writable_out(out: torch.Tensor) -> None:
+    """Raise unless the kernels may write `out` in place here (before any kernel runs).
+
+    A tensor that requires grad (with grad mode on) or an inference tensor outside
+    ``torch.inference_mode()`` refuses in-place writes; kernels would fail on it, and
+    that failure is the caller's, not the backend's.
+    """
+    if out.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "out: expected a tensor that does not require grad (the GEMM writes it in "
+            "place, which autograd cannot track), got requires_grad=True; pass "
+            "out.detach() or call under torch.no_grad()"
+        )
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(
+            "out: expected a normal tensor, got an inference tensor (made under "
+            "torch.inference_mode()) outside inference mode, where it cannot be written "
+            "in place; call under torch.inference_mode() or allocate out outside it"
+        )
 
 
 def tune_shape(shape: object) -> tuple[int, int, int]:

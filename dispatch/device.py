@@ -159,4 +159,16 @@ def detect(index: int = 0) -> DeviceInfo:
         return _read_cuda_device(index)
     except Exception as exc:  # any failure means "no usable CUDA device": report, never raise
         log.debug("CUDA device detection failed: %r", exc)
-        return CPU.model_copy(update={"note": f"no CUDA device: {type(exc).__name__}: {exc}"})
+        return CPU.model_copy(update={"note": no_device_note(exc)})
+
+
+def no_device_note(exc: BaseException) -> str:
+    """One short line for a CPU-only machine: "no CUDA driver" when the driver library is
+    missing (its loader's several-sentence text stays in the debug log), else the error's
+    first line."""
+    name = type(exc).__name__
+    if isinstance(exc, ImportError) or "NotFound" in name or "libcuda" in str(exc):
+        return "no CUDA driver (CPU only)"
+    first = (str(exc).strip().splitlines() or [""])[0]
+    first = first if len(first) <= 120 else first[:117] + "..."
+    return f"no CUDA device: {name}: {first}" if first else f"no CUDA device: {name}"

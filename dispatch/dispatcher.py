@@ -26,8 +26,10 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from . import blame as _blame
 from . import checks, registry, torch_ops
 from . import distributed as _distributed
+from . import firstuse as _firstuse
 from . import precompile as _precompile
 from . import tuning as _tuning
 from .backend import Backend, GemmOperands, Kernel, kernel_problem
@@ -70,6 +72,11 @@ class Dispatcher:
     for the FP8 tensor cores, whenever that ranks (or tunes) faster: the problem is then
     ``operation="w4a8"`` everywhere (plans, ranking, tuning, cache), its candidates
     ``w4a16`` or ``w4a8`` (docs/PRECISION.md).
+
+    ``verify_plugins`` (default ``FP4_DISPATCH_VERIFY_PLUGINS``, on): the first run of each
+    (backend, tactic, shape bucket) of a plugin that is not built in is compared with the
+    float64 reference on a sample of its output, once per process; a wrong kernel is
+    marked broken and the call falls back (`fp4_dispatch.firstuse`).
     """
 
     def __init__(
@@ -83,8 +90,9 @@ class Dispatcher:
         verify_cache: bool | None = None,
         replay: bool | None = None,
         precision: str = "exact",
+        verify_plugins: bool | None = None,
     ) -> None:
-        if not isinstance(budget, int) or budget < 1:
+        if type(budget) is not int or budget < 1:  # bool is an int subclass: not a budget
             raise ValueError(f"budget: expected a positive int, got {budget!r}")
         #: the precision policy (`fp4_dispatch.tactics.PRECISIONS`)
         self.precision = check_precision(precision)
@@ -118,6 +126,15 @@ class Dispatcher:
         self._announced: set[PlanKey] = set()
         self._torch_device = (
             None if self.device.is_simulated else torch.device(self.device.torch_device)
+        )
+        if verify_plugins is not None and not isinstance(verify_plugins, bool):
+            raise TypeError(
+                f"verify_plugins: expected a bool or None, got {type(verify_plugins).__name__}"
+            )
+        #: the first run of each third-party (backend, tactic, bucket) is checked
+        self.first_use = _firstuse.FirstUse(
+            _firstuse.default() if verify_plugins is None else verify_plugins,
+            lambda name: not getattr(self.registry.plugin_of.get(name), "builtin", True),
         )
         self.winners = TunedWinners(self, _tuning_cache(cache), verify_cache)
         self._untuned_logged: set[BucketKey] = set()
@@ -161,7 +178,7 @@ class Dispatcher:
 
     def backends(self) -> list[BackendStatus]:
         """Every backend and every plugin that failed or was disabled, for ``list-backends``."""
-        return backend_rows(self.registry, self._status)
+        return backend_rows(self.registry, self._status, self.guard.hook_summary)
 
     # ---- ranking --------------------------------------------------------------------
 
@@ -252,6 +269,9 @@ class Dispatcher:
                 f"out_dtype: expected one of {sorted(_tuning.OUT_DTYPES)}, got {out_dtype!r}"
             )
         operation = self.operation_of(operation)  # raises for an unknown or refused one
+        if shapes is None or isinstance(shapes, (str, bytes)) or not isinstance(shapes, Iterable):
+            raise TypeError(f"shapes: expected an iterable of (M, N, K) tuples, got "
+                            f"{type(shapes).__name__}")  # fmt: skip
         fleet = _distributed.fleet_of(group)
         tuner = _tuning.Tuner(self.device, self.kernel_for, self.ranker, timer=timer, band=band,
                               measure=measure)  # fmt: skip
@@ -563,12 +583,25 @@ class Dispatcher:
             # inline (zero-cost try) rather than guard.contain: this is the hot path
             try:
                 plan.run(args)  # a warm plan's replay where it has one (`fp4_dispatch.plans`)
-                break
             except KeyboardInterrupt:
                 raise
             except BaseException as exc:  # plugin kernel: recorded; the next one rewrites out
+                # the caller's fault (it runs on fresh copies of the arguments)? then raise,
+                # recording nothing: no caller can disable a backend for later callers
+                blame = _blame.callers_fault(plan, args, exc)
+                if blame is not None:
+                    raise blame from exc
                 cand = plan.candidate
                 err = self.guard.fault(cand.backend, "kernel()", exc, cand.tactic, quiet=True)
+            else:
+                if plan.warm or not self.first_use.needed(plan):
+                    break
+                wrong = self.first_use.check(plan, args)  # a plugin's kernel, first run
+                if wrong is None:
+                    break
+                cand = plan.candidate
+                err = self.guard.fault(cand.backend, "kernel() result", wrong, cand.tactic,
+                                       quiet=True)  # fmt: skip
             self._fall_back(plan.candidate, err)
             plan = None
         plan.warm = True
@@ -700,10 +733,10 @@ class Dispatcher:
             )
         m, n = a.shape[0], b.shape[1]
         k = checks.k_dims(a.shape[1] * 2, b.shape[0] * 2, ("a", "b"))
+        a_scale = checks.swizzled_scale("a_descale", a_descale, m, k)  # types before devices
+        b_scale = checks.swizzled_scale("b_descale", b_descale, n, k)
         device = self.check_device("a", a)
         checks.same_device(device, b=b, a_descale=a_descale, b_descale=b_descale)
-        a_scale = checks.swizzled_scale("a_descale", a_descale, m, k)
-        b_scale = checks.swizzled_scale("b_descale", b_descale, n, k)
         alpha = checks.alpha_tensor(alpha, device)
         out = checks.out_tensor(out, m, n, out_dtype, device)
         return torch_ops.run(self, a, a_scale, b.t(), b_scale, alpha, out_dtype, out)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import traceback as _tb
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -37,6 +38,11 @@ T = TypeVar("T")
 #: distinct faults kept per dispatcher: a plugin whose messages vary on every call (ids,
 #: times) must not grow the record without bound; strict mode still raises every time
 MAX_FAULTS = 1000
+#: one call into plugin code (``supports``, ``tactics``, ``validate``, ``build``) slower
+#: than this many seconds is named in a warning when it returns: a 30 s ``build()`` or a
+#: ``supports()`` that allocates 20 GB otherwise just makes the first call or
+#: ``Dispatcher()`` slow, with nothing saying whose code it was
+SLOW_CALL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -150,7 +156,35 @@ class Guard:
     plugin_of: dict[str, str] = field(default_factory=dict)
     faults: list[Fault] = field(default_factory=list)
     broken: set[tuple[str, Tactic]] = field(default_factory=set)
+    #: backend -> call -> [calls, total seconds, longest seconds] of its guarded hooks
+    #: (``estimate_us`` is not timed: thousands of calls per ranking)
+    hook_times: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     _seen: set[tuple[str, ...]] = field(default_factory=set, repr=False)
+
+    # ---- timing -----------------------------------------------------------------------
+
+    def _timed(self, backend: Any, call: str, fn: Callable[..., T], *args: Any):
+        """`contain` (fn(*args)) with its wall time recorded, and warned about when slow."""
+        t0 = time.perf_counter()
+        try:
+            return contain(fn, *args)
+        finally:
+            self._took(backend.name, call, time.perf_counter() - t0)
+
+    def _took(self, name: str, call: str, seconds: float) -> None:
+        stats = self.hook_times.setdefault(name, {}).setdefault(call, [0, 0.0, 0.0])
+        stats[0] += 1
+        stats[1] += seconds
+        stats[2] = max(stats[2], seconds)
+        if seconds > SLOW_CALL_S:
+            log.warning("plugin %r backend %r: %s took %.1f s (slow plugin code; "
+                        "list-backends shows its hook times)", self.plugin_of.get(name, "?"),
+                        name, call, seconds)  # fmt: skip
+
+    def hook_summary(self, name: str) -> dict[str, dict[str, float]]:
+        """``{call: {"calls", "seconds", "max_s"}}`` of one backend's timed hooks."""
+        return {call: {"calls": int(n), "seconds": total, "max_s": longest}
+                for call, (n, total, longest) in self.hook_times.get(name, {}).items()}  # fmt: skip
 
     # ---- recording --------------------------------------------------------------------
 
@@ -202,7 +236,7 @@ class Guard:
 
     def supports(self, backend: Any, device: Any) -> Support | PluginFault:
         """``backend.supports(device)`` as a `Support`, or the recorded fault."""
-        value, exc = contain(backend.supports, device)
+        value, exc = self._timed(backend, "supports()", backend.supports, device)
         if exc is None and not isinstance(value, Support):
             exc = BadReturn(f"returned {_short(value)}, expected an fp4_dispatch.Support")
         if exc is not None:
@@ -218,7 +252,7 @@ class Guard:
                 raise BadReturn(f"returned {_short(got)}, expected an iterable of tactics")
             return list(got)
 
-        value, exc = contain(collect)
+        value, exc = self._timed(backend, "tactics()", collect)
         if exc is not None:
             return self.failed(backend.name, "tactics()", exc)
         return value
@@ -253,7 +287,7 @@ class Guard:
 
     def validate(self, backend: Any, tactic: Tactic, problem: Any, device: Any) -> str | None:
         """None when valid, else why not (a fault counts as "not valid here")."""
-        value, exc = contain(backend.validate, tactic, problem, device)
+        value, exc = self._timed(backend, "validate()", backend.validate, tactic, problem, device)
         if exc is None and value is not None and not isinstance(value, str):
             exc = BadReturn(f"returned {_short(value)}, expected None or a str")
         if exc is not None:  # a check that fails cannot vouch for its tactic: not used again
@@ -270,7 +304,7 @@ class Guard:
         ``exc.plugin_fault``; SystemExit & co. and a non-callable result raise the
         `PluginFault` (they must not end the process or be called).
         """
-        value, exc = contain(backend.build, tactic, problem, device)
+        value, exc = self._timed(backend, "build()", backend.build, tactic, problem, device)
         if exc is None and not callable(value):
             exc = BadReturn(f"returned {_short(value)}, expected a callable kernel")
         if exc is None:

@@ -16,17 +16,21 @@ exception, or "worker process died" when the compile took its process down) or
 ``skipped`` (the deadline came first). Nothing here raises for a job: a job that did not
 compile is compiled on first use, as before.
 
-Workers. Spawned (never forked: a forked CUDA or Triton state is unusable), at most
+Workers. Separate interpreters started with ``python -m fp4_dispatch.precompile_worker``
+through `subprocess` (never forked: a forked CUDA or Triton state is unusable; never
+multiprocessing's spawn: it re-imports the user's main module in each worker, running an
+unguarded script again, and fails for a parent reading standard input), at most
 ``min(#jobs, cpu_count - 1, 16)`` unless told otherwise (``workers=`` or
-``FP4_DISPATCH_PRECOMPILE_WORKERS``; 0 turns precompiling off). Each has its own pipe;
-the parent hands one job at a time to an idle worker, so the jobs spread evenly and the
-job a crashing worker was on is known exactly (it is reported failed and a replacement
+``FP4_DISPATCH_PRECOMPILE_WORKERS``; 0 turns precompiling off). Each has its own socket
+pair; the parent hands one job at a time to an idle worker, so the jobs spread evenly and
+the job a crashing worker was on is known exactly (it is reported failed and a replacement
 worker takes the rest). Workers stay alive between calls (starting one costs an
-interpreter, torch and Triton: 2-10 s) and exit after `IDLE_EXIT_S` without work; they
-are daemons, so they never outlive this process. A backend travels to the worker by
-pickle (its class is imported there, with the parent's ``sys.path`` of when the worker
-started: a changed path restarts the workers); one that does not pickle is looked up by
-name in the worker's own registry.
+interpreter, torch and Triton: 2-10 s) and exit after `IDLE_EXIT_S` without work or as
+soon as their socket closes, so they never outlive this process. A backend travels to the
+worker by pickle (its class is imported there, with the parent's ``sys.path`` of when the
+worker started, as ``PYTHONPATH``: a changed path restarts the workers); one that does not
+pickle, or whose class lives in the parent's ``__main__`` (which the worker never
+imports), is looked up by name in the worker's own registry.
 
 Process memory. `is_ready`/`mark_ready` remember, per process, which
 (backend, `Backend.precompile_key`) pairs are compiled - on disk by a worker, or launched
@@ -40,10 +44,11 @@ import contextlib
 import itertools
 import logging
 import math
-import multiprocessing
 import multiprocessing.connection as mpc
 import os
 import pickle
+import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -244,6 +249,8 @@ def _notify(on_outcome: Callable[[Outcome], None] | None, outcome: Outcome) -> N
 
 def _payload(job: Job, device: DeviceInfo) -> bytes:
     """The pickled job; a backend that does not pickle travels by name (worker registry)."""
+    if type(job.backend).__module__ == "__main__":  # the worker never imports __main__
+        return pickle.dumps(("name", job.backend.name, job.tactic, job.problem, device))
     try:
         return pickle.dumps(("object", job.backend, job.tactic, job.problem, device))
     except Exception as exc:  # e.g. a backend holding a lock: the worker loads it by name
@@ -251,9 +258,55 @@ def _payload(job: Job, device: DeviceInfo) -> bytes:
         return pickle.dumps(("name", job.backend.name, job.tactic, job.problem, device))
 
 
+class _Process:
+    """A worker interpreter (`subprocess.Popen`) with the few `multiprocessing.Process`
+    methods the pool uses."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self._popen = popen
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._popen.poll()
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            self._popen.terminate()
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # still running: the caller acts
+            self._popen.wait(timeout)
+
+
+def _worker_env() -> dict[str, str]:
+    """This environment with ``PYTHONPATH`` = this process's ``sys.path`` (then the old one)."""
+    env = dict(os.environ)
+    paths = [p for p in sys.path if isinstance(p, str) and p]
+    old = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = os.pathsep.join(paths + ([old] if old else []))
+    return env
+
+
+def start_worker() -> tuple[_Process, mpc.Connection]:
+    """Start ``python -m fp4_dispatch.precompile_worker`` on one end of a socket pair."""
+    mine, theirs = socket.socketpair()
+    try:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "fp4_dispatch.precompile_worker", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=_worker_env(),
+            close_fds=True,
+        )  # fmt: skip
+    finally:
+        theirs.close()
+    return _Process(popen), mpc.Connection(mine.detach())
+
+
 @dataclass
 class _Worker:
-    process: Any
+    process: _Process
     conn: mpc.Connection
     started: float
     #: (batch, job index) it is compiling, or None when idle
@@ -262,23 +315,16 @@ class _Worker:
 
 
 class _Pool:
-    """Persistent spawned workers, one pipe each (see the module doc)."""
+    """Persistent worker interpreters, one socket each (see the module doc)."""
 
     def __init__(self) -> None:
-        self._ctx = multiprocessing.get_context("spawn")
         self._workers: list[_Worker] = []
         self._batches = itertools.count()
         self._sys_path = tuple(sys.path)
 
     def _start(self) -> None:
-        parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(
-            target=_worker_main, args=(child, IDLE_EXIT_S), daemon=True,
-            name="fp4-dispatch-precompile",
-        )  # fmt: skip
-        proc.start()
-        child.close()
-        self._workers.append(_Worker(proc, parent, time.monotonic()))
+        process, conn = start_worker()
+        self._workers.append(_Worker(process, conn, time.monotonic()))
 
     def _reap(self) -> list[_Worker]:
         """Drop dead workers; return those that died while busy."""
@@ -340,7 +386,7 @@ class _Pool:
                 queue.clear()
                 self._stop_busy(batch, jobs, finish)
                 break
-            wait_for = [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
+            wait_for = [w.conn for w in self._workers]  # a dead worker's socket reads EOF
             timeout = None if deadline == math.inf else max(0.0, deadline - now)
             ready = mpc.wait(wait_for, timeout=min(timeout, 1.0) if timeout is not None else 1.0)
             for w in list(self._workers):
@@ -381,7 +427,10 @@ class _Pool:
     def _receive(self, w: _Worker, batch: int, jobs: Sequence[Job], finish) -> None:
         try:
             msg = w.conn.recv()
-        except (EOFError, OSError):  # the worker is gone: its sentinel fires, reaped
+        except (EOFError, OSError):  # the worker is gone: let it exit, then it is reaped
+            w.process.join(timeout=5)
+            w.process.terminate()  # closed its socket but still running: of no more use
+            w.process.join(timeout=2)
             return
         if msg == "up":
             w.ready = True
@@ -427,8 +476,9 @@ def shutdown() -> None:
 # ---- the worker side ----------------------------------------------------------------------
 
 
-def _worker_main(conn: mpc.Connection, idle_exit_s: float) -> None:
-    """A worker's loop: receive a pickled job, compile it, answer; exit when idle."""
+def worker_loop(conn: mpc.Connection, idle_exit_s: float) -> None:
+    """A worker's loop (`fp4_dispatch.precompile_worker`): receive a pickled job, compile
+    it, answer; exit when idle, told to (an empty message) or the parent has gone."""
     conn.send("up")
     while conn.poll(idle_exit_s):
         try:

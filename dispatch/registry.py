@@ -241,15 +241,18 @@ def _env_sources() -> tuple[set[str] | None, set[str] | None]:
 _WARNED: set[tuple[str, str]] = set()
 
 
-def _warn_unmatched(var: str, names: set[str], eps: set[str], backends: set[str]) -> None:
+def _warn_unmatched(
+    var: str, names: set[str], eps: set[str], backends: set[str], hint: str = ""
+) -> None:
     """One warning per process for each name of `var` that matched no plugin or backend."""
     for name in sorted(names - eps - backends):
         if (var, name) in _WARNED:
             continue
         _WARNED.add((var, name))
         log.warning(
-            "%s: %r matches no plugin (entry point) and no backend; plugins: %s; backends: %s",
-            var, name, ", ".join(sorted(eps)) or "none", ", ".join(sorted(backends)) or "none",
+            "%s: %r matches no plugin (entry point) and no backend; plugins: %s; backends: "
+            "%s%s", var, name, ", ".join(sorted(eps)) or "none",
+            ", ".join(sorted(backends)) or "none", f" ({hint})" if hint else "",
         )  # fmt: skip
 
 
@@ -257,20 +260,25 @@ def load(strict: bool | None = None) -> Registry:
     """Load every plugin of the ``fp4_dispatch`` entry-point group.
 
     ``FP4_DISPATCH_PLUGINS`` (comma list; empty = built-ins only) limits third-party
-    plugins; ``FP4_DISPATCH_DISABLE`` (comma list) skips any plugin, built-ins too. Both
-    take entry-point names and backend names: an entry-point name acts on the whole
-    plugin (a disabled one is never imported); a backend name acts on that backend only
-    (its plugin is loaded, the other backends of the plugin stay as they were; with a
-    backend name in ``FP4_DISPATCH_PLUGINS`` unlisted third-party plugins are imported
-    to find it, and only listed backends of theirs are kept). A name that matches
-    nothing is warned about once per process.
+    plugins; ``FP4_DISPATCH_DISABLE`` (comma list) skips any plugin, built-ins too. An
+    entry-point name acts on the whole plugin (a disabled or unlisted one is never
+    imported). In ``FP4_DISPATCH_PLUGINS``, ``plugin:backend`` imports that one plugin and
+    keeps only the named backends of it; in ``FP4_DISPATCH_DISABLE`` a backend name
+    leaves out that backend only (its plugin loads; its other backends stay). No name
+    makes an unlisted plugin be imported to look for it: a plugin's import runs its code,
+    so ``FP4_DISPATCH_PLUGINS=typo`` must not run every installed plugin. A name that
+    matches nothing is warned about once per process.
     """
     strict = strict_default() if strict is None else strict
     allow, disable = _env_sources()
     registry = Registry()
     eps = _entry_points()
     ep_names = {ep.name for ep in eps}
-    allow_backends = None if allow is None else allow - ep_names
+    picked: dict[str, set[str]] = {}  # plugin -> the backends `plugin:backend` names
+    for name in allow or ():
+        plugin, sep, backend = name.partition(":")
+        if sep:
+            picked.setdefault(plugin.strip(), set()).add(backend.strip())
     for ep in eps:
         report = _report_for(ep)
         registry.plugins.append(report)
@@ -278,15 +286,19 @@ def load(strict: bool | None = None) -> Registry:
             _block(registry, report, "listed in FP4_DISPATCH_DISABLE")
             continue
         named = allow is None or report.builtin or ep.name in allow
-        if not named and not allow_backends:
+        if not named and ep.name not in picked:
             _block(registry, report, "not listed in FP4_DISPATCH_PLUGINS")
             continue
-        _load_one(ep, report, registry, keep=None if named else allow_backends, disable=disable)
+        _load_one(ep, report, registry, keep=None if named else picked[ep.name],
+                  disable=disable)  # fmt: skip
         if strict and report.errors:
             raise PluginLoadError(report.errors[0])
     every = set(registry.backends) | {b for p in registry.plugins for b in p.disabled_backends}
     if allow:
-        _warn_unmatched("FP4_DISPATCH_PLUGINS", allow, ep_names, every)
+        qualified = {f"{p.name}:{b}" for p in registry.plugins
+                     for b in (*p.backends, *p.disabled_backends)}  # fmt: skip
+        _warn_unmatched("FP4_DISPATCH_PLUGINS", allow, ep_names, qualified,
+                        hint="to keep one backend of a plugin, write plugin:backend")  # fmt: skip
     if disable:
         _warn_unmatched("FP4_DISPATCH_DISABLE", disable, ep_names, every)
     return registry

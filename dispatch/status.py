@@ -7,8 +7,8 @@ its device; run-time faults of a backend's plugin code are attached to its row.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from . import registry
@@ -33,28 +33,37 @@ class BackendStatus:
     faults: tuple[Fault, ...] = ()
     #: the plugin's import + hook time in seconds
     load_s: float = 0.0
+    #: time in this backend's guarded calls: ``{call: {"calls", "seconds", "max_s"}}``
+    hooks: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         row = asdict(self)
         row["error"] = None if self.error is None else asdict(self.error)
         row["faults"] = [f.to_json() for f in self.faults]
+        row["hooks"] = {call: dict(v) for call, v in self.hooks.items()}
         return row
 
 
 def backend_rows(
-    reg: registry.Registry, status: Mapping[str, tuple[Status, str]]
+    reg: registry.Registry,
+    status: Mapping[str, tuple[Status, str]],
+    hooks: Callable[[str], Mapping[str, Mapping[str, float]]] | None = None,
 ) -> list[BackendStatus]:
     """Every backend of `reg` with its (status, reason) on the device, then every plugin
-    that failed, was disabled or registered nothing, as rows (plugins in load order)."""
+    that failed, was disabled or registered nothing, as rows (plugins in load order).
+    ``hooks(name)``: the backend's hook times (`Guard.hook_summary`)."""
     rows = []
     for report in reg.plugins:
-        rows += _backend_rows(reg, report, status)
+        rows += _backend_rows(reg, report, status, hooks or (lambda name: {}))
         rows += _plugin_rows(report)
     return rows
 
 
 def _backend_rows(
-    reg: registry.Registry, report: registry.PluginReport, status: Mapping[str, tuple[Status, str]]
+    reg: registry.Registry,
+    report: registry.PluginReport,
+    status: Mapping[str, tuple[Status, str]],
+    hooks: Callable[[str], Mapping[str, Mapping[str, float]]],
 ) -> list[BackendStatus]:
     """The backends one plugin registered (with their faults), then those it had disabled."""
     rows = []
@@ -65,7 +74,7 @@ def _backend_rows(
         rows.append(
             BackendStatus(
                 name, b.family, report.origin, b.version, state, reason, report.name,
-                faults=faults, load_s=report.load_s,
+                faults=faults, load_s=report.load_s, hooks=hooks(name),
             )
         )  # fmt: skip
     for name, why in report.disabled_backends.items():

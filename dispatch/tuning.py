@@ -198,6 +198,16 @@ def tie_key(c: Candidate) -> tuple[float, str, str]:
     return (c.est_us, c.backend, c.tactic.canonical_json())
 
 
+def check_band(band: object) -> float:
+    """A fixed noise band: a finite number >= 0 (a fraction: 0.05 = 5 %); TypeError or
+    ValueError naming ``band`` otherwise (a negative or NaN band selects no winner)."""
+    if isinstance(band, bool) or not isinstance(band, (int, float)):
+        raise TypeError(f"band: expected a number >= 0 or None, got {type(band).__name__}")
+    if not (math.isfinite(band) and band >= 0):
+        raise ValueError(f"band: expected a finite number >= 0 (e.g. 0.05), got {band!r}")
+    return float(band)
+
+
 def noise_band(
     measurements: Iterable[Measurement], floor: float = NOISE_FLOOR, cap: float = NOISE_CAP
 ) -> float:
@@ -397,7 +407,7 @@ class Tuner:
         self.policy = policy_of(device, measure)
         self.timer = timer if timer is not None else default_timer(self.device, measure)
         self.pairs = pairs
-        self.band = band
+        self.band = None if band is None else check_band(band)
         self.noise_floor = noise_floor
         self.seed = seed
 

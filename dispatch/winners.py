@@ -188,6 +188,9 @@ class CacheEntry(BaseModel):
     pairs: _OptInt = None
     decision: _OptStr = None
     challenger: _OptDict = None
+    #: how the winner's output was verified against the float64 reference ("tuning": the
+    #: tuner's check of every raced candidate); a reader verifies it again on first use
+    verified: _OptStr = None
 
     @property
     def op(self) -> str:
@@ -243,7 +246,7 @@ class CacheEntry(BaseModel):
             kept_default=result.kept_default, paired_ratio=_finite(result.paired_ratio),
             pairs=result.pairs, decision=result.decision or None,
             challenger=ref(result.challenger, result.runner_up_us)
-            if result.kept_default else None,
+            if result.kept_default else None, verified="tuning",
         )  # fmt: skip
 
 
@@ -323,6 +326,8 @@ class TunedWinners:
         the bucket's problem."""
         if not isinstance(entry, CacheEntry):
             entry = CacheEntry.model_validate(dict(entry))
+        if not (math.isfinite(entry.us) and entry.us > 0):  # no kernel runs in <= 0 us
+            raise StaleEntry(f"measured time {entry.us!r} us is not a positive finite number")
         why = environment_mismatch(entry.env, environment(self._d.device))
         if why is not None:
             raise StaleEntry(why)
@@ -413,9 +418,15 @@ class TunedWinners:
         """Run a cached winner once and compare with the reference; StaleEntry if wrong."""
         n, k, bucket, dtype, op = bkey
         problem = Problem(m=bucket, n=n, k=k, out_dtype=dtype, operation=op)
-        why = tuning.verify_candidate(cand, self._d.kernel_for, problem, self._d.device)
-        if why is not None:
+        d = self._d
+        why = tuning.verify_candidate(cand, d.kernel_for, problem, d.device)
+        if why is not None:  # a wrong kernel: never picked again, by the heuristic either
+            d.guard.fault(cand.backend, "kernel() result", RuntimeError(why), cand.tactic,
+                          quiet=True)  # fmt: skip
+            d.guard.broken.add((cand.backend, cand.tactic))
+            d.ranker.clear()
             raise StaleEntry(f"cached winner {cand.backend} gives a wrong result: {why}")
+        d.first_use.mark(cand.backend, cand.tactic, bkey)
 
     def import_from(self, path: str | os.PathLike[str], *, replace: bool = False) -> ImportReport:
         """Merge another machine's cache file into this one (``cache import``).
@@ -467,6 +478,8 @@ class TunedWinners:
         bkey = result.bucket
         self._winners[bkey] = result.winner
         self.results[bkey] = result
+        if result.winner is not None:  # the tuner checked it against the reference
+            self._d.first_use.mark(result.winner.backend, result.winner.tactic, bkey)
         if save and self.cache is not None:
             self._save(bkey, result)
 

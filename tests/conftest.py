@@ -245,8 +245,33 @@ def operands():
     return make
 
 
+#: the on-disk caches compiled kernels go to, each redirected for the session (unless the
+#: caller set it) so that no test writes into the user's own cache folders
+KERNEL_CACHE_VARS = ("FP4_DISPATCH_KERNEL_CACHE", "TRITON_CACHE_DIR", "XDG_CACHE_HOME")
+_session_caches: list[str] = []
+
+
+def _redirect_kernel_caches() -> None:
+    """Point every unset kernel-cache variable into one temporary folder for the session."""
+    import tempfile
+
+    base = tempfile.mkdtemp(prefix="fp4-test-caches-")
+    _session_caches.append(base)
+    for var in KERNEL_CACHE_VARS:
+        if not os.environ.get(var):
+            os.environ[var] = os.path.join(base, var.lower())
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    for base in _session_caches:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def pytest_configure(config):
     """Markers live here: the tests run from a copy outside the source tree (no pyproject)."""
+    _redirect_kernel_caches()
     config.addinivalue_line("markers", "slow: longer tests (still run in CI)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
     # Third-party deprecation chatter (CuTe-DSL's own internals, torch.jit) buries real output.

@@ -31,7 +31,7 @@ HAVE_CUTE = importlib.util.find_spec("cutlass") is not None
 needs_cute = pytest.mark.skipif(
     not HAVE_CUTE, reason=f"CuTe-DSL extra not installed ({cb.INSTALL_HINT})"
 )
-HINT = "pip install 'fp4-dispatch[cute]'"
+HINT = "pip install '.[cute]' in the fp4-dispatch checkout"
 FAMILIES = {"sm100": Sm100Backend, "sm103": Sm103Backend, "sm107": Sm107Backend}
 
 # ---- never absent: the extra missing or broken, in a subprocess ----------------------

@@ -68,12 +68,13 @@ def test_malformed_entry_is_refused_before_writing(tmp_path):
 
 WRITER = textwrap.dedent(
     """
-    import importlib.util, sys, time
-    # Load cache.py on its own (no torch): the test measures the lock, not interpreter start.
-    spec = importlib.util.spec_from_file_location("fp4_cache_alone", sys.argv[1])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
+    import importlib, os, sys, time, types
+    # Load cache.py (and the safefs it imports) without the package's __init__ (no torch):
+    # the test measures the lock, not interpreter start.
+    pkg = types.ModuleType("fp4_cache_alone")
+    pkg.__path__ = [os.path.dirname(sys.argv[1])]
+    sys.modules[pkg.__name__] = pkg
+    mod = importlib.import_module("fp4_cache_alone.cache")
     cache = mod.TuningCache(sys.argv[2])
     worker, start = int(sys.argv[3]), float(sys.argv[4])
     while time.time() < start:

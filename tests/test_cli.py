@@ -47,10 +47,19 @@ def test_devices_lists_simulated_parts():
 
 
 def test_sm_count_override():
-    rows = json.loads(
-        cli("list-backends", "--device", "sm100", "--sm-count", "100", "--json").stdout
-    )
-    assert rows
+    """--sm-count replaces the part's SM count in every row's device, and the compute rates
+    the cost model reads scale with it (148 SMs is the sm100 part's own count)."""
+
+    def devices(*extra):
+        rows = json.loads(cli("list-backends", "--device", "sm100", *extra, "--json").stdout)
+        assert rows
+        return [r["device"] for r in rows]
+
+    own, cut = devices(), devices("--sm-count", "100")
+    assert {d["sm_count"] for d in own} == {148} and {d["sm_count"] for d in cut} == {100}
+    assert all("(100 SMs)" in d["name"] for d in cut)
+    ratio = cut[0]["bf16_tflops"] / own[0]["bf16_tflops"]
+    assert ratio == pytest.approx(100 / 148)
 
 
 def test_doctor_passes_on_cpu():

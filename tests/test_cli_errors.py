@@ -75,15 +75,25 @@ def test_simulated_tune_is_a_usage_error():
 def test_version_and_help_are_fast_and_import_no_torch():
     from fp4_dispatch import __version__
 
-    t0 = time.perf_counter()
-    proc = cli("--version")
-    wall = time.perf_counter() - t0
+    def best_of_3(argv):
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            proc = subprocess.run(argv, capture_output=True, text=True)
+            times.append(time.perf_counter() - t0)
+        return min(times), proc
+
+    # the 1 s target (benchmarks/bench_first_contact.py) is the tool's own cost: the
+    # interpreter's start-up is subtracted, so a loaded CI machine does not need slack
+    bare, _ = best_of_3([sys.executable, "-c", "pass"])
+    code = "import sys; from fp4_dispatch.cli import main; sys.exit(main(['--version']))"
+    wall, proc = best_of_3([sys.executable, "-c", code])
     assert proc.returncode == 0 and proc.stdout.strip() == f"fp4-dispatch {__version__}"
     code = "import sys; from fp4_dispatch.cli import main\ntry:\n    main(['--help'])\n"
     code += "except SystemExit:\n    print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip().splitlines()[-1] == "False", out.stdout + out.stderr
-    assert wall < 10, wall  # the 1 s target is measured in benchmarks/bench_first_contact.py
+    assert wall - bare < 1.0, (wall, bare)
 
 
 @pytest.mark.parametrize(

@@ -81,6 +81,11 @@ def good():
     return qa, qb
 
 
+def inference_copy(t):
+    with torch.inference_mode():
+        return t.clone()
+
+
 def q_other_k():
     return quantize_nvfp4(torch.randn(N, 2 * K))
 
@@ -132,6 +137,24 @@ GEMM_CASES = [
     ("out device", lambda c: c.gemm(out=meta_like(c.out)), ValueError, "out: expected a tensor"),
     ("qa device", lambda c: c.gemm(qa=c.qa.to("meta")), ValueError, "qa"),
     ("qb device", lambda c: c.gemm(qb=c.qb.to("meta")), ValueError, "qb"),
+    (
+        "out requires grad",
+        lambda c: c.gemm(out=c.out.clone().requires_grad_()),
+        ValueError,
+        "out: expected a tensor that does not require grad",
+    ),
+    (
+        "out inference",
+        lambda c: c.gemm(out=inference_copy(c.out)),
+        ValueError,
+        "out: expected a normal tensor",
+    ),
+    (
+        "qa dense on meta",
+        lambda c: c.gemm(qa=torch.empty(M, K, dtype=BF16, device="meta")),
+        ValueError,
+        "qa: expected a tensor on",
+    ),
 ]
 MM_CASES = [
     ("a float", lambda c: c.mm(a=c.a.float()), TypeError, "a: expected dtype"),
@@ -179,6 +202,20 @@ MM_CASES = [
     ("out shape", lambda c: c.mm(out=c.out.T.contiguous()), ValueError, "out: expected shape"),
     ("out dtype", lambda c: c.mm(out=c.out.half()), TypeError, "out: expected dtype"),
     ("out_dtype int8", lambda c: c.mm(out_dtype=torch.int8), TypeError, "out_dtype"),
+    (
+        "a_descale list",
+        lambda c: c.mm(a_descale=c.sa.tolist()),
+        TypeError,
+        "a_descale: expected a torch.Tensor",
+    ),
+    (
+        "b_descale list",
+        lambda c: c.mm(b_descale=[1.0]),
+        TypeError,
+        "b_descale: expected a torch.Tensor",
+    ),
+    ("out list", lambda c: c.mm(out=[0.0]), TypeError, "out: expected a torch.Tensor"),
+    ("b list", lambda c: c.mm(b=[[0]]), TypeError, "b: expected a torch.Tensor"),
 ]
 CASES = GEMM_CASES + MM_CASES
 
@@ -192,8 +229,21 @@ def test_bad_input_is_rejected_and_out_untouched(dispatcher, label, call, exc, t
     assert torch.equal(c.out, torch.full((M, N), 7.0, dtype=BF16)), "out was written"
 
 
-def test_at_least_25_bad_input_cases():
-    assert len(GEMM_CASES) + len(MM_CASES) >= 25
+def test_bad_input_cases_cover_every_argument():
+    """Each argument of gemm and mm_fp4 has at least one bad-input case whose error names it
+    (``"<arg>: expected"`` or the argument alone), and no two cases share a label."""
+    import inspect
+
+    def named(cases, arg):
+        return [lab for lab, _, _, text in cases if text == arg or text.startswith(f"{arg}:")
+                or text.startswith(f"{arg} ")]  # fmt: skip
+
+    for method, cases in ((Dispatcher.gemm, GEMM_CASES), (Dispatcher.mm_fp4, MM_CASES)):
+        args = [p for p in inspect.signature(method).parameters if p != "self"]
+        missing = [a for a in args if not named(cases, a)]
+        assert not missing, f"{method.__name__}: no bad-input case names {missing}"
+    labels = [c[0] for c in GEMM_CASES] + [f"mm {c[0]}" for c in MM_CASES]
+    assert len(labels) == len(set(labels))
 
 
 def test_bad_budget_and_device():

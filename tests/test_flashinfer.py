@@ -25,9 +25,9 @@ from fp4_dispatch.tactics import Problem
 
 HAVE_FI = importlib.util.find_spec("flashinfer") is not None
 needs_fi = pytest.mark.skipif(
-    not HAVE_FI, reason="flashinfer extra not installed (pip install 'fp4-dispatch[flashinfer]')"
+    not HAVE_FI, reason="flashinfer extra not installed (pip install '.[flashinfer]')"
 )
-HINT = "pip install 'fp4-dispatch[flashinfer]'"
+HINT = "pip install '.[flashinfer]' in the fp4-dispatch checkout"
 NAMES = {"fi-sm100", "fi-sm100-deepk", "fi-sm100-splitk", "fi-sm103", "fi-sm107"}
 SM107 = simulated("sm107")
 SM100 = simulated("sm100")

@@ -197,6 +197,62 @@ def test_default_workers(monkeypatch):
     assert pc.default_workers(10) == 0
 
 
+# ---- workers never import the user's main module -------------------------------------
+
+#: a user's script without an ``if __name__ == "__main__":`` guard: every run of its body
+#: appends a line to RUNS; it precompiles two jobs of a module backend and one of a backend
+#: defined in the script itself (never importable by a worker: it must fail, not re-run)
+UNGUARDED = """
+import json, os, sys
+sys.path.insert(0, {folder!r})
+with open({runs!r}, "a") as f:
+    f.write(f"{{os.getpid()}}\\n")
+import pc_backends
+from fp4_dispatch import precompile as pc
+from fp4_dispatch.device import DeviceInfo
+from fp4_dispatch.tactics import Problem
+
+class MainBackend(pc_backends.MarkBackend):
+    name = "pc-main"
+
+p = Problem(m=64, n=256, k=512)
+jobs = [pc.Job(pc_backends.MarkBackend({markers!r}), pc_backends.MarkTactic(tile_n=n), p)
+        for n in (16, 32)]
+jobs.append(pc.Job(MainBackend({markers!r}), pc_backends.MarkTactic(tile_n=64), p))
+report = pc.precompile(jobs, DeviceInfo(name="cpu", kind="cpu"), workers=2)
+print(json.dumps([o.status for o in report.outcomes]))
+"""
+
+
+@pytest.mark.parametrize("how", ["file", "-c", "stdin"])
+def test_workers_never_rerun_an_unguarded_main_script(mark, tmp_path, how):
+    import subprocess
+
+    _, folder = mark
+    runs = tmp_path / "runs.txt"
+    script = UNGUARDED.format(folder=str(tmp_path), runs=str(runs), markers=str(folder))
+    path = tmp_path / "user_script.py"
+    path.write_text(script)
+    argv = {"file": [str(path)], "-c": ["-c", script], "stdin": ["-"]}[how]
+    proc = subprocess.run([sys.executable, *argv], input=script if how == "stdin" else None,
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == ["compiled", "compiled", "failed"]
+    assert len(runs.read_text().splitlines()) == 1  # the body ran once: in the parent only
+    marks = _markers(folder)
+    assert sorted(x["tile_n"] for x in marks) == [16, 32]
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_workers_start_as_a_module_of_this_package(mark):
+    mod, folder = mark
+    report = pc.precompile(_jobs(mod, folder, ["ok"]), CPU, workers=1)
+    assert report.outcomes[0].status == "compiled"
+    (pool,) = [pc._POOL]
+    args = pool._workers[0].process._popen.args
+    assert args[:3] == [sys.executable, "-m", "fp4_dispatch.precompile_worker"]
+
+
 # ---- inside Dispatcher.tune ------------------------------------------------------------
 
 PLUGIN = '''

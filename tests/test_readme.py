@@ -20,8 +20,11 @@ import pytest
 
 ROOT = os.environ.get("FP4_DISPATCH_SOURCE_ROOT")
 _BLOCK = re.compile(
-    r"(?:<!--\s*skip-ci:\s*(?P<skip>.*?)\s*-->\s*\n)?```python\n(?P<code>.*?)```", re.S
+    r"(?:<!--\s*skip-ci:\s*(?P<skip>.*?)\s*-->\s*\n)?```python\n(?P<code>.*?)```\n"
+    r"(?P<expect>(?:<!-- ci-expect: .*? -->\n)*)",
+    re.S,
 )
+_EXPECT = re.compile(r"<!-- ci-expect: (.*?) -->")
 
 
 def readme_blocks(text: str) -> list[tuple[int, str, str | None]]:
@@ -32,23 +35,35 @@ def readme_blocks(text: str) -> list[tuple[int, str, str | None]]:
     ]
 
 
+def readme_expectations(text: str) -> dict[int, list[str]]:
+    """Block line -> the regular expressions its output must match: the
+    ``<!-- ci-expect: REGEX -->`` lines right after the block (hidden when rendered)."""
+    return {
+        text.count("\n", 0, m.start("code")) + 1: _EXPECT.findall(m.group("expect"))
+        for m in _BLOCK.finditer(text)
+    }
+
+
 def _blocks() -> list:
     if not ROOT:
         return [pytest.param(None, id="no-source-root")]
     text = (Path(ROOT) / "README.md").read_text(encoding="utf-8")
-    return [pytest.param(b, id=f"line{b[0]}") for b in readme_blocks(text)]
+    expect = readme_expectations(text)
+    return [pytest.param((*b, expect[b[0]]), id=f"line{b[0]}") for b in readme_blocks(text)]
 
 
 def test_block_parser_finds_code_and_skip_marks():
     text = "x\n```python\na = 1\n```\n<!-- skip-ci: needs a GPU -->\n```python\nb = 2\n```\n"
     assert readme_blocks(text) == [(3, "a = 1\n", None), (7, "b = 2\n", "needs a GPU")]
+    text = "```python\nprint(1)\n```\n<!-- ci-expect: ^1$ -->\n<!-- ci-expect: x -->\n"
+    assert readme_expectations(text) == {2: ["^1$", "x"]}
 
 
 @pytest.mark.parametrize("block", _blocks())
 def test_readme_python_block_runs(block, tmp_path):
     if block is None:
         pytest.skip("FP4_DISPATCH_SOURCE_ROOT is not set (scripts/test.sh sets it)")
-    line, code, skip = block
+    line, code, skip, expect = block
     if skip:
         pytest.skip(f"README.md line {line}: skip-ci: {skip}")
     env = {
@@ -63,3 +78,10 @@ def test_readme_python_block_runs(block, tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           env=env, cwd=tmp_path, timeout=600)  # fmt: skip
     assert proc.returncode == 0, f"README.md line {line} failed:\n{proc.stdout}\n{proc.stderr}"
+    # what the block shows, not only that it ran: each block states its output
+    assert expect, f"README.md line {line}: add <!-- ci-expect: REGEX --> lines after the block"
+    for pattern in expect:
+        assert re.search(pattern, proc.stdout, re.M), (
+            f"README.md line {line}: output does not match {pattern!r}:\n{proc.stdout}"
+        )
+    assert "Traceback" not in proc.stderr, proc.stderr

@@ -140,13 +140,24 @@ def test_disable_takes_a_backend_name(plugin_dist, monkeypatch):
     )
 
 
-def test_allowlist_takes_a_backend_name(plugin_dist, monkeypatch):
+def test_allowlist_takes_plugin_colon_backend(plugin_dist, monkeypatch):
     plugin_dist("tp-dist", {"tp": good_plugin("tp-backend"), "tq": good_plugin("tq-backend")})
-    monkeypatch.setenv("FP4_DISPATCH_PLUGINS", "tq-backend")
+    monkeypatch.setenv("FP4_DISPATCH_PLUGINS", "tq:tq-backend")
     reg = load()
     assert "tq-backend" in reg.backends and "tp-backend" not in reg.backends
     assert "torch-reference" in reg.backends  # built-ins are not limited by the allowlist
-    assert "tp-backend" in report(reg, "tp").disabled_backends
+    assert report(reg, "tp").status == "disabled" and "fakeplug_tp" not in sys.modules
+
+
+def test_unknown_allowlist_name_imports_no_unlisted_plugin(plugin_dist, monkeypatch, caplog):
+    """FP4_DISPATCH_PLUGINS=typo: no third-party plugin's code runs to look for it."""
+    plugin_dist("tp-dist", {"tp": good_plugin("tp-backend"), "tq": good_plugin("tq-backend")})
+    monkeypatch.setenv("FP4_DISPATCH_PLUGINS", "nosuch,tq")
+    with caplog.at_level("WARNING", logger="fp4_dispatch.registry"):
+        reg = load()
+    assert "fakeplug_tp" not in sys.modules and report(reg, "tp").status == "disabled"
+    assert "tq-backend" in reg.backends and not report(reg, "tq").disabled_backends
+    assert "'nosuch' matches no plugin" in caplog.text and "plugin:backend" in caplog.text
 
 
 @pytest.mark.parametrize("var", ["FP4_DISPATCH_DISABLE", "FP4_DISPATCH_PLUGINS"])

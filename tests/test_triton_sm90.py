@@ -201,7 +201,7 @@ def test_supports_without_triton_gives_install_hint(monkeypatch):
         s = TritonSm90Backend().supports(SM90)
     finally:
         sm90._triton_status.cache_clear()
-    assert not s.ok and "pip install fp4-dispatch[triton]" in s.reason
+    assert not s.ok and "pip install '.[triton]' in the fp4-dispatch checkout" in s.reason
 
 
 def test_plugin_module_imports_without_triton(monkeypatch):

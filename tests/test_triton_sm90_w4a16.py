@@ -7,6 +7,7 @@ H200 by benchmarks/bench_w4a16.py.
 
 from __future__ import annotations
 
+import ptx_model
 import pytest
 import torch
 from conftest import run_interpreted
@@ -450,72 +451,9 @@ def test_rules_reject_what_does_not_fit():
 # ---- the PTX dequantizers, executed by a small PTX model on the CPU ---------------------
 
 
-def _run_ptx(asm: str, regs: dict[str, int]) -> dict[str, int]:
-    """Execute the straight-line PTX of a dequantizer block (prmt, shl, and, or, mul.rn
-    f16x2/bf16x2) on 32-bit Python ints; ``regs`` holds the inputs ($4-$6)."""
-
-    def val(tok: str) -> int:
-        tok = tok.strip()
-        return regs[tok] if tok in regs else int(tok, 0)
-
-    def lanes_mul(a: int, b: int, dt: torch.dtype) -> int:
-        def half(x: int) -> torch.Tensor:
-            return torch.tensor([x & 0xFFFF], dtype=torch.int32).to(torch.int16).view(dt)
-
-        out = 0
-        for sh in (0, 16):
-            p = (half(a >> sh).float() * half(b >> sh).float()).to(dt)
-            out |= (int(p.view(torch.int16).item()) & 0xFFFF) << sh
-        return out
-
-    for line in asm.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line[0] in "{}." or line.startswith(".reg"):
-            continue
-        op, rest = line.split(None, 1)
-        args = [a.strip() for a in rest.split(",")]
-        d = args[0]
-        if op == "prmt.b32":
-            a, b, sel = val(args[1]), val(args[2]), val(args[3])
-            pool = a | (b << 32)
-            regs[d] = sum(((pool >> (8 * ((sel >> 4 * i) & 7))) & 0xFF) << 8 * i for i in range(4))
-        elif op == "shl.b32":
-            regs[d] = (val(args[1]) << val(args[2])) & 0xFFFFFFFF
-        elif op == "and.b32":
-            regs[d] = val(args[1]) & val(args[2])
-        elif op == "or.b32":
-            regs[d] = val(args[1]) | val(args[2])
-        elif op in ("mul.rn.f16x2", "mul.rn.bf16x2"):
-            dt = torch.float16 if op == "mul.rn.f16x2" else torch.bfloat16
-            regs[d] = lanes_mul(val(args[1]), val(args[2]), dt)
-        else:
-            raise AssertionError(f"PTX model: unknown instruction {op!r}")
-    return regs
-
-
 def _assert_every_lane_exact(name: str, asm: str, scales: dict, dtype, prepared: bool) -> None:
-    """Run `asm` (inputs ``$4`` = 4 packed bytes, plus `scales`) on 256 words that hold every
-    byte value at every position; each 16-bit output lane must be ``e2m1 * 2**-14`` of its
-    own byte's nibble (low nibbles in ``$0``/``$1``, high in ``$2``/``$3``; the high nibble
-    rotated back first for prepared bytes), in `dtype`."""
-    from fp4_dispatch.backends.sm90 import gemm_w4a16 as mod
-    from fp4_dispatch.nvfp4 import E2M1_VALUES
-
-    for b0 in range(256):
-        b1, b2, b3 = (b0 * 7 + 1) % 256, (b0 * 13 + 5) % 256, 255 - b0
-        regs = _run_ptx(asm, {"$4": b0 | b1 << 8 | b2 << 16 | b3 << 24, **scales})
-        outs = {"$0": (0, 1), "$1": (2, 3), "$2": (0, 1), "$3": (2, 3)}
-        for reg, (i, j) in outs.items():
-            for lane, idx in ((0, i), (1, j)):
-                byte = (b0, b1, b2, b3)[idx]
-                natural = (
-                    mod.unrotate_high_nibbles(torch.tensor([byte])).item() if prepared else byte
-                )
-                code = natural & 15 if reg in ("$0", "$1") else natural >> 4
-                v = E2M1_VALUES[code & 7] * (-1.0 if code & 8 else 1.0) * 2.0**-14
-                bits = (regs[reg] >> 16 * lane) & 0xFFFF
-                got = torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(dtype).item()
-                assert got == v, f"{name}: byte {byte:#04x} {reg} lane {lane}: {got} != {v}"
+    """The shared PTX model's check (`tests/ptx_model.py`)."""
+    ptx_model.assert_every_lane_exact(name, asm, scales, dtype, prepared)
 
 
 @pytest.mark.parametrize(

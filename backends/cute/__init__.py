@@ -61,6 +61,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from fp4_dispatch import safefs
+
 if TYPE_CHECKING:
     import torch
 
@@ -69,7 +71,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'fp4-dispatch[cute]'"
+INSTALL_HINT = "pip install '.[cute]' in the fp4-dispatch checkout"
 NOT_INSTALLED = f"nvidia-cutlass-dsl[cu13] not installed: {INSTALL_HINT}"
 #: modules whose absence means "the extra is not installed" (anything else is a failure)
 _EXTRA_MODULES = ("cutlass", "nvidia_cutlass_dsl", "tvm_ffi", "cuda")
@@ -441,30 +443,61 @@ def _check_target(sm: int, target: str, name: str) -> None:
 
 
 def _store(obj: bytes, obj_path: Path, meta_path: Path, key: tuple, sm: int) -> str | None:
-    """Write the object file and its metadata atomically; a failure is logged, not fatal."""
+    """Write the object file and its metadata atomically; a failure is logged (one warning
+    per folder and process, e.g. a read-only cache), not fatal.
+
+    Only regular files are replaced (`fp4_dispatch.safefs`): a symlink, FIFO or device
+    planted under an entry's name is left alone and the kernel is simply not stored.
+    """
     try:
         obj_path.parent.mkdir(parents=True, exist_ok=True)
+        safefs.warn_world_writable(obj_path.parent, "kernel cache")
         for path, data in ((obj_path, obj), (meta_path, None)):
+            safefs.check_regular(path, "kernel cache entry")
             if data is None:
                 meta = {"key": list(key), "cubin_sm": sm, "created": time.time()}
                 data = json.dumps(meta, indent=1).encode()
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
     except OSError as exc:
-        log.warning("could not store compiled kernel in %s: %s", obj_path.parent, exc)
+        _warn_store_once(obj_path.parent, exc)
         return None
     return str(obj_path)
+
+
+_store_warned: set[str] = set()
+
+
+def _warn_store_once(folder: Path, exc: OSError) -> None:
+    """A read-only kernel cache says so once per folder, not once per kernel (was 32x)."""
+    if str(folder) in _store_warned:
+        log.debug("could not store compiled kernel in %s: %s", folder, exc)
+        return
+    _store_warned.add(str(folder))
+    log.warning("could not store compiled kernels in %s: %s (kernels are compiled in memory "
+                "each run; set %s to a writable folder)", folder, exc, CACHE_ENV)  # fmt: skip
 
 
 def _load(
     entry: OperatorEntry, target: str, key: tuple, prefix: str, obj_path: Path, meta_path: Path
 ) -> tuple[Any, int] | None:
     """The cached artifact if its metadata matches `key` and it loads; None otherwise."""
-    if not (obj_path.exists() and meta_path.exists()):
+    if not (os.path.lexists(obj_path) and os.path.lexists(meta_path)):
         return None
     try:
+        # loading an object file runs its code: only this user's regular files, never a
+        # link or device planted in a shared folder
+        for path in (obj_path, meta_path):
+            st = safefs.check_regular(path, "kernel cache entry")
+            if st is not None and st.st_uid not in (0, os.geteuid()):
+                raise PermissionError(f"{path} is owned by another user (uid {st.st_uid})")
         meta = json.loads(meta_path.read_text())
         if meta.get("key") != list(key):
             log.warning("kernel cache %s holds another key; recompiling", meta_path)

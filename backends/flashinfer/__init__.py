@@ -41,8 +41,8 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import io
 import logging
-import sys
 import threading
 import time
 import types
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'fp4-dispatch[flashinfer]'"
+INSTALL_HINT = "pip install '.[flashinfer]' in the fp4-dispatch checkout"
 NOT_INSTALLED = f"flashinfer-python not installed: {INSTALL_HINT}"
 #: the version the tactic specs and this module were written against
 TESTED_VERSION = "0.7.2.post1"
@@ -341,8 +341,8 @@ def compile_tactic(
         return dataclasses.replace(hit, source="memory", seconds=0.0)
     t0 = time.perf_counter()
     # the DSL prints progress ("[DSL INFO] ...") on stdout, which would corrupt a caller's
-    # JSON output (`fp4-dispatch doctor --json`): send it to stderr
-    with _compile_context(device) as result, contextlib.redirect_stdout(sys.stderr):
+    # JSON output (`fp4-dispatch doctor --json`) and clutter stderr: it goes to the log
+    with _compile_context(device) as result, dsl_chatter_to_log():
         runner = _runner(device.cc, out_dtype)
         try:
             runner.forward(meta_inputs(m, n, k, out_dtype), tactic=tactic)
@@ -360,6 +360,20 @@ def compile_tactic(
     log.info("flashinfer %s for %s, %d SMs: compiled in %.2f s", tactic, target,
              device.sm_count, ck.seconds)  # fmt: skip
     return ck
+
+
+@contextlib.contextmanager
+def dsl_chatter_to_log() -> Iterator[None]:
+    """What the DSL prints on stdout while compiling, as DEBUG log lines (``-v -v`` shows
+    them): neither a JSON stdout nor stderr gets ``[DSL INFO]`` lines."""
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            yield
+    finally:
+        for line in buffer.getvalue().splitlines():
+            if line.strip():
+                log.debug("DSL: %s", line)
 
 
 # ---- launch (runs only on a Blackwell/Rubin GPU) ----------------------------------------

@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..cache import CacheFormatError, ImportReport, TuningCache, default_path
+from ..cache import CacheFormatError, ExportTargetError, ImportReport, TuningCache, default_path
 from . import common
 
 log = logging.getLogger(__name__)
@@ -213,6 +213,12 @@ def run(args: argparse.Namespace) -> int:
     cache = TuningCache(default_path())
     try:
         return _run(cache, args)
+    except BrokenPipeError:  # the reader closed stdout (`| head`): not the cache's fault
+        raise
+    except ExportTargetError as exc:  # the destination's fault: name it, not the cache
+        log.warning("cache export: %s", exc)
+        print(f"fp4-dispatch cache export: {exc}")
+        return 1
     except (OSError, TimeoutError, CacheFormatError) as exc:  # name the file, no traceback
         log.warning("tuning cache %s: %s: %s", cache.path, type(exc).__name__, exc)
         print(f"fp4-dispatch cache {args.cache_action}: {cache.path}: {exc}")

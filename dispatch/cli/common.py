@@ -16,6 +16,9 @@ from typing import Any, NoReturn
 
 #: the GEMM's K rule: whole bytes per pair of 16-element scale blocks (see fp4_dispatch.nvfp4)
 K_MULTIPLE = 32
+#: the largest dimension or count the CLI takes (`fp4_dispatch.checks.MAX_DIM`; the CLI
+#: does not import torch, so the value is repeated here and a test keeps them equal)
+MAX_INT = 2**31 - 1
 DEFAULT_BUDGET = 32  # fp4_dispatch.ranking.DEFAULT_BUDGET, without importing the ranking
 
 
@@ -46,6 +49,8 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if value > MAX_INT:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_INT} (2**31 - 1), got {value}")
     return value
 
 

@@ -10,8 +10,11 @@ disabled or registered nothing), with stable types: ``name``, ``family``, ``orig
 ``version``, ``status``, ``reason``, ``plugin`` (strings), ``tactics`` (int: tactics
 offered for the sample shape; null when the backend is not available or its
 ``tactics()`` faulted, the error then in ``tactics_error``), ``operations`` (list),
-``note`` (string), ``error`` (object or null), ``faults`` (list), ``load_s`` (float) and
-``device`` (the `DeviceInfo` the row describes, the same object in every row).
+``note`` (string), ``error`` (object or null), ``faults`` (list), ``load_s`` (float: the
+plugin's import and hook), ``hooks`` (object: ``{call: {"calls", "seconds", "max_s"}}``,
+the time in this backend's ``supports``/``tactics``/``validate``/``build``) and ``device``
+(the `DeviceInfo` the row describes, the same object in every row). The table's
+``load+hooks s`` column sums them; a call over `SLOW_CALL_S` is named in the reason.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import logging
 from typing import Any
 
+from .. import guard as _guard
 from ..guard import PluginFault
 from ..registry import SLOW_LOAD_S, strict_default
 from ..tactics import Problem
@@ -88,7 +92,15 @@ def _reason(row: dict) -> str:
         parts.append(f"{len(row['faults'])} fault(s), see below")
     if row["load_s"] > SLOW_LOAD_S:
         parts.append(f"slow to load: {row['load_s']:.1f} s")
+    parts += [f"slow {call}: {v['max_s']:.1f} s" for call, v in row["hooks"].items()
+              if v["max_s"] > _guard.SLOW_CALL_S]  # fmt: skip
     return "; ".join(parts)
+
+
+def _times(row: dict) -> str:
+    """``load+hooks`` seconds: the plugin's import and hook, then this backend's calls."""
+    hooks = sum(v["seconds"] for v in row["hooks"].values())
+    return f"{row['load_s']:.2f}+{hooks:.2f}"
 
 
 def rows(dispatcher) -> list[dict[str, Any]]:
@@ -134,10 +146,11 @@ def _print_table(d, table_rows: list[dict], failed: list[dict], faults: list,
     table = [
         (r["name"], r["family"], f"{r['origin']} {r['version']}", r["status"],
          "error" if r["tactics_error"] else ("-" if r["tactics"] is None else r["tactics"]),
-         _reason(r))
+         _times(r), _reason(r))
         for r in table_rows
     ]  # fmt: skip
-    print(format_table(table, ("backend", "family", "origin", "status", "tactics", "reason")))
+    headers = ("backend", "family", "origin", "status", "tactics", "load+hooks s", "reason")
+    print(format_table(table, headers))
     if faults:
         print("\nplugin faults (contained; the backend or tactic is not used):")
         for f in faults:

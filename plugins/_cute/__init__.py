@@ -24,6 +24,7 @@ from pydantic import model_validator
 
 from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo
+from fp4_dispatch.sources import SourceVersion
 from fp4_dispatch.tactics import Problem, Tactic
 
 COMPILE_ONLY = (
@@ -79,7 +80,9 @@ class CuteBackend(Backend):
     """A family of CuTe-DSL operators (one operator kind) compiled for the device's arch."""
 
     kind: ClassVar[Literal["sm100", "sm107"]]
-    version = f"1+cutlass-operators-{_ops_version()}"
+    version = SourceVersion(
+        f"1+cutlass-operators-{_ops_version()}", "fp4_dispatch.backends.cute", plugin=__name__
+    )
     compile_only_note = COMPILE_ONLY
     #: `fp4-dispatch compile` builds these ahead of time (no GPU needed)
     compiles_ahead_of_time: ClassVar[bool] = True

@@ -1,6 +1,7 @@
 """Plugin ``flashinfer``: FlashInfer's CuTe-DSL ``mm_fp4`` kernels, one family per kernel.
 
-Installed by the extra ``fp4-dispatch[flashinfer]`` (``flashinfer-python==0.7.2.post1``).
+Installed by the extra ``flashinfer`` (``flashinfer-python==0.7.2.post1``; ``pip install
+'.[flashinfer]'`` in the checkout).
 Five families, one backend each, one typed tactic per FlashInfer kernel family:
 
 =================  ==========================================  =================
@@ -35,6 +36,7 @@ from typing import ClassVar, Literal
 from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo
 from fp4_dispatch.hookspecs import hookimpl
+from fp4_dispatch.sources import SourceVersion
 from fp4_dispatch.tactics import Problem, Tactic
 
 COMPILE_ONLY = (
@@ -177,7 +179,9 @@ class FlashInferBackend(Backend):
     compile_only_note = COMPILE_ONLY
     compiles_ahead_of_time: ClassVar[bool] = True
 
-    version = f"1+flashinfer-{_fi_version()}"
+    version = SourceVersion(
+        f"1+flashinfer-{_fi_version()}", "fp4_dispatch.backends.flashinfer", plugin=__name__
+    )
 
     def _mine(self, fi: tuple) -> bool:
         return fi[4] == self.kernel_type

@@ -18,6 +18,7 @@ from fp4_dispatch.backends import reference
 from fp4_dispatch.backends.reference import w4a8
 from fp4_dispatch.device import DeviceInfo
 from fp4_dispatch.hookspecs import hookimpl
+from fp4_dispatch.sources import SourceVersion
 from fp4_dispatch.tactics import Problem, Tactic
 
 
@@ -34,7 +35,7 @@ class ReferenceTactic(Tactic):
 class ReferenceBackend(Backend):
     name = "torch-reference"
     family = "portable"
-    version = __version__
+    version = SourceVersion(__version__, "fp4_dispatch.backends.reference", plugin=__name__)
     tactic_type = ReferenceTactic
     diversity_axes = ("compute_dtype",)
     operations = ("w4a4", "w4a16")

@@ -32,13 +32,14 @@ from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo, DeviceProfile
 from fp4_dispatch.hookspecs import hookimpl
 from fp4_dispatch.plugins.sm90 import cost_model
+from fp4_dispatch.sources import SourceVersion
 from fp4_dispatch.tactics import Problem, Tactic
 
 if TYPE_CHECKING:
     from fp4_dispatch.backends.sm90.gemm_direct import KernelConfig
     from fp4_dispatch.backends.sm90.gemm_unpack import UnpackGemmKernel
 
-INSTALL_HINT = "pip install fp4-dispatch[triton]"
+INSTALL_HINT = "pip install '.[triton]' in the fp4-dispatch checkout"
 #: a Triton kernel's config class (gemm_direct.KernelConfig, gemm_w4a16.W4A16Config)
 C = TypeVar("C")
 #: shared memory one CTA may use on Hopper, bytes (227 KiB: the opt-in per-block limit
@@ -219,7 +220,7 @@ class TritonSm90Backend(Backend):
     name = "triton-sm90"
     device_profiles = (PROFILE,)
     family = "sm90"
-    version = "1"
+    version = SourceVersion("1", "fp4_dispatch.backends.sm90.gemm_direct", plugin=__name__)
     tactic_type = TritonSm90Tactic
     diversity_axes = ("swap_ab", "split_k")
 
@@ -331,7 +332,7 @@ class TritonSm90UnpackBackend(Backend):
 
     name = "triton-sm90-unpack"
     family = "sm90"
-    version = "1"
+    version = SourceVersion("1", "fp4_dispatch.backends.sm90.gemm_unpack", plugin=__name__)
     tactic_type = Sm90UnpackTactic
     diversity_axes = ("block_k",)
 

@@ -27,6 +27,7 @@ from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo
 from fp4_dispatch.plugins.sm90 import _sm90_support
 from fp4_dispatch.plugins.sm90 import w4a16 as w4
+from fp4_dispatch.sources import SourceVersion
 from fp4_dispatch.tactics import Problem, Tactic
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ class TritonSm90DenseBackend(Backend):
 
     name = "triton-sm90-dense"
     family = "sm90"
-    version = "1"
+    version = SourceVersion("1", "fp4_dispatch.backends.sm90.gemm_w4a4_dense", plugin=__name__)
     tactic_type = TritonSm90DenseTactic
     diversity_axes = ("tile_n", "split_k")
 

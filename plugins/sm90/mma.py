@@ -57,6 +57,7 @@ from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo
 from fp4_dispatch.plugins.sm90 import _gluon_support, cost_model
 from fp4_dispatch.plugins.sm90 import w4a16 as w4
+from fp4_dispatch.sources import SourceVersion
 from fp4_dispatch.tactics import Problem, Tactic
 
 if TYPE_CHECKING:
@@ -253,7 +254,7 @@ class TritonSm90MmaBackend(Backend):
 
     name = "triton-sm90-mma"
     family = "sm90"
-    version = "1"
+    version = SourceVersion("1", "fp4_dispatch.backends.sm90.gemm_w4a16_mma", plugin=__name__)
     tactic_type = TritonSm90MmaTactic
     operations: ClassVar[tuple[str, ...]] = ("w4a16", "w4a4")
     diversity_axes = ("tile_n", "num_warps", "split_k")

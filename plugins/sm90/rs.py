@@ -35,6 +35,7 @@ from fp4_dispatch.device import DeviceInfo
 from fp4_dispatch.plugins.sm90 import _gluon_support, _pow2_at_least, cost_model, split_k_rule
 from fp4_dispatch.plugins.sm90 import w4a16 as w4
 from fp4_dispatch.plugins.sm90.ws import cta_waves_us
+from fp4_dispatch.sources import SourceVersion
 from fp4_dispatch.tactics import Problem, Tactic
 
 if TYPE_CHECKING:
@@ -133,7 +134,7 @@ class TritonSm90RsBackend(Backend):
 
     name = "triton-sm90-rs"
     family = "sm90"
-    version = "1"
+    version = SourceVersion("1", "fp4_dispatch.backends.sm90.gemm_w4a16_rs", plugin=__name__)
     tactic_type = TritonSm90RsTactic
     operations: ClassVar[tuple[str, ...]] = ("w4a16",)
     diversity_axes = ("tile_m", "split_k")

@@ -43,6 +43,7 @@ from fp4_dispatch.plugins.sm90 import (
     split_k_rule,
     triton_config,
 )
+from fp4_dispatch.sources import SourceVersion
 from fp4_dispatch.tactics import Problem, Tactic
 
 if TYPE_CHECKING:
@@ -412,7 +413,12 @@ class TritonSm90W4A16Backend(Backend):
 
     name = "triton-sm90-w4a16"
     family = "sm90"
-    version = "1"
+    version = SourceVersion(
+        "1",
+        "fp4_dispatch.backends.sm90.gemm_w4a16",
+        "fp4_dispatch.backends.sm90.gemm_w4a16_decode",
+        plugin=__name__,
+    )
     tactic_type = TritonSm90W4A16Tactic
     operations: ClassVar[tuple[str, ...]] = ("w4a16",)
     diversity_axes = ("path", "split_k")

@@ -31,6 +31,7 @@ from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo
 from fp4_dispatch.plugins.sm90 import _gluon_support, _pow2_at_least, cost_model, split_k_rule
 from fp4_dispatch.plugins.sm90 import w4a16 as w4
+from fp4_dispatch.sources import SourceVersion
 from fp4_dispatch.tactics import Problem, Tactic
 
 if TYPE_CHECKING:
@@ -138,7 +139,7 @@ class TritonSm90WsBackend(Backend):
 
     name = "triton-sm90-ws"
     family = "sm90"
-    version = "1"
+    version = SourceVersion("1", "fp4_dispatch.backends.sm90.gemm_w4a16_ws", plugin=__name__)
     tactic_type = TritonSm90WsTactic
     operations: ClassVar[tuple[str, ...]] = ("w4a16",)
     diversity_axes = ("tile_m", "split_k")

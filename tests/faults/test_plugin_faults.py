@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -338,3 +339,47 @@ def test_list_backends_json_carries_faults(plugin_dist, capsys):
     (fault,) = row["faults"]
     assert fault["call"] == "supports()" and "expected an fp4_dispatch.Support" in fault["message"]
     assert isinstance(row["load_s"], float)
+
+
+# ---- slow plugin code is named when it happens, and list-backends shows the times ----------
+
+
+@pytest.mark.parametrize("call", ["supports", "build"])
+def test_slow_hook_is_named_as_it_happens(call, plugin_dist, qab, caplog, monkeypatch):
+    from fp4_dispatch import guard
+
+    monkeypatch.setattr(guard, "SLOW_CALL_S", 0.2)
+    args = SUPPORTS if call == "supports" else BUILD
+    body = "time.sleep(0.4)\nreturn super()." + call + f"({args})"
+    plugin_dist("faulty-dist", {PLUGIN: source(methods=method(call, body, args))})
+    monkeypatch.setenv("FP4_DISPATCH_PLUGINS", PLUGIN)
+    caplog.set_level(logging.WARNING)
+    d = Dispatcher("cpu", cache=False)
+    if call == "build":
+        assert not caplog.records  # nothing slow yet: build runs on the first call
+        qa, qb = qab
+        d.gemm(qa, qb)
+    (line,) = [r.getMessage() for r in caplog.records if "slow plugin code" in r.getMessage()]
+    assert f"plugin '{PLUGIN}' backend '{BACKEND}': {call}() took 0." in line
+    (row,) = [st.to_json() for st in d.backends() if st.name == BACKEND]
+    hook = row["hooks"][f"{call}()"]
+    assert hook["calls"] == 1 and 0.4 <= hook["max_s"] == hook["seconds"] < 30
+
+
+def test_list_backends_table_shows_load_and_hook_times(plugin_dist, capsys, monkeypatch):
+    from fp4_dispatch import guard
+    from fp4_dispatch.cli import main
+
+    monkeypatch.setattr(guard, "SLOW_CALL_S", 0.2)
+    body = "time.sleep(0.3)\nreturn super().supports(device)"
+    plugin_dist("faulty-dist", {PLUGIN: source(methods=method("supports", body, SUPPORTS))})
+    assert main(["list-backends", "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    assert "load+hooks s" in text.splitlines()[3]
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(f"{BACKEND} ")]
+    times = re.search(r" (\d+\.\d\d)\+(\d+\.\d\d) ", line)
+    assert times and float(times.group(2)) >= 0.3, line
+    assert "slow supports(): 0." in line
+    assert main(["list-backends", "--device", "cpu", "--json"]) == 0
+    (row,) = [r for r in json.loads(capsys.readouterr().out) if r["name"] == BACKEND]
+    assert row["hooks"]["supports()"]["seconds"] >= 0.3 and row["load_s"] >= 0
