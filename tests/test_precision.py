@@ -183,6 +183,7 @@ def test_tuned_fp8_winner_stays_out_of_exact(tmp_path, monkeypatch):
                   tactic={"backend": "torch-reference-w4a8", "tile_m": 128, "tile_n": 128,
                           "cluster_m": 1, "cluster_n": 1, "swap_ab": False})  # fmt: skip
     forged.pop("winner_operation")
+    forged["backend_version"] = exact.registry.backends["torch-reference-w4a8"].version
     with pytest.raises(StaleEntry, match="does not compute a w4a16 problem"):
         exact.winners.validate(forged)
 

@@ -103,7 +103,7 @@ class ReferenceW4A8Backend(Backend):
 
     name = "torch-reference-w4a8"
     family = "portable"
-    version = __version__
+    version = SourceVersion(__version__, "fp4_dispatch.backends.reference.w4a8", plugin=__name__)
     tactic_type = ReferenceW4A8Tactic
     operations = ("w4a8",)
     #: estimate relative to the W4A16 reference's float32 tactic (float64 GEMM, two

@@ -34,6 +34,7 @@ from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo
 from fp4_dispatch.plugins.sm90 import _pow2_at_least, _sm90_support, cost_model, smem_rule
 from fp4_dispatch.plugins.sm90 import split_k_rule as _split_k_rule
+from fp4_dispatch.sources import SourceVersion
 from fp4_dispatch.tactics import Problem, Tactic
 
 if TYPE_CHECKING:
@@ -201,7 +202,7 @@ class TritonSm90W4A8Backend(Backend):
 
     name = "triton-sm90-w4a8"
     family = "sm90"
-    version = "1"
+    version = SourceVersion("1", "fp4_dispatch.backends.sm90.gemm_w4a8", plugin=__name__)
     tactic_type = TritonSm90W4A8Tactic
     operations: ClassVar[tuple[str, ...]] = ("w4a8",)
     diversity_axes = ("path", "split_k")
