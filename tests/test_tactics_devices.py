@@ -75,7 +75,8 @@ def test_detection_never_raises(monkeypatch):
         dev = device_mod.detect()
     finally:
         device_mod.detect.cache_clear()
-    assert dev.kind == "cpu" and "libcuda.so" in dev.note
+    # a missing driver library is one short line (its loader's text goes to the debug log)
+    assert dev.kind == "cpu" and dev.note == "no CUDA driver (CPU only)"
 
 
 SIMULATED = [("sm90", 132, 90), ("sm100", 148, 100), ("sm103", 160, 103), ("sm107", 212, 107)]
