@@ -310,28 +310,20 @@ def _op_impl(
         else:
             d.run_checked(a, a_scale, b_data, b_scale, alpha, out, dtype)
         return
-    d, dtype, checked = _check_and_run(did, *operands)
+    d, dtype, checked = _check_and_run(did, operands)
     if all(_meta(c) == _meta(t) for c, t in zip(checked, operands, strict=True)):
         if len(_checked) >= _CHECKED_MAX:
             _checked.clear()
         _checked[sig] = (d, dtype)
 
 
-def _check_and_run(
-    did: int,
-    a: torch.Tensor,
-    a_scale: torch.Tensor | None,
-    b_data: torch.Tensor,
-    b_scale: torch.Tensor,
-    alpha: torch.Tensor,
-    out: torch.Tensor,
-    bias: torch.Tensor | None,
-    b_prepared: torch.Tensor | None,
-) -> tuple[Runner, str, tuple]:
-    """Check the operands, then run: ``a_scale`` None: W4A16 (``a`` dense bf16/fp16
-    ``[M, K]``, optional ``bias`` and ``b_prepared`` as in `DenseOperands`), else W4A4
-    (``a`` the packed ``[M, K/2]`` activation with its swizzled scales). Returns the
-    dispatcher, the output dtype name and the operands as checked (views of the inputs)."""
+def _check_and_run(did: int, operands: tuple) -> tuple[Runner, str, tuple]:
+    """Check `_op_impl`'s operands, then run: ``a_scale`` None: W4A16 (``a`` dense
+    bf16/fp16 ``[M, K]``, optional ``bias`` and ``b_prepared`` as in `DenseOperands`),
+    else W4A4 (``a`` the packed ``[M, K/2]`` activation with its swizzled scales).
+    Returns the dispatcher, the output dtype name and the operands as checked (views of
+    the inputs)."""
+    a, a_scale, b_data, b_scale, alpha, out, bias, b_prepared = operands
     dense = a_scale is None
     a_name = "a" if dense else "a_data"
     if dense:
