@@ -892,8 +892,8 @@ def _quantize(
     if plan is None:
         plan = _plans[pkey] = _make_plan(m, k, layout == "swizzled", kind)
     dev = x.device
-    # three allocations: cutting one block into views costs more host time (each view
-    # ~1.5 µs against ~3 µs an allocation; benchmarks/RESULTS.md "Eager launch")
+    # three allocations: one block cut into five views costs about as much host time
+    # (profiled, benchmarks/RESULTS.md "Eager launch" run 2) and shares one storage
     data = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
     scale = torch.empty(plan.scale_shape, dtype=torch.float8_e4m3fn, device=dev)
     g_out = torch.empty((), dtype=torch.float32, device=dev)
