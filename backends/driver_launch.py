@@ -288,11 +288,6 @@ class Recording:
     why: str = ""
 
 
-def hooks_active() -> bool:
-    """Whether a Triton launch hook is set (a profiler): replays defer to Triton then."""
-    return triton_launch.launch_hooks_active()
-
-
 @contextlib.contextmanager
 def record_launches(
     name: str, per_call: Sequence[torch.Tensor], fixed: Sequence[torch.Tensor]

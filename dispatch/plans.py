@@ -124,15 +124,17 @@ class Plan:
             self(*args)
             return
         key = self.replay_key(args)
+        if key is None:  # an unaligned per-call address: never replayed
+            self(*args)
+            return
         replay = self.replays.get(key, _UNSEEN)
         per_call = [args[i] for i in self.PER_CALL]
-        if replay is _UNSEEN and key is not None:
+        if replay is _UNSEEN:
             fixed = [args[i] for i in self.FIXED if args[i] is not None]
             with record(repr(self), per_call, fixed) as rec:
                 self(*args)
             self.replays[key] = rec.replay
-            return
-        if replay is None or replay is _UNSEEN or not replay(per_call):
+        elif replay is None or not replay(per_call):
             self(*args)
 
     def __repr__(self) -> str:
