@@ -32,8 +32,7 @@ import torch
 
 from .backend import DenseOperands, GemmOperands
 from .buckets import m_bucket
-from .harness import CHECK_RTOL
-from .nvfp4 import BLOCK_SIZE, E2M1_VALUES, swizzled_scale_shape
+from .harness import CHECK_RTOL, reference_output
 from .plans import Plan
 from .tactics import Tactic
 
@@ -113,49 +112,6 @@ def forget() -> None:
     _CHECKED.clear()
 
 
-_TABLES: dict[torch.device, torch.Tensor] = {}
-
-
-def _byte_table(device: torch.device) -> torch.Tensor:
-    """float64 ``[256, 2]``: the (low nibble, high nibble) e2m1 values of each byte."""
-    table = _TABLES.get(device)
-    if table is None:
-        codes = torch.arange(256)
-        vals = torch.tensor(E2M1_VALUES, dtype=torch.float64)
-
-        def decode(c: torch.Tensor) -> torch.Tensor:
-            return vals[c & 7] * (1 - 2 * ((c >> 3) & 1)).to(torch.float64)
-
-        table = _TABLES[device] = torch.stack([decode(codes & 15), decode(codes >> 4)], 1).to(
-            device
-        )
-    return table
-
-
-def dequant_rows(data: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, k: int):
-    """float64 ``e2m1 * block scale`` of the selected `rows` of one operand, reading only
-    those rows' bytes and scales (a byte table and the swizzle's index arithmetic: the
-    whole-operand decode of `fp4_dispatch.harness` costs far more than the check may)."""
-    vals = _byte_table(data.device)[data.index_select(0, rows).int()].reshape(len(rows), k)
-    rp, kp = swizzled_scale_shape(data.shape[0], k)
-    # swizzled [r128, kt, i32, i4, j4] holds row r128 * 128 + i4 * 32 + i32, column kt * 4 + j4
-    bits = scale.contiguous().view(torch.uint8).reshape(rp // 128, kp // 4, 32, 4, 4)
-    sc = bits[rows // 128, :, rows % 32, (rows % 128) // 32, :].reshape(len(rows), kp)
-    sc = sc[:, : k // BLOCK_SIZE].contiguous().view(torch.float8_e4m3fn).to(torch.float64)
-    return (vals.view(len(rows), k // BLOCK_SIZE, BLOCK_SIZE) * sc.unsqueeze(-1)).view(len(rows), k)
-
-
-def _reference(ops: GemmOperands | DenseOperands, rows: torch.Tensor, cols: torch.Tensor):
-    """``alpha * a[rows] @ dequant(b)[cols].T`` in float64 (W4A4: a dequantized too)."""
-    k = ops.k
-    if isinstance(ops, DenseOperands):
-        a = ops.a.index_select(0, rows).to(torch.float64)
-    else:
-        a = dequant_rows(ops.a_data, ops.a_scale, rows, k)
-    b = dequant_rows(ops.b_data, ops.b_scale, cols, k)
-    return (a @ b.T) * ops.alpha.to(torch.float64).reshape(())
-
-
 def wrong_output(operation: str, args: tuple) -> str | None:
     """Why the output in `args` (checked operands, as a plan takes them) is not the
     reference's on the sampled rows and columns; None when it is."""
@@ -171,7 +127,7 @@ def wrong_output(operation: str, args: tuple) -> str | None:
     dev = out.device
     rows, cols = sample(m, SAMPLE_ROWS, 0).to(dev), sample(n, SAMPLE_COLS, 1).to(dev)
     with torch.no_grad():
-        ref = _reference(ops, rows, cols)
+        ref = reference_output(ops, rows, cols)
         if bias is not None:
             ref = ref + bias.index_select(0, cols).to(torch.float64)
         got = out.index_select(0, rows).index_select(1, cols).to(torch.float64)

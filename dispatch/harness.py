@@ -48,6 +48,8 @@ from .checks import TORCH_DTYPES
 from .device import DeviceInfo
 from .nvfp4 import (
     BLOCK_SIZE,
+    E2M1_VALUES,
+    check_swizzled_scales,
     e2m1_to_float,
     quantize_nvfp4,
     reference_gemm,
@@ -461,14 +463,38 @@ def dequant(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (vals * sc.unsqueeze(-1)).view(rows, k)
 
 
-def _dequant_rows(data: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, k: int):
-    """float64 ``dequant`` of the selected rows of one operand (swizzled scales)."""
-    total = data.shape[0]
-    vals = e2m1_to_float(unpack_e2m1(data.index_select(0, rows))).to(torch.float64)
-    lin = unswizzle_scales(scale, total, k).index_select(0, rows).to(torch.float64)
-    return (vals.reshape(len(rows), k // BLOCK_SIZE, BLOCK_SIZE) * lin.unsqueeze(-1)).reshape(
-        len(rows), k
-    )
+_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_table(device: torch.device) -> torch.Tensor:
+    """float64 ``[256, 2]``: the (low nibble, high nibble) e2m1 values of each byte."""
+    table = _TABLES.get(device)
+    if table is None:
+        codes = torch.arange(256)
+        vals = torch.tensor(E2M1_VALUES, dtype=torch.float64)
+
+        def decode(c: torch.Tensor) -> torch.Tensor:
+            return vals[c & 7] * (1 - 2 * ((c >> 3) & 1)).to(torch.float64)
+
+        table = _TABLES[device] = torch.stack([decode(codes & 15), decode(codes >> 4)], 1).to(
+            device
+        )
+    return table
+
+
+def dequant_rows(data: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, k: int):
+    """float64 ``e2m1 * block scale`` of the selected `rows` of one operand (swizzled
+    scales, `check_swizzled_scales`), reading only those rows' bytes
+    and scales: a byte table and the swizzle's index arithmetic, so the first-use check
+    (`fp4_dispatch.firstuse`) stays within its budget."""
+    check_swizzled_scales(scale, data.shape[0], k)
+    vals = _byte_table(data.device)[data.index_select(0, rows).int()].reshape(len(rows), k)
+    rp, kp = swizzled_scale_shape(data.shape[0], k)
+    # swizzled [r128, kt, i32, i4, j4] holds row r128 * 128 + i4 * 32 + i32, column kt * 4 + j4
+    bits = scale.contiguous().view(torch.uint8).reshape(rp // 128, kp // 4, 32, 4, 4)
+    sc = bits[rows // 128, :, rows % 32, (rows % 128) // 32, :].reshape(len(rows), kp)
+    sc = sc[:, : k // BLOCK_SIZE].contiguous().view(torch.float8_e4m3fn).to(torch.float64)
+    return (vals.view(len(rows), k // BLOCK_SIZE, BLOCK_SIZE) * sc.unsqueeze(-1)).view(len(rows), k)
 
 
 def reference_output(
@@ -486,8 +512,8 @@ def reference_output(
     if isinstance(operands, DenseOperands):
         a = operands.a.index_select(0, rows).to(torch.float64)
     else:
-        a = _dequant_rows(operands.a_data, operands.a_scale, rows, k)
-    b = _dequant_rows(operands.b_data, operands.b_scale, cols, k)
+        a = dequant_rows(operands.a_data, operands.a_scale, rows, k)
+    b = dequant_rows(operands.b_data, operands.b_scale, cols, k)
     return (a @ b.T) * operands.alpha.to(torch.float64).reshape(())
 
 

@@ -225,8 +225,9 @@ def swizzle_scales(
     return tiled.contiguous().view(rp, kp).view(_SCALE_DTYPE)
 
 
-def unswizzle_scales(swizzled: torch.Tensor, rows: int, k: int) -> torch.Tensor:
-    """Swizzled scales of an ``[rows, k]`` operand -> linear ``[rows, k/16]``."""
+def check_swizzled_scales(swizzled: torch.Tensor, rows: int, k: int) -> None:
+    """Raise unless `swizzled` is an e4m3 tensor of the swizzled size of an ``[rows, k]``
+    operand (`swizzled_scale_shape`)."""
     _check_scale_dtype(swizzled, "swizzled")
     rp, kp = swizzled_scale_shape(rows, k)
     if swizzled.numel() != rp * kp:
@@ -234,6 +235,12 @@ def unswizzle_scales(swizzled: torch.Tensor, rows: int, k: int) -> torch.Tensor:
             f"swizzled: expected {rp * kp} elements ([{rp}, {kp}] for rows={rows}, k={k}), "
             f"got shape {tuple(swizzled.shape)}"
         )
+
+
+def unswizzle_scales(swizzled: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+    """Swizzled scales of an ``[rows, k]`` operand -> linear ``[rows, k/16]``."""
+    check_swizzled_scales(swizzled, rows, k)
+    rp, kp = swizzled_scale_shape(rows, k)
     bits = swizzled.contiguous().view(torch.uint8).reshape(rp // 128, kp // 4, 32, 4, 4)
     # order (r128, kt, i32, i4, j4) -> (r128, i4, i32, kt, j4) = row-major (m, kb)
     linear = bits.permute(0, 3, 2, 1, 4).reshape(rp, kp)
