@@ -11,51 +11,65 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .version import __version__
+from fp4_dispatch import _aliases
+from fp4_dispatch.version import __version__
+
+_aliases.install()
 
 #: public name -> the submodule that defines it
 _LAZY = {
-    "Backend": "backend",
-    "DenseOperands": "backend",
-    "GemmOperands": "backend",
-    "Kernel": "backend",
-    "Support": "backend",
-    "DeviceInfo": "device",
-    "DeviceProfile": "device",
-    "hookimpl": "hookspecs",
-    "Nvfp4Tensor": "nvfp4",
-    "dequantize": "nvfp4",
-    "quantize_nvfp4": "nvfp4",
-    "reference_gemm": "nvfp4",
-    "LoadError": "registry",
-    "PluginLoadError": "registry",
-    "Problem": "tactics",
-    "Tactic": "tactics",
-    "Dispatcher": "dispatcher",
-    "BackendStatus": "dispatcher",
-    "Nvfp4Linear": "nn",
-    "ConversionReport": "convert",
-    "quantize_model": "convert",
-    "CheckpointError": "checkpoints",
-    "LoadReport": "checkpoints",
-    "load_checkpoint": "checkpoints",
-    "save_checkpoint": "ckpt_save",
-    "from_pretrained": "hf",
+    "Backend": "contracts.backend",
+    "DenseOperands": "contracts.backend",
+    "GemmOperands": "contracts.backend",
+    "Kernel": "contracts.backend",
+    "Support": "contracts.backend",
+    "DeviceInfo": "contracts.device",
+    "DeviceProfile": "contracts.device",
+    "hookimpl": "contracts.hookspecs",
+    "Nvfp4Tensor": "format.nvfp4",
+    "dequantize": "format.nvfp4",
+    "quantize_nvfp4": "format.nvfp4",
+    "reference_gemm": "format.nvfp4",
+    "e2m1_to_float": "format.nvfp4",
+    "unpack_e2m1": "format.nvfp4",
+    "unswizzle_scales": "format.nvfp4",
+    "LoadError": "loading.registry",
+    "PluginLoadError": "loading.registry",
+    "Problem": "contracts.tactics",
+    "Tactic": "contracts.tactics",
+    "Dispatcher": "engine.dispatcher",
+    "BackendStatus": "engine.dispatcher",
+    "Nvfp4Linear": "integrations.nn",
+    "ConversionReport": "integrations.convert",
+    "quantize_model": "integrations.convert",
+    "CheckpointError": "integrations.checkpoints",
+    "LoadReport": "integrations.checkpoints",
+    "load_checkpoint": "integrations.checkpoints",
+    "save_checkpoint": "integrations.ckpt_save",
+    "from_pretrained": "integrations.hf",
 }
 
 if TYPE_CHECKING:  # for type checkers and IDEs only; at run time the names are lazy
-    from .backend import Backend, DenseOperands, GemmOperands, Kernel, Support
-    from .checkpoints import CheckpointError, LoadReport, load_checkpoint
-    from .ckpt_save import save_checkpoint
-    from .convert import ConversionReport, quantize_model
-    from .device import DeviceInfo, DeviceProfile
-    from .dispatcher import BackendStatus, Dispatcher
-    from .hf import from_pretrained
-    from .hookspecs import hookimpl
-    from .nn import Nvfp4Linear
-    from .nvfp4 import Nvfp4Tensor, dequantize, quantize_nvfp4, reference_gemm
-    from .registry import LoadError, PluginLoadError
-    from .tactics import Problem, Tactic
+    from fp4_dispatch.contracts.backend import Backend, DenseOperands, GemmOperands, Kernel, Support
+    from fp4_dispatch.contracts.device import DeviceInfo, DeviceProfile
+    from fp4_dispatch.contracts.hookspecs import hookimpl
+    from fp4_dispatch.contracts.tactics import Problem, Tactic
+    from fp4_dispatch.engine.dispatcher import BackendStatus, Dispatcher
+    from fp4_dispatch.format.nvfp4 import (
+        Nvfp4Tensor,
+        dequantize,
+        e2m1_to_float,
+        quantize_nvfp4,
+        reference_gemm,
+        unpack_e2m1,
+        unswizzle_scales,
+    )
+    from fp4_dispatch.integrations.checkpoints import CheckpointError, LoadReport, load_checkpoint
+    from fp4_dispatch.integrations.ckpt_save import save_checkpoint
+    from fp4_dispatch.integrations.convert import ConversionReport, quantize_model
+    from fp4_dispatch.integrations.hf import from_pretrained
+    from fp4_dispatch.integrations.nn import Nvfp4Linear
+    from fp4_dispatch.loading.registry import LoadError, PluginLoadError
 
 
 def __getattr__(name: str) -> Any:
@@ -93,6 +107,7 @@ __all__ = [
     "Tactic",
     "__version__",
     "dequantize",
+    "e2m1_to_float",
     "from_pretrained",
     "hookimpl",
     "load_checkpoint",
@@ -100,4 +115,6 @@ __all__ = [
     "quantize_nvfp4",
     "reference_gemm",
     "save_checkpoint",
+    "unpack_e2m1",
+    "unswizzle_scales",
 ]

@@ -42,8 +42,8 @@ or as a pytest plugin (``pytest -p fp4_dispatch.testing`` or ``pytest_plugins =
 fails the test with the report). Nothing is registered through a ``pytest11`` entry
 point, so installing fp4-dispatch changes no other project's pytest runs.
 
-The checks themselves are `fp4_dispatch.conformance`, their results
-`fp4_dispatch.conformance_report`; both are re-exported here.
+The checks themselves are `fp4_dispatch.integrations.conformance`, their results
+`fp4_dispatch.integrations.conformance_report`; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -54,9 +54,20 @@ from typing import Any
 
 import torch
 
-from .conformance import DEFAULT_PROBLEMS, DEFAULT_TOLERANCE, check_backend, check_plugin
-from .conformance_report import CATEGORIES, Check, ConformanceError, ConformanceReport, Status
-from .tactics import Problem
+from fp4_dispatch.contracts.tactics import Problem
+from fp4_dispatch.integrations.conformance import (
+    DEFAULT_PROBLEMS,
+    DEFAULT_TOLERANCE,
+    check_backend,
+    check_plugin,
+)
+from fp4_dispatch.integrations.conformance_report import (
+    CATEGORIES,
+    Check,
+    ConformanceError,
+    ConformanceReport,
+    Status,
+)
 
 __all__ = [
     "CATEGORIES",

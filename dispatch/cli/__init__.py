@@ -16,8 +16,8 @@ import logging
 import os
 import sys
 
-from .. import __version__
-from .common import CliError, Parser
+from fp4_dispatch.cli.common import CliError, Parser
+from fp4_dispatch.version import __version__
 
 #: (subcommand, module, one-line help), in the order `--help` lists them
 COMMANDS = (

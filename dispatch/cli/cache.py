@@ -21,8 +21,14 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..cache import CacheFormatError, ExportTargetError, ImportReport, TuningCache, default_path
-from . import common
+from fp4_dispatch.cli import common
+from fp4_dispatch.store.cache import (
+    CacheFormatError,
+    ExportTargetError,
+    ImportReport,
+    TuningCache,
+    default_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +66,7 @@ def _knobs(tactic: object) -> str:
     """``128x64 swap k_chunk=0``: the stored tactic's label (`tactics.tactic_label`)."""
     if not isinstance(tactic, Mapping):
         return "?"
-    from ..tactics import tactic_label  # noqa: PLC0415 - lazy: start-up time (--help)
+    from fp4_dispatch.contracts.tactics import tactic_label  # noqa: PLC0415 - lazy: start-up time (--help)
 
     return tactic_label(tactic)
 
@@ -155,8 +161,8 @@ def _device_filter(spec: str | None) -> str | None:
     """A fingerprint for ``--device``: given as one, or the fingerprint of a device spec."""
     if spec is None or "|" in spec:
         return spec
-    from ..cache import device_fingerprint  # noqa: PLC0415 - lazy: start-up time
-    from ..profiles import resolve  # noqa: PLC0415 - lazy: start-up time
+    from fp4_dispatch.loading.profiles import resolve  # noqa: PLC0415 - lazy: start-up time
+    from fp4_dispatch.store.cache import device_fingerprint  # noqa: PLC0415 - lazy: start-up time
 
     d = resolve(spec, None)
     return device_fingerprint(d.name, d.compute_capability, d.sm_count)
@@ -186,7 +192,7 @@ def _report_rows(report: ImportReport) -> list[tuple]:
 
 
 def import_(file: str, replace: bool, as_json: bool) -> int:
-    from ..dispatcher import Dispatcher  # noqa: PLC0415 - lazy: start-up time
+    from fp4_dispatch.engine.dispatcher import Dispatcher  # noqa: PLC0415 - lazy: start-up time
 
     d = Dispatcher()
     try:

@@ -14,12 +14,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-#: the GEMM's K rule: whole bytes per pair of 16-element scale blocks (see fp4_dispatch.nvfp4)
+#: the GEMM's K rule: whole bytes per pair of 16-element scale blocks
+#: (see fp4_dispatch.format.nvfp4)
 K_MULTIPLE = 32
-#: the largest dimension or count the CLI takes (`fp4_dispatch.checks.MAX_DIM`; the CLI
+#: the largest dimension or count the CLI takes (`fp4_dispatch.format.checks.MAX_DIM`; the CLI
 #: does not import torch, so the value is repeated here and a test keeps them equal)
 MAX_INT = 2**31 - 1
-DEFAULT_BUDGET = 32  # fp4_dispatch.ranking.DEFAULT_BUDGET, without importing the ranking
+DEFAULT_BUDGET = 32  # fp4_dispatch.policy.ranking.DEFAULT_BUDGET, without importing the ranking
 
 
 class CliError(Exception):
@@ -91,13 +92,13 @@ def device_arg(text: str) -> str:
     """An argparse type for ``--device``: auto, cpu, cuda, cuda:N or a simulated part.
 
     The simulated parts are the aliases the installed families declare
-    (`fp4_dispatch.profiles`): looked up only when the value is not one of the fixed
+    (`fp4_dispatch.loading.profiles`): looked up only when the value is not one of the fixed
     forms, so the common cases cost no plugin loading.
     """
     value = text.strip().lower()
     if value in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", value):
         return value
-    from ..profiles import profiles  # noqa: PLC0415 - lazy: start-up time
+    from fp4_dispatch.loading.profiles import profiles  # noqa: PLC0415 - lazy: start-up time
 
     known = sorted(profiles())
     if value in known:
@@ -184,7 +185,7 @@ def add_command(
 
 def make_dispatcher(args: argparse.Namespace, **kwargs: Any):
     """A `Dispatcher` for the device the command line names."""
-    from ..dispatcher import Dispatcher  # noqa: PLC0415 - lazy: start-up time
+    from fp4_dispatch.engine.dispatcher import Dispatcher  # noqa: PLC0415 - lazy: start-up time
 
     if getattr(args, "precision", None) is not None:
         kwargs.setdefault("precision", args.precision)

@@ -3,7 +3,7 @@
 Works without a GPU: ``--device sm100|sm103|sm107`` compiles for that arch and SM count
 (CuTe-DSL compiles on a CPU). Each shortlisted tactic of a backend that declares
 ``compiles_ahead_of_time = True`` (the CuTe-DSL families, FlashInfer's fi-*) is built in
-a worker process (`fp4_dispatch.precompile`, spawned, ``--jobs`` of them), so compiles
+a worker process (`fp4_dispatch.autotune.precompile`, spawned, ``--jobs`` of them), so compiles
 run in parallel and one crashing compile cannot take the others down. Compiled kernels
 land in the on-disk kernel cache (``FP4_DISPATCH_KERNEL_CACHE``), so a later run on
 that device loads them (FlashInfer's fi-* kernels are compiled and checked, not stored on disk).
@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from .common import (
+from fp4_dispatch.cli.common import (
     CliError,
     add_budget_arg,
     add_command,
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             f"nothing to compile on {dev.name}: no ahead-of-time tactic in the shortlist"
             + (f" ({'; '.join(why)})" if why else "")
         )
-    from ..tactics import Problem  # noqa: PLC0415 - lazy: start-up time
+    from fp4_dispatch.contracts.tactics import Problem  # noqa: PLC0415 - lazy: start-up time
 
     problem = Problem(m=args.m, n=args.n, k=args.k, out_dtype=args.out_dtype).model_dump_json()
     jobs = max(1, min(args.jobs, len(todo)))  # at most; cached kernels need no worker
@@ -110,8 +110,8 @@ def _from_cache(d, todo: list, problem_json: str) -> list[dict | None]:
     a small CPU); loading a cached kernel here costs ~0.05 s. Backends without a
     ``build_cached`` method, and kernels not in the cache, get None: the workers build them.
     """
-    from ..backend import kernel_problem  # noqa: PLC0415 - lazy: start-up time
-    from ..tactics import Problem  # noqa: PLC0415 - lazy: start-up time
+    from fp4_dispatch.contracts.backend import kernel_problem  # noqa: PLC0415 - lazy: start-up time
+    from fp4_dispatch.contracts.tactics import Problem  # noqa: PLC0415 - lazy: start-up time
 
     problem = Problem.model_validate_json(problem_json)
     out: list[dict | None] = []
@@ -138,11 +138,11 @@ def _from_cache(d, todo: list, problem_json: str) -> list[dict | None]:
 
 
 def _compile_all(d, todo: list, problem_json: str, jobs: int, bar_ok: bool) -> list[dict]:
-    """Compile `todo` in `jobs` worker processes (`fp4_dispatch.precompile`), one bar."""
-    from .. import precompile as pc  # noqa: PLC0415 - lazy: start-up time
-    from ..backend import kernel_problem  # noqa: PLC0415 - lazy: start-up time
-    from ..progress import progress  # noqa: PLC0415 - lazy: start-up time
-    from ..tactics import Problem  # noqa: PLC0415 - lazy: start-up time
+    """Compile `todo` in `jobs` worker processes (`fp4_dispatch.autotune.precompile`), one bar."""
+    from fp4_dispatch.autotune import precompile as pc  # noqa: PLC0415 - lazy: start-up time
+    from fp4_dispatch.contracts.backend import kernel_problem  # noqa: PLC0415 - lazy: start-up time
+    from fp4_dispatch.contracts.tactics import Problem  # noqa: PLC0415 - lazy: start-up time
+    from fp4_dispatch.support.progress import progress  # noqa: PLC0415 - lazy: start-up time
 
     problem = Problem.model_validate_json(problem_json)
     work = [pc.Job(d.registry.backends[c.backend], c.tactic, kernel_problem(problem, c.tactic))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_command, add_json_arg, emit_json, format_table
+from fp4_dispatch.cli.common import add_command, add_json_arg, emit_json, format_table
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..profiles import profiles, resolve  # noqa: PLC0415 - lazy: start-up time
+    from fp4_dispatch.loading.profiles import profiles, resolve  # noqa: PLC0415 - lazy: start-up time
 
     found = resolve("auto")
     devices = {"detected": found, **{a: p.device for a, p in sorted(profiles().items())}}

@@ -18,7 +18,7 @@ import argparse
 import logging
 from typing import Any
 
-from .common import (
+from fp4_dispatch.cli.common import (
     add_command,
     add_device_args,
     add_json_arg,
@@ -78,8 +78,8 @@ def _find_tactic(backend, device, shape: tuple[int, int, int]):
     Returns (candidate or None, problem, why-not). A ``tactics()`` that raises is a FAIL,
     reported through why-not starting with "tactics() raised".
     """
-    from ..ranking import shortlist  # noqa: PLC0415 - lazy: start-up time
-    from ..tactics import Problem  # noqa: PLC0415 - lazy: start-up time
+    from fp4_dispatch.contracts.tactics import Problem  # noqa: PLC0415 - lazy: start-up time
+    from fp4_dispatch.policy.ranking import shortlist  # noqa: PLC0415 - lazy: start-up time
 
     m, n, k = shape
     why = ""
@@ -139,10 +139,10 @@ def _run_check(dispatcher, cand, problem, result: dict[str, Any]) -> None:
     """Quantize random data, run the candidate, compare with the float64 reference."""
     import torch  # noqa: PLC0415 - lazy: start-up time
 
-    from ..backend import GemmOperands  # noqa: PLC0415 - lazy: start-up time
-    from ..harness import CHECK_RTOL_LOSSY, random_operands  # noqa: PLC0415 - lazy: start-up time
-    from ..nvfp4 import quantize_nvfp4, reference_gemm  # noqa: PLC0415 - lazy: start-up time
-    from ..tactics import is_lossy  # noqa: PLC0415 - lazy: start-up time
+    from fp4_dispatch.autotune.harness import CHECK_RTOL_LOSSY, random_operands  # noqa: PLC0415 - lazy: start-up time
+    from fp4_dispatch.contracts.backend import GemmOperands  # noqa: PLC0415 - lazy: start-up time
+    from fp4_dispatch.contracts.tactics import is_lossy  # noqa: PLC0415 - lazy: start-up time
+    from fp4_dispatch.format.nvfp4 import quantize_nvfp4, reference_gemm  # noqa: PLC0415 - lazy: start-up time
 
     m, n, k = problem.m, problem.n, problem.k
     try:
@@ -189,7 +189,7 @@ def _summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     d = make_dispatcher(args, strict=False)  # failures shown, not raised
-    from ..registry import strict_default  # noqa: PLC0415 - lazy: start-up time
+    from fp4_dispatch.loading.registry import strict_default  # noqa: PLC0415 - lazy: start-up time
 
     results = [check_backend(d, b.name, args.shape) for b in d.available]
     statuses = d.backends()

@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from ..buckets import bucket_key
-from . import common
+from fp4_dispatch.cli import common
+from fp4_dispatch.contracts.buckets import bucket_key
 
 if TYPE_CHECKING:
-    from ..ranking import Candidate, Shortlist
+    from fp4_dispatch.policy.ranking import Candidate, Shortlist
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,8 +41,8 @@ fp4-dispatch explain 1024 5120 5120 --op w4a16 --precision fp8 --device sm90""",
 
 
 def _extra(c: Candidate) -> str:
-    """Family-specific fields (`fp4_dispatch.tactics.tactic_knobs`), "-" when none."""
-    from ..tactics import tactic_knobs  # noqa: PLC0415 - lazy: start-up time (--help)
+    """Family-specific fields (`fp4_dispatch.contracts.tactics.tactic_knobs`), "-" when none."""
+    from fp4_dispatch.contracts.tactics import tactic_knobs  # noqa: PLC0415 - lazy: start-up time (--help)
 
     return tactic_knobs(c.tactic) or "-"
 
@@ -88,7 +88,7 @@ def tuned_entry(dispatcher, m: int, n: int, k: int, dtype: str, op: str) -> dict
     winners = getattr(dispatcher, "winners", None)
     if winners is None:
         return None
-    from ..winners import StaleEntry  # noqa: PLC0415 - imports torch
+    from fp4_dispatch.store.winners import StaleEntry  # noqa: PLC0415 - imports torch
 
     entry = winners.entries().get(bucket_key(m, n, k, dtype, op))
     if entry is None:
@@ -108,7 +108,7 @@ def render_tuned(row: dict | None) -> str:
     """One paragraph: the tuned tactic, its policy, the paired check against the default."""
     if row is None:
         return "tuned: no cache entry for this bucket (an untuned call runs the heuristic pick)"
-    from ..tactics import tactic_label  # noqa: PLC0415 - lazy: start-up time (--help)
+    from fp4_dispatch.contracts.tactics import tactic_label  # noqa: PLC0415 - lazy: start-up time (--help)
 
     tactic = row.get("tactic") if isinstance(row.get("tactic"), dict) else {}
     ratio, pairs = row.get("paired_ratio"), row.get("pairs") or 0

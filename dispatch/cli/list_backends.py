@@ -23,11 +23,7 @@ import argparse
 import logging
 from typing import Any
 
-from .. import guard as _guard
-from ..guard import PluginFault
-from ..registry import SLOW_LOAD_S, strict_default
-from ..tactics import Problem
-from .common import (
+from fp4_dispatch.cli.common import (
     CliError,
     add_command,
     add_device_args,
@@ -37,6 +33,10 @@ from .common import (
     format_table,
     make_dispatcher,
 )
+from fp4_dispatch.contracts.tactics import Problem
+from fp4_dispatch.loading import guard as _guard
+from fp4_dispatch.loading.guard import PluginFault
+from fp4_dispatch.loading.registry import SLOW_LOAD_S, strict_default
 
 log = logging.getLogger(__name__)
 

@@ -13,11 +13,11 @@ import argparse
 import math
 from typing import TYPE_CHECKING
 
-from . import common
+from fp4_dispatch.cli import common
 
 if TYPE_CHECKING:
-    from ..ranking import Candidate
-    from ..tuning import TuneResult
+    from fp4_dispatch.autotune.tuning import TuneResult
+    from fp4_dispatch.policy.ranking import Candidate
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -63,8 +63,9 @@ fp4-dispatch tune --shapes 1,4096,4096 --op w4a16 --measure eager""",
 
 def _tactic(c: Candidate | None) -> str:
     """``backend 128x64 swap knob=value``: the backend and its tactic's label
-    (`fp4_dispatch.tactics.tactic_label`: tile, cluster, swap, knobs off their default)."""
-    from ..tactics import tactic_label  # noqa: PLC0415 - lazy: start-up time (--help)
+    (`fp4_dispatch.contracts.tactics.tactic_label`: tile, cluster, swap, knobs off their
+    default)."""
+    from fp4_dispatch.contracts.tactics import tactic_label  # noqa: PLC0415 - lazy: start-up time (--help)
 
     if c is None:
         return "-"

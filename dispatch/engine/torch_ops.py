@@ -1,0 +1,607 @@
+"""PyTorch integration: custom ops that torch.compile traces and CUDA graphs capture.
+
+Why: a serving stack compiles its model (``torch.compile(fullgraph=True)``) and replays
+decode steps from CUDA graphs. The dispatcher's Python (ranking, pydantic models, plans,
+kernel builds) must therefore sit behind an opaque op with a shape-only "fake"
+implementation, and must do nothing inside a capture that a capture cannot record.
+
+Layering: this module sits BELOW the engine. It knows a dispatcher only as an object
+with ``run_checked``/``check_device``/``cached_plan`` (the `Runner` protocol), looked up
+by an int id; `fp4_dispatch.engine.dispatcher` registers itself as the factory of the per-device
+default dispatchers on import. So the engine can emit these ops under torch.compile
+without an import cycle.
+
+Ops, namespace ``fp4_dispatch`` (``torch.ops.fp4_dispatch.*``):
+
+- ``quantize(x, global_scale=None) -> (data, scale, global_scale)``: NVFP4 quantization
+  of a 2-D activation, bit-identical to `quantize_nvfp4` (swizzled scales) and, like it,
+  with no host synchronisation (the fused Triton kernel on CUDA), so it is capturable.
+- ``gemm(a_data, a_scale, b_data, b_scale, alpha, out_dtype, dispatcher=-1) -> out``:
+  ``out = alpha * dequant(a) @ dequant(b).T`` through a dispatcher.
+- ``gemm_out(..., out, dispatcher=-1)``: the same, writing a caller's ``out``.
+- ``gemm_w4a16(a, b_data, b_scale, alpha, out_dtype, dispatcher=-1, bias=None,
+  b_prepared=None) -> out``: weight-only ``out = alpha * a @ dequant(b).T (+ bias)`` with
+  dense bf16/fp16 activations ``a`` (``b_prepared``: `DenseOperands.b_prepared`).
+
+``dispatcher`` is an int: `dispatcher_id` of a registered dispatcher, or -1 for the
+per-device default (`default_dispatcher`), -2 for the per-device default of the ``"fp8"``
+precision policy (`default_dispatcher(device, "fp8")`). An int keeps the op schema plain and lets a
+compiled graph hold the choice as a constant.
+
+CUDA graphs. Outside a capture a GEMM runs its plan (`fp4_dispatch.engine.plans`; the
+dispatcher may rank, build, compile and - under ``autotuning()`` - tune to make it) and
+the plan becomes *warm*. Inside a capture (`stream_capturing`) nothing is ranked, built,
+compiled, allocated or tuned: the warm plan of the exact (M, N, K, out dtype) launches,
+and otherwise `CaptureNotWarmError` is raised before anything launches. So an *untuned*
+bucket hit during capture runs the heuristic top-1 that the warm-up ran - never a tuning
+pass - and a shape that was never run eagerly is an error that names the shape and the
+fix: run the model once at that shape before capturing (what
+``torch.compile(mode="reduce-overhead")`` and the usual side-stream warm-up do), or call
+`warmup`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from fp4_dispatch.contracts.tactics import check_precision
+from fp4_dispatch.engine.plans import PlanKey
+from fp4_dispatch.format import checks
+from fp4_dispatch.format.nvfp4 import (
+    Nvfp4Tensor,
+    quantize_fields,
+    quantize_nvfp4,
+    swizzled_scale_shape,
+)
+from fp4_dispatch.support.progress import progress
+
+if TYPE_CHECKING:
+    from fp4_dispatch.contracts.device import DeviceInfo
+    from fp4_dispatch.engine.plans import Plan
+    from fp4_dispatch.policy.ranking import Candidate
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CaptureNotWarmError",
+    "Runner",
+    "default_dispatcher",
+    "dispatcher_id",
+    "gemm",
+    "get_dispatcher",
+    "is_warm",
+    "not_warm",
+    "quantize",
+    "run",
+    "run_w4a16",
+    "set_default_factory",
+    "stream_capturing",
+    "warmup",
+]
+
+#: the ``dispatcher`` argument meaning "the default dispatcher of the operands' device"
+DEFAULT = -1
+#: the same for the default dispatcher of the ``"fp8"`` precision policy
+DEFAULT_FP8 = -2
+#: precision policy -> its default-dispatcher argument
+_DEFAULT_IDS = {"exact": DEFAULT, "fp8": DEFAULT_FP8}
+
+
+class CaptureNotWarmError(RuntimeError):
+    """A GEMM shape reached a CUDA graph capture before its plan had ever run eagerly."""
+
+
+class Runner(Protocol):
+    """What the ops need of a dispatcher (`fp4_dispatch.Dispatcher` is one)."""
+
+    device: DeviceInfo
+    op_id: int
+
+    def run_checked(
+        self,
+        a: torch.Tensor,
+        sa: torch.Tensor,
+        b: torch.Tensor,
+        sb: torch.Tensor,
+        alpha: torch.Tensor,
+        out: torch.Tensor,
+        dtype: str,
+        alpha_b: torch.Tensor | None = None,
+    ) -> None: ...
+
+    def run_dense(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        sb: torch.Tensor,
+        alpha: torch.Tensor,
+        out: torch.Tensor,
+        dtype: str,
+        bias: torch.Tensor | None = None,
+        b_prepared: torch.Tensor | None = None,
+    ) -> None: ...
+
+    def check_device(self, name: str, t: torch.Tensor) -> torch.device: ...
+
+    def cached_plan(
+        self, m: int, n: int, k: int, dtype: str, operation: str = "w4a4"
+    ) -> Plan | None: ...
+
+    def gemm(self, qa: Nvfp4Tensor, qb: Nvfp4Tensor, out_dtype: torch.dtype,
+             out: torch.Tensor | None = None) -> torch.Tensor: ...  # fmt: skip
+
+
+# ---- which dispatcher ------------------------------------------------------------------
+
+_lock = threading.Lock()
+_next_id = itertools.count(1)
+_by_id: weakref.WeakValueDictionary[int, Runner] = weakref.WeakValueDictionary()
+_id_of: weakref.WeakKeyDictionary[Runner, int] = weakref.WeakKeyDictionary()
+_defaults: dict[tuple[str, str], Runner] = {}
+_factory: list[Callable[[str, str], Runner]] = []
+
+
+def set_default_factory(factory: Callable[[str, str], Runner]) -> None:
+    """Name what makes the default dispatcher of a device and precision policy
+    (``factory("cuda:0", "exact")``).
+
+    `fp4_dispatch.engine.dispatcher` registers `Dispatcher` here when it is imported: this
+    module sits below the engine and never imports it.
+    """
+    _factory[:] = [factory]
+    _checked.clear()
+
+
+@torch.compiler.assume_constant_result
+def dispatcher_id(dispatcher: Runner) -> int:
+    """The op-level id of `dispatcher` (registered on first use, held weakly).
+
+    Under torch.compile this runs at trace time and the id becomes a constant of the
+    graph (dynamo guards on the dispatcher object, so another one recompiles).
+    """
+    with _lock:
+        did = _id_of.get(dispatcher)
+        if did is None:
+            did = next(_next_id)
+            _id_of[dispatcher] = did
+            _by_id[did] = dispatcher
+        return did
+
+
+def _device_key(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
+def default_dispatcher(device: torch.device | str = "cpu", precision: str = "exact") -> Runner:
+    """The shared dispatcher of a torch device and precision policy (created on first
+    use, then reused): ``"exact"`` (default) or ``"fp8"`` (`fp4_dispatch.Dispatcher`)."""
+    key = (_device_key(device), check_precision(precision))
+    with _lock:
+        d = _defaults.get(key)
+    if d is None:
+        if not _factory:
+            raise RuntimeError(
+                "fp4_dispatch: no dispatcher factory registered; "
+                "import fp4_dispatch.engine.dispatcher"
+            )
+        d = _factory[0](*key)
+        with _lock:
+            d = _defaults.setdefault(key, d)
+    return d
+
+
+def get_dispatcher(did: int, device: torch.device) -> Runner:
+    """Resolve the op's ``dispatcher`` argument (see module docstring)."""
+    if did in (DEFAULT, DEFAULT_FP8):
+        return _resolve(None, device, "fp8" if did == DEFAULT_FP8 else "exact")
+    d = _by_id.get(did)
+    if d is None:
+        raise RuntimeError(
+            f"fp4_dispatch op: dispatcher #{did} no longer exists (it was garbage-collected "
+            "while a graph or module still referred to it); keep a reference to it"
+        )
+    return d
+
+
+def _resolve(dispatcher: Runner | None, device: torch.device, precision: str = "exact") -> Runner:
+    """`dispatcher`, or the default one of `device` and `precision` (never first created
+    inside a capture)."""
+    if dispatcher is not None:
+        return dispatcher
+    if stream_capturing() and (_device_key(device), precision) not in _defaults:
+        raise CaptureNotWarmError(
+            f"fp4_dispatch: the default dispatcher of {device} was first needed inside a "
+            "CUDA graph capture; run the model once before capturing"
+        )
+    return default_dispatcher(device, precision)
+
+
+# ---- capture state -----------------------------------------------------------------------
+
+
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+
+
+def stream_capturing() -> bool:
+    """True while the current CUDA stream is capturing a graph (False without CUDA).
+
+    Calls what ``torch.cuda.is_current_stream_capturing`` calls, without its Python
+    frame: this runs on every eager GEMM."""
+    return _capturing is not None and torch.cuda.is_initialized() and _capturing()
+
+
+def is_warm(
+    d: Runner, m: int, n: int, k: int, out_dtype: torch.dtype, operation: str = "w4a4"
+) -> bool:
+    """Whether a GEMM of this exact problem may run inside a CUDA graph capture."""
+    plan = d.cached_plan(m, n, k, checks.out_dtype_name(out_dtype), operation)
+    return plan is not None and plan.warm
+
+
+def not_warm(device_name: str, key: PlanKey, why: str) -> CaptureNotWarmError:
+    """The error for a shape whose plan may not launch inside a capture (names the fix)."""
+    m, n, k, dtype, op = key
+    what = {"w4a4": "GEMM", "w4a16": "W4A16 GEMM"}.get(op, f"{op.upper()} GEMM")
+    return CaptureNotWarmError(
+        f"fp4_dispatch: {what} M={m} N={n} K={k} out={dtype} on {device_name} reached a "
+        f"CUDA graph capture {why}. Inside a capture nothing is ranked, built, compiled, "
+        "allocated or tuned, so the kernel must have run at this exact shape beforehand. "
+        "Run the model once at this shape before capturing (torch.compile "
+        "mode='reduce-overhead' does), or call fp4_dispatch.engine.torch_ops.warmup(dispatcher, "
+        f"[({m}, {n}, {k})]). Nothing was launched; this capture is invalid."
+    )
+
+
+# ---- the ops -----------------------------------------------------------------------------
+
+
+#: argument signatures (`_signature`) whose checks passed with nothing to convert ->
+#: (dispatcher, output dtype name): a matching call skips the checks. Under torch.compile
+#: every GEMM runs this module's Python; the checks cost ~10-20 µs a call, the signature
+#: a few (benchmarks/RESULTS.md "Eager launch"). Emptied when it reaches `_CHECKED_MAX`
+#: and when the default dispatcher's factory changes.
+_checked: dict[tuple, tuple[Runner, str]] = {}
+_CHECKED_MAX = 4096
+
+
+def _meta(t: torch.Tensor | None) -> tuple | None:
+    """What the checks read of an operand: shape, dtype, strides and device."""
+    return None if t is None else (t.shape, t.dtype, t.stride(), t.device)
+
+
+def _signature(did: int, *operands: torch.Tensor | None) -> tuple:
+    """The key of `_checked`: the dispatcher id, every operand's `_meta`, and the
+    addresses of the weight-side operands (b_data, b_scale, bias, b_prepared: the checks
+    relate them to each other, so another weight is checked anew)."""
+    weight_side = (operands[2], operands[3], operands[6], operands[7])
+    fixed = tuple(None if t is None else t.data_ptr() for t in weight_side)
+    return (did, fixed, *[_meta(t) for t in operands])
+
+
+def _op_impl(
+    did: int,
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    alpha: torch.Tensor,
+    out: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    b_prepared: torch.Tensor | None = None,
+) -> None:
+    """Every GEMM op's body: check the plain-tensor operands (the ops are public), then
+    run; operands whose signature was checked before run straight away (`_checked`)."""
+    operands = (a, a_scale, b_data, b_scale, alpha, out, bias, b_prepared)
+    sig = _signature(did, *operands)
+    hit = _checked.get(sig)
+    if hit is not None:
+        d, dtype = hit
+        if a_scale is None:
+            d.run_dense(a, b_data, b_scale, alpha, out, dtype, bias, b_prepared)
+        else:
+            d.run_checked(a, a_scale, b_data, b_scale, alpha, out, dtype)
+        return
+    d, dtype, checked = _check_and_run(did, operands)
+    if all(_meta(c) == _meta(t) for c, t in zip(checked, operands, strict=True)):
+        if len(_checked) >= _CHECKED_MAX:
+            _checked.clear()
+        _checked[sig] = (d, dtype)
+
+
+def _check_and_run(did: int, operands: tuple) -> tuple[Runner, str, tuple]:
+    """Check `_op_impl`'s operands, then run: ``a_scale`` None: W4A16 (``a`` dense
+    bf16/fp16 ``[M, K]``, optional ``bias`` and ``b_prepared`` as in `DenseOperands`),
+    else W4A4 (``a`` the packed ``[M, K/2]`` activation with its swizzled scales).
+    Returns the dispatcher, the output dtype name and the operands as checked (views of
+    the inputs)."""
+    a, a_scale, b_data, b_scale, alpha, out, bias, b_prepared = operands
+    dense = a_scale is None
+    a_name = "a" if dense else "a_data"
+    if dense:
+        a = checks.dense_activation("a", a)
+        k_a = a.shape[1]
+    else:
+        a = checks.fp4_data("a_data", a)
+        k_a = a.shape[1] * 2
+    b_data = checks.fp4_data("b_data", b_data)
+    m, n = a.shape[0], b_data.shape[0]
+    k = checks.k_dims(k_a, b_data.shape[1] * 2, (a_name, "b_data"))
+    dtype = checks.out_dtype_name(out.dtype)
+    if tuple(out.shape) != (m, n):
+        raise ValueError(f"out: expected shape {(m, n)}, got {tuple(out.shape)}")
+    if dense and not b_data.is_contiguous():
+        raise ValueError("b_data: expected a contiguous [N, K/2] tensor")
+    if not dense and not (a.is_contiguous() and b_data.is_contiguous()):
+        raise ValueError("a_data and b_data: expected contiguous [rows, K/2] tensors")
+    d = get_dispatcher(did, a.device)
+    device = d.check_device(a_name, a)
+    if dense:
+        checks.same_device(device, b_data=b_data, b_scale=b_scale, out=out)
+        sb = checks.swizzled_scale("b_scale", b_scale, n, k)
+        if bias is not None:
+            bias = checks.bias_vector("bias", bias, n, device)
+        if b_prepared is not None:
+            b_prepared = checks.prepared_bytes("b_prepared", b_prepared, b_data, device)
+        alpha = checks.alpha_tensor(alpha, device)
+        d.run_dense(a, b_data, sb, alpha, out, dtype, bias, b_prepared)
+        return d, dtype, (a, None, b_data, sb, alpha, out, bias, b_prepared)
+    checks.same_device(device, a_scale=a_scale, b_data=b_data, b_scale=b_scale, out=out)
+    sa = checks.swizzled_scale("a_scale", a_scale, m, k)
+    sb = checks.swizzled_scale("b_scale", b_scale, n, k)
+    alpha = checks.alpha_tensor(alpha, device)
+    d.run_checked(a, sa, b_data, sb, alpha, out, dtype)
+    return d, dtype, (a, sa, b_data, sb, alpha, out, None, None)
+
+
+@torch.library.custom_op("fp4_dispatch::gemm", mutates_args=())
+def _gemm_op(
+    a_data: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    alpha: torch.Tensor,
+    out_dtype: torch.dtype,
+    dispatcher: int = DEFAULT,
+) -> torch.Tensor:
+    out = torch.empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype, device=a_data.device)
+    _op_impl(dispatcher, a_data, a_scale, b_data, b_scale, alpha, out)
+    return out
+
+
+@_gemm_op.register_fake
+def _gemm_fake(a_data, a_scale, b_data, b_scale, alpha, out_dtype, dispatcher=DEFAULT):
+    return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("fp4_dispatch::gemm_out", mutates_args=("out",))
+def _gemm_out_op(
+    a_data: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    alpha: torch.Tensor,
+    out: torch.Tensor,
+    dispatcher: int = DEFAULT,
+) -> None:
+    _op_impl(dispatcher, a_data, a_scale, b_data, b_scale, alpha, out)
+
+
+@_gemm_out_op.register_fake
+def _gemm_out_fake(a_data, a_scale, b_data, b_scale, alpha, out, dispatcher=DEFAULT):
+    return None
+
+
+@torch.library.custom_op("fp4_dispatch::gemm_w4a16", mutates_args=())
+def _gemm_w4a16_op(
+    a: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    alpha: torch.Tensor,
+    out_dtype: torch.dtype,
+    dispatcher: int = DEFAULT,
+    bias: torch.Tensor | None = None,
+    b_prepared: torch.Tensor | None = None,
+) -> torch.Tensor:
+    out = torch.empty((a.shape[0], b_data.shape[0]), dtype=out_dtype, device=a.device)
+    _op_impl(dispatcher, a, None, b_data, b_scale, alpha, out, bias, b_prepared)
+    return out
+
+
+@_gemm_w4a16_op.register_fake
+def _gemm_w4a16_fake(a, b_data, b_scale, alpha, out_dtype, dispatcher=DEFAULT, bias=None,
+                     b_prepared=None):  # fmt: skip
+    return a.new_empty((a.shape[0], b_data.shape[0]), dtype=out_dtype)
+
+
+def _quantize_eager(
+    x: torch.Tensor, global_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_nvfp4`'s path (the fused kernel on CUDA) minus its opt-in checks."""
+    g = None
+    if global_scale is not None:
+        g = global_scale.detach().reshape(()).to(device=x.device, dtype=torch.float32)
+    # quantize_fields never returns an alias of g (an op's output may not alias its input)
+    return quantize_fields(x, g, "swizzled")
+
+
+def _check_quantize_input(x: torch.Tensor) -> None:
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"x: expected dtype float32, float16 or bfloat16, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-D tensor [R, K], got shape {tuple(x.shape)}")
+    if x.shape[1] % 32:
+        raise ValueError(f"x: K must be a multiple of 32 for the GEMM, got K={x.shape[1]}")
+
+
+@torch.library.custom_op("fp4_dispatch::quantize", mutates_args=())
+def _quantize_op(
+    x: torch.Tensor, global_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_quantize_input(x)
+    return _quantize_eager(x, global_scale)
+
+
+@_quantize_op.register_fake
+def _quantize_fake(x, global_scale=None):
+    _check_quantize_input(x)
+    r, k = x.shape
+    rows, cols = swizzled_scale_shape(r, k)
+    return (
+        x.new_empty((r, k // 2), dtype=torch.uint8),
+        x.new_empty((rows, cols), dtype=torch.float8_e4m3fn),
+        x.new_empty((), dtype=torch.float32),
+    )
+
+
+# ---- the public functions ----------------------------------------------------------------
+
+
+def quantize(
+    x: torch.Tensor, global_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D activation ``[M, K]`` (``K % 32 == 0``) without host syncs.
+
+    Returns ``(data uint8 [M, K/2], scale e4m3 swizzled, global_scale float32 [])`` -
+    the fields of the `Nvfp4Tensor` `quantize_nvfp4` would give, bit for bit.
+    ``global_scale`` (a float32 tensor, decode multiplier) fixes the per-tensor scale,
+    e.g. a calibrated static one; None computes ``amax / (6 * 448)`` on the device.
+    NaN/inf inputs are not checked here (that would synchronise): their 16-element
+    block gets the NaN scale 0x7F and codes 0, other rows are unaffected. Under
+    torch.compile this is the ``fp4_dispatch::quantize`` op; eagerly the same code runs
+    without the op's dispatch overhead.
+    """
+    if torch.compiler.is_compiling():
+        return torch.ops.fp4_dispatch.quantize(x, global_scale)
+    _check_quantize_input(x)
+    return _quantize_eager(x, global_scale)
+
+
+def run(
+    dispatcher: Runner | None,
+    a_data: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    alpha: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+    alpha_b: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``alpha * dequant(a) @ dequant(b).T`` on already checked operands.
+
+    Operands as in `GemmOperands` (swizzled scales, ``alpha`` one float32 element, and
+    optionally its second factor ``alpha_b``, multiplied in by the kernel when it can);
+    ``dispatcher`` None means the default dispatcher of the operands' device. Under
+    torch.compile this becomes the ``fp4_dispatch::gemm`` (or ``gemm_out``) op, so the
+    graph holds one opaque call and no dispatcher Python; eagerly it runs the plan
+    directly (a custom op's dispatch costs tens of microseconds of host time, more than
+    a decode GEMM). Both paths obey the CUDA-graph rules of this module.
+    """
+    if torch.compiler.is_compiling():
+        did = DEFAULT if dispatcher is None else dispatcher.op_id
+        if alpha_b is not None:  # the op takes the product (one small fused kernel)
+            alpha = (alpha * alpha_b).reshape(1)
+        if out is None:
+            return torch.ops.fp4_dispatch.gemm(
+                a_data, a_scale, b_data, b_scale, alpha, out_dtype, did
+            )
+        torch.ops.fp4_dispatch.gemm_out(a_data, a_scale, b_data, b_scale, alpha, out, did)
+        return out
+    d = _resolve(dispatcher, a_data.device)
+    dtype = checks.out_dtype_name(out_dtype)
+    if out is None:
+        out = torch.empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype, device=a_data.device)
+    d.run_checked(a_data, a_scale, b_data, b_scale, alpha, out, dtype, alpha_b)
+    return out
+
+
+def run_w4a16(
+    dispatcher: Runner | None,
+    a: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    alpha: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    b_prepared: torch.Tensor | None = None,
+    precision: str = "exact",
+) -> torch.Tensor:
+    """W4A16 ``alpha * a @ dequant(b).T (+ bias)`` (dense ``a``) on checked operands.
+
+    ``dispatcher`` None: the default dispatcher of ``a``'s device for ``precision``
+    (``"fp8"``: it may run the call as W4A8); a given dispatcher uses its own policy.
+
+    Under torch.compile this is the ``fp4_dispatch::gemm_w4a16`` op; eagerly the plan
+    runs directly (same CUDA-graph rules as `run`). Both hand ``bias`` and ``b_prepared``
+    (the weight bytes in the sm90-prepared order) to the kernel (`DenseOperands`), so a
+    compiled model computes the eager bits: the bias in the kernel's epilogue where it
+    has one, in fp32 before the one rounding. A caller's ``out`` is written through a
+    copy under torch.compile (the op returns a new tensor).
+    """
+    if torch.compiler.is_compiling():
+        did = _DEFAULT_IDS[precision] if dispatcher is None else dispatcher.op_id
+        y = torch.ops.fp4_dispatch.gemm_w4a16(a, b_data, b_scale, alpha, out_dtype, did, bias,
+                                              b_prepared)  # fmt: skip
+        return y if out is None else out.copy_(y)
+    d = _resolve(dispatcher, a.device, precision)
+    dtype = checks.out_dtype_name(out_dtype)
+    if out is None:
+        out = torch.empty((a.shape[0], b_data.shape[0]), dtype=out_dtype, device=a.device)
+    d.run_dense(a, b_data, b_scale, alpha, out, dtype, bias, b_prepared)
+    return out
+
+
+def gemm(
+    dispatcher: Runner,
+    qa: Nvfp4Tensor,
+    qb: Nvfp4Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`Dispatcher.gemm` (kept for callers of this module): ``dequant(qa) @ dequant(qb).T``."""
+    return dispatcher.gemm(qa, qb, out_dtype, out)
+
+
+def warmup(
+    dispatcher: Runner,
+    shapes: Iterable[tuple[int, int, int]],
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    show_progress: bool | None = None,
+) -> dict[PlanKey, Candidate]:
+    """Run one GEMM per exact (M, N, K) eagerly so those shapes may be graph-captured.
+
+    This plans (and, inside ``Dispatcher.autotuning()``, tunes), builds, JIT-compiles and
+    allocates workspaces outside any capture. Returns the candidate each shape will run.
+    Must not be called while capturing.
+    """
+    if stream_capturing():
+        raise RuntimeError("warmup() must run before the CUDA graph capture, not inside it")
+    device = torch.device(dispatcher.device.torch_device)
+    dtype = checks.out_dtype_name(out_dtype)
+    shapes = [tuple(int(v) for v in s) for s in shapes]
+    gen = torch.Generator().manual_seed(0)
+    done: dict[PlanKey, Candidate] = {}
+    for m, n, k in progress(
+        shapes, desc="fp4_dispatch warm-up", unit="shape", enable=show_progress
+    ):
+        qa = quantize_nvfp4(torch.randn(m, k, generator=gen).to(device))
+        qb = quantize_nvfp4(torch.randn(n, k, generator=gen).to(device))
+        dispatcher.gemm(qa, qb, out_dtype)
+        plan = dispatcher.cached_plan(m, n, k, dtype)
+        if plan is not None:
+            done[(m, n, k, dtype)] = plan.candidate
+            log.debug("warm: M=%d N=%d K=%d -> %s %s", m, n, k, plan.candidate.backend,
+                      plan.candidate.tactic.canonical_json())  # fmt: skip
+    return done
