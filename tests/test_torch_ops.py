@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fp4_dispatch import Dispatcher, Nvfp4Tensor, quantize_nvfp4, reference_gemm, torch_ops
+from fp4_dispatch.engine import capture
 from fp4_dispatch.plans import Plan
 from fp4_dispatch.progress import ENV as PROGRESS_ENV
 from fp4_dispatch.progress import enabled, progress
@@ -117,9 +118,12 @@ def test_gemm_op_matches_reference_and_dispatcher(dispatcher, operands):
         qa.data, qa.scale, qb.data, qb.scale, alpha_of(qa, qb), torch.float16, did
     )
     assert y.dtype == torch.float16 and rel_err(y, ref) < 5e-3
-    assert torch.equal(torch_ops.gemm(dispatcher, qa, qb), dispatcher.gemm(qa, qb))
+    assert torch.equal(
+        dispatcher.gemm(qa, qb),
+        torch_ops.run(dispatcher, qa.data, qa.scale, qb.data, qb.scale, alpha_of(qa, qb)),
+    )
     out = torch.full((37, 96), float("nan"), dtype=torch.bfloat16)
-    assert torch_ops.gemm(dispatcher, qa.with_layout("linear"), qb, out=out) is out
+    assert dispatcher.gemm(qa.with_layout("linear"), qb, out=out) is out
     assert rel_err(out, ref) < 5e-3
     y = torch_ops.run(None, qa.data, qa.scale, qb.data, qb.scale, alpha_of(qa, qb))
     assert rel_err(y, ref) < 5e-3  # the default dispatcher of the CPU
@@ -153,7 +157,7 @@ def test_gemm_op_checks_its_operands(dispatcher, operands):
         op(qa.data, qa.scale, qb.data, qb.scale, alpha_of(qa, qb), torch.float32, did)
     sim = Dispatcher(device="sm100")
     with pytest.raises(RuntimeError, match="simulated"):
-        torch_ops.gemm(sim, qa, qb)
+        sim.gemm(qa, qb)
     empty = torch_ops.run(dispatcher, qa.data[:0], qa.scale, qb.data, qb.scale, alpha_of(qa, qb))
     assert empty.shape == (0, 32)
 
@@ -199,7 +203,7 @@ def test_torch_ops_gemm_traces_in_one_graph(operands):
     """dynamo traces the checks and Nvfp4Tensor access; the GEMM stays one opaque op."""
     d = Dispatcher(device="cpu")
     qa, qb = operands(8, 64, 128)
-    explained = torch._dynamo.explain(lambda a, b: torch_ops.gemm(d, a, b))(qa, qb)
+    explained = torch._dynamo.explain(lambda a, b: d.gemm(a, b))(qa, qb)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
     assert "fp4_dispatch.gemm" in _op_targets(explained.graphs[0])
     assert set(d._plans) == {(8, 64, 128, "bfloat16", "w4a4")}  # explain ran it: the op planned it
@@ -240,7 +244,7 @@ def capturing(monkeypatch):
     def set_capturing(on: bool) -> None:
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: on)
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: on)
-        monkeypatch.setattr(torch_ops, "_capturing", lambda: on)  # what the ops call
+        monkeypatch.setattr(capture, "_capturing", lambda: on)  # what the engine calls
 
     yield set_capturing
     set_capturing(False)
@@ -261,7 +265,7 @@ def test_capture_of_a_shape_never_run_raises_and_launches_nothing(operands, capt
     _forbid_planning(monkeypatch, d)
     capturing(True)
     with pytest.raises(CaptureNotWarmError, match=r"M=5 N=48 K=64 .*without ever having run") as e:
-        torch_ops.gemm(d, qa, qb, out=out)
+        d.gemm(qa, qb, out=out)
     assert "warmup" in str(e.value)
     assert out.isnan().all()
     assert not d._plans and not torch_ops.is_warm(d, 5, 48, 64, torch.bfloat16)
@@ -270,32 +274,32 @@ def test_capture_of_a_shape_never_run_raises_and_launches_nothing(operands, capt
 def test_capture_replays_the_warm_plan_only_for_the_exact_shape(operands, capturing, monkeypatch):
     d = Dispatcher(device="cpu")
     qa, qb = operands(8, 48, 64)
-    eager = torch_ops.gemm(d, qa, qb)
+    eager = d.gemm(qa, qb)
     assert torch_ops.is_warm(d, 8, 48, 64, torch.bfloat16)
     planned = d._plans[(8, 48, 64, "bfloat16", "w4a4")]
     assert planned.candidate == d.select(8, 48, 64)  # untuned bucket: the heuristic top-1
     _forbid_planning(monkeypatch, d)
     capturing(True)
     out = torch.full((8, 48), float("nan"), dtype=torch.bfloat16)
-    torch_ops.gemm(d, qa, qb, out=out)
+    d.gemm(qa, qb, out=out)
     assert torch.equal(out, eager)
     qa5, _ = operands(5, 48, 64)
     with pytest.raises(CaptureNotWarmError, match="M=5 N=48 K=64"):  # same bucket, other M
-        torch_ops.gemm(d, qa5, qb)
+        d.gemm(qa5, qb)
     with pytest.raises(CaptureNotWarmError, match="float16"):  # other output dtype
-        torch_ops.gemm(d, qa, qb, out_dtype=torch.float16)
+        d.gemm(qa, qb, out_dtype=torch.float16)
 
 
 def test_capture_after_the_plan_changed_raises(operands, capturing):
     d = Dispatcher(device="cpu")
     qa, qb = operands(8, 48, 64)
-    torch_ops.gemm(d, qa, qb)
+    d.gemm(qa, qb)
     key = (8, 48, 64, "bfloat16", "w4a4")
     cand, kernel = d._plans[key]
     d._plans[key] = Plan(key, cand, kernel)  # e.g. re-tuned: a new plan object, never run
     capturing(True)
     with pytest.raises(CaptureNotWarmError, match="plan changed"):
-        torch_ops.gemm(d, qa, qb)
+        d.gemm(qa, qb)
 
 
 def test_capture_never_creates_the_default_dispatcher(operands, capturing, monkeypatch):

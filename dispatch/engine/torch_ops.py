@@ -5,11 +5,12 @@ decode steps from CUDA graphs. The dispatcher's Python (ranking, pydantic models
 kernel builds) must therefore sit behind an opaque op with a shape-only "fake"
 implementation, and must do nothing inside a capture that a capture cannot record.
 
-Layering: this module sits BELOW the engine. It knows a dispatcher only as an object
-with ``run_checked``/``check_device``/``cached_plan`` (the `Runner` protocol), looked up
-by an int id; `fp4_dispatch.engine.dispatcher` registers itself as the factory of the per-device
-default dispatchers on import. So the engine can emit these ops under torch.compile
-without an import cycle.
+Layering: one direction per call. `fp4_dispatch.Dispatcher`'s public calls emit these
+ops under torch.compile; the ops' implementations call the engine
+(`fp4_dispatch.engine.runner.Runner.run_checked` / ``run_dense``) of the dispatcher
+their int id names; the engine never calls back into this module (its capture state
+lives in `fp4_dispatch.engine.capture`). The default dispatcher of a device is made by
+the factory `fp4_dispatch.engine.dispatcher` registers on import.
 
 Ops, namespace ``fp4_dispatch`` (``torch.ops.fp4_dispatch.*``):
 
@@ -42,20 +43,19 @@ fix: run the model once at that shape before capturing (what
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
-import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from fp4_dispatch.contracts.tactics import check_precision
+from fp4_dispatch.engine.capture import CaptureNotWarmError, not_warm, stream_capturing
 from fp4_dispatch.engine.plans import PlanKey
+from fp4_dispatch.engine.runner import Runner, dispatcher_id, runner_of
 from fp4_dispatch.format import checks
 from fp4_dispatch.format.nvfp4 import (
-    Nvfp4Tensor,
     quantize_fields,
     quantize_nvfp4,
     swizzled_scale_shape,
@@ -63,8 +63,6 @@ from fp4_dispatch.format.nvfp4 import (
 from fp4_dispatch.support.progress import progress
 
 if TYPE_CHECKING:
-    from fp4_dispatch.contracts.device import DeviceInfo
-    from fp4_dispatch.engine.plans import Plan
     from fp4_dispatch.policy.ranking import Candidate
 
 log = logging.getLogger(__name__)
@@ -74,7 +72,6 @@ __all__ = [
     "Runner",
     "default_dispatcher",
     "dispatcher_id",
-    "gemm",
     "get_dispatcher",
     "is_warm",
     "not_warm",
@@ -94,56 +91,9 @@ DEFAULT_FP8 = -2
 _DEFAULT_IDS = {"exact": DEFAULT, "fp8": DEFAULT_FP8}
 
 
-class CaptureNotWarmError(RuntimeError):
-    """A GEMM shape reached a CUDA graph capture before its plan had ever run eagerly."""
-
-
-class Runner(Protocol):
-    """What the ops need of a dispatcher (`fp4_dispatch.Dispatcher` is one)."""
-
-    device: DeviceInfo
-    op_id: int
-
-    def run_checked(
-        self,
-        a: torch.Tensor,
-        sa: torch.Tensor,
-        b: torch.Tensor,
-        sb: torch.Tensor,
-        alpha: torch.Tensor,
-        out: torch.Tensor,
-        dtype: str,
-        alpha_b: torch.Tensor | None = None,
-    ) -> None: ...
-
-    def run_dense(
-        self,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        sb: torch.Tensor,
-        alpha: torch.Tensor,
-        out: torch.Tensor,
-        dtype: str,
-        bias: torch.Tensor | None = None,
-        b_prepared: torch.Tensor | None = None,
-    ) -> None: ...
-
-    def check_device(self, name: str, t: torch.Tensor) -> torch.device: ...
-
-    def cached_plan(
-        self, m: int, n: int, k: int, dtype: str, operation: str = "w4a4"
-    ) -> Plan | None: ...
-
-    def gemm(self, qa: Nvfp4Tensor, qb: Nvfp4Tensor, out_dtype: torch.dtype,
-             out: torch.Tensor | None = None) -> torch.Tensor: ...  # fmt: skip
-
-
 # ---- which dispatcher ------------------------------------------------------------------
 
 _lock = threading.Lock()
-_next_id = itertools.count(1)
-_by_id: weakref.WeakValueDictionary[int, Runner] = weakref.WeakValueDictionary()
-_id_of: weakref.WeakKeyDictionary[Runner, int] = weakref.WeakKeyDictionary()
 _defaults: dict[tuple[str, str], Runner] = {}
 _factory: list[Callable[[str, str], Runner]] = []
 
@@ -152,27 +102,12 @@ def set_default_factory(factory: Callable[[str, str], Runner]) -> None:
     """Name what makes the default dispatcher of a device and precision policy
     (``factory("cuda:0", "exact")``).
 
-    `fp4_dispatch.engine.dispatcher` registers `Dispatcher` here when it is imported: this
-    module sits below the engine and never imports it.
+    `fp4_dispatch.engine.dispatcher` registers `Dispatcher` here when it is imported:
+    this module sits below `Dispatcher` (whose calls emit these ops) and above the engine
+    (`Runner`, which the ops call), and imports only the engine.
     """
     _factory[:] = [factory]
     _checked.clear()
-
-
-@torch.compiler.assume_constant_result
-def dispatcher_id(dispatcher: Runner) -> int:
-    """The op-level id of `dispatcher` (registered on first use, held weakly).
-
-    Under torch.compile this runs at trace time and the id becomes a constant of the
-    graph (dynamo guards on the dispatcher object, so another one recompiles).
-    """
-    with _lock:
-        did = _id_of.get(dispatcher)
-        if did is None:
-            did = next(_next_id)
-            _id_of[dispatcher] = did
-            _by_id[did] = dispatcher
-        return did
 
 
 def _device_key(device: torch.device | str) -> str:
@@ -204,7 +139,7 @@ def get_dispatcher(did: int, device: torch.device) -> Runner:
     """Resolve the op's ``dispatcher`` argument (see module docstring)."""
     if did in (DEFAULT, DEFAULT_FP8):
         return _resolve(None, device, "fp8" if did == DEFAULT_FP8 else "exact")
-    d = _by_id.get(did)
+    d = runner_of(did)
     if d is None:
         raise RuntimeError(
             f"fp4_dispatch op: dispatcher #{did} no longer exists (it was garbage-collected "
@@ -226,40 +161,12 @@ def _resolve(dispatcher: Runner | None, device: torch.device, precision: str = "
     return default_dispatcher(device, precision)
 
 
-# ---- capture state -----------------------------------------------------------------------
-
-
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
-
-
-def stream_capturing() -> bool:
-    """True while the current CUDA stream is capturing a graph (False without CUDA).
-
-    Calls what ``torch.cuda.is_current_stream_capturing`` calls, without its Python
-    frame: this runs on every eager GEMM."""
-    return _capturing is not None and torch.cuda.is_initialized() and _capturing()
-
-
 def is_warm(
     d: Runner, m: int, n: int, k: int, out_dtype: torch.dtype, operation: str = "w4a4"
 ) -> bool:
     """Whether a GEMM of this exact problem may run inside a CUDA graph capture."""
     plan = d.cached_plan(m, n, k, checks.out_dtype_name(out_dtype), operation)
     return plan is not None and plan.warm
-
-
-def not_warm(device_name: str, key: PlanKey, why: str) -> CaptureNotWarmError:
-    """The error for a shape whose plan may not launch inside a capture (names the fix)."""
-    m, n, k, dtype, op = key
-    what = {"w4a4": "GEMM", "w4a16": "W4A16 GEMM"}.get(op, f"{op.upper()} GEMM")
-    return CaptureNotWarmError(
-        f"fp4_dispatch: {what} M={m} N={n} K={k} out={dtype} on {device_name} reached a "
-        f"CUDA graph capture {why}. Inside a capture nothing is ranked, built, compiled, "
-        "allocated or tuned, so the kernel must have run at this exact shape beforehand. "
-        "Run the model once at this shape before capturing (torch.compile "
-        "mode='reduce-overhead' does), or call fp4_dispatch.engine.torch_ops.warmup(dispatcher, "
-        f"[({m}, {n}, {k})]). Nothing was launched; this capture is invalid."
-    )
 
 
 # ---- the ops -----------------------------------------------------------------------------
@@ -562,17 +469,6 @@ def run_w4a16(
     return out
 
 
-def gemm(
-    dispatcher: Runner,
-    qa: Nvfp4Tensor,
-    qb: Nvfp4Tensor,
-    out_dtype: torch.dtype = torch.bfloat16,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`Dispatcher.gemm` (kept for callers of this module): ``dequant(qa) @ dequant(qb).T``."""
-    return dispatcher.gemm(qa, qb, out_dtype, out)
-
-
 def warmup(
     dispatcher: Runner,
     shapes: Iterable[tuple[int, int, int]],
@@ -598,7 +494,9 @@ def warmup(
     ):
         qa = quantize_nvfp4(torch.randn(m, k, generator=gen).to(device))
         qb = quantize_nvfp4(torch.randn(n, k, generator=gen).to(device))
-        dispatcher.gemm(qa, qb, out_dtype)
+        out = torch.empty((m, n), dtype=out_dtype, device=device)
+        dispatcher.run_checked(qa.data, qa.scale, qb.data, qb.scale, qa.global_scale, out,
+                               dtype, qb.global_scale)  # fmt: skip
         plan = dispatcher.cached_plan(m, n, k, dtype)
         if plan is not None:
             done[(m, n, k, dtype)] = plan.candidate

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import functools
 import importlib.metadata
 import json
@@ -40,22 +41,26 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Annotated, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Annotated, Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, WrapValidator
 
 from fp4_dispatch.autotune import tuning
+from fp4_dispatch.contracts.backend import Backend, Kernel
 from fp4_dispatch.contracts.buckets import DEFAULT_OPERATION, BucketKey
 from fp4_dispatch.contracts.device import DeviceInfo
-from fp4_dispatch.contracts.tactics import Problem
-from fp4_dispatch.policy.ranking import Candidate, estimate_us, m_bucket, operation_for
-from fp4_dispatch.store.cache import CacheReadOnlyError, ImportReport, TuningCache
+from fp4_dispatch.contracts.tactics import Problem, Tactic
+from fp4_dispatch.loading.guard import Guard
+from fp4_dispatch.policy.ranking import Candidate, Ranker, estimate_us, m_bucket, operation_for
+from fp4_dispatch.store.cache import (
+    CacheReadOnlyError,
+    ImportReport,
+    TuningCache,
+    device_fingerprint,
+)
 from fp4_dispatch.version import __version__
-
-if TYPE_CHECKING:
-    from fp4_dispatch.engine.dispatcher import Dispatcher
 
 log = logging.getLogger(__name__)
 
@@ -258,13 +263,45 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
+@dataclasses.dataclass(frozen=True)
+class StoreContext:
+    """What the winner store reads of the engine it serves, handed over once.
+
+    The store never holds the engine: it gets the device, the backends, the ranker and
+    the guard (lower layers), and two functions the engine lends it for the one thing a
+    cached winner needs from above, a check run (`TunedWinners._verify`): ``kernel_for``
+    builds a candidate's kernel (once) and ``mark_checked`` records that a (backend,
+    tactic, bucket) passed, so the first-use check does not repeat it.
+    """
+
+    device: DeviceInfo
+    #: every loaded backend by name / those that support the device
+    backends: Mapping[str, Backend]
+    available: Sequence[Backend]
+    ranker: Ranker
+    guard: Guard
+    kernel_for: Callable[[Candidate, Problem], Kernel]
+    mark_checked: Callable[[str, Tactic, BucketKey], None]
+
+    @property
+    def fingerprint(self) -> str:
+        """The device's identity in the tuning cache (`fp4_dispatch.store.cache`)."""
+        d = self.device
+        return device_fingerprint(d.name, d.compute_capability, d.sm_count)
+
+
+def _capturing(device: DeviceInfo) -> bool:
+    """Is the current CUDA stream capturing a graph (a check cannot run then)?"""
+    return device.kind == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 class TunedWinners:
     """Bucket -> valid tuned winner, backed by a `TuningCache` (None: memory only)."""
 
     def __init__(
-        self, dispatcher: Dispatcher, cache: TuningCache | None, verify: bool | None = None
+        self, context: StoreContext, cache: TuningCache | None, verify: bool | None = None
     ) -> None:
-        self._d = dispatcher
+        self._ctx = context
         self.cache = cache
         #: check a cached winner's output on its first use in this process
         self.verify = verify_default() if verify is None else verify
@@ -276,10 +313,10 @@ class TunedWinners:
         """This device's cache entries by bucket (read once, lazily)."""
         if self._entries is None:
             self._entries = {}
-            d = self._d
+            d = self._ctx
             if self.cache is not None and not d.device.is_simulated:
                 try:
-                    rows = self.cache.entries(device=d.device_fingerprint)
+                    rows = self.cache.entries(device=d.fingerprint)
                 except OSError as exc:  # unreadable cache: run untuned, say so
                     log.warning("tuning cache %s unreadable (%s); running untuned",
                                 self.cache.path, exc)  # fmt: skip
@@ -301,7 +338,7 @@ class TunedWinners:
         cand = None
         entry = self.entries().get(bkey)
         if entry is not None:
-            if self.verify and self._d._capturing():  # cannot run a check inside capture
+            if self.verify and _capturing(self._ctx.device):  # cannot run a check inside capture
                 log.info("bucket N=%d K=%d M<=%d %s %s: cached winner not verified yet "
                          "(CUDA-graph capture); heuristic used", *bkey)  # fmt: skip
                 return None
@@ -328,11 +365,11 @@ class TunedWinners:
             entry = CacheEntry.model_validate(dict(entry))
         if not (math.isfinite(entry.us) and entry.us > 0):  # no kernel runs in <= 0 us
             raise StaleEntry(f"measured time {entry.us!r} us is not a positive finite number")
-        why = environment_mismatch(entry.env, environment(self._d.device))
+        why = environment_mismatch(entry.env, environment(self._ctx.device))
         if why is not None:
             raise StaleEntry(why)
-        d, name = self._d, entry.backend
-        backend = d.registry.backends.get(name)
+        d, name = self._ctx, entry.backend
+        backend = d.backends.get(name)
         if backend is None:
             raise StaleEntry(f"backend {name!r} is not installed (or its plugin failed to load)")
         if backend not in d.available:
@@ -383,7 +420,7 @@ class TunedWinners:
         entry = self.entries().get(bkey)
         if entry is None or measure not in (None, entry.policy):
             return None
-        heuristic = self._d.ranker.pick(entry.m_bucket, entry.n, entry.k, entry.out_dtype,
+        heuristic = self._ctx.ranker.pick(entry.m_bucket, entry.n, entry.k, entry.out_dtype,
                                         entry.op)  # fmt: skip
         h = entry.heuristic or {}
         same_pick = h.get("backend") == heuristic.backend and h.get(
@@ -418,7 +455,7 @@ class TunedWinners:
         """Run a cached winner once and compare with the reference; StaleEntry if wrong."""
         n, k, bucket, dtype, op = bkey
         problem = Problem(m=bucket, n=n, k=k, out_dtype=dtype, operation=op)
-        d = self._d
+        d = self._ctx
         why = tuning.verify_candidate(cand, d.kernel_for, problem, d.device)
         if why is not None:  # a wrong kernel: never picked again, by the heuristic either
             d.guard.fault(cand.backend, "kernel() result", RuntimeError(why), cand.tactic,
@@ -426,7 +463,7 @@ class TunedWinners:
             d.guard.broken.add((cand.backend, cand.tactic))
             d.ranker.clear()
             raise StaleEntry(f"cached winner {cand.backend} gives a wrong result: {why}")
-        d.first_use.mark(cand.backend, cand.tactic, bkey)
+        d.mark_checked(cand.backend, cand.tactic, bkey)
 
     def import_from(self, path: str | os.PathLike[str], *, replace: bool = False) -> ImportReport:
         """Merge another machine's cache file into this one (``cache import``).
@@ -436,7 +473,7 @@ class TunedWinners:
         (unless ``replace``). Raises like `TuningCache.import_from`."""
         if self.cache is None:
             raise ValueError("cache: this dispatcher keeps winners in memory only (cache=False)")
-        here = self._d.device_fingerprint
+        here = self._ctx.fingerprint
 
         def accept(entry: dict[str, Any]) -> str | None:
             if entry["device"] != here:
@@ -460,8 +497,8 @@ class TunedWinners:
         cand = self.bucket((n, k, bucket, dtype, operation))
         if cand is None or m == bucket:
             return cand
-        d = self._d
-        backend = d.registry.backends[cand.backend]
+        d = self._ctx
+        backend = d.backends[cand.backend]
         try:
             exact = Problem(m=m, n=n, k=k, out_dtype=dtype, operation=cand.operation)
             why = backend.validate(cand.tactic, exact, d.device)
@@ -479,15 +516,15 @@ class TunedWinners:
         self._winners[bkey] = result.winner
         self.results[bkey] = result
         if result.winner is not None:  # the tuner checked it against the reference
-            self._d.first_use.mark(result.winner.backend, result.winner.tactic, bkey)
+            self._ctx.mark_checked(result.winner.backend, result.winner.tactic, bkey)
         if save and self.cache is not None:
             self._save(bkey, result)
 
     def _save(self, bkey: BucketKey, result: tuning.TuneResult) -> None:
-        d = self._d
+        d = self._ctx
         assert result.winner is not None
-        version = d.registry.backends[result.winner.backend].version
-        entry = CacheEntry.from_result(result, d.device_fingerprint, version,
+        version = d.backends[result.winner.backend].version
+        entry = CacheEntry.from_result(result, d.fingerprint, version,
                                        environment(d.device))  # fmt: skip
         self.entries()[bkey] = entry
         metadata = {
@@ -495,7 +532,7 @@ class TunedWinners:
             "library_version": __version__,
             "torch": torch.__version__,
             "devices": {
-                d.device_fingerprint: {
+                d.fingerprint: {
                     "name": d.device.name,
                     "compute_capability": d.device.compute_capability,
                     "sm_count": d.device.sm_count,
