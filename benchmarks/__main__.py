@@ -14,8 +14,9 @@ Suites (one module each, routines as entries of its ``ROUTINES``):
 - ``blackwell``: the CuTe-DSL families on Blackwell/Rubin hardware (compiled, not run
   on hardware by this project: the acceptance run for a user who has it).
 
-Options every suite takes (a suite's own follow, e.g. ``model --configs 8b``): ``--cases`` (routines, default all), ``--shapes M,N,K ...``
-or ``--m ...``/``--nk N,K ...`` (the grid), ``--clocks graph eager``, ``--top`` (tactics
+Options every suite takes (a suite's own follow them, e.g. ``model --configs 8b``):
+``--cases`` (routines, default all), ``--shapes M,N,K ...`` or ``--m ...``/``--nk N,K ...``
+(the grid), ``--clocks graph eager``, ``--top`` (tactics
 per backend), ``--budget-s``, ``--workers``, ``--out DIR`` (default ``$OUT``, else .),
 ``--smoke`` (each suite's smallest cases on the CPU, Triton interpreter: a script check,
 its times mean nothing). Each run writes ``<out>/<suite>.jsonl`` (`results.Row` lines)

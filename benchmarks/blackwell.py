@@ -35,12 +35,13 @@ def acceptance(ctx: Context) -> None:
         return
     failed = 0
     for m, n, k in ctx.args.shapes or SHAPES:
+        backends = d.registry.backends
         aot = [c for c in d.candidates(m, n, k).candidates
-               if getattr(d.registry.backends[c.backend], "compiles_ahead_of_time", False)]
+               if getattr(backends[c.backend], "compiles_ahead_of_time", False)]  # fmt: skip
         if ctx.smoke:
             if not aot:
                 ctx.emit([ctx.row("acceptance", m=m, n=n, k=k, clock="host", failure=(
-                    "no ahead-of-time family installed (pip install '.[cute]')"))])
+                    "no ahead-of-time family installed (pip install '.[cute]')"))])  # fmt: skip
             ctx.emit(ctx.row("acceptance", backend=c.backend, tactic=tactic_label(c.tactic),
                              m=m, n=n, k=k, clock="host", extra={"est_us": c.est_us})
                      for c in aot)  # fmt: skip
@@ -48,17 +49,9 @@ def acceptance(ctx: Context) -> None:
         g = torch.Generator().manual_seed(m * 31 + n * 7 + k)
         qa, qb = (quantize_nvfp4(torch.randn(r, k, generator=g)).to(d.device.torch_device)
                   .with_layout("swizzled") for r in (m, n))  # fmt: skip
-        fp4 = torch.float4_e2m1fn_x2
-        alpha = qa.global_scale * qb.global_scale
         ref = qa.dequantize().double() @ qb.dequantize().double().T
-
-        def cublaslt(o: torch.Tensor) -> None:
-            torch._scaled_mm(qa.data.view(fp4), qb.data.view(fp4).t(), qa.scale.reshape(-1),
-                             qb.scale.reshape(-1), out_dtype=torch.bfloat16, out=o)  # fmt: skip
-            o.mul_(alpha)
-
         out = torch.empty(m, n, dtype=torch.bfloat16, device=ctx.device)
-        rows = path_rows(ctx, "acceptance", cublaslt, out, ref, ["graph"],
+        rows = path_rows(ctx, "acceptance", cublaslt(qa, qb), out, ref, ["graph"],
                          backend="cuBLASLt _scaled_mm nvfp4", m=m, n=n, k=k)  # fmt: skip
         rows += tactic_rows(ctx, "acceptance", d, Problem(m=m, n=n, k=k), aot, "graph")
         base = rows[0].median_us
@@ -68,6 +61,19 @@ def acceptance(ctx: Context) -> None:
         failed += sum(r.failure is not None for r in rows[1:])
         ctx.emit(rows)
     assert failed == 0, f"{failed} tactic(s) failed to build, run or match"
+
+
+def cublaslt(qa, qb):
+    """cuBLASLt NVFP4 through ``torch._scaled_mm``; alpha applied after, as in our kernels."""
+    fp4 = torch.float4_e2m1fn_x2
+    a, b, alpha = qa.data.view(fp4), qb.data.view(fp4), qa.global_scale * qb.global_scale
+
+    def run(o: torch.Tensor) -> None:
+        torch._scaled_mm(a, b.t(), qa.scale.reshape(-1), qb.scale.reshape(-1),
+                         out_dtype=torch.bfloat16, out=o)  # fmt: skip
+        o.mul_(alpha)
+
+    return run
 
 
 ROUTINES = {"acceptance": acceptance}

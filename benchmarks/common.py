@@ -18,7 +18,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +37,7 @@ def parse_ints(text: str, count: int, what: str) -> tuple[int, ...]:
     """``"M,N,K"`` / ``"MxNxK"`` (or ``"N,K"``) -> ints; ValueError naming `what` otherwise."""
     parts = text.lower().replace("x", ",").split(",")
     if len(parts) != count or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        form = ",".join("MNK"[3 - count:])
+        form = ",".join("MNK"[3 - count :])
         raise ValueError(f"{what}: expected {form} (positive integers), got {text!r}")
     return tuple(int(p) for p in parts)
 
@@ -199,18 +198,18 @@ def tactic_rows(ctx: Context, case: str, dispatcher: Any, problem: Any, candidat
     return rows
 
 
-def precompile(dispatcher: Any, planned: Iterable[tuple[Any, Any, Any]], workers: int) -> str:
+def precompile(planned: Iterable[tuple[Any, Any, Any]], info: Any, workers: int) -> Any:
     """Compile every distinct kernel of the planned (backend, tactic, problem) triples in
     `workers` processes (`fp4_dispatch.precompile`: Triton ``warmup``, no launch) so the
-    timed code loads kernels from the disk caches; nothing on a CPU. A summary line."""
+    timed code loads kernels from the disk caches; off (every job skipped) unless `info`
+    is a CUDA device. The report has one outcome per distinct kernel."""
     from fp4_dispatch import precompile as pc
 
-    info = dispatcher.device
-    t0 = time.perf_counter()
     jobs = pc.jobs_for(planned, skip_ready=False)
     report = pc.precompile(jobs, info, workers=workers if info.kind == "cuda" else 0)
-    return (f"precompiled {len(report.outcomes)} kernels ({len(report.failed)} failed) "
-            f"in {time.perf_counter() - t0:.0f} s")  # fmt: skip
+    log.info("precompiled %d kernels (%d failed) in %.0f s", len(report.outcomes),
+             len(report.failed), report.seconds)  # fmt: skip
+    return report
 
 
 def on_cuda_or_smoke(ctx: Context, what: str) -> bool:

@@ -400,8 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rs-data", type=Path, default=RS_DATA, help="a bench_w4a16_rs.py JSON")
     ap.add_argument("--mma", action="store_true", help="the triton-sm90-mma constants")
     ap.add_argument("--mma-data", type=Path, default=MMA_DATA, help="a bench_w4a16_mma.py JSON")
-    ap.add_argument("--mma-scale", action="store_true",
-                    help="time_scale of the mma part: the pick across backends (below)")
+    ap.add_argument("--mma-scale", action="store_true", help="mma's time_scale (below)")
     ap.add_argument("--mid", action="store_true", help="the M = 32-256 terms")
     ap.add_argument("--mid-data", type=Path, default=MID_DATA,
                     help="a bench_w4a16_decode.py --mid JSON")  # fmt: skip
@@ -451,8 +450,9 @@ def load_all_backends(path: Path, operation: str, device) -> list[tuple[Problem,
     of every sm90 backend that offers them for the shape."""
     from fp4_dispatch.plugins.sm90 import TritonSm90Backend
 
-    backends = {b.name: b for b in (mma.TritonSm90MmaBackend(), w4.TritonSm90W4A16Backend(),
-                                    dense.TritonSm90DenseBackend(), TritonSm90Backend())}
+    kinds = (mma.TritonSm90MmaBackend, w4.TritonSm90W4A16Backend, dense.TritonSm90DenseBackend,
+             TritonSm90Backend)  # fmt: skip
+    backends = {b.name: b for b in (kind() for kind in kinds)}
     rows = []
     for r in json.loads(path.read_text())["shapes"]:
         p = Problem(m=r["m"], n=r["n"], k=r["k"], out_dtype="bfloat16", operation=operation)
@@ -486,9 +486,9 @@ def main_mma_scale(args: argparse.Namespace, device) -> int:
     current = json.loads(MODEL.read_text())["mma"]["time_scale"]
     scale = current if args.check else min(MMA_SCALE_GRID, key=lambda s: (mean(train, s), -s))
     print(f"time_scale {scale}")
-    for op, rs in rows.items():
+    for op, per_op in rows.items():
         for name, held in (("in-sample", False), ("held-out", True)):
-            part = [r for r in rs if r[1] == held]
+            part = [r for r in per_op if r[1] == held]
             print(f"{op} {name}: pick/best mean {mean(part, scale):.3f} "
                   f"({len(part)} shapes; factor 1: {mean(part, 1.0):.3f})")  # fmt: skip
     if args.write and not args.check:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from .common import Context, log, on_cuda_or_smoke, path_rows, precompile, tactic_rows, timed_rows
+from .common import Context, on_cuda_or_smoke, path_rows, precompile, tactic_rows, timed_rows
 
 #: (M values, (N, K) pairs) of each GEMM routine: the issue-13 grid, the decode grid with
 #: its held-out (N, K) (fixed before the W4A16 fits), and the shapes of W4A8 (issue 34)
@@ -139,15 +139,16 @@ def run_gemm(ctx: Context, case: str, operation: str) -> None:
                 Problem(m=m, n=n, k=k, operation=c.operation))
                for (m, n, k), cs in lists.items() for c in cs]  # fmt: skip
     if ctx.cuda:
-        log.info("%s: %s", case, precompile(d, planned, ctx.args.workers))
+        precompile(planned, d.device, ctx.args.workers)
     deadline = time.monotonic() + ctx.args.budget_s
     for m, n, k in grid:
         act, qb, ref = operands(m, n, k, dense, ctx.device, seed=m + n + k)
         rows = []
         for name, fn in baselines(act, qb, dense).items():
             out = torch.empty(m, n, dtype=torch.bfloat16, device=ctx.device)
+            op = "bf16" if "bf16" in name else "fp8"
             rows += path_rows(ctx, case, fn, out, ref, ctx.args.clocks, backend=name,
-                              operation="bf16" if "bf16" in name else "fp8", m=m, n=n, k=k)  # fmt: skip
+                              operation=op, m=m, n=n, k=k)  # fmt: skip
         rows += dispatcher_path(ctx, case, d, act, qb, ref, m, n, k)
         if fp8 is not None:
             rows += dispatcher_path(ctx, case, fp8, act, qb, ref, m, n, k, "dispatcher fp8")
@@ -201,16 +202,17 @@ def quantize(ctx: Context) -> None:
     from fp4_dispatch import quantize_nvfp4
 
     ms, ks = ((1, 16), (128,)) if ctx.smoke else QUANTIZE_GRID
-    for k in ctx.args.nk and [nk[1] for nk in ctx.args.nk] or ks:
+    for k in [nk[1] for nk in ctx.args.nk] if ctx.args.nk else ks:
         for m in ctx.args.m or ms:
-            x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)) * 3)
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)) * 3
             x = x.to(ctx.device, torch.bfloat16)
             got, want = quantize_nvfp4(x), quantize_nvfp4(x.cpu())
             same = all(torch.equal(getattr(got, f).cpu(), getattr(want, f))
                        for f in ("data", "scale", "global_scale"))  # fmt: skip
+            why = None if same else "not bit-equal to the CPU reference"
             rows = timed_rows(ctx, "quantize", lambda x=x: quantize_nvfp4(x), ctx.args.clocks,
                               backend="quantize_nvfp4", operation="quantize", m=m, k=k,
-                              failure=None if same else "not bit-equal to the CPU reference")  # fmt: skip
+                              failure=why)  # fmt: skip
             moved = x.numel() * 2 + got.data.numel() + got.scale.numel()
             for r in rows:
                 if r.median_us:

@@ -53,6 +53,7 @@ import dataclasses
 import inspect
 import logging
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -64,6 +65,7 @@ from torch import nn
 from fp4_dispatch.harness import eager_wall_samples, gpu_time_samples
 
 from .common import Context
+from .common import precompile as precompile_kernels
 from .results import Row
 
 log = logging.getLogger("benchmarks.model")
@@ -246,10 +248,8 @@ def step_m(step: Step) -> int:
 
 def precompile(models: dict[str, nn.Module], steps: list[Step], device: torch.device):
     """Compile every NVFP4 GEMM kernel the steps will run, in parallel worker processes
-    (`fp4_dispatch.precompile`, through `_common.precompile_kernels`), so the first eager
+    (`fp4_dispatch.precompile`, through `common.precompile`), so the first eager
     run of a step loads kernels instead of compiling them one after another."""
-    from _common import precompile_kernels
-
     from fp4_dispatch.nn import Nvfp4Linear
     from fp4_dispatch.tactics import Problem
     from fp4_dispatch.torch_ops import default_dispatcher

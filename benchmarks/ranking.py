@@ -93,13 +93,14 @@ def synthetic_backends(fresh: bool) -> list:
 
     def sm107(extra: dict[str, tuple]) -> list[dict]:
         out = []
-        for inst, reuse, tn, (cm, cn), s in itertools.product(
-                (128, 256), (False, True), (64, 128, 192, 256), CLUSTERS, (False, True)):
+        grid = ((128, 256), (False, True), (64, 128, 192, 256), CLUSTERS, (False, True))
+        for inst, reuse, tn, (cm, cn), s in itertools.product(*grid):
             if inst == 256 and cm % 2:
                 continue
             base = dict(tile_m=inst * (2 if reuse else 1), tile_n=tn, cluster_m=cm,
                         cluster_n=cn, swap_ab=s, inst_m=inst, b_reuse=reuse)  # fmt: skip
-            out += [{**base, **dict(zip(extra, v))} for v in itertools.product(*extra.values())]
+            out += [{**base, **dict(zip(extra, v, strict=True))}
+                    for v in itertools.product(*extra.values())]  # fmt: skip
         return out
 
     return [Synthetic(Sm100, sm100, ("swap_ab", "prefetch")),
@@ -126,19 +127,19 @@ def rank(ctx: Context) -> None:
     repeats = 3 if ctx.smoke else 15
     problems = [Problem(m=m, n=n, k=k) for m, n, k in (RANK_SHAPES[:2] if ctx.smoke
                                                         else RANK_SHAPES)]  # fmt: skip
-    cases = {"enumerate, cached objects": (lambda p: [list(b.tactics(p, device))
-                                                      for b in cached], None),
-             "enumerate, fresh objects": (lambda p: [list(b.tactics(p, device))
-                                                     for b in fresh], None),
-             "rank, warm memo": (lambda p: shortlist(p, device, cached), None),
-             "rank, cold memo": (lambda p: shortlist(p, device, cached), cold),
-             "rank, fresh objects, cold memo": (lambda p: shortlist(p, device, fresh), cold)}
+    cases = {
+        "enumerate, cached objects": (lambda p: [list(b.tactics(p, device)) for b in cached], None),
+        "enumerate, fresh objects": (lambda p: [list(b.tactics(p, device)) for b in fresh], None),
+        "rank, warm memo": (lambda p: shortlist(p, device, cached), None),
+        "rank, cold memo": (lambda p: shortlist(p, device, cached), cold),
+        "rank, fresh objects, cold memo": (lambda p: shortlist(p, device, fresh), cold),
+    }
     count = sum(len(b.cached) for b in cached)
     for name, (fn, before) in cases.items():
         got = []
         for p in problems:
             fn(p)
-            got.append(harness.call_wall_us(lambda p=p: fn(p), repeats, before))
+            got.append(harness.call_wall_us(lambda p=p, fn=fn: fn(p), repeats, before))
         late = name.startswith("rank") and statistics.median(got) > 10_000 and not ctx.smoke
         ctx.emit([ctx.row("rank", backend=name, clock="host", median_us=statistics.median(got),
                           spread_us=(min(got), max(got)), extra={"candidates": count},
@@ -147,14 +148,24 @@ def rank(ctx: Context) -> None:
     r.pick(3000, 7168, 7168)  # fills the bucket and the exact-M memo
     gc.disable()
     try:
-        per = harness.eager_wall_samples(lambda: r.pick(3000, 7168, 7168),
-                                         calls=1000 if ctx.smoke else 100_000, warmup=1)
+        per = harness.eager_wall_samples(
+            lambda: r.pick(3000, 7168, 7168), calls=1000 if ctx.smoke else 100_000, warmup=1
+        )
     finally:
         gc.enable()
     med = statistics.median(per)
-    ctx.emit([ctx.row("rank", backend="Ranker.pick memoized (select)", clock="eager",
-                      median_us=med, spread_us=(min(per), max(per)),
-                      failure="target <= 5 µs missed" if med > 5 and not ctx.smoke else None)])
+    ctx.emit(
+        [
+            ctx.row(
+                "rank",
+                backend="Ranker.pick memoized (select)",
+                clock="eager",
+                median_us=med,
+                spread_us=(min(per), max(per)),
+                failure="target <= 5 µs missed" if med > 5 and not ctx.smoke else None,
+            )
+        ]
+    )
 
 
 def selection(ctx: Context) -> None:
@@ -199,8 +210,8 @@ def selection(ctx: Context) -> None:
                                           ("heuristic", heuristic, 1.15, None)):  # fmt: skip
                 us = timed.get((c.backend, c.tactic), math.nan) if c is not None else math.nan
                 over = us / best if best > 0 else math.nan
-                rows.append(ctx.row("selection", backend=name, m=m, n=n, k=k,
-                                    tactic="-" if c is None else f"{c.backend} {tactic_label(c.tactic)}",
+                label = "-" if c is None else f"{c.backend} {tactic_label(c.tactic)}"
+                rows.append(ctx.row("selection", backend=name, m=m, n=n, k=k, tactic=label,
                                     median_us=us if math.isfinite(us) else None,
                                     ratios={"best": best / us} if us > 0 else {},
                                     failure=f"pick / best {over:.3f} > {target}"
@@ -218,45 +229,58 @@ def flashinfer(ctx: Context) -> None:
     except ImportError as exc:
         ctx.emit([ctx.row("flashinfer", clock="host", failure=f"needs .[flashinfer]: {exc}")])
         return
-    from fp4_dispatch import harness
-    from fp4_dispatch.backends import flashinfer as fb
     from fp4_dispatch.plugins import flashinfer as fip
     from fp4_dispatch.profiles import simulated
-    from fp4_dispatch.ranking import shortlist
-    from fp4_dispatch.tactics import Problem
 
+    del gb  # imported to say whether FlashInfer is here
     ms, nks = ((1,), ((7168, 2048),)) if ctx.smoke else (
         (1, 32, 300, 4096, 32768), ((7168, 2048), (4096, 8192), (28672, 8192)))  # fmt: skip
     for dev in (simulated("sm100"), simulated("sm107")):
         backends = [cls() for cls in fip.BACKENDS if cls().supports(dev).ok]
         for m, n, k in ctx.grid(ms, nks):
-            cc, sms, p = dev.cc, dev.sm_count, Problem(m=m, n=n, k=k)
-            valid = fb.valid_tactics(m, n, k, "bfloat16", cc, sms)
-            own = fb.flashinfer_shortlist(m, n, k, "bfloat16", cc, sms)
-            cap = gb._MM_FP4_CUTE_DSL_MAX_TUNING_CONFIGS
-            fi_us = harness.call_wall_us(lambda: gb._rank_mm_fp4_autotune_tactics(
-                list(valid), m, n, k, sms, cap), 3)  # fmt: skip
-            ours = shortlist(p, dev, backends, budget=32)
-            our_us = harness.call_wall_us(lambda: shortlist(p, dev, backends, budget=32), 3)
-            fam = lambda t: fip.tactic_of(t).backend  # noqa: E731
-            valid_n, fi_kept = Counter(map(fam, valid)), Counter(map(fam, own))
-            our_kept = Counter(c.family for c in ours.candidates)
-            for who, us, kept in (("flashinfer", fi_us, fi_kept), ("fp4-dispatch", our_us,
-                                                                   our_kept)):  # fmt: skip
-                starved = sorted(f for f in valid_n if valid_n[f] and not kept.get(f))
-                ctx.emit([ctx.row("flashinfer", backend=who, m=m, n=n, k=k, clock="host",
-                                  median_us=us, extra={
-                                      "device": dev.name, "kept": dict(kept),
-                                      "valid": dict(valid_n), "starved": starved,
-                                      "filled": sum(kept.values())})])  # fmt: skip
+            ctx.emit(_flashinfer_rows(ctx, dev, backends, m, n, k))
+
+
+def _flashinfer_rows(ctx: Context, dev, backends: list, m: int, n: int, k: int) -> list:
+    """Both shortlists of one problem: kept per family, starved families, ranking time."""
+    import flashinfer.gemm.gemm_base as gb
+
+    from fp4_dispatch import harness
+    from fp4_dispatch.backends import flashinfer as fb
+    from fp4_dispatch.plugins import flashinfer as fip
+    from fp4_dispatch.ranking import shortlist
+    from fp4_dispatch.tactics import Problem
+
+    cc, sms, p = dev.cc, dev.sm_count, Problem(m=m, n=n, k=k)
+    valid = fb.valid_tactics(m, n, k, "bfloat16", cc, sms)
+    own = fb.flashinfer_shortlist(m, n, k, "bfloat16", cc, sms)
+    cap = gb._MM_FP4_CUTE_DSL_MAX_TUNING_CONFIGS
+    fi_us = harness.call_wall_us(lambda: gb._rank_mm_fp4_autotune_tactics(
+        list(valid), m, n, k, sms, cap), 3)  # fmt: skip
+    ours = shortlist(p, dev, backends, budget=32)
+    our_us = harness.call_wall_us(lambda: shortlist(p, dev, backends, budget=32), 3)
+    valid_n = Counter(fip.tactic_of(t).backend for t in valid)
+    rows = []
+    for who, us, kept in (
+        ("flashinfer", fi_us, Counter(fip.tactic_of(t).backend for t in own)),
+        ("fp4-dispatch", our_us, Counter(c.family for c in ours.candidates)),
+    ):
+        starved = sorted(f for f in valid_n if valid_n[f] and not kept.get(f))
+        rows.append(ctx.row("flashinfer", backend=who, m=m, n=n, k=k, clock="host",
+                            median_us=us, extra={"device": dev.name, "kept": dict(kept),
+                                                 "valid": dict(valid_n), "starved": starved,
+                                                 "filled": sum(kept.values())}))  # fmt: skip
+    return rows
 
 
 def fit(ctx: Context) -> None:
     """Score the committed constants on the committed sweeps (module docstring)."""
     from . import fit_cost_model, fit_w4a16_model
 
-    runs = [(f"w4a16 {mode or 'direct'}", fit_w4a16_model.main, ["--check", *mode.split()])
-            for mode in ("", "--dense", "--mid", "--ws", "--rs", "--mma", "--mma-scale")]
+    runs = [
+        (f"w4a16 {mode or 'direct'}", fit_w4a16_model.main, ["--check", *mode.split()])
+        for mode in ("", "--dense", "--mid", "--ws", "--rs", "--mma", "--mma-scale")
+    ]
     held = ROOT / "benchmarks" / "data" / "sm90_w4a4_heldout2_run3.json"
     runs.append(("w4a4 held-out", fit_cost_model.main, ["--check", str(held)]))
     for name, main, argv in runs[:1] if ctx.smoke else runs:
@@ -266,7 +290,8 @@ def fit(ctx: Context) -> None:
         for line in text.getvalue().splitlines():
             if "pick/best" not in line and "held-out grid" not in line:
                 continue
-            figures = {w.rstrip(",;:"): v for w, v in zip(line.split(), line.split()[1:])}
+            words = line.split()
+            figures = {w.rstrip(",;:"): v for w, v in itertools.pairwise(words)}
             ctx.emit([ctx.row(f"fit {name}", backend=line.split(":")[0][:60], clock="host",
                               failure=None if code == 0 else f"exit {code}",
                               extra={"line": line.strip()[:300], **{

@@ -103,11 +103,12 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> 
     right = [bool(cells) and all(_numeric(r[i]) for r in cells) for i in range(len(headers))]
 
     def line(values: Sequence[str]) -> str:
-        cols = (v.rjust(w) if r else v.ljust(w) for v, w, r in zip(values, widths, right))
+        cols = (v.rjust(w) if r else v.ljust(w)
+                for v, w, r in zip(values, widths, right, strict=True))  # fmt: skip
         return "| " + " | ".join(cols) + " |"
 
     rule = "|" + "|".join("-" * (w + 1) + ":" if r else "-" * (w + 2)
-                          for w, r in zip(widths, right)) + "|"  # fmt: skip
+                          for w, r in zip(widths, right, strict=True)) + "|"  # fmt: skip
     return "\n".join([line(list(headers)), rule, *(line(r) for r in cells)])
 
 

@@ -61,46 +61,54 @@ def options(args: argparse.Namespace, rest: list[str]) -> None:
 def layer(ctx: Context) -> None:
     if not on_cuda_or_smoke(ctx, "layer"):
         return
-    from fp4_dispatch import Dispatcher, Nvfp4Linear, quantize_nvfp4
+    from fp4_dispatch import Dispatcher
+
+    on = Dispatcher(str(ctx.device), cache=False, replay=True)
+    off = Dispatcher(str(ctx.device), cache=False, replay=False)
+    for m, n, k in ctx.grid(*(((1,), ((64, 128),)) if ctx.smoke else GRID)):
+        ctx.emit(layer_shape(ctx, on, off, m, n, k))
+
+
+def layer_shape(ctx: Context, on, off, m: int, n: int, k: int) -> list:
+    """Every path of one shape (module docstring), with replays (`on`) and without."""
+    from fp4_dispatch import Nvfp4Linear, quantize_nvfp4
 
     dev = ctx.device
-    on = Dispatcher(str(dev), cache=False, replay=True)
-    off = Dispatcher(str(dev), cache=False, replay=False)
-    for m, n, k in ctx.grid(*(((1,), ((64, 128),)) if ctx.smoke else GRID)):
-        gen = torch.Generator().manual_seed(m * 7 + n + k)
-        x = torch.randn(m, k, generator=gen).to(dev, torch.bfloat16)
-        lin = nn.Linear(k, n, bias=True).to(dev, torch.bfloat16).requires_grad_(False)
-        qb = quantize_nvfp4(lin.weight.float())
-        qa = quantize_nvfp4(x)
-        tuned = bool(getattr(ctx.args, "tune", False) and ctx.cuda)
-        for d in (on, off) if tuned else ():  # both operations: the layer's is W4A16 on sm90
-            d.tune([(m, n, k)], save=False)
-            d.tune([(m, n, k)], operation="w4a16", save=False)
-        paths = {"quantize_nvfp4": (lambda o: quantize_nvfp4(x), None, "quantize")}
-        for name, d in (("", on), (" [no replay]", off)):
-            q = Nvfp4Linear.from_linear(lin, dispatcher=d)
-            op = q.operation(dev)  # "auto": W4A16 on Hopper, W4A4 on sm100+
-            xa = quantize_nvfp4(x).dequantize() if op == "w4a4" else x
-            ref = xa.double() @ q.dequantized_weight().double().T + lin.bias.double()
-            paths[f"Dispatcher.gemm w4a4{name}"] = (lambda o, d=d: d.gemm(qa, qb, out=o),
-                                                    None, "w4a4")  # fmt: skip
-            paths[f"Dispatcher.gemm w4a16{name}"] = (lambda o, d=d: d.gemm(x, qb, out=o),
-                                                     None, "w4a16")  # fmt: skip
-            paths[f"Nvfp4Linear{name}"] = (lambda o, q=q: o.copy_(q(x)), ref, op)
-        paths["nn.Linear bf16"] = (lambda o: o.copy_(lin(x)), ref, "bf16")
-        fp8 = baselines(x, qb, dense=True)["_scaled_mm fp8"]
-        paths["_scaled_mm fp8"] = (fp8, None, "fp8")
-        rows = []
-        with torch.inference_mode():
-            for name, (fn, r, op) in paths.items():
-                out = torch.empty(m, k if op == "quantize" else n, dtype=torch.bfloat16,
-                                  device=dev)  # fmt: skip
-                rows += path_rows(ctx, "layer", fn, out, r, ctx.args.clocks, backend=name,
-                                  operation=op, m=m, n=n, k=k)  # fmt: skip
-        add_ratios(rows, {"nn.Linear": "nn.Linear bf16", "fp8": "_scaled_mm fp8"})
-        for r in rows:
-            r.extra["tuned"] = tuned
-        ctx.emit(rows)
+    gen = torch.Generator().manual_seed(m * 7 + n + k)
+    x = torch.randn(m, k, generator=gen).to(dev, torch.bfloat16)
+    lin = nn.Linear(k, n, bias=True).to(dev, torch.bfloat16).requires_grad_(False)
+    qb = quantize_nvfp4(lin.weight.float())
+    qa = quantize_nvfp4(x)
+    tuned = bool(getattr(ctx.args, "tune", False) and ctx.cuda)
+    for d in (on, off) if tuned else ():  # both operations: the layer's is W4A16 on sm90
+        d.tune([(m, n, k)], save=False)
+        d.tune([(m, n, k)], operation="w4a16", save=False)
+    paths = {"quantize_nvfp4": (lambda o: quantize_nvfp4(x), None, "quantize")}
+    for name, d in (("", on), (" [no replay]", off)):
+        q = Nvfp4Linear.from_linear(lin, dispatcher=d)
+        op = q.operation(dev)  # "auto": W4A16 on Hopper, W4A4 on sm100+
+        xa = quantize_nvfp4(x).dequantize() if op == "w4a4" else x
+        ref = xa.double() @ q.dequantized_weight().double().T + lin.bias.double()
+        paths[f"Dispatcher.gemm w4a4{name}"] = (lambda o, d=d: d.gemm(qa, qb, out=o),
+                                                None, "w4a4")  # fmt: skip
+        paths[f"Dispatcher.gemm w4a16{name}"] = (lambda o, d=d: d.gemm(x, qb, out=o),
+                                                 None, "w4a16")  # fmt: skip
+        paths[f"Nvfp4Linear{name}"] = (lambda o, q=q: o.copy_(q(x)), ref, op)
+    exact = x.double() @ lin.weight.double().T + lin.bias.double()  # its own reference
+    paths["nn.Linear bf16"] = (lambda o: o.copy_(lin(x)), exact, "bf16")
+    fp8 = baselines(x, qb, dense=True)["_scaled_mm fp8"]
+    paths["_scaled_mm fp8"] = (fp8, None, "fp8")
+    rows = []
+    with torch.inference_mode():
+        for name, (fn, r, op) in paths.items():
+            out = torch.empty(m, k if op == "quantize" else n, dtype=torch.bfloat16,
+                              device=dev)  # fmt: skip
+            rows += path_rows(ctx, "layer", fn, out, r, ctx.args.clocks, backend=name,
+                              operation=op, m=m, n=n, k=k)  # fmt: skip
+    add_ratios(rows, {"nn.Linear": "nn.Linear bf16", "fp8": "_scaled_mm fp8"})
+    for r in rows:
+        r.extra["tuned"] = tuned
+    return rows
 
 
 def _check(ctx: Context, name: str, ok: bool, detail: str, **fields) -> bool:
@@ -111,8 +119,7 @@ def _check(ctx: Context, name: str, ok: bool, detail: str, **fields) -> bool:
 
 def graphs(ctx: Context) -> None:
     """The capture and compile checks (module docstring); raises when one fails."""
-    from fp4_dispatch import Dispatcher, Nvfp4Linear, harness, quantize_nvfp4
-    from fp4_dispatch import torch_ops
+    from fp4_dispatch import Dispatcher, Nvfp4Linear, harness, quantize_nvfp4, torch_ops
 
     if ctx.smoke:  # on a CPU: the layer against float64 (no capture)
         d = Dispatcher("cpu", cache=False)
@@ -199,10 +206,18 @@ def _compile(ctx: Context, d) -> bool:
         for _ in range(4):  # cudagraph trees: warm-up run(s), record, then replays
             x = torch.randn(8, k, device=dev, dtype=torch.bfloat16)
             worst = max(worst, harness.relative_error(compiled(x).clone(), model(x)))
-        ctx.emit(timed_rows(ctx, "graphs", lambda: compiled(x), ["compile"],
-                            backend="torch.compile reduce-overhead MLP", m=8, n=n, k=k))  # fmt: skip
-    return _check(ctx, "torch.compile reduce-overhead", worst < 1e-3,
-                  f"max rel diff to eager {worst:.2e}", clock="compile", m=8, n=n, k=k)
+        ctx.emit(timed_rows(ctx, "graphs", lambda: compiled(x), ["compile"], m=8, n=n, k=k,
+                            backend="torch.compile reduce-overhead MLP"))  # fmt: skip
+    return _check(
+        ctx,
+        "torch.compile reduce-overhead",
+        worst < 1e-3,
+        f"max rel diff to eager {worst:.2e}",
+        clock="compile",
+        m=8,
+        n=n,
+        k=k,
+    )
 
 
 # ---- first contact and loading (host clock) ----------------------------------------------
@@ -211,9 +226,18 @@ def _compile(ctx: Context, d) -> bool:
 def _host(ctx: Context, case: str, what: str, us: float, target_s: float | None = None,
           **extra) -> None:  # fmt: skip
     missed = target_s is not None and us > target_s * 1e6
-    ctx.emit([ctx.row(case, backend=what, clock="host", median_us=us,
-                      failure=f"target <= {target_s:g} s missed" if missed else None,
-                      extra={**extra, **({"target_s": target_s} if target_s else {})})])
+    ctx.emit(
+        [
+            ctx.row(
+                case,
+                backend=what,
+                clock="host",
+                median_us=us,
+                failure=f"target <= {target_s:g} s missed" if missed else None,
+                extra={**extra, **({"target_s": target_s} if target_s else {})},
+            )
+        ]
+    )
 
 
 def first_contact(ctx: Context) -> None:
@@ -240,13 +264,13 @@ def first_contact(ctx: Context) -> None:
         _host(ctx, "first-contact", "compile sm100 (warm kernel cache)", wall(cmd, 2), 5.0)
     if not ctx.smoke:
         text = (ROOT / "README.md").read_text(encoding="utf-8")
-        code = re.search(r"```python\n(.*?)```", text[text.index("## Tuning"):], re.S).group(1)
+        code = re.search(r"```python\n(.*?)```", text[text.index("## Tuning") :], re.S).group(1)
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "t.py").write_text(code, encoding="utf-8")
             us = wall([py, f"{tmp}/t.py"], runs=1, FP4_DISPATCH_CACHE=f"{tmp}/t.json")
             _host(ctx, "first-contact", "README tuning snippet", us, 30.0)
-    shapes = ctx.args.shapes or ([(1, 256, 512)] if ctx.smoke else [(1, 8192, 8192),
-                                                                    (1024, 4096, 4096)])  # fmt: skip
+    shapes = ctx.args.shapes or ([(1, 256, 512)] if ctx.smoke
+                                 else [(1, 8192, 8192), (1024, 4096, 4096)])  # fmt: skip
     for m, n, k in shapes:
         out = python(GEMM_CHILD % (m, n, k), {"FP4_DISPATCH_PLUGINS": ""})
         got = json.loads(out.strip().splitlines()[-1])

@@ -48,11 +48,11 @@ CHECK_SHAPES = [(1, 8192, 8192), (16, 8192, 8192), (128, 4096, 14336), (1024, 81
 COLD_CHILD = """
 import json, os, time
 from fp4_dispatch import Dispatcher, precompile as pc
-shapes, bucket, device = json.loads(os.environ["SHAPES"]), tuple(json.loads(os.environ["BUCKET"])), os.environ["DEV"]
+shapes, bucket = json.loads(os.environ["SHAPES"]), tuple(json.loads(os.environ["BUCKET"]))
 pre = os.environ["SCENARIO"] == "precompile"
 reports, real = [], pc.precompile
 pc.precompile = lambda *a, **kw: reports.append(real(*a, **kw)) or reports[-1]
-d = Dispatcher(device=device)
+d = Dispatcher(device=os.environ["DEV"])
 out = {}
 for name, todo in (("cold", [tuple(s) for s in shapes]), ("new bucket", [bucket])):
     reports.clear()
@@ -196,7 +196,6 @@ def checks(ctx: Context) -> None:
     """The tuner's check on every real kernel, its cost, the cached pick on first use."""
     if not on_cuda_or_smoke(ctx, "checks"):
         return
-    from fp4_dispatch import Dispatcher, harness
     from fp4_dispatch import tuning as tuning_mod
 
     spent = [0.0]
@@ -210,31 +209,36 @@ def checks(ctx: Context) -> None:
             spent[0] += time.perf_counter() - t0
 
     tuning_mod.check_output = timed
-    wrong_total = 0
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for shape in ctx.args.shapes or (SMOKE_SHAPES if ctx.smoke else CHECK_SHAPES):
                 spent[0] = 0.0
-                path = Path(tmp) / f"c-{'x'.join(map(str, shape))}.json"
-                d, got = Dispatcher(str(ctx.device), cache=path), {}
-                tune_us = harness.call_wall_us(lambda: got.update(r=d.tune([shape],
-                                                                  progress=False)), 1)  # fmt: skip
-                (r,) = got["r"]
-                wrong = [f"{m.candidate.backend} {m.candidate.tactic}: {m.error}"
-                         for m in r.measurements if m.method == "wrong"]  # fmt: skip
-                wrong_total += len(wrong)
-                d2 = Dispatcher(str(ctx.device), cache=path)
-                first_us = harness.call_wall_us(lambda: got.update(p=d2.select(*shape)), 1)
-                ctx.emit([ctx.row(
-                    "checks", backend=_label(r.winner), m=shape[0], n=shape[1], k=shape[2],
-                    clock="host", median_us=tune_us, failure="; ".join(wrong)[:500] or None,
-                    extra={"measured": len(r.measurements), "wrong": len(wrong),
-                           "check_s": round(spent[0], 3), "first_use_s": round(first_us / 1e6, 3),
-                           "cached_pick_used": got["p"].reason.startswith("tuned")},
-                )])  # fmt: skip
+                ctx.emit([_check_shape(ctx, shape, Path(tmp) / f"{shape}.json", spent)])
     finally:
         tuning_mod.check_output = real
-    assert wrong_total == 0, f"{wrong_total} real kernel(s) failed the tuner's check"
+    wrong = sum(r.extra["wrong"] for r in ctx.rows if r.case == "checks")
+    assert wrong == 0, f"{wrong} real kernel(s) failed the tuner's check"
+
+
+def _check_shape(ctx: Context, shape: tuple[int, int, int], path: Path, spent: list):
+    """Tune one bucket into `path` (every candidate checked), then a second dispatcher on
+    that cache: its first ``select`` re-validates and verifies the cached pick."""
+    from fp4_dispatch import Dispatcher, harness
+
+    d, got = Dispatcher(str(ctx.device), cache=path), {}
+    tune_us = harness.call_wall_us(lambda: got.update(r=d.tune([shape], progress=False)), 1)
+    (r,) = got["r"]
+    wrong = [f"{m.candidate.backend} {m.candidate.tactic}: {m.error}"
+             for m in r.measurements if m.method == "wrong"]  # fmt: skip
+    d2 = Dispatcher(str(ctx.device), cache=path)
+    first_us = harness.call_wall_us(lambda: got.update(p=d2.select(*shape)), 1)
+    return ctx.row(
+        "checks", backend=_label(r.winner), m=shape[0], n=shape[1], k=shape[2],
+        clock="host", median_us=tune_us, failure="; ".join(wrong)[:500] or None,
+        extra={"measured": len(r.measurements), "wrong": len(wrong),
+               "check_s": round(spent[0], 3), "first_use_s": round(first_us / 1e6, 3),
+               "cached_pick_used": got["p"].reason.startswith("tuned")},
+    )  # fmt: skip
 
 
 FIRST_USE_CHILD = """
@@ -266,7 +270,8 @@ registry_mod.load = load
 m, n, k = json.loads(os.environ["SHAPE"])
 verify = os.environ["VERIFY"] == "on"
 g = torch.Generator().manual_seed(0)
-qa, qb = quantize_nvfp4(torch.randn(m, k, generator=g)), quantize_nvfp4(torch.randn(n, k, generator=g))
+qa = quantize_nvfp4(torch.randn(m, k, generator=g))
+qb = quantize_nvfp4(torch.randn(n, k, generator=g))
 d = Dispatcher(device="cpu", cache=False, verify_plugins=verify)
 assert d.select(m, n, k).backend == "ext-reference"
 t0 = time.perf_counter()
