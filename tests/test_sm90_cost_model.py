@@ -105,7 +105,7 @@ PLANTED = {"tile_n=32": -0.4, "warps=8": 0.3, "tile_k=256": 0.15, "split_k=8": 0
 
 
 def _selection(shapes, c, path: Path) -> None:
-    """A selection file as bench_selection writes it, timed by the planted model `c`
+    """A selection file in the committed sweeps' form, timed by the planted model `c`
     (with a deterministic +-2% ripple so that nothing ties)."""
     rows = []
     for m, n, k in shapes:

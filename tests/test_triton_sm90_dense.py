@@ -1,8 +1,8 @@
 """Tests of ``triton-sm90-dense``: W4A4 through the W4A16 kernel (activations expanded
 in-kernel). The kernel under TRITON_INTERPRET=1 (fp16 products: the interpreter's tl.dot
 mishandles bf16; the bf16 PTX path is checked on the H200 by the GPU test below and by
-benchmarks/bench_w4a4_decode.py), the plugin's rules, estimate and precompile, and the
-conformance kit on the simulated sm90 part."""
+``python -m benchmarks kernels --cases w4a4-decode``), the plugin's rules, estimate and
+precompile, and the conformance kit on the simulated sm90 part."""
 
 from __future__ import annotations
 

@@ -87,7 +87,7 @@ def test_offered_for_up_to_8_tokens_with_work_for_every_warp():
 
 
 def test_space_holds_every_variant_the_kernel_runs():
-    """`space` (what ``bench_w4a16_mma.py --space`` times): every (shape, pipe) of
+    """`space` (what the removed ``bench_w4a16_mma.py --space`` timed): every (shape, pipe) of
     `MMA_SPACE` x split, offered or not, on the token tile that covers M; the offered
     tactics are among them; a CTA of more rows than its warps cover is no variant."""
     from fp4_dispatch.plugins.sm90.mma import MMA_SPACE, REGISTERS, space, why_not_run

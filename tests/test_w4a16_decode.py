@@ -5,7 +5,7 @@ Kernels run under TRITON_INTERPRET=1 (the element-wise twin of the PTX; the kern
 ``tl.dot``, so bf16 activations run in the interpreter too); the PTX itself is checked on
 every byte value by the PTX model (tests/ptx_model.py); a CPU compile for
 sm_90 checks that precompiling finds the variant a real call launches. Speed is measured
-only by benchmarks/bench_w4a16_decode.py on the H200.
+only by ``python -m benchmarks kernels --cases w4a16-decode`` on the H200.
 """
 
 from __future__ import annotations
