@@ -106,8 +106,9 @@ _MAX_PARTIALS = 256
 _PAD_ROWS = 32
 #: From this many elements on, programs take `_LARGE_TILE` = (elements, widest K tile,
 #: warps): H200, 2026-12-01 (the removed `bench_quantize.py --variants`, RESULTS.md
-#: "Serving hot path" run 4): 8192-element tiles 1024 wide on 4 warps took 33.6 µs at 4096x8192 and 19.8 µs
-#: at 4096x4096 (given scale) against 37.4 and 20.7 for the default tile, but 4.4 against
+#: "Serving hot path" run 4): 8192-element tiles 1024 wide on 4 warps took 33.6 µs at
+#: 4096x8192 and 19.8 µs at 4096x4096 (given scale) against 37.4 and 20.7 for the default
+#: tile, but 4.4 against
 #: 3.1 µs at 16x8192 and 5.9 against 5.6 at 256x8192: the large tile pays off only once
 #: the grid is many waves deep.
 _LARGE_ELEMS = 1 << 23
