@@ -108,9 +108,8 @@ _PAD_ROWS = 32
 #: warps): H200, 2026-12-01 (the removed `bench_quantize.py --variants`, RESULTS.md
 #: "Serving hot path" run 4): 8192-element tiles 1024 wide on 4 warps took 33.6 µs at
 #: 4096x8192 and 19.8 µs at 4096x4096 (given scale) against 37.4 and 20.7 for the default
-#: tile, but 4.4 against
-#: 3.1 µs at 16x8192 and 5.9 against 5.6 at 256x8192: the large tile pays off only once
-#: the grid is many waves deep.
+#: tile, but 4.4 against 3.1 µs at 16x8192 and 5.9 against 5.6 at 256x8192: the large
+#: tile pays off only once the grid is many waves deep.
 _LARGE_ELEMS = 1 << 23
 _LARGE_TILE = (8192, 1024, 4)
 _DEFAULT_TILE = (_TILE_ELEMS, _MAX_BK, _NUM_WARPS)
