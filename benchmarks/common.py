@@ -159,14 +159,16 @@ def _why(exc: BaseException) -> str:
 def path_rows(ctx: Context, case: str, fn: Callable[[torch.Tensor], object],
               out: torch.Tensor, ref: torch.Tensor | None, clocks: Sequence[str],
               **fields: Any) -> list[Row]:  # fmt: skip
-    """Rows of one path writing `out`: a warm, NaN-poisoned first run checked against
-    the float64 `ref` (the error of every row), then each clock."""
+    """Rows of one path writing `out` (or returning its result, as a layer does): a warm,
+    NaN-poisoned first run checked against the float64 `ref` (the error of every row),
+    then each clock."""
     from fp4_dispatch import harness
 
     try:
         out.fill_(float("nan"))
-        fn(out)
-        err = harness.compare(out, ref, math.inf)[0] if ref is not None else None
+        got = fn(out)
+        got = got if isinstance(got, torch.Tensor) else out
+        err = harness.compare(got, ref, math.inf)[0] if ref is not None else None
     except Exception as exc:  # e.g. cuBLASLt refusing a shape: a gap, not the end
         return [ctx.row(case, clock=c, failure=_why(exc), **fields) for c in clocks]
     rows = timed_rows(ctx, case, lambda: fn(out), clocks, **fields)

@@ -8,11 +8,11 @@
   FlashInfer SM107 measurements) on a simulated sm107 in <= 10 ms - warm memo, cold memo,
   tactic objects rebuilt on every call - and a memoized ``select`` in <= 5 µs.
 - ``selection`` (GPU): per shape, the tuned pick and the heuristic pick against the
-  exhaustive best: every valid tactic timed by `Tuner.measure` (``--top`` caps it: best
-  estimates first, then evenly spaced), tuned twice (cold and warm, same pick expected).
-  One row per timed tactic (case ``selection all``: the input of the W4A4 cost-model fit,
-  ``fit_cost_model.py rows.jsonl``) and one per pick (targets: tuned / best <= 1.03,
-  heuristic / best <= 1.15, tuning <= 2 s).
+  exhaustive best: every valid tactic timed by `Tuner.measure` (at most 200, or ``--top``
+  when above 4: best estimates first, then evenly spaced), tuned twice (cold and warm,
+  same pick expected). One row per timed tactic (case ``selection all``: the input of the
+  W4A4 cost-model fit, ``fit_cost_model.py rows.jsonl``) and one per pick (targets:
+  tuned / best <= 1.03, heuristic / best <= 1.15, tuning <= 2 s).
 - ``flashinfer`` (CPU, ``.[flashinfer]``): FlashInfer's own mm_fp4 shortlist beside ours
   over the same tactics on simulated SM100 and SM107: kept per family, families starved,
   ranking time.
@@ -172,54 +172,71 @@ def selection(ctx: Context) -> None:
     """Tuned and heuristic picks against every tactic timed (module docstring)."""
     if not on_cuda_or_smoke(ctx, "selection"):
         return
+    grid = ctx.grid(*(((1, 16), ((256, 512),)) if ctx.smoke else SELECTION_GRID))
+    cap = ctx.args.top if ctx.args.top > 4 else 200  # the runner's default 4: 200 tactics
+    deadline = time.monotonic() + ctx.args.budget_s
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, shape in enumerate(grid):
+            ctx.emit(_selection_shape(ctx, shape, Path(tmp) / str(i), cap, deadline))
+
+
+def _selection_shape(ctx: Context, shape, cache: Path, cap: int, deadline: float) -> list:
     from fp4_dispatch import Dispatcher
     from fp4_dispatch.ranking import shortlist
     from fp4_dispatch.tactics import Problem, tactic_label
     from fp4_dispatch.tuning import Tuner
 
-    grid = ctx.grid(*(((1, 16), ((256, 512),)) if ctx.smoke else SELECTION_GRID))
-    cap = ctx.args.top if ctx.args.top > 4 else 200
-    deadline = time.monotonic() + ctx.args.budget_s
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, (m, n, k) in enumerate(grid):
-            p = Problem(m=m, n=n, k=k)
-            d1 = Dispatcher(str(ctx.device), cache=Path(tmp) / f"{i}a.json")
-            heuristic = d1.select(m, n, k)
-            t0 = time.perf_counter()
-            (first,) = d1.tune([(m, n, k)], progress=False)
-            first_s = time.perf_counter() - t0
-            every = shortlist(p, d1.device, d1.available, budget=10**9).candidates
-            todo = every if len(every) <= cap else every[: cap // 2] + every[cap // 2:: max(
-                1, (len(every) - cap // 2) // (cap - cap // 2))][: cap - cap // 2]  # fmt: skip
-            measured = Tuner(d1).measure(p, todo, deadline=deadline)
-            d2 = Dispatcher(str(ctx.device), cache=Path(tmp) / f"{i}b.json")
-            t0 = time.perf_counter()
-            (warm,) = d2.tune([(m, n, k)], progress=False)
-            warm_s = time.perf_counter() - t0
-            rows = [ctx.row("selection all", backend=x.candidate.backend,
-                            tactic=tactic_label(x.candidate.tactic), m=m, n=n, k=k,
-                            operation=p.operation, median_us=x.us if x.ok else None,
-                            failure=x.error or None, extra={
-                                "method": x.method, "est_us": x.candidate.est_us,
-                                "tactic_json": x.candidate.tactic.canonical_json()})
-                    for x in measured]  # fmt: skip
-            timed = {(x.candidate.backend, x.candidate.tactic): x.us for x in measured if x.ok}
-            best = min(timed.values(), default=math.nan)
-            for name, c, target, secs in (("tuned", warm.winner, 1.03, warm_s),
-                                          ("tuned first", first.winner, 1.03, first_s),
-                                          ("heuristic", heuristic, 1.15, None)):  # fmt: skip
-                us = timed.get((c.backend, c.tactic), math.nan) if c is not None else math.nan
-                over = us / best if best > 0 else math.nan
-                label = "-" if c is None else f"{c.backend} {tactic_label(c.tactic)}"
-                rows.append(ctx.row("selection", backend=name, m=m, n=n, k=k, tactic=label,
-                                    median_us=us if math.isfinite(us) else None,
-                                    ratios={"best": best / us} if us > 0 else {},
-                                    failure=f"pick / best {over:.3f} > {target}"
-                                    if over > target else None,
-                                    extra={"tune_s": secs, "valid": len(every),
-                                           "timed": len(todo),
-                                           "same_pick": warm.winner == first.winner}))  # fmt: skip
-            ctx.emit(rows)
+    (m, n, k), clock = shape, "graph" if ctx.cuda else "eager"
+    p = Problem(m=m, n=n, k=k)
+    d1 = Dispatcher(str(ctx.device), cache=cache.with_suffix(".a.json"))
+    heuristic = d1.select(m, n, k)
+    t0 = time.perf_counter()
+    (first,) = d1.tune([shape], progress=False)
+    first_s = time.perf_counter() - t0
+    every = shortlist(p, d1.device, d1.available, budget=10**9).candidates
+    todo = sample(every, cap)
+    measured = Tuner(d1).measure(p, todo, deadline=deadline)
+    d2 = Dispatcher(str(ctx.device), cache=cache.with_suffix(".b.json"))
+    t0 = time.perf_counter()
+    (warm,) = d2.tune([shape], progress=False)
+    warm_s = time.perf_counter() - t0
+    rows = [ctx.row("selection all", backend=x.candidate.backend, clock=clock,
+                    tactic=tactic_label(x.candidate.tactic), m=m, n=n, k=k,
+                    operation=p.operation, median_us=x.us if x.ok else None,
+                    failure=x.error or None, extra={
+                        "method": x.method, "est_us": x.candidate.est_us,
+                        "tactic_json": x.candidate.tactic.canonical_json()})
+            for x in measured]  # fmt: skip
+    timed = {(x.candidate.backend, x.candidate.tactic): x.us for x in measured if x.ok}
+    best = min(timed.values(), default=math.nan)
+    same = _same(warm.winner, first.winner)
+    for name, c, target, secs in (("tuned", warm.winner, 1.03, warm_s),
+                                  ("tuned first", first.winner, 1.03, first_s),
+                                  ("heuristic", heuristic, 1.15, None)):  # fmt: skip
+        us = timed.get((c.backend, c.tactic), math.nan) if c is not None else math.nan
+        over = us / best if best > 0 else math.nan
+        rows.append(ctx.row(
+            "selection", backend=name, m=m, n=n, k=k, clock=clock,
+            tactic="-" if c is None else f"{c.backend} {tactic_label(c.tactic)}",
+            median_us=us if math.isfinite(us) else None,
+            ratios={"best": best / us} if us > 0 else {},
+            failure=f"pick / best {over:.3f} > {target}" if over > target else None,
+            extra={"tune_s": secs, "valid": len(every), "timed": len(todo), "same_pick": same},
+        ))  # fmt: skip
+    return rows
+
+
+def _same(a, b) -> bool:
+    return a is not None and b is not None and (a.backend, a.tactic) == (b.backend, b.tactic)
+
+
+def sample(cands: list, cap: int) -> list:
+    """At most `cap` candidates: the best half by estimate, then evenly spaced others."""
+    if len(cands) <= cap:
+        return cands
+    head, rest = cands[: cap // 2], cands[cap // 2 :]
+    step = len(rest) / (cap - len(head))
+    return head + [rest[int(i * step)] for i in range(cap - len(head))]
 
 
 def flashinfer(ctx: Context) -> None:
