@@ -41,16 +41,20 @@ SUITES = ("kernels", "serving", "model", "tuning", "ranking", "blackwell")
 log = logging.getLogger("benchmarks")
 
 
-def _shape(text: str) -> tuple[int, ...]:
-    from .common import parse_ints
+def _ints(count: int):
+    """An argparse type: ``"M,N,K"`` (or ``"N,K"``) -> ints (argparse names the option)."""
 
-    return parse_ints(text, 3, "--shapes")
+    def parse(text: str) -> tuple[int, ...]:
+        parts = text.lower().replace("x", ",").split(",")
+        if len(parts) != count or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+            form = ",".join("MNK"[3 - count :])
+            raise argparse.ArgumentTypeError(f"expected {form} (positive integers), got {text!r}")
+        return tuple(int(p) for p in parts)
+
+    return parse
 
 
-def _nk(text: str) -> tuple[int, ...]:
-    from .common import parse_ints
-
-    return parse_ints(text, 2, "--nk")
+_shape, _nk = _ints(3), _ints(2)
 
 
 def common_options(p: argparse.ArgumentParser) -> None:

@@ -33,15 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]
 Shape = tuple[int, int, int]
 
 
-def parse_ints(text: str, count: int, what: str) -> tuple[int, ...]:
-    """``"M,N,K"`` / ``"MxNxK"`` (or ``"N,K"``) -> ints; ValueError naming `what` otherwise."""
-    parts = text.lower().replace("x", ",").split(",")
-    if len(parts) != count or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        form = ",".join("MNK"[3 - count :])
-        raise ValueError(f"{what}: expected {form} (positive integers), got {text!r}")
-    return tuple(int(p) for p in parts)
-
-
 def commit() -> str:
     """The source commit (``FP4_COMMIT``, else ``git rev-parse``), else "unknown"."""
     if os.environ.get("FP4_COMMIT"):
