@@ -11,8 +11,9 @@ dequantized operands - W4A16 and W4A8: of the bf16 activation itself - is the re
 - baselines on the dequantized operands: ``torch.mm bf16`` (cuBLAS) and ``_scaled_mm fp8``
   (cuBLASLt, e4m3 with per-tensor scales);
 - ``dispatcher``: ``Dispatcher().gemm``, its untuned pick (the tactic it ran is named);
-- each backend's first ``--top`` tactics of the shortlist (0: all of it), built, checked
-  and timed by the tuner's own `Tuner.measure` (``--budget-s`` then skips the rest);
+- each backend's first ``--top`` tactics of the shortlist (0: every valid tactic, the
+  sweeps ``fit_w4a16_model.py`` fits on), built, checked and timed by the tuner's own
+  `Tuner.measure` (``--budget-s`` then skips the rest);
 - ``w4a8`` adds the fp8 dispatcher (``precision="fp8"``), ``_scaled_mm`` on FP8 weights
   kept in memory with row-wise scales, alone and with the per-token activation pass.
 
@@ -32,19 +33,23 @@ import torch
 
 from .common import Context, on_cuda_or_smoke, path_rows, precompile, tactic_rows, timed_rows
 
-#: (M values, (N, K) pairs) of each GEMM routine: the issue-13 grid, the decode grid with
-#: its held-out (N, K) (fixed before the W4A16 fits), and the shapes of W4A8 (issue 34)
-GRIDS: dict[str, tuple[tuple[int, ...], tuple[tuple[int, int], ...]]] = {
-    "w4a4": ((1, 16, 128, 1024, 4096, 16384), ((8192, 8192), (28672, 8192), (8192, 28672))),
-    "w4a4-decode": ((1, 4, 16), ((8192, 8192), (5120, 5120), (13824, 5120), (10240, 8192),
-                                 (4608, 3584), (18944, 3584))),
-    "w4a16": ((1, 16, 64, 256, 4096), ((8192, 8192), (5120, 5120), (13824, 5120),
-                                       (10240, 8192))),
-    "w4a16-decode": ((1, 2, 4, 8, 16), ((8192, 8192), (5120, 5120), (13824, 5120),
-                                        (4608, 3584), (6144, 4096), (28672, 8192))),
-    "w4a8": ((1, 16, 64, 256, 1024, 4096), ((5120, 5120), (13824, 5120), (3584, 18944))),
+#: the decode sweeps' (N, K): the issue's four and two more, then the held-out ones (fixed
+#: before the W4A16 fits: `fit_w4a16_model.HELD_OUT` only scores them)
+DECODE_NK = ((8192, 8192), (5120, 5120), (13824, 5120), (10240, 8192), (4608, 3584),
+             (18944, 3584))  # fmt: skip
+HELD_NK = ((6144, 4096), (28672, 8192), (4096, 14336))
+#: blocks of (M values, (N, K) pairs) of each GEMM routine: the Hopper grid, the issue-13
+#: grid, the decode and mid-M sweeps the sm90 W4A16 constants are fitted on (in-sample,
+#: then held out), the shapes of W4A8 (issue 34)
+GRIDS: dict[str, tuple[tuple[tuple[int, ...], tuple[tuple[int, int], ...]], ...]] = {
+    "w4a4": (((1, 16, 128, 1024, 4096, 16384), ((8192, 8192), (28672, 8192), (8192, 28672))),),
+    "w4a4-decode": (((1, 4, 16), DECODE_NK), ((2, 8), HELD_NK)),
+    "w4a16": (((1, 16, 64, 256, 4096), DECODE_NK[:4]),),
+    "w4a16-decode": (((1, 4, 16), DECODE_NK), ((2, 8), HELD_NK)),
+    "w4a16-mid": (((64, 256), DECODE_NK), ((32, 128), HELD_NK)),
+    "w4a8": (((1, 16, 64, 256, 1024, 4096), ((5120, 5120), (13824, 5120), (3584, 18944))),),
 }  # fmt: skip
-SMOKE_GRID = ((1,), ((96, 128),))
+SMOKE_GRID = (((1,), ((96, 128),)),)
 QUANTIZE_GRID = ((1, 16, 256, 4096), (4096, 5120, 8192))
 
 
@@ -128,10 +133,15 @@ def run_gemm(ctx: Context, case: str, operation: str) -> None:
     from fp4_dispatch import Dispatcher
     from fp4_dispatch.tactics import Problem
 
-    d = Dispatcher(str(ctx.device), cache=False, budget=max(32, ctx.args.top * 8))
-    fp8 = Dispatcher(str(ctx.device), cache=False, precision="fp8") if operation == "w4a8" else None
+    budget = 10**6 if ctx.args.top == 0 else max(32, ctx.args.top * 8)  # 0: every tactic
+    d = Dispatcher(str(ctx.device), cache=False, budget=budget)
+    fp8 = (Dispatcher(str(ctx.device), cache=False, budget=budget, precision="fp8")
+           if operation == "w4a8" else None)  # fmt: skip
     dense = operation != "w4a4"
-    grid = ctx.grid(*(SMOKE_GRID if ctx.smoke else GRIDS[case]))
+    blocks = SMOKE_GRID if ctx.smoke else GRIDS[case]
+    if ctx.args.shapes or ctx.args.m or ctx.args.nk:  # the options replace the blocks
+        blocks = blocks[:1]
+    grid = [s for ms, nks in blocks for s in ctx.grid(ms, nks)]
     ask = "w4a4" if operation == "w4a4" else "w4a16"
     lists = {s: shortlisted(fp8 or d, *s, ask, ctx.args.top, "w4a8" if fp8 else "")
              for s in grid}  # fmt: skip
@@ -225,6 +235,7 @@ ROUTINES: dict[str, Callable[[Context], None]] = {
     "w4a4-decode": gemm_routine("w4a4", "w4a4-decode"),
     "w4a16": gemm_routine("w4a16", "w4a16"),
     "w4a16-decode": gemm_routine("w4a16", "w4a16-decode"),
+    "w4a16-mid": gemm_routine("w4a16", "w4a16-mid"),
     "w4a8": gemm_routine("w4a8", "w4a8"),
     "quantize": quantize,
 }
