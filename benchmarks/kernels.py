@@ -133,10 +133,15 @@ def run_gemm(ctx: Context, case: str, operation: str) -> None:
     from fp4_dispatch import Dispatcher
     from fp4_dispatch.tactics import Problem
 
+    dense8 = operation == "w4a8"
     budget = 10**6 if ctx.args.top == 0 else max(32, ctx.args.top * 8)  # 0: every tactic
-    d = Dispatcher(str(ctx.device), cache=False, budget=budget)
-    fp8 = (Dispatcher(str(ctx.device), cache=False, budget=budget, precision="fp8")
-           if operation == "w4a8" else None)  # fmt: skip
+    where = str(ctx.device)
+    d = Dispatcher(where, cache=False, budget=budget)  # the tactics' shortlist
+    fp8 = Dispatcher(where, cache=False, budget=budget, precision="fp8") if dense8 else None
+    # what a user gets: the untuned pick of a default dispatcher
+    users = [("dispatcher", Dispatcher(where, cache=False))] + (
+        [("dispatcher fp8", Dispatcher(where, cache=False, precision="fp8"))] if dense8 else []
+    )
     dense = operation != "w4a4"
     blocks = SMOKE_GRID if ctx.smoke else GRIDS[case]
     if ctx.args.shapes or ctx.args.m or ctx.args.nk:  # the options replace the blocks
@@ -159,9 +164,9 @@ def run_gemm(ctx: Context, case: str, operation: str) -> None:
             op = "bf16" if "bf16" in name else "fp8"
             rows += path_rows(ctx, case, fn, out, ref, ctx.args.clocks, backend=name,
                               operation=op, m=m, n=n, k=k)  # fmt: skip
-        rows += dispatcher_path(ctx, case, d, act, qb, ref, m, n, k)
+        for name, user in users:
+            rows += dispatcher_path(ctx, case, user, act, qb, ref, m, n, k, name)
         if fp8 is not None:
-            rows += dispatcher_path(ctx, case, fp8, act, qb, ref, m, n, k, "dispatcher fp8")
             rows += w4a8_paths(ctx, case, act, qb, ref)
         problem = Problem(m=m, n=n, k=k, operation="w4a8" if fp8 else operation)
         for clock in ctx.args.clocks:
