@@ -5,7 +5,8 @@
     python -m benchmarks serving --cases load --load-device cpu --layers 4
 
 - ``layer``: per shape, eager wall and GPU time (CUDA graph, cold L2) of every call a
-  user makes - `quantize_nvfp4`, `Dispatcher.gemm` W4A4 and W4A16, `Nvfp4Linear` - with
+  user makes - `quantize_nvfp4`, `Dispatcher.gemm` W4A4 and W4A16 (output allocated by
+  the call), `Nvfp4Linear` - with
   the dispatcher's replays (a warm plan relaunching its recorded kernels through the
   driver) and without (``replay=False``: Triton's launcher), beside bf16 ``nn.Linear``
   and FP8 ``_scaled_mm`` from the same run; the layer's error against float64; ratios
@@ -84,15 +85,16 @@ def layer_shape(ctx: Context, on, off, m: int, n: int, k: int) -> list:
         d.tune([(m, n, k)], save=False)
         d.tune([(m, n, k)], operation="w4a16", save=False)
     paths = {"quantize_nvfp4": (lambda o: quantize_nvfp4(x), None, "quantize")}
+    wq = qb.dequantize().double()
+    ref4, ref16 = qa.dequantize().double() @ wq.T, x.double() @ wq.T
     for name, d in (("", on), (" [no replay]", off)):
         q = Nvfp4Linear.from_linear(lin, dispatcher=d)
         op = q.operation(dev)  # "auto": W4A16 on Hopper, W4A4 on sm100+
         xa = quantize_nvfp4(x).dequantize() if op == "w4a4" else x
         ref = xa.double() @ q.dequantized_weight().double().T + lin.bias.double()
-        paths[f"Dispatcher.gemm w4a4{name}"] = (lambda o, d=d: d.gemm(qa, qb, out=o),
-                                                None, "w4a4")  # fmt: skip
-        paths[f"Dispatcher.gemm w4a16{name}"] = (lambda o, d=d: d.gemm(x, qb, out=o),
-                                                 None, "w4a16")  # fmt: skip
+        # as users call it: the output allocated by the call
+        paths[f"Dispatcher.gemm w4a4{name}"] = (lambda o, d=d: d.gemm(qa, qb), ref4, "w4a4")
+        paths[f"Dispatcher.gemm w4a16{name}"] = (lambda o, d=d: d.gemm(x, qb), ref16, "w4a16")
         paths[f"Nvfp4Linear{name}"] = (lambda o, q=q: q(x), ref, op)
     exact = x.double() @ lin.weight.double().T + lin.bias.double()  # its own reference
     paths["nn.Linear bf16"] = (lambda o: lin(x), exact, "bf16")
