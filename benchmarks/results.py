@@ -67,6 +67,7 @@ class Row:
 
         d = dataclasses.asdict(self)
         d["ratios"] = {k: clean(v) for k, v in self.ratios.items()}
+        d["extra"] = {k: clean(v) for k, v in self.extra.items()}
         return json.dumps({k: clean(v) for k, v in d.items()}, default=str)
 
     @classmethod

@@ -141,7 +141,8 @@ def fleet(ctx: Context) -> None:
             p = r.problem
             ctx.emit([ctx.row(
                 "fleet", backend=r.winner.backend if r.winner else "-",
-                tactic=_label(r.winner), operation=p.operation, m=p.m, n=p.n, k=p.k,
+                tactic=_label(r.winner).split(" ", 1)[-1], operation=p.operation,
+                m=p.m, n=p.n, k=p.k,
                 clock=policy, median_us=r.winner_us if math.isfinite(r.winner_us) else None,
                 failure="tuned pick slower than the default beyond the band" if lost else None,
                 ratios={"default": r.heuristic_us / r.winner_us} if r.winner_us else {},
