@@ -226,20 +226,12 @@ def _compile(ctx: Context, d) -> bool:
 
 
 def _host(ctx: Context, case: str, what: str, us: float, target_s: float | None = None,
-          **extra) -> None:  # fmt: skip
+          **fields) -> None:  # fmt: skip
+    """One host-clock row; a missed target (seconds) is its failure."""
     missed = target_s is not None and us > target_s * 1e6
-    ctx.emit(
-        [
-            ctx.row(
-                case,
-                backend=what,
-                clock="host",
-                median_us=us,
-                failure=f"target <= {target_s:g} s missed" if missed else None,
-                extra={**extra, **({"target_s": target_s} if target_s else {})},
-            )
-        ]
-    )
+    ctx.emit([ctx.row(case, backend=what, clock="host", median_us=us,
+                      failure=f"target <= {target_s:g} s missed" if missed else None,
+                      extra={"target_s": target_s} if target_s else {}, **fields)])  # fmt: skip
 
 
 def first_contact(ctx: Context) -> None:
