@@ -165,6 +165,8 @@ def path_rows(ctx: Context, case: str, fn: Callable[[torch.Tensor], object],
     rows = timed_rows(ctx, case, lambda: fn(out), clocks, **fields)
     for r in rows:
         r.error = err
+        if err is not None and not math.isfinite(err):
+            r.failure = r.failure or "output not written (NaN) or non-finite"
     return rows
 
 

@@ -72,3 +72,31 @@ def test_compare_marks_changes_beyond_the_noise(results, tmp_path):
     assert "1.200" in lines["dispatcher"] and lines["dispatcher"].rstrip(" |").endswith("*")
     assert "1.025" in lines["bf16"] and not lines["bf16"].rstrip(" |").endswith("*")
     assert "1 row(s) only in A, 1 only in B" in out.stdout
+
+
+def test_path_rows_check_the_output_and_record_gaps(results, tmp_path):
+    """`common.path_rows`: an output left unwritten (NaN poison) is a failure, a correct
+    one carries its error against float64, a path that raises is a gap, not the end."""
+    import argparse
+
+    import torch
+
+    common = importlib.import_module("benchmarks.common")
+    args = argparse.Namespace(smoke=True, out=str(tmp_path), clocks=["graph", "eager"])
+    ctx = common.context("kernels", args, ["--smoke"])
+    assert args.clocks == ["eager"]  # a CPU has no GPU clock
+    a, b = torch.randn(4, 8), torch.randn(3, 8)
+    ref = a.double() @ b.double().T
+    out = torch.empty(4, 3)
+
+    def boom(o):
+        raise RuntimeError("refused")
+
+    paths = (("mm", lambda o: torch.mm(a, b.T, out=o)), ("nothing", lambda o: None),
+             ("boom", boom))  # fmt: skip
+    good, unwritten, raised = (common.path_rows(ctx, "c", fn, out, ref, args.clocks, backend=n)
+                               for n, fn in paths)  # fmt: skip
+    assert good[0].failure is None and good[0].error < 1e-6 and good[0].median_us > 0
+    assert "NaN" in unwritten[0].failure
+    assert raised[0].failure == "RuntimeError: refused" and raised[0].median_us is None
+    assert good[0].command == "python -m benchmarks kernels --smoke"
