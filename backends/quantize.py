@@ -61,7 +61,7 @@ program (4096: the H200 sweep in benchmarks/RESULTS.md, made with the earlier ke
 whole tiles (``EVEN``) are loaded and stored without masks. SASS for sm_90 (Triton
 3.9, 8x512 tile, bf16, swizzled): 49.5 instructions an element before, 27.0 now; on
 the straight path (to the first EXIT: no row padding, no division slow path) 43.3
-before, 20.8 now (``python benchmarks/bench_quantize.py --sass``).
+before, 20.8 now (``bench_quantize.py --sass``, a removed script: git history at d90e9a7).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ _FLT_MAX = 3.4028234663852886e38
 #: given scale 59.9 µs against 69.9 µs for 8192 and 103-143 µs for 16K-32K elements.
 #: This kernel needs 55 registers at 4096 and 72-96 at 8192 elements on 4 warps
 #: (sm_90, Triton 3.9), where fixed costs drop to 23 instructions an element: the
-#: ``--variants`` run of benchmarks/bench_quantize.py decides the next default.
+#: ``--variants`` run of bench_quantize.py (removed; git history at d90e9a7) decided it.
 _TILE_ELEMS = 4096
 #: Widest K tile of the multi-program grid: a decode row of K=8192 spreads over 16
 #: programs (16 SMs load in parallel): 2.5 µs at 1x8192 against 3.6 µs for 1024.
@@ -105,11 +105,11 @@ _MAX_PARTIALS = 256
 #: Rows of zero scales stored per step in the swizzled row padding.
 _PAD_ROWS = 32
 #: From this many elements on, programs take `_LARGE_TILE` = (elements, widest K tile,
-#: warps): H200, 2026-12-01 (`bench_quantize.py --variants`, RESULTS.md "Serving hot path"
-#: run 4): 8192-element tiles 1024 wide on 4 warps took 33.6 µs at 4096x8192 and 19.8 µs
-#: at 4096x4096 (given scale) against 37.4 and 20.7 for the default tile, but 4.4 against
-#: 3.1 µs at 16x8192 and 5.9 against 5.6 at 256x8192: the large tile pays off only once
-#: the grid is many waves deep.
+#: warps): H200, 2026-12-01 (the removed `bench_quantize.py --variants`, RESULTS.md
+#: "Serving hot path" run 4): 8192-element tiles 1024 wide on 4 warps took 33.6 µs at
+#: 4096x8192 and 19.8 µs at 4096x4096 (given scale) against 37.4 and 20.7 for the default
+#: tile, but 4.4 against 3.1 µs at 16x8192 and 5.9 against 5.6 at 256x8192: the large
+#: tile pays off only once the grid is many waves deep.
 _LARGE_ELEMS = 1 << 23
 _LARGE_TILE = (8192, 1024, 4)
 _DEFAULT_TILE = (_TILE_ELEMS, _MAX_BK, _NUM_WARPS)

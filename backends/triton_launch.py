@@ -229,7 +229,7 @@ def _direct_runner(compiled: Any, grid3: tuple[int, int, int], device: int, stan
 
     Why: Triton's ``compiled[grid]`` runner asks the driver for the current device and
     stream and builds launch metadata on every call (~4 µs of the ~15 µs a launch costs
-    on the H200 host, bench_launch_overhead.py). Here the device is fixed (a runner is
+    on the H200 host, the removed bench_launch_overhead.py). Here the device is fixed (a runner is
     cached per device) and the stream comes from ``torch._C._cuda_getCurrentRawStream``
     (0.1 µs, vs 4.7 µs for ``torch.cuda.current_stream().cuda_stream``), and empty
     launch-hook chains are not called. Launch hooks (profilers such as proton add them)

@@ -1,8 +1,9 @@
 """Fit the sm90 W4A4 cost model (plugins/sm90/cost_model.py) to measured tactic times.
 
-Input: one or more selection JSON files of ``benchmarks/bench_selection.py`` (every valid
-tactic of each shape timed; ``rows[*].all``: tactic, est_us, us, method - "pruned" rows
-carry a single-launch probe time). Output: ``plugins/sm90/cost_model.json`` (the
+Input: one or more selection files - the committed sweeps' JSON (``rows[*].all``: tactic,
+est_us, us, method) or the JSON lines of ``python -m benchmarks ranking --cases selection``
+- with every valid tactic of each shape timed ("pruned" rows carry a single-launch probe
+time). Output: ``plugins/sm90/cost_model.json`` (the
 constants the plugin loads), recording the files and grids it was fitted on, the date
 and the cross-validation figures.
 
@@ -172,7 +173,7 @@ def load_shapes(paths: list[str]) -> list[Shape]:
     bs = backends()
     shapes = []
     for path in paths:
-        data = json.loads(Path(path).read_text())
+        data = _selection_rows(Path(path))
         for row in data["rows"]:
             if "skipped" in row:
                 continue
@@ -186,6 +187,25 @@ def load_shapes(paths: list[str]) -> list[Shape]:
             if rows:
                 shapes.append(Shape(*row["shape"], rows, str(path)))
     return shapes
+
+
+def _selection_rows(path: Path) -> dict[str, Any]:
+    """A selection file: the JSON of the committed sweeps (``{"meta", "rows"}``), or the
+    JSON lines of ``python -m benchmarks ranking --cases selection`` (its ``selection
+    all`` rows, one per timed tactic, grouped here by shape into the same form)."""
+    if path.suffix != ".jsonl":
+        return json.loads(path.read_text())
+    shapes: dict[tuple[int, int, int], list] = {}
+    meta: dict[str, Any] = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line) if line.strip() else {}
+        if r.get("case") != "selection all":
+            continue
+        meta = {"device": r["device"], "date": r["date"], "commit": r["commit"]}
+        shapes.setdefault((r["m"], r["n"], r["k"]), []).append({
+            "tactic": json.loads(r["extra"]["tactic_json"]), "us": r["median_us"],
+            "method": r["extra"]["method"]})  # fmt: skip
+    return {"meta": meta, "rows": [{"shape": list(s), "all": a} for s, a in shapes.items()]}
 
 
 def device(mem_bw_gbps: float = H200_MEM_BW_GBPS):
@@ -571,7 +591,7 @@ def check(
     c = None if model is None else cm.load(Path(model))
     rows = picks(shapes, device(mem_bw_gbps), c)
     fitted_on = (cm.constants() if c is None else c).get("fitted_on", {})
-    meta = json.loads(Path(path).read_text())["meta"]
+    meta = _selection_rows(Path(path))["meta"]
     overlap = sorted({(s.n, s.k) for s in shapes}
                      & {tuple(x) for x in fitted_on.get("nk", [])})  # fmt: skip
     return {"file": str(path), "grid_nk": sorted({(s.n, s.k) for s in shapes}),

@@ -1,5 +1,11 @@
 """Fit the sm90 W4A16 direct-path constants (plugins/sm90/cost_model.json, "w4a16") to a
-decode sweep of ``benchmarks/bench_w4a16_decode.py``, and check them on its held-out rows.
+decode sweep, and check them on its held-out rows.
+
+A sweep is a committed H200 JSON in benchmarks/data (written by the per-kernel scripts of
+the day: bench_w4a16_decode.py, bench_w4a4_decode.py, bench_w4a16_ws.py, _mma.py, _rs.py;
+git history at d90e9a7 has them) or the rows of a new one: ``python -m benchmarks kernels
+--cases w4a16-decode --top 0 --clocks graph`` (``w4a16-mid``, ``w4a4-decode`` likewise),
+passed as ``--data FILE.jsonl`` (`sweep`; the held-out shapes are `HELD_OUT`).
 
 The model is `fp4_dispatch.plugins.sm90.w4a16._estimate_direct` (a smooth maximum of a
 latency chain, the weight dequantization, the MMA and memory; residency from registers,
@@ -19,14 +25,15 @@ the JSON: fixed in the benchmark before the fit) are only scored, never fitted o
     python benchmarks/fit_w4a16_model.py --ws [--write]       # triton-sm90-ws (below)
     python benchmarks/fit_w4a16_model.py --mma [--write]      # triton-sm90-mma (below)
     python benchmarks/fit_w4a16_model.py --rs [--write]       # triton-sm90-rs (below)
+    python benchmarks/fit_w4a16_model.py --mma-scale [--write]  # mma's time_scale
 
-``--mid`` fits the M = 32-256 terms on ``bench_w4a16_decode.py --mid``'s sweep
+``--mid`` fits the M = 32-256 terms on the mid-M sweep
 (``--mid-data``; direct tactics, same objective, its held-out rows only scored):
 ``mid_step_scale`` (the step of tiles of 32+ tokens is as long as the values a thread
 moves) and ``mma_eff`` at tile_m 32, 64 and 128. The decode terms are not touched.
 
 ``--dense`` fits the two constants of ``triton-sm90-dense`` (the same model with the
-activations expanded too, `plugins.sm90.dense`) on ``benchmarks/bench_w4a4_decode.py``'s
+activations expanded too, `plugins.sm90.dense`) on the W4A4 decode
 sweep (``--dense-data``), after the four above: ``dense_step_scale`` on a grid by the
 same objective (the dense tactics only), then ``dense_time_scale`` so that the in-sample
 estimates are right on average (the mean of ``log(estimate / measured)`` is zero: its
@@ -34,19 +41,19 @@ estimates compete with ``triton-sm90``'s, which are calibrated). Its held-out ro
 the same (M, N, K) as the W4A16 sweep's.
 
 ``--ws`` fits ``triton-sm90-ws`` (`plugins.sm90.ws._estimate_ws`, its "ws" part of the
-file) on ``benchmarks/bench_w4a16_ws.py``'s sweep (``--ws-data``; its ws tactics, same
+file) on the ws sweep (``--ws-data``; its ws tactics, same
 objective, held-out rows only scored): ``deq_step_us``, ``mma_eff`` and ``fixed_us`` on a
 grid (``bw_fraction`` kept: `WS_GRID`). It also reports the pick among both W4A16 backends' timed
 tactics (the dispatcher's untuned choice) over the best of both, per set.
 
 ``--mma`` fits ``triton-sm90-mma`` (`plugins.sm90.mma._estimate_mma`, its "mma" part) the
-same way on ``benchmarks/bench_w4a16_mma.py``'s sweep (``--mma-data``; the decode grid:
+same way on the mma sweep (``--mma-data``; the decode grid:
 M 1, 4, 16 in-sample, its held-out M 2 and 8 x three (N, K) fixed in run 4, before the
 kernel existed): the constants of `MMA_GRID`, one at a time (`descend`; ``bw_fraction``
 kept), then the pick among both backends.
 
 ``--rs`` fits ``triton-sm90-rs`` (`plugins.sm90.rs._estimate_rs`, its "rs" part) on
-``benchmarks/bench_w4a16_rs.py``'s sweep (``--rs-data``; M 64 and 256 x the decode grid's
+the rs sweep (``--rs-data``, the committed JSON's own form; M 64 and 256 x the decode grid's
 six (N, K) in-sample, M 128 and 192 held out, chosen before the fit): `RS_GRID`, every
 combination; then the pick among it and ``triton-sm90-ws`` (timed in the same run).
 
@@ -136,10 +143,38 @@ GRID = {
 }
 
 
+#: the held-out shapes of every sweep here, fixed before the fits (only scored): M 2 and 8
+#: (decode) and 32 and 128 (mid M) x three (N, K) - `benchmarks.kernels.HELD_NK`
+HELD_OUT = {(m, n, k) for m in (2, 8, 32, 128)
+            for n, k in ((6144, 4096), (28672, 8192), (4096, 14336))}  # fmt: skip
+
+
+def sweep(path: Path) -> list[dict]:
+    """The shapes of a sweep: a committed JSON (``{"shapes": [{m, n, k, held_out,
+    tactics: {tactic JSON: {backend, path, us}}}]}``) or the JSON lines of ``python -m
+    benchmarks kernels --cases w4a16-decode|w4a16-mid|w4a4-decode --top 0`` (its tactic
+    rows of the graph clock, put in the same form; held out: `HELD_OUT`)."""
+    if path.suffix != ".jsonl":
+        return json.loads(path.read_text())["shapes"]
+    shapes: dict[tuple[int, int, int], dict] = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line) if line.strip() else {}
+        tj = r.get("extra", {}).get("tactic_json")
+        if tj is None or r["clock"] != "graph" or r["median_us"] is None:
+            continue
+        key = (r["m"], r["n"], r["k"])
+        entry = shapes.setdefault(
+            key, {"m": key[0], "n": key[1], "k": key[2], "held_out": key in HELD_OUT, "tactics": {}}
+        )
+        entry["tactics"][tj] = {"backend": r["backend"], "us": r["median_us"],
+                                "path": json.loads(tj).get("path")}  # fmt: skip
+    return list(shapes.values())
+
+
 def load_rows(path: Path) -> list[tuple[Problem, bool, dict]]:
     """(problem, held out, {tactic: measured µs}) per shape: timed direct tactics only."""
     rows = []
-    for r in json.loads(path.read_text())["shapes"]:
+    for r in sweep(path):
         p = Problem(m=r["m"], n=r["n"], k=r["k"], out_dtype="bfloat16", operation="w4a16")
         timed = {w4.TritonSm90W4A16Tactic.model_validate_json(tj): e["us"]
                  for tj, e in r["tactics"].items()
@@ -151,7 +186,7 @@ def load_rows(path: Path) -> list[tuple[Problem, bool, dict]]:
 def load_dense_rows(path: Path) -> list[tuple[Problem, bool, dict]]:
     """(problem, held out, {tactic: measured µs}) per shape: the dense tactics only."""
     rows = []
-    for r in json.loads(path.read_text())["shapes"]:
+    for r in sweep(path):
         p = Problem(m=r["m"], n=r["n"], k=r["k"], out_dtype="bfloat16")
         timed = {dense.TritonSm90DenseTactic.model_validate_json(tj): e["us"]
                  for tj, e in r["tactics"].items()
@@ -275,13 +310,13 @@ def fit_mid(rows, device) -> tuple[dict, tuple]:
 
 def load_paired_rows(path: Path, part: str) -> list[tuple[Problem, bool, dict, dict]]:
     """(problem, held out, {new tactic: µs}, {rival tactic: µs}) per shape of a
-    bench_w4a16_ws.py or, ``part`` "mma", bench_w4a16_mma.py JSON (timed tactics only);
+    ws sweep or, ``part`` "mma", an mma sweep (timed tactics only);
     ``part`` "rs": `load_rs_rows`."""
     if part == "rs":
         return load_rs_rows(path)
     backend = _backends(part)[0]
     rows, dropped = [], 0
-    for r in json.loads(path.read_text())["shapes"]:
+    for r in sweep(path):
         p = Problem(m=r["m"], n=r["n"], k=r["k"], out_dtype="bfloat16", operation="w4a16")
         timed = {backend.name: {}, "triton-sm90-w4a16": {}}
         for tj, e in r["tactics"].items():
@@ -301,9 +336,9 @@ def load_paired_rows(path: Path, part: str) -> list[tuple[Problem, bool, dict, d
 
 
 def load_rs_rows(path: Path) -> list[tuple[Problem, bool, dict, dict]]:
-    """The rows of a bench_w4a16_rs.py JSON: its variants that are rs tactics (by name:
-    "64 tokens, split 2, 4 stages, specialized[, 2 CTAs an SM]") and its ws tactics ("64
-    tokens, split 2"); held out: M in `RS_HELD_MS`."""
+    """The rows of the committed rs sweep (bench_w4a16_rs.py's JSON): its variants that
+    are rs tactics (by name: "64 tokens, split 2, 4 stages, specialized[, 2 CTAs an SM]")
+    and its ws tactics ("64 tokens, split 2"); held out: M in `RS_HELD_MS`."""
     rows = []
     for r in json.loads(path.read_text())["rows"]:
         p = Problem(m=r["m"], n=r["n"], k=r["k"], out_dtype="bfloat16", operation="w4a16")
@@ -387,23 +422,26 @@ def report(name: str, s: tuple) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", type=Path, default=DATA, help="a bench_w4a16_decode.py JSON")
+    ap.add_argument("--data", type=Path, default=DATA, help="a sweep: JSON or JSON lines")
     ap.add_argument("--check", action="store_true", help="score the file's constants only")
     ap.add_argument("--write", action="store_true", help="write the fitted constants")
     ap.add_argument("--dense", action="store_true", help="the triton-sm90-dense constants")
     ap.add_argument("--dense-data", type=Path, default=DENSE_DATA,
-                    help="a bench_w4a4_decode.py JSON")  # fmt: skip
+                    help="the W4A4 decode sweep")  # fmt: skip
     ap.add_argument("--ws", action="store_true", help="the triton-sm90-ws constants")
-    ap.add_argument("--ws-data", type=Path, default=WS_DATA, help="a bench_w4a16_ws.py JSON")
+    ap.add_argument("--ws-data", type=Path, default=WS_DATA, help="the ws sweep")
     ap.add_argument("--rs", action="store_true", help="the triton-sm90-rs constants")
-    ap.add_argument("--rs-data", type=Path, default=RS_DATA, help="a bench_w4a16_rs.py JSON")
+    ap.add_argument("--rs-data", type=Path, default=RS_DATA, help="the rs sweep (JSON)")
     ap.add_argument("--mma", action="store_true", help="the triton-sm90-mma constants")
-    ap.add_argument("--mma-data", type=Path, default=MMA_DATA, help="a bench_w4a16_mma.py JSON")
+    ap.add_argument("--mma-data", type=Path, default=MMA_DATA, help="the mma sweep")
+    ap.add_argument("--mma-scale", action="store_true", help="mma's time_scale (below)")
     ap.add_argument("--mid", action="store_true", help="the M = 32-256 terms")
     ap.add_argument("--mid-data", type=Path, default=MID_DATA,
-                    help="a bench_w4a16_decode.py --mid JSON")  # fmt: skip
+                    help="the mid-M sweep")  # fmt: skip
     args = ap.parse_args(argv)
     device = rated(simulated("sm90"))
+    if args.mma_scale:
+        return main_mma_scale(args, device)
     if args.dense:
         return main_dense(args, device)
     if args.mid:
@@ -426,6 +464,70 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         data = json.loads(MODEL.read_text())
         data["w4a16"].update(consts)
+        MODEL.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {MODEL}")
+    return 0
+
+
+#: ``--mma-scale``: run 8's two H200 sweeps of device call 2, measured with the factor at 1
+#: (W4A16: mma beside the direct kernel's best 6; W4A4: mma, dense, triton-sm90's best 6)
+MMA_SCALE_DATA = {
+    "w4a16": ROOT / "benchmarks" / "data" / "sm90_w4a16_mma_run8_call2.json",
+    "w4a4": ROOT / "benchmarks" / "data" / "sm90_w4a4_decode_run8_call2.json",
+}
+#: factors searched (0.70 .. 1.00)
+MMA_SCALE_GRID = tuple(round(0.70 + 0.01 * i, 2) for i in range(31))
+
+
+def load_all_backends(path: Path, operation: str, device) -> list[tuple[Problem, bool, list]]:
+    """(problem, held out, [(backend, tactic, measured µs)]) per shape: the timed tactics
+    of every sm90 backend that offers them for the shape."""
+    from fp4_dispatch.plugins.sm90 import TritonSm90Backend
+
+    kinds = (mma.TritonSm90MmaBackend, w4.TritonSm90W4A16Backend, dense.TritonSm90DenseBackend,
+             TritonSm90Backend)  # fmt: skip
+    backends = {b.name: b for b in (kind() for kind in kinds)}
+    rows = []
+    for r in sweep(path):
+        p = Problem(m=r["m"], n=r["n"], k=r["k"], out_dtype="bfloat16", operation=operation)
+        timed = []
+        for tj, e in r["tactics"].items():
+            b = backends[e["backend"]]
+            t = b.tactic_type.model_validate_json(tj)
+            if "us" in e and b.validate(t, p, device) is None:
+                timed.append((b, t, e["us"]))
+        rows.append((p, bool(r["held_out"]), timed))
+    return rows
+
+
+def main_mma_scale(args: argparse.Namespace, device) -> int:
+    """``--mma-scale``: ``time_scale`` of ``triton-sm90-mma``, so the untuned pick ACROSS
+    backends takes the mma kernel where it is faster (``--mma`` fits the pick among mma
+    tactics, which a common factor never changes). Objective on the in-sample rows of
+    both sweeps (M 1, 4, 16 x six (N, K)): the mean measured time of the lowest estimate
+    among every timed offered tactic over the best; ties go to the factor nearest 1. The
+    held-out rows (M 2 and 8, fixed in run 4) are only scored. Before it the W4A4 pick
+    took the dense kernel on 8 of 18 decode shapes where mma was 1.17-1.46x faster
+    (RESULTS.md "Hopper W4A16" run 8)."""
+
+    def mean(rows, scale: float) -> float:
+        with constants({"time_scale": scale}, "mma"):
+            ratios = [pick_over_best(p, device, timed) for p, _, timed in rows]
+        return sum(ratios) / len(ratios)
+
+    rows = {op: load_all_backends(path, op, device) for op, path in MMA_SCALE_DATA.items()}
+    train = [r for rs in rows.values() for r in rs if not r[1]]
+    current = json.loads(MODEL.read_text())["mma"]["time_scale"]
+    scale = current if args.check else min(MMA_SCALE_GRID, key=lambda s: (mean(train, s), -s))
+    print(f"time_scale {scale}")
+    for op, per_op in rows.items():
+        for name, held in (("in-sample", False), ("held-out", True)):
+            part = [r for r in per_op if r[1] == held]
+            print(f"{op} {name}: pick/best mean {mean(part, scale):.3f} "
+                  f"({len(part)} shapes; factor 1: {mean(part, 1.0):.3f})")  # fmt: skip
+    if args.write and not args.check:
+        data = json.loads(MODEL.read_text())
+        data["mma"]["time_scale"] = scale
         MODEL.write_text(json.dumps(data, indent=1) + "\n")
         print(f"wrote {MODEL}")
     return 0

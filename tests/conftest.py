@@ -142,27 +142,25 @@ def sm90_compile_env(tmp_path: Path) -> dict[str, str]:
 def source_root() -> Path | None:
     """The repository (benchmarks/ is not in the wheel): FP4_DISPATCH_SOURCE_ROOT in CI."""
     for root in (os.environ.get("FP4_DISPATCH_SOURCE_ROOT"), Path(__file__).parents[1]):
-        if root and (Path(root) / "benchmarks" / "bench_w4a16_decode.py").exists():
+        if root and (Path(root) / "benchmarks" / "__main__.py").exists():
             return Path(root)
     return None
 
 
-def run_bench_smoke(tmp_path: Path, script: str, json_name: str, *args: str) -> dict | list:
-    """Run ``benchmarks/<script> --smoke`` (CPU, interpreter; `args` after it) with
-    ``OUT=tmp_path``; it must exit 0. Returns the JSON it wrote as `json_name` (a list of
-    rows for a ``.jsonl`` file); skipped where Triton or the source tree is not around."""
+def run_bench_smoke(tmp_path: Path, suite: str, *args: str) -> list[dict]:
+    """Run ``python -m benchmarks <suite> --smoke --out tmp_path`` (CPU, interpreter;
+    `args` after it) from the source tree; it must exit 0. Returns the rows it wrote
+    (``<suite>.jsonl``, `benchmarks.results.Row` as dicts); skipped where Triton or the
+    source tree is not around."""
     pytest.importorskip("triton")
     root = source_root()
     if root is None:
         pytest.skip("benchmarks/ not found (set FP4_DISPATCH_SOURCE_ROOT)")
-    env = dict(os.environ, OUT=str(tmp_path))
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / script), "--smoke", *args],
-                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    cmd = [sys.executable, "-m", "benchmarks", suite, "--smoke", "--out", str(tmp_path), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
-    text = (tmp_path / json_name).read_text()
-    if json_name.endswith(".jsonl"):
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    return json.loads(text)
+    text = (tmp_path / f"{suite}.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 GOOD_PLUGIN = """

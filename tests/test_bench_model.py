@@ -1,4 +1,4 @@
-"""`benchmarks/bench_model.py --smoke`: the whole-model yardstick runs end to end on a CPU
+"""`python -m benchmarks model --smoke`: the whole-model yardstick runs end to end on a CPU
 (tiny Llama, eager) and writes what its docstring promises: one row per variant, step
 and clock, ratios to bf16, logits cosines against the dequantized twin, a table, a plot."""
 
@@ -14,26 +14,27 @@ pytest.importorskip("transformers")
 
 
 def test_smoke_rows_cosines_table_and_plot(tmp_path):
-    rows = run_bench_smoke(tmp_path, "bench_model.py", "model.jsonl")
-    got = {(r["variant"], r["case"], r["clock"]) for r in rows}
+    rows = run_bench_smoke(tmp_path, "model")
+    got = {(r["backend"], r["case"], r["clock"]) for r in rows}
     cases = {"tiny decode 1", "tiny decode 4", "tiny prefill 64"}
     assert got == {(v, c, "eager") for v in VARIANTS for c in cases}
     for r in rows:
-        assert r["error"] is None, r
-        assert r["median_us"] > 0 and r["tokens_per_s"] > 0, r
+        x = r["extra"]
+        assert r["suite"] == "model" and r["failure"] is None, r
+        assert r["median_us"] > 0 and x["tokens_per_s"] > 0 and r["m"] == x["tokens"], r
         low, high = r["spread_us"]
         assert low <= r["median_us"] <= high, r
         assert r["device"] == "cpu (smoke)" and r["date"] and r["command"], r
-        if r["variant"] == "bf16":
-            assert r["vs_bf16"] == pytest.approx(1.0) and r["cosine"] is None, r
+        if r["backend"] == "bf16":
+            assert r["ratios"]["bf16"] == pytest.approx(1.0) and x["cosine"] is None, r
         # W4A16 multiplies by exactly the twin's weights: cosine >= 0.999 (the target);
         # W4A4 also rounds the activations to NVFP4: lower, but far from noise
-        elif r["variant"] == "w4a16":
-            assert r["cosine"] >= 0.999, r
-        elif r["variant"] == "w4a4":
-            assert 0.9 < r["cosine"] < 0.9999, r
+        elif r["backend"] == "w4a16":
+            assert x["cosine"] >= 0.999, r
+        elif r["backend"] == "w4a4":
+            assert 0.9 < x["cosine"] < 0.9999, r
         else:  # under precision="fp8": W4A16, or W4A8 (FP8 rounding, docs/PRECISION.md)
-            assert r["cosine"] >= 0.99, r
+            assert x["cosine"] >= 0.99, r
     table = (tmp_path / "model.md").read_text().splitlines()
     assert len(table) == 2 + 3, table  # header, rule, one line per step
     assert all("x)" in line for line in table[2:]), table

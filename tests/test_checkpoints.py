@@ -195,14 +195,6 @@ def test_the_documented_modelopt_arithmetic_is_the_library_s():
     assert torch.equal(theirs, mk.modelopt_dequantize(packed, s2, g2))
 
 
-def test_bench_load_smoke(tmp_path):
-    from conftest import run_bench_smoke
-
-    got = run_bench_smoke(tmp_path, "bench_load.py", "bench_load.json")
-    assert got["shards"] == 2 and got["peak"] >= got["base"] > 0
-    assert got["model_host_bytes"] > 0
-
-
 # ---- bad input: one clear error naming tensor and file; the model unchanged -------------
 
 

@@ -83,7 +83,7 @@ def test_version_and_help_are_fast_and_import_no_torch():
             times.append(time.perf_counter() - t0)
         return min(times), proc
 
-    # the 1 s target (benchmarks/bench_first_contact.py) is the tool's own cost: the
+    # the 1 s target (benchmarks serving --cases first-contact) is the tool's own cost: the
     # interpreter's start-up is subtracted, so a loaded CI machine does not need slack
     bare, _ = best_of_3([sys.executable, "-c", "pass"])
     code = "import sys; from fp4_dispatch.cli import main; sys.exit(main(['--version']))"

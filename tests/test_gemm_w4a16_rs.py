@@ -16,7 +16,6 @@ import torch
 from conftest import (
     TARGET_ONLY,
     check_w4a16_kernel_on_gpu,
-    run_bench_smoke,
     run_interpreted,
     sm90_compile_env,
 )
@@ -209,8 +208,3 @@ def test_kernel_on_the_gpu_matches_float64():
          "bfloat16", True, True),
     ]  # fmt: skip
     check_w4a16_kernel_on_gpu(lambda knobs: rs.build(rs.RsConfig(**knobs)), cases)
-
-
-def test_bench_w4a16_rs_smoke_runs_on_the_cpu(tmp_path):
-    got = run_bench_smoke(tmp_path, "bench_w4a16_rs.py", "w4a16_rs.json")
-    assert got == {"smoke": True, "pass_matches": True}

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TARGET_ONLY, run_bench_smoke, sm90_compile_env
+from conftest import TARGET_ONLY, sm90_compile_env
 
 _SWITCH = r"""
 import json
@@ -188,11 +188,3 @@ def test_the_rs_kernel_launches_with_pdl_at_one_cta_an_sm_only():
         False,
         False,
     ]
-
-
-def test_bench_pdl_smoke_runs_on_the_cpu(tmp_path):
-    """The H200 benchmark's --smoke mode: under the interpreter PDL is off and the two
-    first kernels (the expansion, the dot-order pass) still match their references."""
-    got = run_bench_smoke(tmp_path, "bench_pdl.py", "pdl.json")
-    assert got == {"smoke": True, "pdl_enabled": False, "pass_matches": True,
-                   "expand_matches": True}, got  # fmt: skip

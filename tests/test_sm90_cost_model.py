@@ -105,7 +105,7 @@ PLANTED = {"tile_n=32": -0.4, "warps=8": 0.3, "tile_k=256": 0.15, "split_k=8": 0
 
 
 def _selection(shapes, c, path: Path) -> None:
-    """A selection file as bench_selection writes it, timed by the planted model `c`
+    """A selection file in the committed sweeps' form, timed by the planted model `c`
     (with a deterministic +-2% ripple so that nothing ties)."""
     rows = []
     for m, n, k in shapes:
@@ -397,13 +397,14 @@ def test_mma_model_picks_as_measured_on_the_committed_sweep():
 
 
 def _run_fit_mma_scale(*flags: str) -> dict[str, float]:
-    """``fit_mma_scale.py`` (plus `flags`): {"time_scale": chosen, "<op> <set>": mean
-    pick/best}; skipped where the source tree is not around."""
+    """``fit_w4a16_model.py --mma-scale`` (plus `flags`): {"time_scale": chosen, "<op>
+    <set>": mean pick/best}; skipped where the source tree is not around."""
     root = source_root()
-    if root is None or not (root / "benchmarks" / "fit_mma_scale.py").exists():
+    if root is None or not (root / "benchmarks" / "fit_w4a16_model.py").exists():
         pytest.skip("benchmarks/ not found (set FP4_DISPATCH_SOURCE_ROOT)")
-    run = subprocess.run([sys.executable, str(root / "benchmarks" / "fit_mma_scale.py"),
-                          *flags], capture_output=True, text=True, timeout=300)  # fmt: skip
+    script = str(root / "benchmarks" / "fit_w4a16_model.py")
+    run = subprocess.run([sys.executable, script, "--mma-scale", *flags], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     out = {}
     for ln in run.stdout.splitlines():
@@ -415,7 +416,7 @@ def _run_fit_mma_scale(*flags: str) -> dict[str, float]:
 
 
 def test_mma_time_scale_is_the_fit_and_ranks_the_backends_as_measured():
-    """``time_scale`` of the mma part is what ``fit_mma_scale.py`` chooses on run 8's
+    """``time_scale`` of the mma part is what ``fit_w4a16_model.py --mma-scale`` chooses on run 8's
     in-sample rows, and with it the untuned pick across backends (W4A4: mma, dense,
     triton-sm90; W4A16: mma, direct) is within 1% of the best timed tactic on average,
     in-sample and on the held-out shapes fixed in run 4 (W4A4 with the factor at 1:

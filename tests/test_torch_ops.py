@@ -2,7 +2,7 @@
 
 CUDA-graph capture is simulated on the CPU by making ``torch.cuda.is_initialized`` and
 ``torch.cuda.is_current_stream_capturing`` answer True; the real capture runs in
-``benchmarks/cuda_graph_check.py`` on a GPU. One torch.compile here (aot_eager backend,
+``python -m benchmarks serving --cases graphs`` on a GPU. One torch.compile here (aot_eager backend,
 a few seconds); the inductor compile lives in test_nn.py.
 """
 

@@ -1,8 +1,8 @@
 """Tests of ``triton-sm90-dense``: W4A4 through the W4A16 kernel (activations expanded
 in-kernel). The kernel under TRITON_INTERPRET=1 (fp16 products: the interpreter's tl.dot
 mishandles bf16; the bf16 PTX path is checked on the H200 by the GPU test below and by
-benchmarks/bench_w4a4_decode.py), the plugin's rules, estimate and precompile, and the
-conformance kit on the simulated sm90 part."""
+``python -m benchmarks kernels --cases w4a4-decode``), the plugin's rules, estimate and
+precompile, and the conformance kit on the simulated sm90 part."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TARGET_ONLY, run_bench_smoke, run_interpreted
+from conftest import TARGET_ONLY, run_interpreted
 
 from fp4_dispatch.plugins.sm90.dense import (
     DENSE_MAX_M,
@@ -210,15 +210,3 @@ def test_dense_kernel_on_the_gpu_matches_the_reference():
     report = check_backend(TritonSm90DenseBackend(), device="cuda", problems=problems)
     assert not report.failures, report.failures
     assert [c for c in report.of("numerics") if c.status == "PASS"], report.checks
-
-
-def test_bench_w4a4_decode_smoke_runs_on_the_cpu(tmp_path):
-    """The H200 benchmark's --smoke mode (tiny shapes, interpreter): it runs both W4A4
-    backends' tactics, checks each against float64 and writes its JSON."""
-    got = run_bench_smoke(tmp_path, "bench_w4a4_decode.py", "w4a4_decode.json")
-    assert got["smoke"] is True and len(got["shapes"]) == 4
-    for row in got["shapes"]:
-        backends = {e["backend"] for e in row["tactics"].values()}
-        assert backends == {"triton-sm90-dense", "triton-sm90"} and not row["failed"], row
-        assert all(e["rel_err"] <= 1e-2 for e in row["tactics"].values())
-        assert row["dispatcher_err"] <= 1e-2  # the dispatcher's pick on this device

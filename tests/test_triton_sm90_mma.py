@@ -16,7 +16,6 @@ import torch
 from conftest import (
     TARGET_ONLY,
     check_w4a16_kernel_on_gpu,
-    run_bench_smoke,
     run_interpreted,
     sm90_compile_env,
 )
@@ -88,7 +87,7 @@ def test_offered_for_up_to_8_tokens_with_work_for_every_warp():
 
 
 def test_space_holds_every_variant_the_kernel_runs():
-    """`space` (what ``bench_w4a16_mma.py --space`` times): every (shape, pipe) of
+    """`space` (what the removed ``bench_w4a16_mma.py --space`` timed): every (shape, pipe) of
     `MMA_SPACE` x split, offered or not, on the token tile that covers M; the offered
     tactics are among them; a CTA of more rows than its warps cover is no variant."""
     from fp4_dispatch.plugins.sm90.mma import MMA_SPACE, REGISTERS, space, why_not_run
@@ -376,14 +375,3 @@ def test_passes_the_conformance_kit_on_the_gpu():
     report = check_backend(TritonSm90MmaBackend(), device="cuda", problems=problems)
     assert not report.failures, report.failures
     assert [c for c in report.of("numerics") if c.status == "PASS"], report.checks
-
-
-def test_bench_w4a16_mma_smoke_runs_on_the_cpu(tmp_path):
-    """The H200 benchmark's --smoke mode: the mma backend offers nothing under the
-    interpreter; the W4A16 backend's candidates are checked against float64, the JSON
-    written."""
-    got = run_bench_smoke(tmp_path, "bench_w4a16_mma.py", "w4a16_mma.json")
-    assert got["smoke"] is True and got["shapes"]
-    for row in got["shapes"]:
-        assert {e["backend"] for e in row["tactics"].values()} == {"triton-sm90-w4a16"}, row
-        assert not row["failed"] and row["dispatcher_err"] <= 1e-2, row

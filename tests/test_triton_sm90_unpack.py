@@ -3,7 +3,8 @@ under TRITON_INTERPRET=1 (CPU), and the plugin's tactics, support and estimates.
 
 On CPU the launcher's product runs through torch's CPU matmul (bf16, or fp32 for fp16
 output) instead of cuBLAS; the unpack kernel is the same Triton code that runs on the
-GPU. The H200 grid in benchmarks/hopper_correctness.py covers the cuBLAS path.
+GPU. On the H200, ``python -m benchmarks kernels --cases w4a4 --top 0`` checks the
+cuBLAS path's tactics against float64.
 """
 
 from __future__ import annotations

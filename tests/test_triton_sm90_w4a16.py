@@ -2,7 +2,7 @@
 
 The interpreter runs the element-wise twin of the PTX dequantizer and fp16 activations
 (it mishandles bf16 operands of ``tl.dot``); bf16 and the PTX path are checked on the
-H200 by benchmarks/bench_w4a16.py.
+H200 by ``python -m benchmarks kernels --cases w4a16``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ import torch
 from conftest import (
     TARGET_ONLY,
     check_w4a16_kernel_on_gpu,
-    run_bench_smoke,
     run_interpreted,
     sm90_compile_env,
 )
@@ -202,17 +201,6 @@ def test_passes_the_conformance_kit_on_the_gpu():
     report = check_backend(TritonSm90WsBackend(), device="cuda", problems=problems)
     assert not report.failures, report.failures
     assert [c for c in report.of("numerics") if c.status == "PASS"], report.checks
-
-
-def test_bench_w4a16_ws_smoke_runs_on_the_cpu(tmp_path):
-    """The H200 benchmark's --smoke mode: the ws backend offers nothing under the
-    interpreter; the W4A16 backend's candidates are checked against float64, the JSON
-    written."""
-    got = run_bench_smoke(tmp_path, "bench_w4a16_ws.py", "w4a16_ws.json")
-    assert got["smoke"] is True and got["shapes"]
-    for row in got["shapes"]:
-        assert {e["backend"] for e in row["tactics"].values()} == {"triton-sm90-w4a16"}, row
-        assert not row["failed"] and row["dispatcher_err"] <= 1e-2, row
 
 
 def test_launch_key_separates_descriptor_specializations():

@@ -5,7 +5,7 @@ Kernels run under TRITON_INTERPRET=1 (the element-wise twin of the PTX; the kern
 ``tl.dot``, so bf16 activations run in the interpreter too); the PTX itself is checked on
 every byte value by the PTX model (tests/ptx_model.py); a CPU compile for
 sm_90 checks that precompiling finds the variant a real call launches. Speed is measured
-only by benchmarks/bench_w4a16_decode.py on the H200.
+only by ``python -m benchmarks kernels --cases w4a16-decode`` on the H200.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TARGET_ONLY, run_bench_smoke, run_interpreted
+from conftest import TARGET_ONLY, run_interpreted
 
 from fp4_dispatch.plugins.sm90.w4a16 import (
     GEMV_MAX_M,
@@ -356,14 +356,3 @@ def test_gpu_gemv_tactics_natural_and_prepared():
                     out_p = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
                     kern(mod.W4A16Operands(x, prep, q.scale, alpha, True), out_p)
                     assert torch.equal(out, out_p), f"{t.canonical_json()} {dtype}: prepared"
-
-
-def test_bench_w4a16_decode_smoke_runs_on_the_cpu(tmp_path):
-    """The H200 benchmark's --smoke mode (tiny shapes, interpreter): it runs, checks every
-    tactic it times against float64 and writes its JSON (no figure here means anything)."""
-    got = run_bench_smoke(tmp_path, "bench_w4a16_decode.py", "w4a16_decode.json",
-                          "--max-tactics", "2")  # fmt: skip
-    assert got["smoke"] is True and len(got["shapes"]) == 4
-    for row in got["shapes"]:
-        assert len(row["tactics"]) == 2 and not row["failed"], row
-        assert all(e["rel_err"] <= 1e-2 for e in row["tactics"].values())

@@ -8,7 +8,7 @@ only rounding is the GEMM's own. It is the yardstick every other backend is comp
 with, and the fallback when nothing faster runs. (The float64 ground truth of the tests
 is `fp4_dispatch.reference_gemm`, not this.)
 
-Speed on a CPU (measured in benchmarks/bench_first_contact.py):
+Speed on a CPU (measured by ``python -m benchmarks serving --cases first-contact``):
 
 - dequantization is one table lookup per packed byte (two values at once) and one
   multiply by the block scale, in the compute dtype;

@@ -145,7 +145,7 @@ class W4A16Config:
     num_stages: int = 3
     #: bf16 activations: "cast" = the fp16 dequantizer + an exact cast to bf16 (one F2F
     #: per element); "native" = the bf16 PTX dequantizer (no F2F; relies on bf16
-    #: subnormal arithmetic, checked only by benchmarks/bench_w4a16.py on the H200)
+    #: subnormal arithmetic, checked on the GPU by test_gpu_ptx_dequantizers_bit_exact)
     bf16_dequant: str = "native"
     #: put the activations in the dot's K order in one pass per call first
     #: (`dot_order_activations`) and read them straight into the MMA in every CTA,
@@ -470,7 +470,7 @@ def dequantize_weight(
     """``e2m1 * block scale`` as float32 ``[N, K]`` through the kernel's dequantizer.
 
     For tests (interpreter: the element-wise twin) and the GPU check in
-    benchmarks/bench_w4a16.py (the PTX); no global scale is applied. K % 64 == 0.
+    tests/test_triton_sm90_w4a16.py (the PTX); no global scale is applied. K % 64 == 0.
     """
     rows, k = b_data.shape[0], b_data.shape[1] * 2
     if k % 64:

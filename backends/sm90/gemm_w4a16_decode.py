@@ -14,7 +14,7 @@ cp.async pipeline is on (``num_stages >= 2``: Triton's ``tl.range`` software pip
 1 = plain loads); the activations do (Triton's layout conversion of the small x tile,
 one barrier per step). CTAs are small (16-64 rows), so many are resident per SM, each
 with its own loads in flight: the bet is that this hides the latency the wgmma kernel
-exposes. Not measured yet (benchmarks/bench_w4a16_decode.py).
+exposes. Its sweep: ``python -m benchmarks kernels --cases w4a16-decode --top 0``.
 
 Arithmetic (exact up to the fp32 summation order). A nibble placed as fp16 bits ``(n & 7)
 << 9 | (n & 8) << 12`` is exactly ``e2m1(n) * 2**-14`` (fp16 subnormal for code 1; see

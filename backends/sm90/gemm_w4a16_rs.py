@@ -448,7 +448,7 @@ class RsKernel(DenseKernel):
     @property
     def launches_with_pdl(self) -> bool:
         """`pdl`, for one CTA an SM only. Measured on the H200 (RESULTS.md "Hopper
-        W4A16" run 12, ``bench_pdl.py``): PDL took every one-CTA pick's call to
+        W4A16" run 12, the removed ``bench_pdl.py``): PDL took every one-CTA pick's call to
         0.955-0.999x its time (20 shapes, M 64-256) and three of the four two-CTA picks'
         to 1.016-1.036x. The suspected cause: a pass CTA still on an SM leaves room for
         one GEMM CTA there, not two, so the grid spreads unevenly."""

@@ -52,13 +52,13 @@ class ReferenceBackend(Backend):
             yield from (ReferenceTactic(compute_dtype=d) for d in ("bfloat16", "float32"))
             return
         # On a CPU it is the path people use: torch's bf16 GEMM wins at large M, fp32 at
-        # small M (measured, benchmarks/bench_first_contact.py); K chunking only costs.
+        # small M (measured, benchmarks serving --cases first-contact); K chunking only costs.
         yield from (ReferenceTactic(compute_dtype=d) for d in ("bfloat16", "float32"))
 
     def estimate_us(self, problem: Problem, device: DeviceInfo, tactic: Tactic) -> float:
         """Dequantize, then a dense torch GEMM: a roofline per compute dtype.
 
-        CPU: rates of torch 2.13's CPU GEMM on a 2-core x86 machine (bench_first_contact):
+        CPU: rates of torch 2.13's CPU GEMM on a 2-core x86 machine (first-contact suite):
         fp32 ~70 GFLOP/s and ~20 GB/s of weight streaming, bf16 ~125 GFLOP/s and ~7 GB/s
         (its matrix-vector path is slow), plus A's dequantization (~2 ns per element; B's
         is cached across calls with the same weight). GPU: calibrated on an H200

@@ -13,7 +13,7 @@ The estimate is the W4A16 direct model with the activation's expansion added
 rounds of CTAs, as long per step as the values a thread expands, scaled by
 ``dense_step_scale`` and the total by ``dense_time_scale`` (the "w4a16" part of
 ``cost_model.json``; fitted by ``benchmarks/fit_w4a16_model.py --dense`` on the H200
-decode sweep of ``benchmarks/bench_w4a4_decode.py``).
+decode sweep of ``bench_w4a4_decode.py``, now ``benchmarks kernels --cases w4a4-decode``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ the end); ``split_k`` 1-4 CTAs a tile; one K step at a time, or two whose loads 
 together (one latency for both) with L2 prefetch two steps ahead.
 
 What is offered (`MMA_VARIANTS`) was chosen on a sweep of everything the kernel runs
-(`MMA_SPACE`, ``bench_w4a16_mma.py --space``: 18 variants x 4 splits on the six
+(`MMA_SPACE`, the removed ``bench_w4a16_mma.py --space``: 18 variants x 4 splits on the six
 in-sample (N, K) at M 1, 4, 8 and 16; RESULTS.md "Hopper W4A16" run 8): the three
 variants whose best tactic is within 1% of the best of all 18 on average over the 18
 shapes of M <= 8 (worst 4.2%; the two of run 7: 1.8%, worst 6.5%). The third is a
@@ -74,7 +74,7 @@ MMA_SHAPES = tuple((tm, tn, nw) for tm in (8, 16) for tn, nw in _ROWS_WARPS)
 #: together with prefetch
 MMA_PIPES = ((0, 1), (2, 1), (2, 2))
 #: the tactic space the kernel runs (shape + pipe): what ``bench_w4a16_mma.py --space``
-#: times; `MMA_VARIANTS` is the part offered
+#: timed (removed; git history at d90e9a7); `MMA_VARIANTS` is the part offered
 MMA_SPACE = tuple((*shape, *pipe) for shape in MMA_SHAPES for pipe in MMA_PIPES)
 #: (tile_m, tile_n, num_warps, prefetch, unroll) offered (module docstring)
 MMA_VARIANTS = ((8, 16, 4, 0, 1), (8, 16, 4, 2, 2), (8, 32, 4, 2, 2))
@@ -108,7 +108,7 @@ REGISTERS = {
 #: (`gemm_w4a16_mma.W4A4MmaKernel`; M x K values, a few KiB at decode), one more launch in
 #: a CUDA graph. Measured alone on the H200: 1.88-2.06 µs (median 1.96) on the 12
 #: in-sample shapes of M 1 and 4 (RESULTS.md "Hopper W4A16" run 8, call 2,
-#: ``bench_w4a4_decode.py``); 1.82-2.14 on every shape of call 7
+#: now ``benchmarks kernels --cases w4a4-decode``); 1.82-2.14 on every shape of call 7
 EXPAND_US = 2.0
 #: shared memory a CTA: the final sum over its warps (4 bytes x tile x warps) and Triton's
 #: reduction scratch; 2-8 KiB in the compiles above, never the limit
@@ -192,14 +192,15 @@ def why_invalid(t: TritonSm90MmaTactic, problem: Problem, device: DeviceInfo) ->
 
 def space(problem: Problem) -> list[TritonSm90MmaTactic]:
     """Every tactic of `MMA_SPACE` the kernel runs for `problem` (`why_not_run`), offered
-    or not: the sweep that chooses `MMA_VARIANTS` (``bench_w4a16_mma.py --space``)."""
+    or not: the sweep that chose `MMA_VARIANTS` (``bench_w4a16_mma.py --space``, removed)."""
     every = (_tactic(*v, split) for v in MMA_SPACE for split in MMA_SPLIT_K)
     return [t for t in every if why_not_run(t, problem) is None]
 
 
 # Calibration: the "mma" part of plugins/sm90/cost_model.json, fitted by
 # benchmarks/fit_w4a16_model.py --mma on the committed H200 sweep of
-# benchmarks/bench_w4a16_mma.py (the file's note says on what).
+# bench_w4a16_mma.py (benchmarks/data, the file's note says on what; the script: git
+# history at d90e9a7).
 
 
 def _c() -> dict:

@@ -112,8 +112,8 @@ def why_invalid(t: TritonSm90RsTactic, problem: Problem, device: DeviceInfo) -> 
 
 
 # Calibration: the "rs" part of plugins/sm90/cost_model.json, fitted by
-# benchmarks/fit_w4a16_model.py --rs on the committed H200 sweep of benchmarks/bench_w4a16_rs.py
-# (the file's note says on what).
+# benchmarks/fit_w4a16_model.py --rs on the committed H200 sweep of bench_w4a16_rs.py
+# (benchmarks/data, the file's note says on what; the script: git history at d90e9a7).
 
 
 def _c() -> dict:

@@ -274,7 +274,7 @@ def why_invalid(t: TritonSm90W4A16Tactic, problem: Problem, device: DeviceInfo) 
 # ``gemv_instr_per_sm_us`` thread-instructions per SM and µs (4 schedulers x 32 lanes x
 # 1.98 GHz x an assumed 60% issue efficiency). Memory: HBM at bw_fraction, reduced when
 # the resident CTAs keep fewer than ``gemv_in_flight_bytes`` in flight (Little's law:
-# ~4.25 TB/s x ~1.4 µs of loaded latency). Not measured yet: bench_w4a16_decode.py
+# ~4.25 TB/s x ~1.4 µs of loaded latency). Not measured yet: benchmarks kernels --cases w4a16-decode
 # gives the data to fit these on.
 
 

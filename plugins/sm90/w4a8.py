@@ -18,7 +18,7 @@ Every tactic has ``swap_ab=False`` (the kernels have their own orientation).
 
 The estimate (`estimate_us`) is a roofline NOT fitted on measurements yet: the terms and
 their constants below are stated assumptions, so the W4A16/W4A8 choice of an untuned call
-is only as good as they are; tuning measures it (benchmarks/bench_w4a8.py gives the data
+is only as good as they are; tuning measures it (``benchmarks kernels --cases w4a8`` gives the data
 to fit them on).
 """
 

@@ -88,7 +88,8 @@ def why_invalid(t: TritonSm90WsTactic, problem: Problem, device: DeviceInfo) -> 
 
 # Calibration: the "ws" part of plugins/sm90/cost_model.json, fitted by
 # benchmarks/fit_w4a16_model.py --ws on the committed H200 sweep of
-# benchmarks/bench_w4a16_decode.py --ws (the file's note says on what).
+# bench_w4a16_ws.py (benchmarks/data, the file's note says on what; the script: git
+# history at d90e9a7).
 
 
 def _c() -> dict:

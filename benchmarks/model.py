@@ -33,14 +33,16 @@ on the same inputs.
 Configs (`CONFIGS`): ``8b`` (Llama-3-8B layer shapes, 8 layers by default), ``70b``
 (Llama-3-70B layer shapes, 4 layers), ``tiny`` (the CPU smoke). ``--layers`` overrides.
 
-Writes rows of one format (`Row`) as JSON lines to ``$OUT/model.jsonl`` (or ``--out``), a
-markdown table to ``model.md``, and a PNG plot of speedup over bf16 against batch/tokens
-per config and clock (``model_<config>.png``, matplotlib). ``--smoke`` runs the tiny
-config on the CPU, eager only (a script check; its times mean nothing).
+Writes `results.Row`s (``backend`` = the variant, ``m`` = tokens per step; config,
+layers, step, batch, tokens/s and cosine in ``extra``; ``ratios["bf16"]``) as JSON lines to
+``$OUT/model.jsonl`` (or ``--out``), a markdown table to ``model.md``, and a PNG plot of
+speedup over bf16 against batch/tokens per config and clock (``model_<config>.png``,
+matplotlib). ``--smoke`` runs the tiny config on the CPU, eager only (a script check; its
+times mean nothing).
 
 Run on the H200::
 
-    python benchmarks/bench_model.py --configs 8b 70b
+    python -m benchmarks model --configs 8b 70b
 """
 
 from __future__ import annotations
@@ -48,15 +50,11 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import datetime as dt
 import inspect
-import json
 import logging
 import math
 import os
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -66,7 +64,11 @@ from torch import nn
 
 from fp4_dispatch.harness import eager_wall_samples, gpu_time_samples
 
-log = logging.getLogger("bench_model")
+from .common import Context
+from .common import precompile as precompile_kernels
+from .results import Row
+
+log = logging.getLogger("benchmarks.model")
 
 #: Llama layer shapes (hidden, intermediate, heads, kv heads, vocab, default layer count):
 #: Llama-3-8B and Llama-3-70B as published in their config.json files; tiny for the CPU
@@ -86,31 +88,6 @@ VARIANTS = ("bf16", "w4a16", "w4a4", "nvfp4-fp8", "fp8")
 NVFP4_VARIANTS = {"w4a16": ("bf16", "exact"), "w4a4": ("nvfp4", "exact"),
                   "nvfp4-fp8": ("bf16", "fp8")}  # fmt: skip
 CLOCKS = ("graph", "eager")
-
-
-@dataclasses.dataclass
-class Row:
-    """One measurement: the one row format of this driver (JSON lines)."""
-
-    suite: str
-    case: str  # "<config> <step> <tokens>", e.g. "8b decode 16"
-    config: str
-    layers: int
-    variant: str
-    step: str  # "decode" or "prefill"
-    batch: int  # sequences
-    tokens: int  # tokens per step (decode: batch; prefill: prompt length)
-    clock: str  # "graph", "eager" or "compile"
-    median_us: float | None
-    spread_us: tuple[float, float] | None  # min and max of the samples (or round medians)
-    vs_bf16: float | None  # bf16's time over this variant's (higher is faster)
-    tokens_per_s: float | None
-    cosine: float | None  # last-token logits against the dequantized bf16 twin
-    error: str | None
-    commit: str
-    device: str
-    date: str
-    command: str
 
 
 # ---- the models ---------------------------------------------------------------------------
@@ -271,10 +248,8 @@ def step_m(step: Step) -> int:
 
 def precompile(models: dict[str, nn.Module], steps: list[Step], device: torch.device):
     """Compile every NVFP4 GEMM kernel the steps will run, in parallel worker processes
-    (`fp4_dispatch.precompile`, through `_common.precompile_kernels`), so the first eager
+    (`fp4_dispatch.precompile`, through `common.precompile`), so the first eager
     run of a step loads kernels instead of compiling them one after another."""
-    from _common import precompile_kernels
-
     from fp4_dispatch.nn import Nvfp4Linear
     from fp4_dispatch.tactics import Problem
     from fp4_dispatch.torch_ops import default_dispatcher
@@ -329,7 +304,7 @@ def _try(what: str, fn: Callable[[], list[float]]) -> tuple[list[float] | None, 
         return None, f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
-def measure_config(name: str, args: argparse.Namespace, device: torch.device, meta: dict
+def measure_config(name: str, args: argparse.Namespace, device: torch.device, ctx: Context
                    ) -> list[Row]:  # fmt: skip
     """Every (variant, step, clock) of one config: rows with ratios to bf16."""
     config = llama_config(name, args.layers)
@@ -366,7 +341,7 @@ def measure_config(name: str, args: argparse.Namespace, device: torch.device, me
                     run = fns if clock == "eager" else _compiled(models, step, device)
                     got = eager_rounds(f"{name} {step.label()} {clock}", run, warm, args)
                 results.update({(v, step.label(), clock): r for v, r in got.items()})
-    return _rows(name, config.num_hidden_layers, steps, args, results, cosines, meta)
+    return _rows(name, config.num_hidden_layers, steps, args, results, cosines, ctx)
 
 
 #: samples (µs), or None and the error that stopped the measurement
@@ -411,7 +386,7 @@ def _compiled(models: dict[str, nn.Module], step: Step, device: torch.device) ->
     return {v: make_step(torch.compile(m), step, device) for v, m in models.items()}
 
 
-def _rows(name, layers, steps, args, results, cosines, meta) -> list[Row]:
+def _rows(name, layers, steps, args, results, cosines, ctx) -> list[Row]:
     rows = []
     for step in steps:
         for clock in args.clocks:
@@ -421,15 +396,16 @@ def _rows(name, layers, steps, args, results, cosines, meta) -> list[Row]:
                 samples, err = results.get((v, step.label(), clock), (None, "not measured"))
                 med = statistics.median(samples) if samples else None
                 cos = cosines.get((v, step.label()))
-                rows.append(Row(
-                    suite="model", case=f"{name} {step.label()}", config=name, layers=layers,
-                    variant=v, step=step.kind, batch=step.batch, tokens=step.tokens,
+                rows.append(ctx.row(
+                    f"{name} {step.label()}", backend=v, m=step.tokens,
                     clock=clock, median_us=med,
                     spread_us=(min(samples), max(samples)) if samples else None,
-                    vs_bf16=(base_us / med) if (med and base_us) else None,
-                    tokens_per_s=(step.tokens / med * 1e6) if med else None,
-                    cosine=cos if isinstance(cos, float) else None,
-                    error=err, **meta,
+                    ratios={"bf16": base_us / med} if (med and base_us) else {},
+                    failure=err, extra={
+                        "config": name, "layers": layers, "step": step.kind,
+                        "batch": step.batch, "tokens": step.tokens,
+                        "tokens_per_s": (step.tokens / med * 1e6) if med else None,
+                        "cosine": cos if isinstance(cos, float) else None},
                 ))  # fmt: skip
     return rows
 
@@ -439,25 +415,28 @@ def _rows(name, layers, steps, args, results, cosines, meta) -> list[Row]:
 
 def table(rows: list[Row]) -> str:
     """Markdown: one line per (config, step, clock), a column per variant (µs and ratio)."""
-    variants = list(dict.fromkeys(r.variant for r in rows))
+    variants = list(dict.fromkeys(r.backend for r in rows))
     head = ["config", "step", "clock", *[f"{v} µs (x bf16)" for v in variants],
             *[f"cos {v}" for v in variants if v != "bf16"]]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    keys = list(dict.fromkeys((r.config, r.case, r.clock) for r in rows))
+    keys = list(dict.fromkeys((r.extra["config"], r.case, r.clock) for r in rows))
     for config, case, clock in keys:
-        by_v = {r.variant: r for r in rows if (r.config, r.case, r.clock) == (config, case, clock)}
+        by_v = {r.backend: r for r in rows if (r.extra["config"], r.case, r.clock)
+                == (config, case, clock)}  # fmt: skip
         cells = [config, case.split(" ", 1)[1], clock]
         for v in variants:
             r = by_v.get(v)
             if r is None or r.median_us is None:
-                cells.append("n/a" if r is None else f"error: {(r.error or '')[:40]}")
+                cells.append("n/a" if r is None else f"error: {(r.failure or '')[:40]}")
             else:
-                ratio = "" if r.vs_bf16 is None else f" ({r.vs_bf16:.2f}x)"
+                vs = r.ratios.get("bf16")
+                ratio = "" if vs is None else f" ({vs:.2f}x)"
                 cells.append(f"{r.median_us:.0f}{ratio}")
         for v in variants:
             if v != "bf16":
                 r = by_v.get(v)
-                cells.append("n/a" if r is None or r.cosine is None else f"{r.cosine:.5f}")
+                cos = None if r is None else r.extra.get("cosine")
+                cells.append("n/a" if cos is None else f"{cos:.5f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -474,23 +453,23 @@ def plot(rows: list[Row], folder: Path) -> list[Path]:
         log.warning("no plot: %s", exc)
         return []
     paths = []
-    for config in dict.fromkeys(r.config for r in rows):
-        mine = [r for r in rows if r.config == config and r.variant != "bf16"]
+    for config in dict.fromkeys(r.extra["config"] for r in rows):
+        mine = [r for r in rows if r.extra["config"] == config and r.backend != "bf16"]
         clocks = list(dict.fromkeys(r.clock for r in mine))
         fig, axes = plt.subplots(1, len(clocks), figsize=(6 * len(clocks), 4), squeeze=False)
         for ax, clock in zip(axes[0], clocks, strict=True):
             cases = list(dict.fromkeys(r.case.split(" ", 1)[1] for r in mine if r.clock == clock))
-            for v in dict.fromkeys(r.variant for r in mine):
+            for v in dict.fromkeys(r.backend for r in mine):
                 ys = []
                 for case in cases:
-                    hit = [r for r in mine if r.variant == v and r.clock == clock
+                    hit = [r for r in mine if r.backend == v and r.clock == clock
                            and r.case.endswith(" " + case)]  # fmt: skip
-                    ys.append(hit[0].vs_bf16 if hit and hit[0].vs_bf16 else math.nan)
+                    ys.append(hit[0].ratios.get("bf16", math.nan) if hit else math.nan)
                 ax.plot(range(len(cases)), ys, marker="o", label=v)
             ax.axhline(1.0, color="grey", lw=0.8)
             ax.set_xticks(range(len(cases)), cases, rotation=30)
             ax.set_ylabel("speed over bf16 (x)")
-            ax.set_title(f"{config}, {rows[0].layers if False else ''}{clock}")
+            ax.set_title(f"{config}, {clock}")
             ax.legend()
         fig.suptitle(f"{config}: step speed over bf16 ({rows[0].device}, {rows[0].date})")
         fig.tight_layout()
@@ -501,72 +480,39 @@ def plot(rows: list[Row], folder: Path) -> list[Path]:
     return paths
 
 
-def _commit() -> str:
-    """The source commit (``FP4_COMMIT`` or ``git rev-parse``), else "unknown"."""
-    if os.environ.get("FP4_COMMIT"):
-        return os.environ["FP4_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=Path(__file__).parent, timeout=10)  # fmt: skip
-    except OSError as exc:
-        log.info("no git here: %s", exc)
-        return "unknown"
-    return out.stdout.strip() or "unknown"
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(args: argparse.Namespace, argv: list[str]) -> None:
+    """The suite's own options (after the runner's common ones), parsed into `args`."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks model")
     ap.add_argument("--configs", nargs="+", default=["8b", "70b"], choices=sorted(CONFIGS))
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: config's)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    ap.add_argument("--clocks", nargs="+", default=list(CLOCKS),
-                    choices=["graph", "eager", "compile"])  # fmt: skip
     ap.add_argument("--decode", type=int, nargs="*", default=list(DECODE_BATCHES),
                     help="decode batch sizes")  # fmt: skip
     ap.add_argument("--prefill", type=int, nargs="*", default=list(PREFILL_TOKENS),
                     help="prefill lengths (tokens)")  # fmt: skip
     ap.add_argument("--context", type=int, default=1024, help="KV-cache positions at decode")
     ap.add_argument("--rounds", type=int, default=3, help="eager rounds (median reported)")
-    ap.add_argument("--out", default=None, help="output folder (default $OUT, else .)")
-    ap.add_argument("--smoke", action="store_true", help="tiny config on the CPU, eager only")
-    args = ap.parse_args(argv)
+    ap.parse_args(argv, namespace=args)
     if args.smoke:
         args.configs, args.clocks, args.context, args.rounds = ["tiny"], ["eager"], 16, 1
         args.decode, args.prefill = [*SMOKE_DECODE], [*SMOKE_PREFILL]
         args.variants = [v for v in args.variants if v != "fp8"]  # no FP8 GEMM on a CPU
-    return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("fp4_dispatch").setLevel(logging.WARNING)  # one line per plan otherwise
-    if not args.smoke and not torch.cuda.is_available():
-        print("needs a CUDA GPU: run with --smoke on a CPU", file=sys.stderr)
-        return 2
-    device = torch.device("cpu" if args.smoke else "cuda")
-    meta = {
-        "commit": _commit(),
-        "device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(),
-        "date": dt.date.today().isoformat(),
-        "command": "python benchmarks/bench_model.py " + " ".join(sys.argv[1:] if argv is None
-                                                                   else argv),
-    }  # fmt: skip
-    folder = Path(args.out or os.environ.get("OUT") or ".")
-    folder.mkdir(parents=True, exist_ok=True)
-    rows: list[Row] = []
+def step(ctx: Context) -> None:
+    """Every (config, variant, step, clock) of ``--configs``; a table and plots after."""
+    args, device = ctx.args, ctx.device
+    if not ctx.smoke and not ctx.cuda:
+        raise RuntimeError("needs a CUDA GPU: run with --smoke on a CPU")
     for name in args.configs:
-        rows += measure_config(name, args, device, meta)
+        ctx.emit(measure_config(name, args, device, ctx))  # after each config: nothing lost
         torch.cuda.empty_cache() if device.type == "cuda" else None
-        with (folder / "model.jsonl").open("w") as f:  # after each config: nothing lost
-            f.writelines(json.dumps(dataclasses.asdict(r)) + "\n" for r in rows)
-    text = table(rows)
-    (folder / "model.md").write_text(text + "\n")
-    plot(rows, folder)
-    print(json.dumps({k: meta[k] for k in ("commit", "device", "date")}))
-    print(text)
-    return 0
+    plot(ctx.rows, ctx.out.parent)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def render(rows: list[Row]) -> str:
+    return table(rows)
+
+
+ROUTINES = {"step": step}
+SMOKE = ("step",)

@@ -1,0 +1,1 @@
+"""Benchmark suites of fp4-dispatch: run ``python -m benchmarks --help`` (see __main__)."""
