@@ -48,7 +48,7 @@ CHECK_SHAPES = [(1, 8192, 8192), (16, 8192, 8192), (128, 4096, 14336), (1024, 81
 COLD_CHILD = """
 import json, os, sys, time
 from fp4_dispatch import Dispatcher
-pc = sys.modules[Dispatcher.__module__]._precompile  # the module tune() calls
+pc = sys.modules[Dispatcher.tune.__module__]._precompile  # the module tune() is in
 shapes, bucket = json.loads(os.environ["SHAPES"]), tuple(json.loads(os.environ["BUCKET"]))
 pre = os.environ["SCENARIO"] == "precompile"
 reports, real = [], pc.precompile

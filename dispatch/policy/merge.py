@@ -22,7 +22,7 @@ equally) in a bounded process-wide table, looked up by object identity first (pl
 cache their tactic objects; pydantic's hash costs ~0.5 us), and (2) for tactic classes
 with no custom serialization, whose ``model_dump()`` is just ``__dict__``, the validator
 and the canonical JSON read ``__dict__`` directly (same input, same text). The type and
-backend-name checks run on every call. Measured in benchmarks/bench_ranking.py.
+backend-name checks run on every call. Measured by ``python -m benchmarks ranking --cases rank``.
 """
 
 from __future__ import annotations
