@@ -215,7 +215,8 @@ def capture(body: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
     graph; (the graph, what the captured call returned: its static output).
 
     Captures with ``torch.cuda.graph`` on purpose - the way a user captures, so the checks
-    that use it (``python -m benchmarks serving --cases graphs``) see what users get; the timing clocks use
+    that use it (``python -m benchmarks serving --cases graphs``) see what users get; the
+    timing clocks use
     `_capture`, which skips that context's per-capture synchronize and cache flush."""
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
