@@ -17,6 +17,7 @@ from typing import ClassVar
 import pytest
 from conftest import TARGET_ONLY
 
+from fp4_dispatch import Dispatcher
 from fp4_dispatch import precompile as pc
 from fp4_dispatch.device import DeviceInfo
 from fp4_dispatch.tactics import Problem
@@ -314,7 +315,7 @@ class _Bar:
 
 
 def test_tune_precompiles_first_with_one_bar_for_both_phases(plugin_dist, tmp_path, monkeypatch):
-    from fp4_dispatch import dispatcher as dmod
+    from fp4_dispatch.engine import runner as dmod
 
     markers = tmp_path / "tune-markers"
     markers.mkdir()
@@ -326,7 +327,7 @@ def test_tune_precompiles_first_with_one_bar_for_both_phases(plugin_dist, tmp_pa
     _Bar.instances.clear()
     pc.forget_ready()
     try:
-        d = dmod.Dispatcher(device="cpu", cache=False)
+        d = Dispatcher(device="cpu", cache=False)
         assert [b.name for b in d.available] == ["slow-ref"]
         t0 = time.perf_counter()
         (res,) = d.tune([(3, 64, 128)], precompile=True)

@@ -317,7 +317,7 @@ def test_stale_entries_are_ignored_with_a_warning(make_dispatcher, tmp_path, cap
     path = _tune_and_edit(make_dispatcher, tmp_path, edit)
     d = make_dispatcher(cache=path)
     entry = TuningCache(path).entries()[0]
-    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.dispatcher"):
+    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.engine.runner"):
         pick = d.select(M, entry["n"], K)
     assert pick.reason == "heuristic top-1"
     assert "ignoring stale entry" in caplog.text and why in caplog.text
@@ -331,7 +331,7 @@ def test_backend_unavailable_on_this_device_is_stale(make_dispatcher, tmp_path, 
             return Support(False, "not here")
 
     d = make_dispatcher(FakeA(), Unavailable(), cache=path)
-    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.dispatcher"):
+    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.engine.runner"):
         assert d.select(M, N, K).backend == "fake-a"
     assert "not available" in caplog.text
 
@@ -360,7 +360,7 @@ def test_corrupt_cache_does_not_break_the_dispatcher(make_dispatcher, tmp_path, 
 
 def test_untuned_bucket_logged_once(make_dispatcher, caplog):
     d = make_dispatcher()
-    with caplog.at_level(logging.INFO, logger="fp4_dispatch.dispatcher"):
+    with caplog.at_level(logging.INFO, logger="fp4_dispatch.engine.runner"):
         for m in (65, 100, 128, 100):
             d.select(m, N, K)
     assert caplog.text.count("is not tuned") == 1
@@ -419,7 +419,7 @@ def test_autotuning_never_tunes_during_graph_capture(
     monkeypatch.setattr(d, "tune", functools.partial(d.tune, timer=timer, progress=False))
     monkeypatch.setattr(d, "_capturing", lambda: True)
     qa, qb = operands(M, N, K)
-    with d.autotuning(), caplog.at_level(logging.WARNING, logger="fp4_dispatch.dispatcher"):
+    with d.autotuning(), caplog.at_level(logging.WARNING, logger="fp4_dispatch.engine.runner"):
         d.gemm(qa, qb)
         d.gemm(qa, qb)
     assert timer.calls == []
