@@ -373,3 +373,37 @@ def test_a_wrong_third_party_grouped_kernel_is_caught_on_first_use(monkeypatch, 
     plan = d.cached_plan(6, N, K, "bfloat16", "grouped_w4a16", E)
     assert plan.candidate.backend == "torch-reference"
     firstuse.forget()
+
+
+# ---- the conformance kit ---------------------------------------------------------------
+
+
+def test_conformance_kit_checks_grouped_operations():
+    """A backend serving grouped operations is checked on grouped problems: the reference
+    family's kernels run against the float64 per-expert reference on the CPU (a grouped
+    kernel that ignores the routing fails), the Hopper family's build on a simulated sm90
+    (asked dense problems, it gets them as grouped ones)."""
+    from fp4_dispatch.plugins.reference import ReferenceBackend
+    from fp4_dispatch.plugins.sm90.grouped import TritonSm90GroupedBackend
+    from fp4_dispatch.testing import check_backend
+
+    problems = [Problem(m=9, n=32, k=64, operation="grouped_w4a16", groups=4),
+                Problem(m=40, n=48, k=96, out_dtype="float16", operation="grouped_w4a4",
+                        groups=3)]  # fmt: skip
+    report = check_backend(ReferenceBackend(), device="cpu", problems=problems, samples=2)
+    report.raise_for_failures()
+    assert any(c.category == "numerics" for c in report.passed), report.summary()
+
+    class FirstExpertOnly(ReferenceBackend):
+        def build(self, tactic, problem, device):
+            def kernel(ops, out):
+                out.copy_((ops.a.float() @ ops.a.float()[:1].T).expand(-1, out.shape[1]))
+
+            return kernel if problem.grouped else super().build(tactic, problem, device)
+
+    bad = check_backend(FirstExpertOnly(), device="cpu", problems=problems[:1], samples=2)
+    assert any(c.category == "numerics" for c in bad.failures), bad.summary()
+    sim = check_backend(TritonSm90GroupedBackend(), device="sm90",
+                        problems=[Problem(m=8, n=64, k=128)], samples=2)  # fmt: skip
+    sim.raise_for_failures()
+    assert any(c.category == "build" for c in sim.passed), sim.summary()
