@@ -72,6 +72,8 @@ CASES = [
     ([0, 0, 40, 0, 2, 1], 2, 40, 96, {"block_m": 16, "block_n": 32, "block_k": 64}, False),
     ([1, 1, 0, 1, 0, 1, 1, 1], 0, 24, 128, {"block_m": 1, "block_n": 16, "block_k": 64}, False),
     ([2, 0, 5, 3], 1, 32, 64, {"block_m": 4, "block_n": 16, "block_k": 64}, False),
+    ([3, 0, 4, 1], 0, 40, 96, {"block_m": 4, "block_n": 16, "block_k": 64}, False),  # K tail
+    ([5, 9, 0, 8], 0, 32, 64, {"block_m": 8, "block_n": 16, "block_k": 64}, False),
     ([2, 0, 5], 0, 40, 128, {"block_m": 16, "block_n": 32, "block_k": 64}, True),
     ([1, 1, 0, 1], 0, 24, 96, {"block_m": 2, "block_n": 16, "block_k": 64}, True),
 ]
@@ -132,9 +134,9 @@ print(json.dumps(out))
 
 
 def test_grouped_precompile_compiles_what_a_call_launches(tmp_path):
-    """Both paths (FMA at decode, tl.dot), both operations, a K tail, bf16 and fp16 compile
-    for sm_90 on a CPU without a launch (the PTX dequantizer included), and a real call's
-    arguments hit the variant precompile made."""
+    """Every path (GEMV and FMA at decode, tl.dot), both operations, K tails, bf16 and fp16
+    compile for sm_90 on a CPU without a launch (the PTX dequantizer included), and a real
+    call's arguments hit the variant precompile made."""
     pytest.importorskip("triton")
     cases = [
         {"name": "fma-bf16", "t": 8, "n": 256, "k": 512, "e": 128, "dtype": "bfloat16",
@@ -144,6 +146,10 @@ def test_grouped_precompile_compiles_what_a_call_launches(tmp_path):
                                            "num_stages": 3, "num_warps": 8}},
         {"name": "w4a4-dot", "t": 512, "n": 256, "k": 512, "e": 16, "dtype": "bfloat16",
          "op": "grouped_w4a4", "tactic": {"tile_m": 16, "tile_n": 64, "tile_k": 256}},
+        {"name": "gemv4-tail", "t": 64, "n": 192, "k": 1056, "e": 16, "dtype": "float16",
+         "op": "grouped_w4a16", "tactic": {"tile_m": 4, "tile_n": 32, "tile_k": 128}},
+        {"name": "w4a4-fma", "t": 16, "n": 256, "k": 512, "e": 64, "dtype": "bfloat16",
+         "op": "grouped_w4a4", "tactic": {"tile_m": 1, "tile_n": 64, "tile_k": 128}},
     ]  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", _PRECOMPILE, json.dumps(cases)],
                           capture_output=True, text=True, env=sm90_compile_env(tmp_path),
