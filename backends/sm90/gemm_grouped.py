@@ -365,7 +365,7 @@ class GroupedKernel:
             ops.b_scale.shape[1] * ops.b_scale.shape[2],
         ]
         meta = {
-            "E_PAD": triton.next_power_of_2(e),
+            "E_PAD": max(2, triton.next_power_of_2(e)),
             "BLOCK_M": cfg.block_m,
             "BLOCK_N": cfg.block_n,
             "BLOCK_K": cfg.block_k,
