@@ -21,6 +21,7 @@ _LAZY = {
     "Backend": "contracts.backend",
     "DenseOperands": "contracts.backend",
     "GemmOperands": "contracts.backend",
+    "GroupedOperands": "contracts.backend",
     "Kernel": "contracts.backend",
     "Support": "contracts.backend",
     "DeviceInfo": "contracts.device",
@@ -33,6 +34,8 @@ _LAZY = {
     "e2m1_to_float": "format.nvfp4",
     "unpack_e2m1": "format.nvfp4",
     "unswizzle_scales": "format.nvfp4",
+    "Nvfp4Experts": "format.grouped",
+    "quantize_experts": "format.grouped",
     "LoadError": "loading.registry",
     "PluginLoadError": "loading.registry",
     "Problem": "contracts.tactics",
@@ -50,11 +53,19 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # for type checkers and IDEs only; at run time the names are lazy
-    from fp4_dispatch.contracts.backend import Backend, DenseOperands, GemmOperands, Kernel, Support
+    from fp4_dispatch.contracts.backend import (
+        Backend,
+        DenseOperands,
+        GemmOperands,
+        GroupedOperands,
+        Kernel,
+        Support,
+    )
     from fp4_dispatch.contracts.device import DeviceInfo, DeviceProfile
     from fp4_dispatch.contracts.hookspecs import hookimpl
     from fp4_dispatch.contracts.tactics import Problem, Tactic
     from fp4_dispatch.engine.dispatcher import BackendStatus, Dispatcher
+    from fp4_dispatch.format.grouped import Nvfp4Experts, quantize_experts
     from fp4_dispatch.format.nvfp4 import (
         Nvfp4Tensor,
         dequantize,
@@ -96,9 +107,11 @@ __all__ = [
     "DeviceProfile",
     "Dispatcher",
     "GemmOperands",
+    "GroupedOperands",
     "Kernel",
     "LoadError",
     "LoadReport",
+    "Nvfp4Experts",
     "Nvfp4Linear",
     "Nvfp4Tensor",
     "PluginLoadError",
@@ -111,6 +124,7 @@ __all__ = [
     "from_pretrained",
     "hookimpl",
     "load_checkpoint",
+    "quantize_experts",
     "quantize_model",
     "quantize_nvfp4",
     "reference_gemm",

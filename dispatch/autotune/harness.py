@@ -43,9 +43,10 @@ from typing import TypeVar
 
 import torch
 
-from fp4_dispatch.contracts.backend import DenseOperands, GemmOperands
+from fp4_dispatch.contracts.backend import DenseOperands, GemmOperands, GroupedOperands
 from fp4_dispatch.contracts.device import DeviceInfo
 from fp4_dispatch.contracts.tactics import Problem, is_lossy
+from fp4_dispatch.format import grouped
 from fp4_dispatch.format.checks import TORCH_DTYPES
 from fp4_dispatch.format.nvfp4 import (
     BLOCK_SIZE,
@@ -326,7 +327,7 @@ class Inputs:
     columns, computed once (`check_output`) and shared by every candidate.
     """
 
-    copies: list[GemmOperands] | list[DenseOperands]
+    copies: list[GemmOperands] | list[DenseOperands] | list[GroupedOperands]
     out: torch.Tensor
     bytes_per_copy: int
     reference: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -355,7 +356,10 @@ def make_inputs(
 ) -> Inputs:
     """Random non-zero NVFP4 operands for `problem` on `device`, in rotating copies
     (`n_copies` of them unless ``copies`` says how many). W4A16 problems get
-    `make_dense_inputs` (as do W4A8 ones: the same call)."""
+    `make_dense_inputs` (as do W4A8 ones: the same call), grouped ones
+    `make_grouped_inputs`."""
+    if problem.grouped:
+        return make_grouped_inputs(problem, device, seed, copies)
     if problem.dense:
         return make_dense_inputs(problem, device, seed, copies)
     dev = torch.device(device.torch_device)
@@ -397,18 +401,77 @@ def make_dense_inputs(
     return Inputs(rotating, out, size)
 
 
+def random_experts(
+    groups: int, n: int, k: int, device: torch.device, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(data, scale, global scales) of E distinct random NVFP4 experts, made on the device
+    without quantizing: random bytes (every byte is two valid e2m1 codes), block scales
+    ``2**-j`` for j in 0..6 (exact in e4m3), global scales ``2**-i`` for i in 6..9, so
+    each expert's weights and alpha differ and a kernel that reads the wrong expert's
+    slab (or alpha) fails the check. Padding scales are 0. Quantizing E x N x K random
+    normals (up to 256 x 2048 x 7168) would cost seconds per bucket."""
+    data = torch.randint(0, 256, (groups, n, k // 2), dtype=torch.uint8, device=device,
+                         generator=gen)  # fmt: skip
+    rp, kp = swizzled_scale_shape(n, k)
+    expo = torch.randint(0, 7, (groups, rp, kp), device=device, generator=gen)
+    scale = torch.exp2(-expo.to(torch.float32))
+    scale[:, n:, :] = 0  # padding rows/columns, in linear order before the swizzle
+    scale[:, :, k // BLOCK_SIZE :] = 0
+    tiled = scale.view(groups, rp // 128, 4, 32, kp // 4, 4).permute(0, 1, 4, 3, 2, 5)
+    scale = tiled.contiguous().view(groups, rp, kp).to(torch.float8_e4m3fn)
+    g_expo = torch.randint(6, 10, (groups,), device=device, generator=gen)
+    return data, scale, torch.exp2(-g_expo.to(torch.float32))
+
+
+def make_grouped_inputs(
+    problem: Problem, device: DeviceInfo, seed: int = 0, copies: int | None = None
+) -> Inputs:
+    """Grouped inputs: T = M rows split over E experts by `grouped.balanced_offsets`
+    (the bucket's balanced-routing assumption, docs/grouped.md), dense activations in
+    the output dtype (``grouped_w4a16``) or NVFP4 ones (``grouped_w4a4``), and
+    `random_experts` weights; rotating copies of the activations and weights."""
+    dev = torch.device(device.torch_device)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed)
+    e, m, n, k = problem.groups, problem.m, problem.n, problem.k
+    dtype = OUT_DTYPES[problem.out_dtype]
+    b_data, b_scale, gb = random_experts(e, n, k, dev, gen)
+    offsets = grouped.balanced_offsets(m, e, dev)
+    if problem.dense:
+        a = torch.randn(m, k, generator=gen, device=dev).to(dtype)
+        a_scale, alpha = None, gb
+    else:
+        a, a_scale, ga = _random_operand(m, k, dev, gen)
+        alpha = gb * ga
+    fields = [t for t in (a, a_scale, b_data, b_scale) if t is not None]
+    size = sum(t.numel() * t.element_size() for t in fields)
+    count = n_copies(size, device.l2_bytes) if copies is None else max(1, copies)
+
+    def copy(first: bool) -> GroupedOperands:
+        def c(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t if first or t is None else t.clone()
+
+        return GroupedOperands(c(a), c(b_data), c(b_scale), alpha, offsets, a_scale=c(a_scale))
+
+    rotating = [copy(i == 0) for i in range(count)]
+    out = torch.empty(m, n, dtype=dtype, device=dev)
+    return Inputs(rotating, out, size)
+
+
 def random_operands(
     problem: Problem, device: torch.device | str, seed: int
-) -> tuple[GemmOperands | DenseOperands, torch.Tensor]:
+) -> tuple[GemmOperands | DenseOperands | GroupedOperands, torch.Tensor]:
     """Random operands of `problem` (either operation) and their float64 CPU reference.
 
     Activations are ``3 * randn``, weights ``0.02 * randn`` (a weight-like spread, so
     the global scales are far from 1 and a kernel that ignores ``alpha`` is caught);
     drawn on the CPU from `seed`, so every device sees the same numbers. W4A16 problems
     get dense activations in the output's 16-bit dtype (W4A8 too; the reference is
-    always the exact product).
+    always the exact product); grouped ones `random_grouped_operands`.
     """
     device = torch.device(device)
+    if problem.grouped:
+        return random_grouped_operands(problem, device, seed)
     gen = torch.Generator().manual_seed(seed)
     a = torch.randn(problem.m, problem.k, generator=gen) * 3.0
     b = torch.randn(problem.n, problem.k, generator=gen) * 0.02
@@ -421,6 +484,32 @@ def random_operands(
     alpha = (qa.global_scale * qb.global_scale).reshape(1)
     ops = GemmOperands(qa.data, qa.scale, qb.data, qb.scale, alpha)
     return ops, reference_gemm(qa, qb)
+
+
+def random_grouped_operands(
+    problem: Problem, device: torch.device, seed: int
+) -> tuple[GroupedOperands, torch.Tensor]:
+    """Random `GroupedOperands` of a grouped `problem` and their float64 reference.
+
+    E experts quantized from ``0.02 * randn`` times a per-expert spread of 10**-2..10**1
+    (a kernel that reads the wrong expert's weights or alpha is caught), the M rows split
+    over the experts at random (seeded: some experts empty, some with many rows), rows
+    ``3 * randn`` as the output dtype (``grouped_w4a16``) or NVFP4."""
+    gen = torch.Generator().manual_seed(seed)
+    e, m, n, k = problem.groups, problem.m, problem.n, problem.k
+    spread = torch.logspace(-2, 1, e).view(e, 1, 1)
+    b = grouped.quantize_experts((torch.randn(e, n, k, generator=gen) * 0.02 * spread).to(device))
+    owner = torch.randint(0, e, (m,), generator=gen)
+    offsets = torch.bincount(owner, minlength=e).cumsum(0).to(torch.int32).to(device)
+    x = torch.randn(m, k, generator=gen) * 3.0
+    if problem.dense:
+        a = x.to(device=device, dtype=OUT_DTYPES[problem.out_dtype])
+        ops = GroupedOperands(a, b.data, b.scale, b.global_scale, offsets)
+    else:
+        qa = quantize_nvfp4(x.to(device))
+        alpha = b.global_scale * qa.global_scale
+        ops = GroupedOperands(qa.data, b.data, b.scale, alpha, offsets, a_scale=qa.scale)
+    return ops, grouped.reference_output(ops)
 
 
 def stress_nvfp4(rows: int, k: int, device: torch.device, gen: torch.Generator):
@@ -499,15 +588,21 @@ def dequant_rows(data: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, k:
 
 
 def reference_output(
-    operands: GemmOperands | DenseOperands,
+    operands: GemmOperands | DenseOperands | GroupedOperands,
     rows: torch.Tensor | None = None,
     cols: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``alpha * dequant(a)[rows] @ dequant(b)[cols].T`` in float64 on the operands'
     device (all rows / columns when not given); for W4A16 (`DenseOperands`) ``a`` is the
-    dense activation itself."""
+    dense activation itself; grouped operands: `grouped.reference_output`, per expert
+    (computed on the CPU: the offsets are read there)."""
     k = operands.k
     dev = operands.b_data.device
+    if isinstance(operands, GroupedOperands):
+        ref = grouped.reference_output(operands).to(dev)
+        if rows is not None:
+            ref = ref.index_select(0, rows)
+        return ref if cols is None else ref.index_select(1, cols)
     rows = torch.arange(operands.m, device=dev) if rows is None else rows
     cols = torch.arange(operands.n, device=dev) if cols is None else cols
     if isinstance(operands, DenseOperands):

@@ -134,7 +134,7 @@ from fp4_dispatch.autotune.timers import (  # noqa: F401 - re-exported
     policy_of,
 )
 from fp4_dispatch.contracts.backend import Kernel
-from fp4_dispatch.contracts.buckets import BucketKey
+from fp4_dispatch.contracts.buckets import BucketKey, bucket_key
 from fp4_dispatch.contracts.device import DeviceInfo
 from fp4_dispatch.contracts.tactics import Problem
 from fp4_dispatch.loading.guard import launch as run_kernel
@@ -265,7 +265,7 @@ class TuneResult:
     @property
     def bucket(self) -> BucketKey:
         p = self.problem
-        return (p.n, p.k, p.m, p.out_dtype, p.operation)
+        return bucket_key(p.m, p.n, p.k, p.out_dtype, p.operation, p.groups)
 
     @property
     def failures(self) -> list[Measurement]:
@@ -352,7 +352,8 @@ def race_list(
 ) -> tuple[list[Candidate], Candidate]:
     """(what tuning a bucket measures, the default pick): the shortlist, plus the default
     (heuristic) pick when the cut left it out - the default always races."""
-    heuristic = ranker.pick(bucket.m, bucket.n, bucket.k, bucket.out_dtype, bucket.operation)
+    b = bucket
+    heuristic = ranker.pick(b.m, b.n, b.k, b.out_dtype, b.operation, b.groups)
     todo = list(shortlist)
     if not any(_same(c, heuristic) for c in todo):
         todo.append(heuristic)

@@ -30,8 +30,10 @@ def stream_capturing() -> bool:
 
 def not_warm(device_name: str, key: PlanKey, why: str) -> CaptureNotWarmError:
     """The error for a shape whose plan may not launch inside a capture (names the fix)."""
-    m, n, k, dtype, op = key
+    m, n, k, dtype, op = key[:5]
     what = {"w4a4": "GEMM", "w4a16": "W4A16 GEMM"}.get(op, f"{op.upper()} GEMM")
+    if len(key) > 5:
+        what += f" over E={key[5]} experts"
     return CaptureNotWarmError(
         f"fp4_dispatch: {what} M={m} N={n} K={k} out={dtype} on {device_name} reached a "
         f"CUDA graph capture {why}. Inside a capture nothing is ranked, built, compiled, "

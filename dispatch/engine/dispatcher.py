@@ -15,6 +15,7 @@ import torch
 from fp4_dispatch.engine import torch_ops
 from fp4_dispatch.engine.runner import Runner
 from fp4_dispatch.format import checks
+from fp4_dispatch.format.grouped import Nvfp4Experts, check_offsets
 from fp4_dispatch.format.nvfp4 import Nvfp4Tensor
 from fp4_dispatch.loading.status import BackendStatus
 
@@ -109,6 +110,56 @@ class Dispatcher(Runner):
         if out is None:
             out = torch.empty((a.shape[0], qb.rows), dtype=out_dtype, device=device)
         self.run_dense(a, qb.data, qb.scale, alpha, out, dtype)
+        return out
+
+    def grouped_gemm(
+        self,
+        a: torch.Tensor | Nvfp4Tensor,
+        b: Nvfp4Experts,
+        offsets: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """The grouped (mixture-of-experts) GEMM, torch's ``_grouped_mm`` convention:
+        ``out[r] = A[r] @ dequant(b[e]).T`` for the rows ``r`` of each expert ``e``
+        (docs/grouped.md).
+
+        ``a``: ``[T, K]`` rows sorted by expert: dense bfloat16/float16 (grouped W4A16;
+        ``out_dtype`` default ``a.dtype``) or an `Nvfp4Tensor` (grouped W4A4; default
+        bfloat16). ``b``: the stacked expert weights, an `Nvfp4Experts` ``[E, N, K]``.
+        ``offsets``: int32 ``[E]`` on the same device, cumulative row ends (empty experts
+        allowed; the last must be T). Its values are never read here (no host sync), so
+        the call is capturable in a CUDA graph once its plan is warm. ``out``: optional
+        ``[T, N]`` output."""
+        if not isinstance(b, Nvfp4Experts):
+            raise TypeError(f"b: expected an Nvfp4Experts [E, N, K] (quantize_experts), "
+                            f"got {type(b).__name__}")  # fmt: skip
+        e, n, k = b.shape
+        if isinstance(a, Nvfp4Tensor):
+            qa = a.with_layout("swizzled").natural()
+            checks.k_dims(qa.k, k, ("a", "b"))
+            out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+            device = self.check_device("a", qa.data)
+            x, a_scale, t = qa.data, qa.scale, qa.rows
+        else:
+            x = checks.dense_activation("a", a)
+            checks.k_dims(x.shape[1], k, ("a", "b"))
+            out_dtype = x.dtype if out_dtype is None else out_dtype
+            device = self.check_device("a", x)
+            a_scale, t = None, x.shape[0]
+        dtype = checks.out_dtype_name(out_dtype)
+        checks.same_device(device, b=b.data, offsets=offsets)
+        check_offsets(offsets, e)
+        out = checks.out_tensor(out, t, n, out_dtype, device)
+        # per-expert alpha: the weights' scales (a view), times A's for W4A4 (one launch)
+        alpha = b.global_scale if a_scale is None else b.global_scale * qa.global_scale
+        if torch.compiler.is_compiling():
+            return torch_ops.run_grouped(self, x, a_scale, b.data, b.scale, alpha, offsets,
+                                         out_dtype, out)  # fmt: skip
+        if out is None:
+            out = torch.empty((t, n), dtype=out_dtype, device=device)
+        self.run_grouped(x, a_scale, b.data, b.scale, alpha, offsets, out, dtype)
         return out
 
     def mm_fp4(
