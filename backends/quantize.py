@@ -1,9 +1,9 @@
 """Fused NVFP4 activation quantization in Triton: one launch, no host synchronisation.
 
-Why: the torch reference (`fp4_dispatch.nvfp4.quantize_blocks` + `swizzle_scales`) is
+Why: the torch reference (`fp4_dispatch.format.nvfp4.quantize_blocks` + `swizzle_scales`) is
 ~50 small kernels; a decode step needs one. `quantize_triton` reads ``x`` once and
 writes the packed e2m1 codes and the e4m3 block scales - directly in the 128x4
-swizzled layout (storage formula in the `fp4_dispatch.nvfp4` module docstring, padding
+swizzled layout (storage formula in the `fp4_dispatch.format.nvfp4` module docstring, padding
 entries written as zero by the kernel, so the output is a plain ``torch.empty``) or in
 the linear ``[M, K/16]`` layout.
 
@@ -43,7 +43,7 @@ Bit-exactness with the reference (the tests compare bytes):
   int32 bits against the thresholds' (`_e2m1_from_bounds`), in wrapping integer
   arithmetic rather than booleans (see `_below` for why). A zero magnitude gets code
   0, never -0 (code 8);
-- non-finite semantics (`fp4_dispatch.nvfp4` docstring): a 16-element block holding
+- non-finite semantics (`fp4_dispatch.format.nvfp4` docstring): a 16-element block holding
   NaN/inf gets scale byte 0x7F and codes 0 (its thresholds pass nothing); the dynamic
   amax ignores non-finite values. The block amax and the non-finite flag are one
   integer max over ``|x|``'s bits (every NaN/inf is above FLT_MAX's bits).
@@ -330,7 +330,7 @@ def _packed_half(u, a, t0, t1, t2, t3, t4, t5, t6):
 @triton.jit
 def _scale_offsets(rows, kb, KB, NUM_K_TILES, SWIZZLED: tl.constexpr):
     """Storage offsets of scale entries (rows [R, 1], kb [1, NB]); the swizzled formula is
-    the one in the `fp4_dispatch.nvfp4` module docstring."""
+    the one in the `fp4_dispatch.format.nvfp4` module docstring."""
     if SWIZZLED:
         off = (
             (rows // 128) * (NUM_K_TILES * 512)
@@ -860,7 +860,7 @@ def quantize_checked(
     x: torch.Tensor, global_scale: torch.Tensor | float | None, layout: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`quantize_triton` minus its argument checks, for callers that made them already
-    (`fp4_dispatch.nvfp4.quantize_fields`): a CUDA ``x`` with unit stride along K."""
+    (`fp4_dispatch.format.nvfp4.quantize_fields`): a CUDA ``x`` with unit stride along K."""
     m, k = x.shape
     if m == 0 or k == 0:
         raise ValueError(f"x: quantize_triton needs M, K > 0, got shape {tuple(x.shape)}")

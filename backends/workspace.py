@@ -64,7 +64,7 @@ _ONES: dict[tuple[bool, int], torch.Tensor] = {}
 def one_like(t: torch.Tensor) -> torch.Tensor:
     """A float32 ``[1]`` tensor holding 1.0 on `t`'s device, made once per device outside
     CUDA-graph pools (like `Scratch`) and kept for the process: the neutral second
-    factor of a kernel that takes alpha as two (`fp4_dispatch.backend.GemmOperands`).
+    factor of a kernel that takes alpha as two (`fp4_dispatch.contracts.backend.GemmOperands`).
     Looked up by ``(t.is_cuda, t.get_device())``, not ``t.device`` (a hot-path call)."""
     key = (t.is_cuda, t.get_device())
     o = _ONES.get(key)

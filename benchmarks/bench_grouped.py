@@ -57,11 +57,11 @@ import torch
 from _common import markdown_table, num, ratio, write_text
 
 from fp4_dispatch import Dispatcher
-from fp4_dispatch.backend import GroupedOperands
+from fp4_dispatch.autotune.harness import check_indices, eager_wall_us, random_experts, time_us
 from fp4_dispatch.backends.reference import dequantize_operand
-from fp4_dispatch.grouped import Nvfp4Experts, reference_output
-from fp4_dispatch.harness import check_indices, eager_wall_us, random_experts, time_us
-from fp4_dispatch.tactics import tactic_label
+from fp4_dispatch.contracts.backend import GroupedOperands
+from fp4_dispatch.contracts.tactics import tactic_label
+from fp4_dispatch.format.grouped import Nvfp4Experts, reference_output
 
 #: name -> (E, top-k, hidden, expert intermediate)
 CONFIGS = {

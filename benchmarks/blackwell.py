@@ -26,7 +26,7 @@ SHAPES = [(1, 8192, 8192), (128, 8192, 8192), (4096, 8192, 8192), (32768, 4096, 
 
 def acceptance(ctx: Context) -> None:
     from fp4_dispatch import Dispatcher, quantize_nvfp4
-    from fp4_dispatch.tactics import Problem, tactic_label
+    from fp4_dispatch.contracts.tactics import Problem, tactic_label
 
     d = Dispatcher("sm100" if ctx.smoke else None, cache=False)
     if not ctx.smoke and (d.device.kind != "cuda" or (d.device.cc or 0) < 100):

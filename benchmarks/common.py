@@ -1,8 +1,8 @@
 """What every suite shares: the run's context, shape grids, and timing through the harness.
 
-The measuring itself is `fp4_dispatch.harness` (GPU time of CUDA-graph replays with a cold
+The measuring itself is `fp4_dispatch.autotune.harness` (GPU time of CUDA-graph replays with a cold
 L2, eager wall of back-to-back calls, host wall of single calls, one numerics check) and
-the tuner's `fp4_dispatch.tuning.Tuner.measure` for backend tactics (build, NaN-poisoned
+the tuner's `fp4_dispatch.autotune.tuning.Tuner.measure` for backend tactics (build, NaN-poisoned
 launch, float64 check, the tuner's own clock), so a suite's figure compares with a tuned
 one. Compiling ahead of the timed loop is the library's parallel precompile. This module
 turns those measurements into `results.Row`s; a suite module holds only its routines.
@@ -115,7 +115,7 @@ def samples(fn: Callable[[], object], clock: str, device: torch.device, calls: i
     """µs per call of `fn`: ``graph`` = `harness.gpu_time_samples` (CUDA graph, L2 flushed
     before each call), ``eager``/``compile`` = `harness.eager_wall_samples` (back to
     back, one synchronisation). On a CPU every clock is the eager wall (a script check)."""
-    from fp4_dispatch import harness
+    from fp4_dispatch.autotune import harness
 
     if clock == "graph" and device.type == "cuda":
         return harness.gpu_time_samples(fn, calls=calls, device=device)
@@ -153,7 +153,7 @@ def path_rows(ctx: Context, case: str, fn: Callable[[torch.Tensor], object],
     """Rows of one path writing `out` (or returning its result, as a layer does): a warm,
     NaN-poisoned first run checked against the float64 `ref` (the error of every row),
     then each clock."""
-    from fp4_dispatch import harness
+    from fp4_dispatch.autotune import harness
 
     try:
         out.fill_(float("nan"))
@@ -175,8 +175,8 @@ def tactic_rows(ctx: Context, case: str, dispatcher: Any, problem: Any, candidat
     """Each candidate built, checked (float64 reference, NaN-poisoned output) and timed by
     the tuner's own `Tuner.measure` under the `clock` policy: one row each, the method
     (``cuda-graph``, ``pruned`` after one probe launch...) in ``extra``."""
-    from fp4_dispatch.tactics import tactic_label
-    from fp4_dispatch.tuning import Tuner
+    from fp4_dispatch.autotune.tuning import Tuner
+    from fp4_dispatch.contracts.tactics import tactic_label
 
     tuner = Tuner(dispatcher, measure="eager" if clock == "eager" else "graph")
     rows = []
@@ -195,10 +195,10 @@ def tactic_rows(ctx: Context, case: str, dispatcher: Any, problem: Any, candidat
 
 def precompile(planned: Iterable[tuple[Any, Any, Any]], info: Any, workers: int) -> Any:
     """Compile every distinct kernel of the planned (backend, tactic, problem) triples in
-    `workers` processes (`fp4_dispatch.precompile`: Triton ``warmup``, no launch) so the
+    `workers` processes (`fp4_dispatch.autotune.precompile`: Triton ``warmup``, no launch) so the
     timed code loads kernels from the disk caches; off (every job skipped) unless `info`
     is a CUDA device. The report has one outcome per distinct kernel."""
-    from fp4_dispatch import precompile as pc
+    from fp4_dispatch.autotune import precompile as pc
 
     jobs = pc.jobs_for(planned, skip_ready=False)
     report = pc.precompile(jobs, info, workers=workers if info.kind == "cuda" else 0)

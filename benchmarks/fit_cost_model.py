@@ -254,8 +254,8 @@ class Design:
     """Per-row constant-free terms (from the plugin's own functions) as numpy arrays."""
 
     def __init__(self, shapes: list[Shape], dev) -> None:
+        from fp4_dispatch.contracts.tactics import Problem
         from fp4_dispatch.plugins.sm90 import cost_model as cm
-        from fp4_dispatch.tactics import Problem
 
         self.shapes, self.dev = shapes, dev
         terms: dict[str, list[dict]] = {"direct": [], "unpack": []}
@@ -406,8 +406,8 @@ def fit(design: Design, c0: dict[str, Any], search: bool = True, log=print):
 def consistent(design: Design, c: dict[str, Any]) -> None:
     """The vectorized model the fit optimized equals the plugin's own `direct_us` /
     `unpack_us` on every row (else the file would not mean what was fitted)."""
+    from fp4_dispatch.contracts.tactics import Problem
     from fp4_dispatch.plugins.sm90 import cost_model as cm
-    from fp4_dispatch.tactics import Problem
 
     col = {f: i for i, f in enumerate(design.names)}
     theta = np.zeros(len(design.names))
@@ -435,9 +435,9 @@ def consistent(design: Design, c: dict[str, Any]) -> None:
 def picks(shapes: list[Shape], dev, c: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Per shape: the dispatcher's heuristic pick with constants `c` (None: the installed
     file) among the backends' tactics, and its measured time against the best."""
-    from fp4_dispatch.guard import Guard
+    from fp4_dispatch.loading.guard import Guard
     from fp4_dispatch.plugins.sm90 import cost_model as cm
-    from fp4_dispatch.ranking import Ranker
+    from fp4_dispatch.policy.ranking import Ranker
 
     bs = backends()
     saved = cm.constants
@@ -553,9 +553,9 @@ def occupancy(log=print) -> dict[str, Any]:
             return GPUTarget("cuda", 90, 32)
 
     driver.set_active(TargetOnly())
-    from fp4_dispatch.backend import kernel_problem
+    from fp4_dispatch.contracts.backend import kernel_problem
+    from fp4_dispatch.contracts.tactics import Problem
     from fp4_dispatch.plugins.sm90 import cost_model as cm
-    from fp4_dispatch.tactics import Problem
 
     b, dev = backends()["triton-sm90"], device()
     configs: dict[str, Any] = {}

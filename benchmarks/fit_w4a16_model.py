@@ -80,10 +80,10 @@ from types import ModuleType
 
 import pydantic
 
+from fp4_dispatch.contracts.tactics import Problem
+from fp4_dispatch.loading.profiles import rated, simulated
 from fp4_dispatch.plugins.sm90 import dense, mma, rs, ws
 from fp4_dispatch.plugins.sm90 import w4a16 as w4
-from fp4_dispatch.profiles import rated, simulated
-from fp4_dispatch.tactics import Problem
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "data" / "sm90_w4a16_decode_run5.json"

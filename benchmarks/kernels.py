@@ -106,7 +106,7 @@ def shortlisted(d, m: int, n: int, k: int, operation: str, top: int, only: str =
 def dispatcher_path(ctx: Context, case: str, d, act, qb, ref, m: int, n: int, k: int,
                     name: str = "dispatcher") -> list:  # fmt: skip
     """`Dispatcher.gemm` as a user calls it; the tactic of its plan named in the rows."""
-    from fp4_dispatch.tactics import tactic_label
+    from fp4_dispatch.contracts.tactics import tactic_label
 
     out = torch.empty(m, n, dtype=torch.bfloat16, device=ctx.device)
     rows = path_rows(ctx, case, lambda o: d.gemm(act, qb, out=o), out, ref, ctx.args.clocks,
@@ -131,7 +131,7 @@ def gemm_routine(operation: str, grid: str) -> Callable[[Context], None]:
 def run_gemm(ctx: Context, case: str, operation: str) -> None:
     """Baselines, the dispatcher and each backend's tactics for every shape of `case`."""
     from fp4_dispatch import Dispatcher
-    from fp4_dispatch.tactics import Problem
+    from fp4_dispatch.contracts.tactics import Problem
 
     dense8 = operation == "w4a8"
     budget = 10**6 if ctx.args.top == 0 else max(32, ctx.args.top * 8)  # 0: every tactic
@@ -179,8 +179,8 @@ def w4a8_paths(ctx: Context, case: str, x: torch.Tensor, qb, ref) -> list:
     """``_scaled_mm`` on E4M3 weights kept in memory (row-wise scales), alone and with
     our per-token activation pass (what a stack with FP8 weights runs per call); in
     ``--smoke`` also one fused W4A8 kernel under the interpreter (no shortlist on a CPU)."""
-    from fp4_dispatch.backend import DenseOperands
     from fp4_dispatch.backends.sm90 import gemm_w4a8 as g
+    from fp4_dispatch.contracts.backend import DenseOperands
 
     m, n, k = x.shape[0], qb.rows, qb.k
     alpha = qb.global_scale.reshape(1)

@@ -5,8 +5,9 @@ from a config with random weights (nothing is downloaded), converts it the way a
 (`fp4_dispatch.quantize_model`, every Linear but ``lm_head``), and times one forward step
 the two ways users run it, in one process and beside bf16 and FP8 twins of the same model:
 
-- ``graph``: GPU time of a replayed CUDA graph of the step (`fp4_dispatch.harness.gpu_time_us`:
-  L2 flushed before each step; the weights are far larger than the L2 anyway);
+- ``graph``: GPU time of a replayed CUDA graph of the step
+  (`fp4_dispatch.autotune.harness.gpu_time_us`: L2 flushed before each step; the weights
+  are far larger than the L2 anyway);
 - ``eager``: host wall time per step of back-to-back steps, synchronised at the end
   (`harness.eager_wall_samples`). Eager walls move between H200 hosts, so the eager pass
   runs ``--rounds`` times (default 3), every variant once per round in turn, and the
@@ -62,7 +63,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fp4_dispatch.harness import eager_wall_samples, gpu_time_samples
+from fp4_dispatch.autotune.harness import eager_wall_samples, gpu_time_samples
 
 from .common import Context
 from .common import precompile as precompile_kernels
@@ -180,7 +181,7 @@ def build_variants(config, device: torch.device, variants: Iterable[str]) -> dic
 
 def _load_dequantized(twin: nn.Module, quantized: nn.Module) -> None:
     """Copy each converted layer's dequantized weight into `twin`'s Linear of that name."""
-    from fp4_dispatch.nn import Nvfp4Linear
+    from fp4_dispatch.integrations.nn import Nvfp4Linear
 
     linears = dict(twin.named_modules())
     with torch.no_grad():
@@ -248,11 +249,11 @@ def step_m(step: Step) -> int:
 
 def precompile(models: dict[str, nn.Module], steps: list[Step], device: torch.device):
     """Compile every NVFP4 GEMM kernel the steps will run, in parallel worker processes
-    (`fp4_dispatch.precompile`, through `common.precompile`), so the first eager
+    (`fp4_dispatch.autotune.precompile`, through `common.precompile`), so the first eager
     run of a step loads kernels instead of compiling them one after another."""
-    from fp4_dispatch.nn import Nvfp4Linear
-    from fp4_dispatch.tactics import Problem
-    from fp4_dispatch.torch_ops import default_dispatcher
+    from fp4_dispatch.contracts.tactics import Problem
+    from fp4_dispatch.engine.torch_ops import default_dispatcher
+    from fp4_dispatch.integrations.nn import Nvfp4Linear
 
     planned = []
     for model in models.values():

@@ -47,8 +47,8 @@ CLUSTERS = [(m, n) for m in (1, 2, 4) for n in (1, 2, 4)]
 def synthetic_backends(fresh: bool) -> list:
     """Three families of ~2,000 valid tactics together; `fresh` rebuilds the pydantic
     objects on every enumeration (the worst case: a cold validation memo for each)."""
-    from fp4_dispatch.backend import Backend, Support
-    from fp4_dispatch.tactics import Tactic
+    from fp4_dispatch.contracts.backend import Backend, Support
+    from fp4_dispatch.contracts.tactics import Tactic
 
     class Sm100(Tactic):
         backend: Literal["syn-sm100"] = "syn-sm100"
@@ -112,10 +112,11 @@ def synthetic_backends(fresh: bool) -> list:
 
 def rank(ctx: Context) -> None:
     """Ranking and select cost against issue 3's targets (module docstring)."""
-    from fp4_dispatch import harness, ranking
-    from fp4_dispatch.profiles import simulated
-    from fp4_dispatch.ranking import Ranker, shortlist
-    from fp4_dispatch.tactics import Problem
+    from fp4_dispatch.autotune import harness
+    from fp4_dispatch.contracts.tactics import Problem
+    from fp4_dispatch.loading.profiles import simulated
+    from fp4_dispatch.policy import ranking
+    from fp4_dispatch.policy.ranking import Ranker, shortlist
 
     def cold() -> None:  # forget every memo of the ranking module
         ranking._CHECKED.clear()
@@ -182,9 +183,9 @@ def selection(ctx: Context) -> None:
 
 def _selection_shape(ctx: Context, shape, cache: Path, cap: int, deadline: float) -> list:
     from fp4_dispatch import Dispatcher
-    from fp4_dispatch.ranking import shortlist
-    from fp4_dispatch.tactics import Problem, tactic_label
-    from fp4_dispatch.tuning import Tuner
+    from fp4_dispatch.autotune.tuning import Tuner
+    from fp4_dispatch.contracts.tactics import Problem, tactic_label
+    from fp4_dispatch.policy.ranking import shortlist
 
     (m, n, k), clock = shape, "graph" if ctx.cuda else "eager"
     p = Problem(m=m, n=n, k=k)
@@ -246,8 +247,8 @@ def flashinfer(ctx: Context) -> None:
     except ImportError as exc:
         ctx.emit([ctx.row("flashinfer", clock="host", failure=f"needs .[flashinfer]: {exc}")])
         return
+    from fp4_dispatch.loading.profiles import simulated
     from fp4_dispatch.plugins import flashinfer as fip
-    from fp4_dispatch.profiles import simulated
 
     del gb  # imported to say whether FlashInfer is here
     ms, nks = ((1,), ((7168, 2048),)) if ctx.smoke else (
@@ -262,11 +263,11 @@ def _flashinfer_rows(ctx: Context, dev, backends: list, m: int, n: int, k: int) 
     """Both shortlists of one problem: kept per family, starved families, ranking time."""
     import flashinfer.gemm.gemm_base as gb
 
-    from fp4_dispatch import harness
+    from fp4_dispatch.autotune import harness
     from fp4_dispatch.backends import flashinfer as fb
+    from fp4_dispatch.contracts.tactics import Problem
     from fp4_dispatch.plugins import flashinfer as fip
-    from fp4_dispatch.ranking import shortlist
-    from fp4_dispatch.tactics import Problem
+    from fp4_dispatch.policy.ranking import shortlist
 
     cc, sms, p = dev.cc, dev.sm_count, Problem(m=m, n=n, k=k)
     valid = fb.valid_tactics(m, n, k, "bfloat16", cc, sms)

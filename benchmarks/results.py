@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-#: the clocks a row can be measured with (`fp4_dispatch.harness`): GPU time of CUDA-graph
+#: the clocks a row can be measured with (`fp4_dispatch.autotune.harness`): GPU time of CUDA-graph
 #: replays with a cold L2, eager wall per call back to back, eager wall of a
 #: ``torch.compile``d call, host wall of single cold calls (first contact, loading)
 CLOCKS = ("graph", "eager", "compile", "host")

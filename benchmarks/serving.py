@@ -122,7 +122,9 @@ def _check(ctx: Context, name: str, ok: bool, detail: str, **fields) -> bool:
 
 def graphs(ctx: Context) -> None:
     """The capture and compile checks (module docstring); raises when one fails."""
-    from fp4_dispatch import Dispatcher, Nvfp4Linear, harness, quantize_nvfp4, torch_ops
+    from fp4_dispatch import Dispatcher, Nvfp4Linear, quantize_nvfp4
+    from fp4_dispatch.autotune import harness
+    from fp4_dispatch.engine import torch_ops
 
     if ctx.smoke:  # on a CPU: the layer against float64 (no capture)
         d = Dispatcher("cpu", cache=False)
@@ -176,8 +178,10 @@ def graphs(ctx: Context) -> None:
 
 
 def _not_warm(ctx: Context, d, n: int, k: int) -> bool:
-    from fp4_dispatch import harness, quantize_nvfp4, torch_ops
-    from fp4_dispatch.torch_ops import CaptureNotWarmError
+    from fp4_dispatch import quantize_nvfp4
+    from fp4_dispatch.autotune import harness
+    from fp4_dispatch.engine import torch_ops
+    from fp4_dispatch.engine.torch_ops import CaptureNotWarmError
 
     gen = torch.Generator().manual_seed(99)
     qa, qb = (quantize_nvfp4(torch.randn(r, k, generator=gen).to(ctx.device)) for r in (3, n))
@@ -197,7 +201,8 @@ def _not_warm(ctx: Context, d, n: int, k: int) -> bool:
 
 
 def _compile(ctx: Context, d) -> bool:
-    from fp4_dispatch import Nvfp4Linear, harness
+    from fp4_dispatch import Nvfp4Linear
+    from fp4_dispatch.autotune import harness
 
     n, k, dev = 1024, 2048, ctx.device
     model = nn.Sequential(nn.Linear(k, n), nn.ReLU(), nn.Linear(n, k)).to(dev, torch.bfloat16)
@@ -236,7 +241,7 @@ def _host(ctx: Context, case: str, what: str, us: float, target_s: float | None 
 
 
 def first_contact(ctx: Context) -> None:
-    from fp4_dispatch import harness
+    from fp4_dispatch.autotune import harness
 
     exe = shutil.which("fp4-dispatch") or str(Path(sys.executable).parent / "fp4-dispatch")
     env = {**os.environ, "FP4_DISPATCH_PROGRESS": "0", "FP4_DISPATCH_PLUGINS": ""}

@@ -93,15 +93,15 @@ def cold(ctx: Context) -> None:
 
 
 def _label(c) -> str:
-    from fp4_dispatch.tactics import tactic_label
+    from fp4_dispatch.contracts.tactics import tactic_label
 
     return "-" if c is None else f"{c.backend} {tactic_label(c.tactic)}"
 
 
 def _recheck(d, r, smoke: bool) -> float | None:
     """Adopted pick / default, timed again outside the tuner (fresh inputs, seed 1)."""
-    from fp4_dispatch import harness
-    from fp4_dispatch.guard import launch_candidate
+    from fp4_dispatch.autotune import harness
+    from fp4_dispatch.loading.guard import launch_candidate
 
     if r.winner is None:
         return None
@@ -200,7 +200,7 @@ def checks(ctx: Context) -> None:
         return
     import sys
 
-    from fp4_dispatch.tuning import Tuner
+    from fp4_dispatch.autotune.tuning import Tuner
 
     tuning_mod = sys.modules[Tuner.__module__]  # where the tuner looks its check up
     spent = [0.0]
@@ -228,7 +228,8 @@ def checks(ctx: Context) -> None:
 def _check_shape(ctx: Context, shape: tuple[int, int, int], path: Path, spent: list):
     """Tune one bucket into `path` (every candidate checked), then a second dispatcher on
     that cache: its first ``select`` re-validates and verifies the cached pick."""
-    from fp4_dispatch import Dispatcher, harness
+    from fp4_dispatch import Dispatcher
+    from fp4_dispatch.autotune import harness
 
     d, got = Dispatcher(str(ctx.device), cache=path), {}
     tune_us = harness.call_wall_us(lambda: got.update(r=d.tune([shape], progress=False)), 1)
@@ -250,7 +251,7 @@ FIRST_USE_CHILD = """
 import json, os, time
 from typing import Literal
 import torch
-import fp4_dispatch.registry as registry_mod
+import fp4_dispatch.loading.registry as registry_mod
 from fp4_dispatch import Dispatcher, firstuse, quantize_nvfp4
 from fp4_dispatch.plugins.reference import ReferenceBackend, ReferenceTactic
 

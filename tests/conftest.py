@@ -195,9 +195,9 @@ def check_w4a16_kernel_on_gpu(build, cases) -> None:
         pytest.skip("needs an sm90 GPU")
     import math
 
+    from fp4_dispatch.autotune.harness import stress_nvfp4
     from fp4_dispatch.backends.sm90 import gemm_w4a16 as w4
-    from fp4_dispatch.harness import stress_nvfp4
-    from fp4_dispatch.nvfp4 import Nvfp4Tensor, dequantize
+    from fp4_dispatch.format.nvfp4 import Nvfp4Tensor, dequantize
 
     dev = torch.device("cuda")
     for m, n, k, knobs, dtype, with_bias, colmajor in cases:

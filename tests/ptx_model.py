@@ -171,7 +171,7 @@ def assert_every_lane_exact(name: str, asm: str, scales: dict, dtype, prepared: 
     byte value at every position; each 16-bit output lane must be ``e2m1 * 2**-14`` of its
     own byte's nibble (low nibbles in ``$0``/``$1``, high in ``$2``/``$3``; the high nibble
     rotated back first for prepared bytes), in `dtype`."""
-    from fp4_dispatch.nvfp4 import E2M1_VALUES
+    from fp4_dispatch.format.nvfp4 import E2M1_VALUES
 
     for b0 in range(256):
         b1, b2, b3 = (b0 * 7 + 1) % 256, (b0 * 13 + 5) % 256, 255 - b0

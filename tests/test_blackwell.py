@@ -19,13 +19,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from fp4_dispatch.backend import GemmOperands
 from fp4_dispatch.backends import cute as cb
+from fp4_dispatch.contracts.backend import GemmOperands
+from fp4_dispatch.contracts.tactics import Problem
+from fp4_dispatch.loading.profiles import simulated
 from fp4_dispatch.plugins.sm100 import Sm100Backend, Sm100Tactic
 from fp4_dispatch.plugins.sm103 import Sm103Backend, Sm103Tactic
 from fp4_dispatch.plugins.sm107 import Sm107Backend, Sm107Tactic
-from fp4_dispatch.profiles import simulated
-from fp4_dispatch.tactics import Problem
 
 HAVE_CUTE = importlib.util.find_spec("cutlass") is not None
 needs_cute = pytest.mark.skipif(
@@ -144,7 +144,7 @@ def test_tactics_round_trip_json():
 
 def _operands(m, n, k, alpha=0.37, pad=True):
     from fp4_dispatch import quantize_nvfp4
-    from fp4_dispatch.nvfp4 import reference_gemm
+    from fp4_dispatch.format.nvfp4 import reference_gemm
 
     g = torch.Generator().manual_seed(1)
     qa = quantize_nvfp4(torch.randn(m, k, generator=g)).with_layout("swizzled")

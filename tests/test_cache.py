@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from fp4_dispatch import cache as cache_mod
-from fp4_dispatch.cache import FORMAT, FORMAT_VERSION, TuningCache
+from fp4_dispatch.store import cache as cache_mod
+from fp4_dispatch.store.cache import FORMAT, FORMAT_VERSION, TuningCache
 
 
 @pytest.fixture(autouse=True)
@@ -132,7 +132,7 @@ def test_bad_file_is_set_aside_and_rebuilt(tmp_path, caplog, kind):
     bad = BAD_FILES[kind](_good_file(path))
     path.write_text(bad)
     c = TuningCache(path)
-    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.cache"):
+    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.store.cache"):
         assert c.entries() == []
     assert "moved it aside" in caplog.text
     aside = list(tmp_path.glob("tuning.json.corrupt-*"))
@@ -156,7 +156,7 @@ def test_malformed_entries_are_dropped_others_kept(tmp_path, caplog):
     good["entries"].append({"device": "x", "n": "not an int"})
     good["entries"].append("not an object")
     path.write_text(json.dumps(good))
-    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.cache"):
+    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.store.cache"):
         assert len(TuningCache(path).entries()) == 2
     assert caplog.text.count("dropped") == 2
     assert not list(tmp_path.glob("*.corrupt-*"))

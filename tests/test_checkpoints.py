@@ -30,8 +30,8 @@ pytest.importorskip("compressed_tensors")
 import ckpt_makers as mk
 
 from fp4_dispatch import CheckpointError, load_checkpoint
-from fp4_dispatch.nn import Nvfp4Linear
-from fp4_dispatch.nvfp4 import unpack_e2m1
+from fp4_dispatch.format.nvfp4 import unpack_e2m1
+from fp4_dispatch.integrations.nn import Nvfp4Linear
 
 FORMATS = ["modelopt", "compressed-tensors"]
 

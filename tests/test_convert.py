@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from fp4_dispatch import ConversionReport, Dispatcher, quantize_model, quantize_nvfp4
-from fp4_dispatch.convert import MetaWeightsError, quantize_weight
-from fp4_dispatch.nn import Nvfp4Linear
+from fp4_dispatch.integrations.convert import MetaWeightsError, quantize_weight
+from fp4_dispatch.integrations.nn import Nvfp4Linear
 
 
 class Block(nn.Module):
@@ -78,7 +78,7 @@ def test_layers_hold_exactly_what_from_linear_would():
 
 
 def test_row_chunks_give_the_bytes_of_a_whole_tensor_quantization(monkeypatch):
-    import fp4_dispatch.convert as convert
+    import fp4_dispatch.integrations.convert as convert
 
     w = torch.randn(300, 256) * 3
     w[7, 3] = float("nan")  # the global scale is over finite values, as quantize_nvfp4's

@@ -8,7 +8,7 @@ import torch
 
 from fp4_dispatch import Dispatcher, GemmOperands, quantize_nvfp4, reference_gemm
 from fp4_dispatch.backends import reference
-from fp4_dispatch.nvfp4 import e2m1_to_float, unpack_e2m1, unswizzle_scales
+from fp4_dispatch.format.nvfp4 import e2m1_to_float, unpack_e2m1, unswizzle_scales
 
 
 def _arithmetic_dequant(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -311,7 +311,7 @@ class _FactorKernel(_AlphaKernel):
 def test_plan_hands_alpha_factors_only_to_kernels_that_take_them(swap: bool) -> None:
     from types import SimpleNamespace
 
-    from fp4_dispatch.plans import Plan
+    from fp4_dispatch.engine.plans import Plan
 
     cand = SimpleNamespace(tactic=SimpleNamespace(swap_ab=swap), backend="x")
     ga, gb = torch.tensor(3.0), torch.tensor(0.25)
@@ -349,7 +349,7 @@ class _BiasKernel(_DenseKernel):
 def test_dense_plan_fuses_the_bias_only_into_kernels_with_an_epilogue() -> None:
     from types import SimpleNamespace
 
-    from fp4_dispatch.plans import DensePlan
+    from fp4_dispatch.engine.plans import DensePlan
 
     cand = SimpleNamespace(tactic=SimpleNamespace(swap_ab=False), backend="x")
     a, bias = torch.zeros(2, 16), torch.tensor([1.0, 2.0, 3.0])

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import fp4_dispatch.registry as registry_mod
+import fp4_dispatch.loading.registry as registry_mod
 from fp4_dispatch import Backend, Dispatcher, Problem, Support, Tactic, quantize_nvfp4
-from fp4_dispatch.distributed import Fleet, RanksDisagree, fleet_of, merge_shares
-from fp4_dispatch.tuning import Timing
+from fp4_dispatch.autotune.distributed import Fleet, RanksDisagree, fleet_of, merge_shares
+from fp4_dispatch.autotune.tuning import Timing
 
 SHAPES = [(100, 256, 128), (16, 256, 128)]
 #: the truly fastest tactic of every bucket, by a margin far beyond any band

@@ -1,5 +1,5 @@
 """Eager launches through the CUDA driver (`fp4_dispatch.backends.driver_launch`) and the
-plans' replays (`fp4_dispatch.plans`).
+plans' replays (`fp4_dispatch.engine.plans`).
 
 On a CPU: the argument buffer packed from a Triton signature (read back through the
 parameter pointers a fake driver receives), the parameter check against the cubin's
@@ -23,7 +23,7 @@ import torch
 
 from fp4_dispatch.backends import driver_launch as dl
 from fp4_dispatch.backends import triton_launch as tlaunch
-from fp4_dispatch.plans import DensePlan, Plan
+from fp4_dispatch.engine.plans import DensePlan, Plan
 
 
 class _Enum:
@@ -304,7 +304,7 @@ def test_replays_can_be_turned_off(monkeypatch):
 def test_the_layer_fast_call_checks_everything_it_was_recorded_with():
     """`_FastCall` runs only for the same input signature, weight objects and version,
     bias, plan epoch and no autotuning; else None (the ordinary path)."""
-    from fp4_dispatch.nn import Nvfp4Linear, _FastCall
+    from fp4_dispatch.integrations.nn import Nvfp4Linear, _FastCall
 
     layer = Nvfp4Linear(32, 8, bias=True)
     seen = []
@@ -366,7 +366,7 @@ def test_the_layer_fast_call_in_eager_graphs_and_compile():
     under torch.compile (default and reduce-overhead)."""
     _sm90()
     from fp4_dispatch import Dispatcher
-    from fp4_dispatch.nn import Nvfp4Linear
+    from fp4_dispatch.integrations.nn import Nvfp4Linear
 
     dev = torch.device("cuda")
     lin = torch.nn.Linear(4096, 14336, device=dev, dtype=torch.bfloat16)

@@ -15,8 +15,8 @@ _EXPAND = r"""
 import json, sys
 import torch
 from fp4_dispatch.backends.sm90.expand_rows import expand
-from fp4_dispatch.harness import stress_nvfp4
-from fp4_dispatch.nvfp4 import Nvfp4Tensor, dequantize
+from fp4_dispatch.autotune.harness import stress_nvfp4
+from fp4_dispatch.format.nvfp4 import Nvfp4Tensor, dequantize
 
 res = {}
 for m, k, dtype in json.loads(sys.argv[1]):

@@ -18,10 +18,10 @@ import textwrap
 import pytest
 from pydantic import ValidationError
 
+from fp4_dispatch.contracts.tactics import Problem
+from fp4_dispatch.loading.profiles import simulated
 from fp4_dispatch.plugins import flashinfer as fip
-from fp4_dispatch.profiles import simulated
-from fp4_dispatch.ranking import estimate_us, shortlist
-from fp4_dispatch.tactics import Problem
+from fp4_dispatch.policy.ranking import estimate_us, shortlist
 
 HAVE_FI = importlib.util.find_spec("flashinfer") is not None
 needs_fi = pytest.mark.skipif(
@@ -248,7 +248,7 @@ def test_shared_model_deep_k_changes_only_what_declares_it():
 @needs_fi
 @pytest.mark.parametrize("m", [1, 32, 300])
 def test_sm107_shortlist_keeps_every_family(m):
-    from fp4_dispatch.registry import load
+    from fp4_dispatch.loading.registry import load
 
     reg = load(strict=False)
     backends = [b for b in reg.backends.values() if b.supports(SM107).ok]
@@ -310,8 +310,8 @@ def test_launcher_hands_flashinfer_its_own_orientation(monkeypatch, swap):
     """The dispatcher swaps operands for swap_ab; FlashInfer's runner swaps by itself."""
     import torch
 
-    from fp4_dispatch.backend import GemmOperands
     from fp4_dispatch.backends import flashinfer as fb
+    from fp4_dispatch.contracts.backend import GemmOperands
 
     m, n, k = 4, 24, 64
     a, b = torch.randint(0, 255, (m, k // 2), dtype=torch.uint8), torch.zeros(n, k // 2).byte()

@@ -7,18 +7,18 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from fp4_dispatch import grouped
-from fp4_dispatch.backend import GroupedOperands
-from fp4_dispatch.buckets import bucket_key
-from fp4_dispatch.grouped import Nvfp4Experts, quantize_experts
-from fp4_dispatch.nvfp4 import quantize_nvfp4, reference_gemm
-from fp4_dispatch.tactics import (
+from fp4_dispatch.contracts.backend import GroupedOperands
+from fp4_dispatch.contracts.buckets import bucket_key
+from fp4_dispatch.contracts.tactics import (
     GROUPED_OPERATIONS,
     OPERATIONS,
     Problem,
     computed_as,
     problem_operation,
 )
+from fp4_dispatch.format import grouped
+from fp4_dispatch.format.grouped import Nvfp4Experts, quantize_experts
+from fp4_dispatch.format.nvfp4 import quantize_nvfp4, reference_gemm
 
 
 def offsets_of(sizes: list[int]) -> torch.Tensor:

@@ -10,14 +10,15 @@ from typing import Literal
 import pytest
 import torch
 
-from fp4_dispatch import Dispatcher, torch_ops
-from fp4_dispatch.backend import Backend, Support
-from fp4_dispatch.grouped import grouped_reference, quantize_experts
-from fp4_dispatch.harness import CHECK_RTOL, make_inputs
-from fp4_dispatch.nvfp4 import quantize_nvfp4
-from fp4_dispatch.ranking import Ranker
-from fp4_dispatch.tactics import Problem, Tactic
-from fp4_dispatch.timers import Timing
+from fp4_dispatch import Dispatcher
+from fp4_dispatch.autotune.harness import CHECK_RTOL, make_inputs
+from fp4_dispatch.autotune.timers import Timing
+from fp4_dispatch.contracts.backend import Backend, Support
+from fp4_dispatch.contracts.tactics import Problem, Tactic
+from fp4_dispatch.engine import torch_ops
+from fp4_dispatch.format.grouped import grouped_reference, quantize_experts
+from fp4_dispatch.format.nvfp4 import quantize_nvfp4
+from fp4_dispatch.policy.ranking import Ranker
 
 E, N, K = 6, 48, 64
 
@@ -262,8 +263,8 @@ def test_reference_capturable_path_matches_the_eager_one(experts):
     """The reference family's path for a CUDA-graph capture (offsets never read on the
     host: each row's expert found by a device search) computes what the eager one does,
     rows past the last offset left as they were."""
-    from fp4_dispatch.backend import GroupedOperands
     from fp4_dispatch.backends import reference
+    from fp4_dispatch.contracts.backend import GroupedOperands
 
     gen = torch.Generator().manual_seed(5)
     a = torch.randn(9, K, generator=gen).to(torch.bfloat16)
@@ -333,8 +334,8 @@ class WrongGrouped(Backend):
         return 0.001  # ranks first
 
     def build(self, tactic, problem, device):
-        from fp4_dispatch.backend import GroupedOperands
-        from fp4_dispatch.grouped import reference_output
+        from fp4_dispatch.contracts.backend import GroupedOperands
+        from fp4_dispatch.format.grouped import reference_output
 
         def kernel(ops: GroupedOperands, out: torch.Tensor) -> None:
             e = ops.groups
@@ -347,8 +348,8 @@ class WrongGrouped(Backend):
 
 
 def test_a_wrong_third_party_grouped_kernel_is_caught_on_first_use(monkeypatch, experts):
-    import fp4_dispatch.registry as registry_mod
-    from fp4_dispatch import firstuse
+    import fp4_dispatch.loading.registry as registry_mod
+    from fp4_dispatch.engine import firstuse
     from fp4_dispatch.plugins.reference import ReferenceBackend
 
     def make_registry(strict=None):

@@ -18,24 +18,24 @@ import pytest
 from conftest import TARGET_ONLY, run_interpreted, sm90_compile_env
 
 from fp4_dispatch import Dispatcher
+from fp4_dispatch.contracts.tactics import Problem
+from fp4_dispatch.loading.profiles import simulated
 from fp4_dispatch.plugins.sm90.grouped import (
     TritonSm90GroupedBackend,
     TritonSm90GroupedTactic,
     max_tile_m,
     why_invalid,
 )
-from fp4_dispatch.profiles import simulated
-from fp4_dispatch.tactics import Problem
 
 SM90 = simulated("sm90")
 
 _SCRIPT = r"""
 import json, sys
 import torch
-from fp4_dispatch.backend import GroupedOperands
+from fp4_dispatch.contracts.backend import GroupedOperands
 from fp4_dispatch.backends.sm90 import gemm_grouped as gg
-from fp4_dispatch.grouped import quantize_experts, reference_output
-from fp4_dispatch.nvfp4 import quantize_nvfp4
+from fp4_dispatch.format.grouped import quantize_experts, reference_output
+from fp4_dispatch.format.nvfp4 import quantize_nvfp4
 
 rows = []
 for sizes, tail, n, k, cfg, w4a4 in json.loads(sys.argv[1]):
@@ -109,12 +109,12 @@ def test_grouped_kernel_matches_the_reference_per_expert():
 _PRECOMPILE = (
     TARGET_ONLY
     + r"""
-from fp4_dispatch.backend import GroupedOperands
+from fp4_dispatch.contracts.backend import GroupedOperands
 from fp4_dispatch.backends.sm90 import gemm_grouped as gg
-from fp4_dispatch.nvfp4 import swizzled_scale_shape
+from fp4_dispatch.format.nvfp4 import swizzled_scale_shape
 from fp4_dispatch.plugins.sm90 import PROFILE
 from fp4_dispatch.plugins.sm90.grouped import TritonSm90GroupedBackend, TritonSm90GroupedTactic
-from fp4_dispatch.tactics import Problem
+from fp4_dispatch.contracts.tactics import Problem
 
 backend, dev = TritonSm90GroupedBackend(), PROFILE.device
 cache = gg._grouped_kernel.device_caches[0][0]
@@ -247,10 +247,10 @@ def test_gpu_grouped_every_path_bf16_and_graph_replay():
     replays and a CUDA graph replayed with new routing (offsets changed in place)."""
     import torch
 
-    from fp4_dispatch.backend import GroupedOperands
-    from fp4_dispatch.device import detect
-    from fp4_dispatch.grouped import grouped_reference, quantize_experts
-    from fp4_dispatch.nvfp4 import quantize_nvfp4
+    from fp4_dispatch.contracts.backend import GroupedOperands
+    from fp4_dispatch.contracts.device import detect
+    from fp4_dispatch.format.grouped import grouped_reference, quantize_experts
+    from fp4_dispatch.format.nvfp4 import quantize_nvfp4
 
     backend, info = TritonSm90GroupedBackend(), detect()
     e, n, k = 16, 384, 512

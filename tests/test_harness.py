@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
-from fp4_dispatch import harness
-from fp4_dispatch.backend import DenseOperands, GemmOperands
-from fp4_dispatch.nvfp4 import swizzled_scale_shape
-from fp4_dispatch.profiles import resolve
-from fp4_dispatch.tactics import Problem
+from fp4_dispatch.autotune import harness
+from fp4_dispatch.contracts.backend import DenseOperands, GemmOperands
+from fp4_dispatch.contracts.tactics import Problem
+from fp4_dispatch.format.nvfp4 import swizzled_scale_shape
+from fp4_dispatch.loading.profiles import resolve
 
 
 def test_compare_passes_a_close_result_and_names_what_is_wrong():

@@ -12,7 +12,7 @@ pytest.importorskip("compressed_tensors")
 import ckpt_makers as mk
 
 from fp4_dispatch import CheckpointError, from_pretrained
-from fp4_dispatch.nn import Nvfp4Linear
+from fp4_dispatch.integrations.nn import Nvfp4Linear
 
 
 @pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import fp4_dispatch
-from fp4_dispatch.registry import GROUP, load
+from fp4_dispatch.loading.registry import GROUP, load
 
 BUILTINS = {"reference", "sm90", "sm100", "sm103", "sm107", "flashinfer"}
 

@@ -23,7 +23,7 @@ from typing import Literal
 
 import fp4_dispatch
 from fp4_dispatch import Backend, Support, Tactic
-from fp4_dispatch.device import DeviceInfo, DeviceProfile
+from fp4_dispatch.contracts.device import DeviceInfo, DeviceProfile
 
 PART = DeviceProfile(
     "sm120x",
@@ -132,8 +132,8 @@ def test_a_real_gpu_of_the_new_capability_takes_the_family_rates(tmp_path):
     env = _install(tmp_path)
     code = textwrap.dedent("""
         import json
-        from fp4_dispatch.device import DeviceInfo
-        from fp4_dispatch.profiles import rated
+        from fp4_dispatch.contracts.device import DeviceInfo
+        from fp4_dispatch.loading.profiles import rated
         real = DeviceInfo(name="gpu", kind="cuda", compute_capability=(12, 0), sm_count=42)
         print(json.dumps(rated(real).model_dump(mode="json")))
     """)

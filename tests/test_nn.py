@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp4_dispatch import Dispatcher, dequantize, quantize_nvfp4, torch_ops
-from fp4_dispatch.nn import Nvfp4Linear
+from fp4_dispatch import Dispatcher, dequantize, quantize_nvfp4
+from fp4_dispatch.engine import torch_ops
+from fp4_dispatch.integrations.nn import Nvfp4Linear
 
 ROUND16 = 2.0**-7  # two bf16 roundings (8 significant bits: half-ulp 2**-8 relative each)
 
@@ -213,7 +214,7 @@ def test_prepared_weight_copy_reaches_the_kernel_and_follows_the_weight(layer, m
     in the sm90-prepared order too, made once and remade when weight_data changes; off
     Hopper, or with prepare_weight=False, nothing is made. Here the CPU stands in for a
     Hopper device (`_prepares_on` patched); the portable kernel ignores the copy."""
-    from fp4_dispatch.nvfp4 import sm90_prepare_data
+    from fp4_dispatch.format.nvfp4 import sm90_prepare_data
 
     seen = []
     real = torch_ops.run_w4a16

@@ -1,4 +1,4 @@
-"""Tests for fp4_dispatch.nvfp4 against an independent, slow, element-by-element reference.
+"""Tests for fp4_dispatch.format.nvfp4 against an independent, slow, element-by-element reference.
 
 The reference below shares no code with the module: e4m3 and e2m1 rounding are written
 out from the format definitions (grid scan with an explicit tie-to-even rule), scale
@@ -16,8 +16,8 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from fp4_dispatch import nvfp4
-from fp4_dispatch.nvfp4 import (
+from fp4_dispatch.format import nvfp4
+from fp4_dispatch.format.nvfp4 import (
     E2M1_VALUES,
     Nvfp4Tensor,
     as_uint8_data,
@@ -711,7 +711,7 @@ def test_cuda_matches_cpu(layout: str) -> None:
 def test_sm90_prepared_layout_round_trips_and_dequantizes_equal():
     """A prepared tensor is a reversible reordering: same values through `dequantize`, the
     reference GEMM, `to`, `with_layout`; `natural` restores the exact bytes."""
-    from fp4_dispatch.nvfp4 import reference_gemm, sm90_prepare_data, sm90_unprepare_data
+    from fp4_dispatch.format.nvfp4 import reference_gemm, sm90_prepare_data, sm90_unprepare_data
 
     g = torch.Generator().manual_seed(21)
     q = quantize_nvfp4(torch.randn(40, 128, generator=g) * 4.0)
@@ -734,7 +734,7 @@ def test_sm90_prepared_layout_round_trips_and_dequantizes_equal():
 
 
 def test_sm90_prepared_layout_rejects_bad_arguments():
-    from fp4_dispatch.nvfp4 import sm90_prepare_data
+    from fp4_dispatch.format.nvfp4 import sm90_prepare_data
 
     q = quantize_nvfp4(torch.randn(4, 96))  # K = 96: not a multiple of 64
     with pytest.raises(ValueError, match="K % 64"):
@@ -750,7 +750,7 @@ def test_sm90_prepared_layout_rejects_bad_arguments():
 def test_a_ready_scale_tensor_is_used_as_is_and_never_aliased():
     """A float32 0-dim scale on x's device skips the conversions; the result's global
     scale is still a tensor of its own (writing it never changes the caller's)."""
-    from fp4_dispatch.nvfp4 import _scale_tensor
+    from fp4_dispatch.format.nvfp4 import _scale_tensor
 
     g = torch.tensor(0.02)
     assert _scale_tensor(g, "global_scale", g.device) is g

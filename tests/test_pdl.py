@@ -117,11 +117,11 @@ def test_pdl_launches_match_in_eager_calls_and_graph_replays():
         pytest.skip("needs an sm90 GPU")
     import math
 
+    from fp4_dispatch.autotune.harness import stress_nvfp4, stress_operands
     from fp4_dispatch.backends import pdl
     from fp4_dispatch.backends.sm90 import gemm_w4a16 as w4
     from fp4_dispatch.backends.sm90 import gemm_w4a16_mma as mm
     from fp4_dispatch.backends.sm90 import gemm_w4a16_rs as rs
-    from fp4_dispatch.harness import stress_nvfp4, stress_operands
 
     assert pdl.ENABLED
     dev = torch.device("cuda")

@@ -11,20 +11,20 @@ import pytest
 import torch
 
 from fp4_dispatch import Dispatcher
-from fp4_dispatch.backend import DenseOperands
 from fp4_dispatch.backends.reference import w4a8 as emulation
 from fp4_dispatch.cli import main
-from fp4_dispatch.nn import Nvfp4Linear
-from fp4_dispatch.plugins.reference import ReferenceW4A8Backend
-from fp4_dispatch.profiles import profiles
-from fp4_dispatch.tactics import (
+from fp4_dispatch.contracts.backend import DenseOperands
+from fp4_dispatch.contracts.tactics import (
     LOSSY_OPERATIONS,
     check_precision,
     computed_as,
     is_lossy,
     problem_operation,
 )
-from fp4_dispatch.winners import StaleEntry
+from fp4_dispatch.integrations.nn import Nvfp4Linear
+from fp4_dispatch.loading.profiles import profiles
+from fp4_dispatch.plugins.reference import ReferenceW4A8Backend
+from fp4_dispatch.store.winners import StaleEntry
 
 #: decode to prefill, odd sizes included, and the issue's three weight shapes
 SHAPES = [(m, n, k) for m in (1, 3, 16, 64, 100, 256, 1024, 4096, 16384)
@@ -191,7 +191,7 @@ def test_tuned_fp8_winner_stays_out_of_exact(tmp_path, monkeypatch):
 def test_default_dispatchers_per_policy():
     """The op-level default ids: -1 the exact default dispatcher of a device, -2 the fp8
     one (what a compiled `Nvfp4Linear(precision="fp8")` without a dispatcher names)."""
-    from fp4_dispatch import torch_ops
+    from fp4_dispatch.engine import torch_ops
 
     cpu = torch.device("cpu")
     exact = torch_ops.get_dispatcher(torch_ops.DEFAULT, cpu)

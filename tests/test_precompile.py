@@ -1,4 +1,4 @@
-"""Parallel precompile (fp4_dispatch.precompile): work spread over spawned processes,
+"""Parallel precompile (fp4_dispatch.autotune.precompile): work spread over spawned processes,
 failures and crashes reported per job, the deadline, and the step inside Dispatcher.tune.
 
 The test backends live in a module written to a temporary folder on sys.path, so the
@@ -18,15 +18,15 @@ import pytest
 from conftest import TARGET_ONLY
 
 from fp4_dispatch import Dispatcher
-from fp4_dispatch import precompile as pc
-from fp4_dispatch.device import DeviceInfo
-from fp4_dispatch.tactics import Problem
+from fp4_dispatch.autotune import precompile as pc
+from fp4_dispatch.contracts.device import DeviceInfo
+from fp4_dispatch.contracts.tactics import Problem
 
 BACKENDS = '''
 import json, os, time
 from typing import Literal
-from fp4_dispatch.backend import Backend, Support
-from fp4_dispatch.tactics import Tactic
+from fp4_dispatch.contracts.backend import Backend, Support
+from fp4_dispatch.contracts.tactics import Tactic
 
 class MarkTactic(Tactic):
     backend: Literal["pc-mark"] = "pc-mark"
@@ -210,8 +210,8 @@ with open({runs!r}, "a") as f:
     f.write(f"{{os.getpid()}}\\n")
 import pc_backends
 from fp4_dispatch import precompile as pc
-from fp4_dispatch.device import DeviceInfo
-from fp4_dispatch.tactics import Problem
+from fp4_dispatch.contracts.device import DeviceInfo
+from fp4_dispatch.contracts.tactics import Problem
 
 class MainBackend(pc_backends.MarkBackend):
     name = "pc-main"
@@ -251,7 +251,7 @@ def test_workers_start_as_a_module_of_this_package(mark):
     assert report.outcomes[0].status == "compiled"
     (pool,) = [pc._POOL]
     args = pool._workers[0].process._popen.args
-    assert args[:3] == [sys.executable, "-m", "fp4_dispatch.precompile_worker"]
+    assert args[:3] == [sys.executable, "-m", "fp4_dispatch.autotune.precompile_worker"]
 
 
 # ---- inside Dispatcher.tune ------------------------------------------------------------
@@ -259,7 +259,7 @@ def test_workers_start_as_a_module_of_this_package(mark):
 PLUGIN = '''
 import json, os
 from typing import Literal
-from fp4_dispatch.hookspecs import hookimpl
+from fp4_dispatch.contracts.hookspecs import hookimpl
 from fp4_dispatch.plugins.reference import ReferenceBackend, ReferenceTactic
 
 class SlowRefTactic(ReferenceTactic):
@@ -358,10 +358,10 @@ def test_tune_precompiles_first_with_one_bar_for_both_phases(plugin_dist, tmp_pa
 TRITON_SCRIPT = (
     TARGET_ONLY
     + r"""
-from fp4_dispatch.backend import GemmOperands, kernel_problem, launch
+from fp4_dispatch.contracts.backend import GemmOperands, kernel_problem, launch
 from fp4_dispatch.backends.sm90 import gemm_direct
 from fp4_dispatch.plugins.sm90 import PROFILE, TritonSm90Backend, TritonSm90Tactic
-from fp4_dispatch.tactics import Problem
+from fp4_dispatch.contracts.tactics import Problem
 
 backend, dev = TritonSm90Backend(), PROFILE.device
 cache = gemm_direct._nvfp4_gemm_kernel.device_caches[0][0]  # compiled variants, this process
@@ -466,12 +466,12 @@ def test_triton_sm90_precompile_compiles_what_a_call_launches(tmp_path):
 W4A16_SCRIPT = (
     TARGET_ONLY
     + r"""
-from fp4_dispatch.backend import DenseOperands
+from fp4_dispatch.contracts.backend import DenseOperands
 from fp4_dispatch.backends.sm90 import gemm_unpack, gemm_w4a16
-from fp4_dispatch.nvfp4 import swizzled_scale_shape
+from fp4_dispatch.format.nvfp4 import swizzled_scale_shape
 from fp4_dispatch.plugins.sm90 import PROFILE
 from fp4_dispatch.plugins.sm90.w4a16 import TritonSm90W4A16Backend, TritonSm90W4A16Tactic
-from fp4_dispatch.tactics import Problem
+from fp4_dispatch.contracts.tactics import Problem
 
 
 def operands(m, n, k, dtype):

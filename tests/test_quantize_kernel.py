@@ -23,7 +23,7 @@ SCRIPT = r"""
 import json, sys
 import torch
 from fp4_dispatch.backends import quantize as kq
-from fp4_dispatch.nvfp4 import quantize_nvfp4
+from fp4_dispatch.format.nvfp4 import quantize_nvfp4
 
 DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MID = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
@@ -236,7 +236,7 @@ PATHS_SCRIPT = r"""
 import json, sys
 import torch
 from fp4_dispatch.backends import quantize as kq
-from fp4_dispatch.nvfp4 import quantize_nvfp4
+from fp4_dispatch.format.nvfp4 import quantize_nvfp4
 
 
 def same(x, layout):
@@ -561,7 +561,7 @@ def test_quantize_triton_argument_errors(x, kwargs, exc, match) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("given", [False, True])
 def test_quantize_nvfp4_is_captured_in_a_cuda_graph(given: bool) -> None:
-    from fp4_dispatch.nvfp4 import quantize_nvfp4
+    from fp4_dispatch.format.nvfp4 import quantize_nvfp4
 
     pytest.importorskip("triton")
     gs = torch.tensor(0.05, device="cuda") if given else None

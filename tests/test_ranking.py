@@ -20,12 +20,13 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from pydantic import Field, create_model, field_serializer
 
-from fp4_dispatch import ranking
-from fp4_dispatch.backend import Backend, Support
 from fp4_dispatch.cli import explain
-from fp4_dispatch.device import DeviceInfo
-from fp4_dispatch.profiles import simulated
-from fp4_dispatch.ranking import (
+from fp4_dispatch.contracts.backend import Backend, Support
+from fp4_dispatch.contracts.device import DeviceInfo
+from fp4_dispatch.contracts.tactics import Problem, Tactic
+from fp4_dispatch.loading.profiles import simulated
+from fp4_dispatch.policy import ranking
+from fp4_dispatch.policy.ranking import (
     Candidate,
     Ranker,
     Shortlist,
@@ -35,7 +36,6 @@ from fp4_dispatch.ranking import (
     preferred_swap,
     shortlist,
 )
-from fp4_dispatch.tactics import Problem, Tactic
 
 SM107 = simulated("sm107")
 SM100 = simulated("sm100")
@@ -261,7 +261,7 @@ GRID = [(tm, tn, cm, 1, s, pf, 128) for tm in (128, 256) for tn in (64, 128, 256
 def test_raising_backend_is_skipped_and_reported(caplog):
     good = Synth("good", "fa", GRID[:4])
     bad = Synth("bad", "fb", GRID, fail=RuntimeError("kaboom"))
-    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.ranking"):
+    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.policy.ranking"):
         sl = shortlist(Problem(m=128, n=4096, k=4096), SM107, [bad, good])
     assert "kaboom" in sl.skipped["bad"] and "RuntimeError" in sl.skipped["bad"]
     assert {c.backend for c in sl.candidates} == {"good"}
@@ -277,7 +277,7 @@ def test_invalid_tactics_are_dropped_and_reported(caplog):
         good.tactic_type.model_construct(**{**good.items[0].model_dump(), "tile_m": 0}),
         "not a tactic",
     ]
-    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.ranking"):
+    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.policy.ranking"):
         sl = shortlist(Problem(m=128, n=4096, k=4096), SM107, [good, other])
     assert sl.skipped["good"].startswith("3 invalid tactic(s) dropped (6 valid kept)")
     assert "expected a Tactic_good" in sl.skipped["good"]

@@ -32,7 +32,7 @@ def test_test_script_default_extras_match_the_readme():
 
 
 def test_sample_list_backends_output_shows_every_builtin_backend():
-    from fp4_dispatch import registry
+    from fp4_dispatch.loading import registry
 
     text = _readme()
     start = text.index("sample shape for the tactic count")

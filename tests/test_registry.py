@@ -8,8 +8,8 @@ import textwrap
 import pytest
 from conftest import good_plugin
 
-from fp4_dispatch import registry
-from fp4_dispatch.registry import PluginLoadError, load
+from fp4_dispatch.loading import registry
+from fp4_dispatch.loading.registry import PluginLoadError, load
 
 RAISES_ON_IMPORT = "raise RuntimeError('boom at import')\n"
 RAISES_IN_HOOK = """
@@ -125,7 +125,7 @@ def test_check_backend_rejects_bad_attributes():
 
 
 def test_disable_takes_a_backend_name(plugin_dist, monkeypatch):
-    from fp4_dispatch.dispatcher import Dispatcher
+    from fp4_dispatch.engine.dispatcher import Dispatcher
 
     monkeypatch.setenv("FP4_DISPATCH_DISABLE", "torch-reference, triton-sm90")
     reg = load()
@@ -153,7 +153,7 @@ def test_unknown_allowlist_name_imports_no_unlisted_plugin(plugin_dist, monkeypa
     """FP4_DISPATCH_PLUGINS=typo: no third-party plugin's code runs to look for it."""
     plugin_dist("tp-dist", {"tp": good_plugin("tp-backend"), "tq": good_plugin("tq-backend")})
     monkeypatch.setenv("FP4_DISPATCH_PLUGINS", "nosuch,tq")
-    with caplog.at_level("WARNING", logger="fp4_dispatch.registry"):
+    with caplog.at_level("WARNING", logger="fp4_dispatch.loading.registry"):
         reg = load()
     assert "fakeplug_tp" not in sys.modules and report(reg, "tp").status == "disabled"
     assert "tq-backend" in reg.backends and not report(reg, "tq").disabled_backends
@@ -164,7 +164,7 @@ def test_unknown_allowlist_name_imports_no_unlisted_plugin(plugin_dist, monkeypa
 def test_unmatched_name_warns_once_with_known_names(monkeypatch, caplog, var):
     name = f"no-such-thing-{var[-7:].lower()}"
     monkeypatch.setenv(var, f"sm100,{name}")
-    with caplog.at_level("WARNING", logger="fp4_dispatch.registry"):
+    with caplog.at_level("WARNING", logger="fp4_dispatch.loading.registry"):
         load()
         load()
     hits = [r.getMessage() for r in caplog.records if name in r.getMessage()]

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import source_root
 
+from fp4_dispatch.contracts.tactics import Problem
+from fp4_dispatch.loading.profiles import simulated
 from fp4_dispatch.plugins.sm90 import (
     TritonSm90Backend,
     TritonSm90Tactic,
@@ -24,8 +26,6 @@ from fp4_dispatch.plugins.sm90 import (
     smem_bytes,
 )
 from fp4_dispatch.plugins.sm90 import cost_model as cm
-from fp4_dispatch.profiles import simulated
-from fp4_dispatch.tactics import Problem
 
 SM90 = simulated("sm90")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from fp4_dispatch import device as device_mod
-from fp4_dispatch import profiles as profiles_mod
-from fp4_dispatch.registry import load
-from fp4_dispatch.tactics import Problem, Tactic
+from fp4_dispatch.contracts import device as device_mod
+from fp4_dispatch.contracts.tactics import Problem, Tactic
+from fp4_dispatch.loading import profiles as profiles_mod
+from fp4_dispatch.loading.registry import load
 
 SIM_FOR_FAMILY = {"sm90": "sm90", "sm100": "sm100", "sm103": "sm103", "sm107": "sm107"}
 PROBLEMS = [Problem(m=1, n=4096, k=4096), Problem(m=4096, n=8192, k=8192, out_dtype="float16")]
@@ -99,7 +99,7 @@ def test_resolve_rejects_unknown_names():
 
 def test_profiles_come_from_the_families_not_the_core():
     """Every simulated part is a family's `device_profiles` entry (no core table)."""
-    from fp4_dispatch.dispatcher import Dispatcher
+    from fp4_dispatch.engine.dispatcher import Dispatcher
 
     d = Dispatcher(device="cpu")
     declared = {p.alias: b.family for b in d.registry.backends.values() for p in b.device_profiles}

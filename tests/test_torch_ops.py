@@ -14,12 +14,12 @@ import sys
 import pytest
 import torch
 
-from fp4_dispatch import Dispatcher, Nvfp4Tensor, quantize_nvfp4, reference_gemm, torch_ops
-from fp4_dispatch.engine import capture
-from fp4_dispatch.plans import Plan
-from fp4_dispatch.progress import ENV as PROGRESS_ENV
-from fp4_dispatch.progress import enabled, progress
-from fp4_dispatch.torch_ops import CaptureNotWarmError
+from fp4_dispatch import Dispatcher, Nvfp4Tensor, quantize_nvfp4, reference_gemm
+from fp4_dispatch.engine import capture, torch_ops
+from fp4_dispatch.engine.plans import Plan
+from fp4_dispatch.engine.torch_ops import CaptureNotWarmError
+from fp4_dispatch.support.progress import ENV as PROGRESS_ENV
+from fp4_dispatch.support.progress import enabled, progress
 
 OPCHECK_UTILS = ("test_faketensor", "test_aot_dispatch_dynamic")  # test_schema: no fp8 allclose
 
@@ -168,7 +168,7 @@ def test_a_checked_signature_skips_the_checks_and_anything_else_is_checked(
     """The ops' Python runs on every call under torch.compile: operands whose signature
     (metadata, and the weight's addresses) passed the checks run without them - same
     result - while a call that differs in anything checked is checked again."""
-    from fp4_dispatch import checks
+    from fp4_dispatch.format import checks
 
     qa, qb = operands(8, 32, 64)
     did = torch_ops.dispatcher_id(dispatcher)
@@ -350,7 +350,7 @@ def test_linear_eager_path_takes_strided_inputs_and_follows_a_changed_mode(dispa
     """`Nvfp4Linear`'s eager forward (no reshape for 2-D inputs, cached activation mode)
     computes what the general path does: a transposed 2-D input gives the contiguous
     input's output, and setting ``activations`` after a forward switches the operation."""
-    from fp4_dispatch.nn import Nvfp4Linear
+    from fp4_dispatch.integrations.nn import Nvfp4Linear
 
     gen = torch.Generator().manual_seed(5)
     lin = torch.nn.Linear(64, 48, dtype=torch.bfloat16)
@@ -369,7 +369,7 @@ def test_linear_eager_path_takes_strided_inputs_and_follows_a_changed_mode(dispa
 
 def test_linear_alpha_view_follows_its_buffer(dispatcher):
     """The cached W4A16 alpha view sees an in-place load and a replaced buffer."""
-    from fp4_dispatch.nn import Nvfp4Linear
+    from fp4_dispatch.integrations.nn import Nvfp4Linear
 
     layer = Nvfp4Linear.from_linear(torch.nn.Linear(64, 32), dispatcher=dispatcher,
                                     activations="bf16")  # fmt: skip
@@ -389,8 +389,8 @@ def test_w4a16_op_hands_bias_and_prepared_bytes_to_the_plan(monkeypatch):
     """Under torch.compile the W4A16 layer's bias and the op's ``b_prepared`` reach the
     plan as eagerly (a bias-epilogue kernel then rounds once in both modes), and the op
     checks them: a compiled layer computes the eager bits."""
-    from fp4_dispatch.nn import Nvfp4Linear
-    from fp4_dispatch.nvfp4 import sm90_prepare_data
+    from fp4_dispatch.format.nvfp4 import sm90_prepare_data
+    from fp4_dispatch.integrations.nn import Nvfp4Linear
 
     d = Dispatcher(device="cpu")
     seen = []

@@ -16,13 +16,13 @@ import pytest
 import torch
 from conftest import run_interpreted
 
-from fp4_dispatch.backend import GemmOperands
-from fp4_dispatch.device import CPU
-from fp4_dispatch.nvfp4 import quantize_nvfp4, reference_gemm
+from fp4_dispatch.contracts.backend import GemmOperands
+from fp4_dispatch.contracts.device import CPU
+from fp4_dispatch.contracts.tactics import Problem
+from fp4_dispatch.format.nvfp4 import quantize_nvfp4, reference_gemm
+from fp4_dispatch.loading.profiles import simulated
 from fp4_dispatch.plugins import sm90
 from fp4_dispatch.plugins.sm90 import TritonSm90Backend, TritonSm90Tactic, why_invalid
-from fp4_dispatch.profiles import simulated
-from fp4_dispatch.tactics import Problem
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -54,9 +54,9 @@ def _ulp_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 _INTERPRETER_SCRIPT = r"""
 import json, sys
 import torch
-from fp4_dispatch.backend import GemmOperands
+from fp4_dispatch.contracts.backend import GemmOperands
 from fp4_dispatch.backends.sm90 import gemm_direct as mod
-from fp4_dispatch.nvfp4 import quantize_nvfp4, reference_gemm
+from fp4_dispatch.format.nvfp4 import quantize_nvfp4, reference_gemm
 
 assert not mod._USE_ASM, "TRITON_INTERPRET was not honoured"
 
@@ -270,7 +270,7 @@ def test_estimate_prefers_split_k_for_decode():
 def test_gpu_every_tactic_small_shape():
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs compute capability 9.x")
-    from fp4_dispatch.device import detect
+    from fp4_dispatch.contracts.device import detect
 
     b = TritonSm90Backend()
     info = detect()

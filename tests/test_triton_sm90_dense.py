@@ -15,14 +15,14 @@ import pytest
 import torch
 from conftest import TARGET_ONLY, run_interpreted
 
+from fp4_dispatch.contracts.tactics import Problem
+from fp4_dispatch.loading.profiles import simulated
 from fp4_dispatch.plugins.sm90.dense import (
     DENSE_MAX_M,
     TritonSm90DenseBackend,
     TritonSm90DenseTactic,
     why_invalid,
 )
-from fp4_dispatch.profiles import simulated
-from fp4_dispatch.tactics import Problem
 from fp4_dispatch.testing import check_backend
 
 SM90 = simulated("sm90")
@@ -30,9 +30,9 @@ SM90 = simulated("sm90")
 _KERNEL_SCRIPT = r"""
 import json, sys
 import torch
-from fp4_dispatch.backend import GemmOperands
+from fp4_dispatch.contracts.backend import GemmOperands
 from fp4_dispatch.backends.sm90 import gemm_direct, gemm_w4a4_dense as dense, gemm_w4a16 as w4
-from fp4_dispatch.harness import dequant, stress_operands
+from fp4_dispatch.autotune.harness import dequant, stress_operands
 
 assert not w4._USE_ASM, "TRITON_INTERPRET was not honoured"
 
@@ -140,12 +140,12 @@ def test_passes_the_conformance_kit_on_the_simulated_part():
 _PRECOMPILE = (
     TARGET_ONLY
     + r"""
-from fp4_dispatch.backend import GemmOperands
+from fp4_dispatch.contracts.backend import GemmOperands
 from fp4_dispatch.backends.sm90 import gemm_w4a16 as w4
-from fp4_dispatch.nvfp4 import swizzled_scale_shape
+from fp4_dispatch.format.nvfp4 import swizzled_scale_shape
 from fp4_dispatch.plugins.sm90.dense import TritonSm90DenseBackend, TritonSm90DenseTactic
-from fp4_dispatch.profiles import simulated
-from fp4_dispatch.tactics import Problem
+from fp4_dispatch.loading.profiles import simulated
+from fp4_dispatch.contracts.tactics import Problem
 
 
 backend, dev = TritonSm90DenseBackend(), simulated("sm90")

@@ -20,6 +20,8 @@ from conftest import (
     sm90_compile_env,
 )
 
+from fp4_dispatch.contracts.tactics import Problem
+from fp4_dispatch.loading.profiles import rated, simulated
 from fp4_dispatch.plugins.sm90.mma import (
     MMA_MAX_M,
     MMA_VARIANTS,
@@ -28,8 +30,6 @@ from fp4_dispatch.plugins.sm90.mma import (
     residency,
     why_invalid,
 )
-from fp4_dispatch.profiles import rated, simulated
-from fp4_dispatch.tactics import Problem
 from fp4_dispatch.testing import check_backend
 
 SM90 = rated(simulated("sm90"))
@@ -172,7 +172,7 @@ _COMPILE = (
 import collections, pathlib, re, subprocess
 from fp4_dispatch.backends.sm90 import gemm_w4a16 as w4
 from fp4_dispatch.backends.sm90 import gemm_w4a16_mma as mm
-from fp4_dispatch.nvfp4 import swizzled_scale_shape
+from fp4_dispatch.format.nvfp4 import swizzled_scale_shape
 
 nvdisasm = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
 cache = mm._w4a16_mma_kernel.device_caches[0][0]
@@ -264,8 +264,8 @@ import json, math, sys
 import torch
 from fp4_dispatch.backends.sm90 import gemm_w4a16 as w4
 from fp4_dispatch.backends.sm90 import gemm_w4a16_mma as mm
-from fp4_dispatch.harness import stress_nvfp4
-from fp4_dispatch.nvfp4 import Nvfp4Tensor, dequantize
+from fp4_dispatch.autotune.harness import stress_nvfp4
+from fp4_dispatch.format.nvfp4 import Nvfp4Tensor, dequantize
 
 m, n, k = json.loads(sys.argv[1])
 gen = torch.Generator().manual_seed(m + n + k)
@@ -333,10 +333,10 @@ def test_w4a4_kernel_on_the_gpu_matches_float64():
     against the float64 product of the dequantized operands <= 1e-2."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm90 GPU")
-    from fp4_dispatch.backend import GemmOperands
+    from fp4_dispatch.autotune.harness import stress_operands
     from fp4_dispatch.backends.sm90 import gemm_w4a16_mma as kern
-    from fp4_dispatch.harness import stress_operands
-    from fp4_dispatch.nvfp4 import Nvfp4Tensor, dequantize
+    from fp4_dispatch.contracts.backend import GemmOperands
+    from fp4_dispatch.format.nvfp4 import Nvfp4Tensor, dequantize
 
     dev = torch.device("cuda")
     cases = [

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from fp4_dispatch import Dispatcher
+from fp4_dispatch.contracts.tactics import Problem
+from fp4_dispatch.loading.profiles import rated, simulated
 from fp4_dispatch.plugins.sm90.rs import (
     RS_MAX_M,
     RS_MIN_M,
@@ -19,8 +21,6 @@ from fp4_dispatch.plugins.sm90.rs import (
     TritonSm90RsTactic,
     why_invalid,
 )
-from fp4_dispatch.profiles import rated, simulated
-from fp4_dispatch.tactics import Problem
 from fp4_dispatch.testing import check_backend
 
 SM90 = rated(simulated("sm90"))

@@ -16,7 +16,9 @@ import pytest
 import torch
 from conftest import run_interpreted
 
-from fp4_dispatch.device import CPU
+from fp4_dispatch.contracts.device import CPU
+from fp4_dispatch.contracts.tactics import Problem
+from fp4_dispatch.loading.profiles import simulated
 from fp4_dispatch.plugins import sm90
 from fp4_dispatch.plugins.sm90 import (
     Sm90UnpackTactic,
@@ -24,8 +26,6 @@ from fp4_dispatch.plugins.sm90 import (
     TritonSm90UnpackBackend,
     why_invalid_unpack,
 )
-from fp4_dispatch.profiles import simulated
-from fp4_dispatch.tactics import Problem
 
 SM90 = simulated("sm90")
 
@@ -34,15 +34,15 @@ SM90 = simulated("sm90")
 _INTERPRETER_SCRIPT = r"""
 import json, sys
 import torch
-from fp4_dispatch.backend import GemmOperands
+from fp4_dispatch.contracts.backend import GemmOperands
 from fp4_dispatch.backends.sm90 import gemm_unpack as mod
-from fp4_dispatch.profiles import simulated
-from fp4_dispatch.nvfp4 import (
+from fp4_dispatch.loading.profiles import simulated
+from fp4_dispatch.format.nvfp4 import (
     Nvfp4Tensor, dequantize, e2m1_to_float, quantize_nvfp4, reference_gemm, unpack_e2m1,
     unswizzle_scales,
 )
 from fp4_dispatch.plugins.sm90 import Sm90UnpackTactic, TritonSm90UnpackBackend
-from fp4_dispatch.tactics import Problem
+from fp4_dispatch.contracts.tactics import Problem
 
 cases = json.loads(sys.argv[1])
 
@@ -194,7 +194,7 @@ def test_plugin_kernels_run(interpreted):
 def test_unpack_rejects_bad_inputs():
     pytest.importorskip("triton")
     from fp4_dispatch.backends.sm90.gemm_unpack import build, unpack_nvfp4
-    from fp4_dispatch.nvfp4 import quantize_nvfp4
+    from fp4_dispatch.format.nvfp4 import quantize_nvfp4
 
     q = quantize_nvfp4(torch.randn(8, 64))
     with pytest.raises(ValueError, match="block_r"):
@@ -350,9 +350,9 @@ def test_build_returns_a_kernel_per_block_shape():
 def test_gpu_every_tactic_matches_reference():
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs compute capability 9.x")
-    from fp4_dispatch.backend import GemmOperands
-    from fp4_dispatch.device import detect
-    from fp4_dispatch.nvfp4 import quantize_nvfp4, reference_gemm
+    from fp4_dispatch.contracts.backend import GemmOperands
+    from fp4_dispatch.contracts.device import detect
+    from fp4_dispatch.format.nvfp4 import quantize_nvfp4, reference_gemm
 
     b = TritonSm90UnpackBackend()
     info = detect()

@@ -12,7 +12,9 @@ import pytest
 import torch
 from conftest import run_interpreted
 
-from fp4_dispatch.device import CPU
+from fp4_dispatch.contracts.device import CPU
+from fp4_dispatch.contracts.tactics import Problem
+from fp4_dispatch.loading.profiles import simulated
 from fp4_dispatch.plugins.sm90.w4a16 import (
     DIRECT_MAX_M,
     UNPACK_MIN_M,
@@ -20,8 +22,6 @@ from fp4_dispatch.plugins.sm90.w4a16 import (
     TritonSm90W4A16Tactic,
     why_invalid,
 )
-from fp4_dispatch.profiles import simulated
-from fp4_dispatch.tactics import Problem
 
 SM90 = simulated("sm90")
 
@@ -30,7 +30,7 @@ _PRELUDE = r"""
 import json, sys
 import torch
 from fp4_dispatch.backends.sm90 import gemm_w4a16 as mod
-from fp4_dispatch.nvfp4 import Nvfp4Tensor, dequantize, quantize_nvfp4, swizzle_scales
+from fp4_dispatch.format.nvfp4 import Nvfp4Tensor, dequantize, quantize_nvfp4, swizzle_scales
 
 assert not mod._USE_ASM, "TRITON_INTERPRET was not honoured"
 
@@ -80,7 +80,7 @@ for m, n, k, cfg in json.loads(sys.argv[1]):
         out_p = torch.full((m, n), float("nan"), dtype=torch.float16)
         kernel(prep, out_p)
         # the dispatcher's way in: natural b_data plus the prepared copy (b_prepared)
-        from fp4_dispatch.backend import DenseOperands
+        from fp4_dispatch.contracts.backend import DenseOperands
         both = DenseOperands(ops.a, ops.b_data, ops.b_scale, ops.alpha,
                              b_prepared=prep.b_data)
         out_b = torch.full((m, n), float("nan"), dtype=torch.float16)
@@ -107,7 +107,7 @@ for m, n, k in [(33, 72, 96), (3, 130, 256)]:
         unpack.append([m, n, k, str(dtype), rel_err(out, ref), rel_err(out_t.t(), ref),
                        same_p])
 # the bias epilogue: out = alpha * a @ dq(b).T + bias (fp32 add, one rounding), split-K too
-from fp4_dispatch.backend import DenseOperands
+from fp4_dispatch.contracts.backend import DenseOperands
 biased = []
 for m, n, k, cfg in json.loads(sys.argv[1]):
     kernel = mod.build(mod.W4A16Config(**cfg))
@@ -320,7 +320,7 @@ def test_prepared_bytes_rotate_the_high_nibble():
 def test_config_and_operand_checks_name_the_problem():
     pytest.importorskip("triton")
     from fp4_dispatch.backends.sm90 import gemm_w4a16 as mod
-    from fp4_dispatch.nvfp4 import quantize_nvfp4
+    from fp4_dispatch.format.nvfp4 import quantize_nvfp4
 
     with pytest.raises(ValueError, match="block_n"):
         mod.W4A16Config(block_n=32)
@@ -501,7 +501,7 @@ def test_gpu_ptx_dequantizers_bit_exact():
     """The PTX dequantizers (fp16 and bf16, natural and prepared) against nvfp4.dequantize
     on every byte value and e4m3 scales with subnormals, on the GPU."""
     from fp4_dispatch.backends.sm90 import gemm_w4a16 as mod
-    from fp4_dispatch.nvfp4 import Nvfp4Tensor, dequantize, swizzle_scales
+    from fp4_dispatch.format.nvfp4 import Nvfp4Tensor, dequantize, swizzle_scales
 
     g = torch.Generator().manual_seed(5)
     rows, k = 300, 512
@@ -528,8 +528,8 @@ def test_gpu_direct_tactics_natural_and_prepared():
     prepared within fp32 summation-order noise of natural (the two layouts feed the MMA
     in different K orders). (12: each compile costs about a second.)"""
     from fp4_dispatch.backends.sm90 import gemm_w4a16 as mod
-    from fp4_dispatch.device import detect
-    from fp4_dispatch.nvfp4 import dequantize, quantize_nvfp4
+    from fp4_dispatch.contracts.device import detect
+    from fp4_dispatch.format.nvfp4 import dequantize, quantize_nvfp4
 
     b = TritonSm90W4A16Backend()
     info = detect()
@@ -565,7 +565,7 @@ def test_gpu_activations_in_dot_order_are_bit_identical():
     """X_DOT on the GPU (bf16 PTX path, 64- and 128-token tiles, split-K, masked token
     rows): the same bits as the in-kernel permutation, natural and prepared weights."""
     from fp4_dispatch.backends.sm90 import gemm_w4a16 as mod
-    from fp4_dispatch.nvfp4 import dequantize, quantize_nvfp4
+    from fp4_dispatch.format.nvfp4 import dequantize, quantize_nvfp4
 
     m, n, k = 200, 384, 2048
     g = torch.Generator().manual_seed(11)

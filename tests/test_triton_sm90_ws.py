@@ -20,6 +20,8 @@ from conftest import (
     sm90_compile_env,
 )
 
+from fp4_dispatch.contracts.tactics import Problem
+from fp4_dispatch.loading.profiles import rated, simulated
 from fp4_dispatch.plugins.sm90.ws import (
     WS_MAX_M,
     WS_MIN_M,
@@ -27,8 +29,6 @@ from fp4_dispatch.plugins.sm90.ws import (
     TritonSm90WsTactic,
     why_invalid,
 )
-from fp4_dispatch.profiles import rated, simulated
-from fp4_dispatch.tactics import Problem
 from fp4_dispatch.testing import check_backend
 
 SM90 = rated(simulated("sm90"))
@@ -103,10 +103,10 @@ _COMPILE = (
 import pathlib, re, subprocess
 from fp4_dispatch.backends.sm90 import gemm_w4a16 as w4
 from fp4_dispatch.backends.sm90 import gemm_w4a16_ws as ws
-from fp4_dispatch.nvfp4 import swizzled_scale_shape
+from fp4_dispatch.format.nvfp4 import swizzled_scale_shape
 from fp4_dispatch.plugins.sm90.ws import TritonSm90WsBackend, TritonSm90WsTactic
-from fp4_dispatch.profiles import simulated
-from fp4_dispatch.tactics import Problem
+from fp4_dispatch.loading.profiles import simulated
+from fp4_dispatch.contracts.tactics import Problem
 
 backend, dev = TritonSm90WsBackend(), simulated("sm90")
 nvdisasm = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
@@ -231,8 +231,8 @@ import json, math, sys
 import torch
 from fp4_dispatch.backends.sm90 import gemm_w4a16 as w4
 from fp4_dispatch.backends.sm90 import gemm_w4a16_ws as ws
-from fp4_dispatch.harness import stress_nvfp4
-from fp4_dispatch.nvfp4 import Nvfp4Tensor, dequantize
+from fp4_dispatch.autotune.harness import stress_nvfp4
+from fp4_dispatch.format.nvfp4 import Nvfp4Tensor, dequantize
 
 out = {}
 for name, m, n, k, act, stride in json.loads(sys.argv[1]):

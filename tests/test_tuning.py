@@ -17,11 +17,9 @@ from typing import Literal
 import pytest
 import torch
 
-import fp4_dispatch.registry as registry_mod
+import fp4_dispatch.loading.registry as registry_mod
 from fp4_dispatch import Backend, Dispatcher, Problem, Support, Tactic, reference_gemm
-from fp4_dispatch.buckets import m_bucket
-from fp4_dispatch.cache import TuningCache
-from fp4_dispatch.tuning import (
+from fp4_dispatch.autotune.tuning import (
     NOISE_CAP,
     NOISE_FLOOR,
     Measurement,
@@ -34,6 +32,8 @@ from fp4_dispatch.tuning import (
     pick_winner,
     race_list,
 )
+from fp4_dispatch.contracts.buckets import m_bucket
+from fp4_dispatch.store.cache import TuningCache
 
 
 @pytest.fixture(autouse=True)
@@ -199,7 +199,7 @@ def test_near_ties_resolve_by_content_not_noise(make_dispatcher, seed):
 
 
 def test_pick_winner_rules():
-    from fp4_dispatch.ranking import Candidate
+    from fp4_dispatch.policy.ranking import Candidate
 
     def meas(est, name, tn, us, method="fake"):
         c = Candidate(name, "f", FakeATactic(tile_n=tn) if name == "fake-a" else FakeBTactic(
@@ -216,7 +216,7 @@ def test_pick_winner_rules():
 
 
 def test_noise_band_is_measured_and_clamped():
-    from fp4_dispatch.ranking import Candidate
+    from fp4_dispatch.policy.ranking import Candidate
 
     c = Candidate("fake-a", "f", FakeATactic(), 1.0, "score")
     quiet = [Measurement(c, 100.0, "fake", (99.9, 100.0, 100.1))] * 3
@@ -235,7 +235,7 @@ def test_failures_are_reported_and_do_not_stop_tuning(make_dispatcher, caplog):
     fail = {(128, 256): "build", (128, 128): "run"}
     d = make_dispatcher(FakeA(fail), FakeB())
     timer = FakeTimer({("fake-a", 64, 64): 40.0, ("fake-b", 64, 64): 45.0})
-    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.tuning"):
+    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.autotune.tuning"):
         (r,) = d.tune([(M, N, K)], timer=timer, progress=False)
     errors = {(m.candidate.tactic.tile_m, m.candidate.tactic.tile_n): m.error for m in r.failures}
     assert errors == {
@@ -392,7 +392,7 @@ def test_autotuning_remeasures_a_winner_of_the_other_policy(make_dispatcher, ope
                                                              monkeypatch):  # fmt: skip
     """A bucket tuned eagerly is measured again under ``autotuning(measure="graph")``
     (as `tune` does): a winner is used only under the policy it was measured with."""
-    from fp4_dispatch import tuning
+    from fp4_dispatch.autotune import tuning
 
     monkeypatch.setattr(tuning, "policy_of", lambda device, measure: measure)  # as on CUDA
     d = make_dispatcher()
@@ -460,7 +460,7 @@ def test_wall_clock_tuning_with_the_reference_backend(monkeypatch, tmp_path):
 
 
 def test_inputs_rotate_and_are_nonzero():
-    from fp4_dispatch.device import CPU
+    from fp4_dispatch.contracts.device import CPU
 
     p = Problem(m=200, n=96, k=64)
     inp = make_inputs(p, CPU.model_copy(update={"l2_bytes": 100_000}))
@@ -476,8 +476,8 @@ def test_inputs_rotate_and_are_nonzero():
 
 def test_tall_operands_repeat_whole_scale_blocks():
     """Rows beyond the quantized base repeat it; the scale swizzle must still decode."""
-    from fp4_dispatch.device import CPU
-    from fp4_dispatch.nvfp4 import unswizzle_scales
+    from fp4_dispatch.contracts.device import CPU
+    from fp4_dispatch.format.nvfp4 import unswizzle_scales
 
     inp = make_inputs(Problem(m=1300, n=16, k=64), CPU)
     a = inp.copies[0]
@@ -486,7 +486,7 @@ def test_tall_operands_repeat_whole_scale_blocks():
 
 
 def test_wall_clock_timer_prunes_slow_tactics():
-    from fp4_dispatch.ranking import Candidate
+    from fp4_dispatch.policy.ranking import Candidate
 
     calls = []
     timer = WallClockTimer(replays=2, target_replay_us=10.0)
@@ -527,9 +527,9 @@ class _FakeEvent:
 @pytest.mark.parametrize("capture_fails", [False, True])
 def test_cuda_timer_control_flow(monkeypatch, capture_fails):
     """Probe, prune, the harness's graph clock (or the eager fallback): fake CUDA API."""
-    from fp4_dispatch import harness
-    from fp4_dispatch.ranking import Candidate
-    from fp4_dispatch.tuning import CudaTimer
+    from fp4_dispatch.autotune import harness
+    from fp4_dispatch.autotune.tuning import CudaTimer
+    from fp4_dispatch.policy.ranking import Candidate
 
     graphs: list[int] = []  # ``calls`` of each gpu_clock asked for
 
@@ -581,8 +581,8 @@ def test_cuda_timer_control_flow(monkeypatch, capture_fails):
 
 def test_paired_samples_alternate_and_flip_order(monkeypatch):
     """The check's samples alternate winner and default, flipping the order each pair."""
-    from fp4_dispatch.ranking import Candidate
-    from fp4_dispatch.tuning import WallClockTimer, alternate, paired_samples
+    from fp4_dispatch.autotune.tuning import WallClockTimer, alternate, paired_samples
+    from fp4_dispatch.policy.ranking import Candidate
 
     order: list[str] = []
     pairs = alternate(lambda: order.append("a") or 1.0, lambda: order.append("b") or 2.0, 4)
@@ -607,7 +607,7 @@ def test_paired_samples_alternate_and_flip_order(monkeypatch):
 
 def test_harness_eager_samples_and_clock():
     """`eager_wall_us` keeps its signature; the samples form gives one value per block."""
-    from fp4_dispatch import harness
+    from fp4_dispatch.autotune import harness
 
     calls: list[int] = []
     samples = harness.eager_wall_samples(lambda: calls.append(1), calls=7, warmup=2, replays=3)
@@ -724,7 +724,7 @@ def test_a_fast_wrong_kernel_is_never_adopted(make_dispatcher, operands, tmp_pat
     path = tmp_path / "wrong.json"
     d = make_dispatcher(FakeA(), Sloppy(bad, swap), cache=path)
     times = {("fake-b", 64, 32): 1.0, ("fake-a", 64, 64): 40.0}  # the wrong one is fastest
-    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.tuning"):
+    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.autotune.tuning"):
         (r,) = d.tune([(M, n, K)], timer=FakeTimer(times), progress=False)
     wrong = [m for m in r.measurements if m.method == "wrong"]
     assert len(wrong) == 1 and wrong[0].candidate.tactic.tile_n == 32
@@ -747,9 +747,9 @@ def test_a_correct_swapped_kernel_passes_the_check(make_dispatcher):
 
 
 def test_sampled_check_sees_the_tail_and_zeros(monkeypatch):
-    import fp4_dispatch.harness as harness
-    import fp4_dispatch.tuning as tuning
-    from fp4_dispatch.profiles import resolve
+    import fp4_dispatch.autotune.harness as harness
+    import fp4_dispatch.autotune.tuning as tuning
+    from fp4_dispatch.loading.profiles import resolve
 
     # the check lives in the harness (the tuner imports it from there)
     monkeypatch.setattr(harness, "CHECK_FULL_MACS", 0)  # force sampling on a small problem
@@ -912,7 +912,7 @@ def test_import_skips_other_devices(make_dispatcher, tmp_path):
 
 
 def test_cache_entry_model_is_lenient_and_keeps_unknown_fields():
-    from fp4_dispatch.winners import CacheEntry
+    from fp4_dispatch.store.winners import CacheEntry
 
     old = {"device": "cpu|-|1", "n": 256, "k": 128, "m_bucket": 128, "out_dtype": "bfloat16",
            "backend": "fake-a", "backend_version": "1", "tactic": {"backend": "fake-a"},
@@ -1042,7 +1042,7 @@ def test_a_paired_check_that_fails_keeps_the_default(make_dispatcher, caplog):
 
     d = make_dispatcher()
     timer = Broken({DEFAULT: 100.0, CHALLENGER: 50.0}, {})
-    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.tuning"):
+    with caplog.at_level(logging.WARNING, logger="fp4_dispatch.autotune.tuning"):
         (r,) = d.tune([(M, N, K)], timer=timer, band=0.02, progress=False)
     assert r.kept_default and _key(r.winner) == DEFAULT and math.isnan(r.paired_ratio)
     assert "fell off the bus" in r.decision and "paired check failed" in caplog.text
@@ -1065,7 +1065,7 @@ def test_pairs_below_the_floor_are_refused(make_dispatcher):
 
 
 def test_the_policy_is_recorded_and_a_cpu_measures_eagerly(make_dispatcher, tmp_path):
-    from fp4_dispatch.tuning import CudaTimer, default_timer, policy_of
+    from fp4_dispatch.autotune.tuning import CudaTimer, default_timer, policy_of
 
     path = tmp_path / "policy.json"
     d = make_dispatcher(cache=path)
@@ -1096,7 +1096,7 @@ def test_a_winner_of_another_policy_is_re_measured(make_dispatcher, tmp_path):
 
 
 def test_entries_without_a_policy_read_it_from_the_method():
-    from fp4_dispatch.winners import CacheEntry
+    from fp4_dispatch.store.winners import CacheEntry
 
     base = {"device": "cpu|-|1", "n": 256, "k": 128, "m_bucket": 128, "out_dtype": "bfloat16",
             "backend": "fake-a", "backend_version": "1", "tactic": {"backend": "fake-a"},
@@ -1140,10 +1140,10 @@ def test_an_entry_without_an_operation_is_w4a4(make_dispatcher, tmp_path):
 
 
 def test_dense_inputs_and_their_check():
-    from fp4_dispatch.backend import DenseOperands
+    from fp4_dispatch.autotune.tuning import check_output, make_inputs
     from fp4_dispatch.backends.reference import gemm_dense
-    from fp4_dispatch.device import CPU
-    from fp4_dispatch.tuning import check_output, make_inputs
+    from fp4_dispatch.contracts.backend import DenseOperands
+    from fp4_dispatch.contracts.device import CPU
 
     inp = make_inputs(Problem(m=40, n=32, k=64, operation="w4a16"), CPU, copies=2)
     ops = inp.copies[0]
@@ -1209,8 +1209,8 @@ def test_a_rank_precompiles_only_its_share_of_the_race(make_dispatcher):
     rank 0 also the default pick (it runs the paired check). Alone: the whole race."""
     from types import SimpleNamespace
 
-    from fp4_dispatch.distributed import Fleet
-    from fp4_dispatch.tactics import Problem
+    from fp4_dispatch.autotune.distributed import Fleet
+    from fp4_dispatch.contracts.tactics import Problem
 
     d = make_dispatcher()
     p = Problem(m=M, n=N, k=K)

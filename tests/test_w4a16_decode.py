@@ -18,6 +18,8 @@ import sys
 import pytest
 from conftest import TARGET_ONLY, run_interpreted
 
+from fp4_dispatch.contracts.tactics import Problem
+from fp4_dispatch.loading.profiles import simulated
 from fp4_dispatch.plugins.sm90.w4a16 import (
     GEMV_MAX_M,
     GEMV_OFFERED_MAX_M,
@@ -31,8 +33,6 @@ from fp4_dispatch.plugins.sm90.w4a16 import (
     gemv_thread_bytes,
     why_invalid,
 )
-from fp4_dispatch.profiles import simulated
-from fp4_dispatch.tactics import Problem
 
 SM90 = simulated("sm90")
 
@@ -41,7 +41,7 @@ import json, sys
 import torch
 from fp4_dispatch.backends.sm90 import gemm_w4a16 as w4
 from fp4_dispatch.backends.sm90 import gemm_w4a16_decode as dec
-from fp4_dispatch.nvfp4 import dequantize, quantize_nvfp4
+from fp4_dispatch.format.nvfp4 import dequantize, quantize_nvfp4
 
 assert not w4._USE_ASM, "TRITON_INTERPRET was not honoured"
 
@@ -238,12 +238,12 @@ def test_gemv_estimate_grows_with_tokens_and_pipeline():
 _PRECOMPILE = (
     TARGET_ONLY
     + r"""
-from fp4_dispatch.backend import DenseOperands
+from fp4_dispatch.contracts.backend import DenseOperands
 from fp4_dispatch.backends.sm90 import gemm_w4a16_decode as dec
-from fp4_dispatch.nvfp4 import swizzled_scale_shape
+from fp4_dispatch.format.nvfp4 import swizzled_scale_shape
 from fp4_dispatch.plugins.sm90 import PROFILE
 from fp4_dispatch.plugins.sm90.w4a16 import TritonSm90W4A16Backend, TritonSm90W4A16Tactic
-from fp4_dispatch.tactics import Problem
+from fp4_dispatch.contracts.tactics import Problem
 
 
 backend, dev = TritonSm90W4A16Backend(), PROFILE.device
@@ -327,8 +327,8 @@ def test_gpu_gemv_tactics_natural_and_prepared():
     import torch
 
     from fp4_dispatch.backends.sm90 import gemm_w4a16 as mod
-    from fp4_dispatch.device import detect
-    from fp4_dispatch.nvfp4 import dequantize, quantize_nvfp4
+    from fp4_dispatch.contracts.device import detect
+    from fp4_dispatch.format.nvfp4 import dequantize, quantize_nvfp4
 
     b = TritonSm90W4A16Backend()
     info = detect()

@@ -16,10 +16,11 @@ import pytest
 import torch
 from conftest import TARGET_ONLY, run_interpreted_split, sm90_compile_env
 
-from fp4_dispatch.backend import DenseOperands
+from fp4_dispatch.autotune.harness import CHECK_RTOL_LOSSY
 from fp4_dispatch.backends.reference import w4a8 as ref
-from fp4_dispatch.harness import CHECK_RTOL_LOSSY
-from fp4_dispatch.nvfp4 import (
+from fp4_dispatch.contracts.backend import DenseOperands
+from fp4_dispatch.contracts.tactics import Problem
+from fp4_dispatch.format.nvfp4 import (
     dequantize,
     e2m1_to_float,
     pack_e2m1,
@@ -27,6 +28,7 @@ from fp4_dispatch.nvfp4 import (
     swizzle_scales,
     unpack_e2m1,
 )
+from fp4_dispatch.loading.profiles import simulated
 from fp4_dispatch.plugins.sm90.w4a8 import (
     FUSED_MAX_M,
     UNPACK_MIN_M,
@@ -34,8 +36,6 @@ from fp4_dispatch.plugins.sm90.w4a8 import (
     TritonSm90W4A8Tactic,
     why_invalid,
 )
-from fp4_dispatch.profiles import simulated
-from fp4_dispatch.tactics import Problem
 
 SM90 = simulated("sm90")
 
@@ -132,11 +132,11 @@ _SCRIPT = r"""
 import json, sys
 import torch
 import triton, triton.language as tl
-from fp4_dispatch.backend import DenseOperands
+from fp4_dispatch.contracts.backend import DenseOperands
 from fp4_dispatch.backends.reference import w4a8 as ref
 from fp4_dispatch.backends.sm90 import gemm_w4a8 as g
-from fp4_dispatch.harness import stress_nvfp4
-from fp4_dispatch.nvfp4 import quantize_nvfp4
+from fp4_dispatch.autotune.harness import stress_nvfp4
+from fp4_dispatch.format.nvfp4 import quantize_nvfp4
 
 @triton.jit
 def _bits(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
@@ -312,7 +312,7 @@ def test_tactics_paths_and_rules():
 
 
 def test_unsupported_without_hopper():
-    from fp4_dispatch.device import CPU
+    from fp4_dispatch.contracts.device import CPU
 
     assert not TritonSm90W4A8Backend().supports(CPU)
     assert not TritonSm90W4A8Backend().supports(simulated("sm100"))
@@ -328,8 +328,8 @@ def test_w4a8_kernels_on_gpu_match_the_emulation(path):
     output's rounding only), stress weights included, twice per call (split-K counters)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm90 GPU")
+    from fp4_dispatch.autotune.harness import stress_nvfp4
     from fp4_dispatch.backends.sm90 import gemm_w4a8 as g
-    from fp4_dispatch.harness import stress_nvfp4
 
     dev = torch.device("cuda")
     for m, n, k in ((1, 5120, 5120), (64, 13824, 5120), (300, 3584, 18944), (1024, 4096, 4096)):

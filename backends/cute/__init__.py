@@ -61,13 +61,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from fp4_dispatch import safefs
+from fp4_dispatch.support import safefs
 
 if TYPE_CHECKING:
     import torch
 
-    from fp4_dispatch.backend import GemmOperands
-    from fp4_dispatch.device import DeviceInfo
+    from fp4_dispatch.contracts.backend import GemmOperands
+    from fp4_dispatch.contracts.device import DeviceInfo
 
 log = logging.getLogger(__name__)
 
@@ -169,10 +169,10 @@ def kernel_out_dtype(out_dtype: str) -> str:
 
 
 def _torch_dtype(name: str) -> torch.dtype:
-    """An output dtype (`fp4_dispatch.checks.TORCH_DTYPES`) or "float32" (the fp16 path)."""
+    """An output dtype (`fp4_dispatch.format.checks.TORCH_DTYPES`) or "float32" (the fp16 path)."""
     import torch
 
-    from fp4_dispatch.checks import TORCH_DTYPES
+    from fp4_dispatch.format.checks import TORCH_DTYPES
 
     return torch.float32 if name == "float32" else TORCH_DTYPES[name]
 
@@ -199,8 +199,9 @@ def _probe_args(out_dtype: str, major: Major, m: int = 256, n: int = 256, k: int
 
 
 def padded_scale_numel(rows: int, k: int) -> int:
-    """Elements of a 128x4-swizzled scale tensor (`fp4_dispatch.nvfp4.swizzled_scale_shape`)."""
-    from fp4_dispatch.nvfp4 import swizzled_scale_shape  # lazy: it imports torch
+    """Elements of a 128x4-swizzled scale tensor
+    (`fp4_dispatch.format.nvfp4.swizzled_scale_shape`)."""
+    from fp4_dispatch.format.nvfp4 import swizzled_scale_shape  # lazy: it imports torch
 
     padded_rows, padded_cols = swizzled_scale_shape(rows, k)
     return padded_rows * padded_cols
@@ -446,7 +447,7 @@ def _store(obj: bytes, obj_path: Path, meta_path: Path, key: tuple, sm: int) -> 
     """Write the object file and its metadata atomically; a failure is logged (one warning
     per folder and process, e.g. a read-only cache), not fatal.
 
-    Only regular files are replaced (`fp4_dispatch.safefs`): a symlink, FIFO or device
+    Only regular files are replaced (`fp4_dispatch.support.safefs`): a symlink, FIFO or device
     planted under an entry's name is left alone and the kernel is simply not stored.
     """
     try:

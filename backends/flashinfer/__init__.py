@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from fp4_dispatch.backend import GemmOperands
-    from fp4_dispatch.device import DeviceInfo
+    from fp4_dispatch.contracts.backend import GemmOperands
+    from fp4_dispatch.contracts.device import DeviceInfo
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def _patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
 
 
 def _torch_dtype(out_dtype: str) -> torch.dtype:
-    from fp4_dispatch.checks import TORCH_DTYPES  # lazy: it imports torch
+    from fp4_dispatch.format.checks import TORCH_DTYPES  # lazy: it imports torch
 
     return TORCH_DTYPES[out_dtype]
 

@@ -29,13 +29,13 @@ from collections import OrderedDict
 
 import torch
 
-from fp4_dispatch.backend import DenseOperands, GemmOperands, GroupedOperands
-from fp4_dispatch.checks import TORCH_DTYPES
-from fp4_dispatch.nvfp4 import as_uint8_data, e2m1_to_float, unswizzle_scales
+from fp4_dispatch.contracts.backend import DenseOperands, GemmOperands, GroupedOperands
+from fp4_dispatch.format.checks import TORCH_DTYPES
+from fp4_dispatch.format.nvfp4 import as_uint8_data, e2m1_to_float, unswizzle_scales
 
 log = logging.getLogger(__name__)
 
-#: the output dtypes (their one home, `fp4_dispatch.checks.TORCH_DTYPES`) and float32
+#: the output dtypes (their one home, `fp4_dispatch.format.checks.TORCH_DTYPES`) and float32
 COMPUTE_DTYPES = {"float32": torch.float32, **TORCH_DTYPES}
 CACHE_ENV = "FP4_DISPATCH_REFERENCE_CACHE_MB"
 DEFAULT_CACHE_MB = 1024

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from fp4_dispatch.backend import DenseOperands
-from fp4_dispatch.nvfp4 import as_uint8_data, e2m1_to_float, unpack_e2m1, unswizzle_scales
+from fp4_dispatch.contracts.backend import DenseOperands
+from fp4_dispatch.format.nvfp4 import as_uint8_data, e2m1_to_float, unpack_e2m1, unswizzle_scales
 
 #: E4M3's largest finite magnitude (float8_e4m3fn: no infinities)
 E4M3_MAX = 448.0

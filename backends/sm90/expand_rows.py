@@ -21,7 +21,7 @@ import triton.language as tl
 
 from fp4_dispatch.backends import pdl
 from fp4_dispatch.backends.triton_launch import CachedLauncher, launch_aligned
-from fp4_dispatch.nvfp4 import swizzled_scale_shape
+from fp4_dispatch.format.nvfp4 import swizzled_scale_shape
 
 #: K values a program expands (128 bytes of one row, 16 scale blocks)
 BLOCK_K = 256
@@ -44,7 +44,7 @@ def _expand_kernel(data_ptr, scale_ptr, out_ptr, alpha_ptr, alpha_b_ptr, alpha_o
                    stride_out, scale_rows_stride, BLOCK: tl.constexpr,
                    PDL: tl.constexpr):  # fmt: skip
     """Row ``program_id(1)``, K ``BLOCK * program_id(0)`` onwards: bytes, their scales
-    (the 128x4 swizzle of `fp4_dispatch.nvfp4`), one store of ``BLOCK`` values; the first
+    (the 128x4 swizzle of `fp4_dispatch.format.nvfp4`), one store of ``BLOCK`` values; the first
     program also stores ``alpha * alpha_b`` (fp32) for the GEMM that follows. With
     ``PDL`` every program first lets that GEMM launch (`fp4_dispatch.backends.pdl`)."""
     if PDL:

@@ -49,12 +49,12 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4_dispatch.backend import GemmOperands
 from fp4_dispatch.backends.driver_launch import record_launches
 from fp4_dispatch.backends.sm90.splitk import k_tile_range, store_tile
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
 from fp4_dispatch.backends.triton_launch import CachedLauncher, launch_aligned
 from fp4_dispatch.backends.workspace import Scratch, one_like
+from fp4_dispatch.contracts.backend import GemmOperands
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +312,7 @@ class Nvfp4GemmKernel:
     """
 
     alpha_factors = True
-    #: records a call's launches for the plan's driver-API replays (`fp4_dispatch.plans`)
+    #: records a call's launches for the plan's driver-API replays (`fp4_dispatch.engine.plans`)
     record = staticmethod(record_launches)
 
     def __init__(self, cfg: KernelConfig) -> None:

@@ -1,5 +1,5 @@
 """Hopper (sm90) grouped NVFP4 GEMM in Triton: every expert of a mixture-of-experts layer
-in one launch (docs/grouped.md, `fp4_dispatch.backend.GroupedOperands`).
+in one launch (docs/grouped.md, `fp4_dispatch.contracts.backend.GroupedOperands`).
 
 ``out[r] = alpha[e] * A[r] @ dequant(W[e]).T`` for the rows ``r`` of each expert ``e``
 (``offsets``: int32 cumulative row ends, on the device). ``A`` is dense bf16/fp16
@@ -50,13 +50,13 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4_dispatch.backend import GroupedOperands
 from fp4_dispatch.backends.driver_launch import record_launches
 from fp4_dispatch.backends.sm90.gemm_w4a16 import _USE_ASM
 from fp4_dispatch.backends.sm90.gemm_w4a16_decode import _column, _nibbles, _token_blocks
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
 from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher
-from fp4_dispatch.nvfp4 import swizzled_scale_shape
+from fp4_dispatch.contracts.backend import GroupedOperands
+from fp4_dispatch.format.nvfp4 import swizzled_scale_shape
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +311,7 @@ class GroupedKernel:
 
     Launches through `triton_launch.CachedLauncher` (the compiled binary called directly
     after the first call of a specialization) and records its launch for the plan's
-    driver-API replays (``record``: `fp4_dispatch.plans`): no torch operation runs in a
+    driver-API replays (``record``: `fp4_dispatch.engine.plans`): no torch operation runs in a
     call, so a warm eager call is one launch with the per-call pointers patched."""
 
     cfg: GroupedConfig

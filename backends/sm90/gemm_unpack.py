@@ -50,9 +50,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4_dispatch.backend import GemmOperands
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
-from fp4_dispatch.nvfp4 import swizzled_scale_shape
+from fp4_dispatch.contracts.backend import GemmOperands
+from fp4_dispatch.format.nvfp4 import swizzled_scale_shape
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ loop, sm_90 cubin compiled on the CPU with Triton 3.9, 128x16x128 tile, bf16):
 2. the dot runs in a permuted K order (`_from_prepared`, activations permuted to match):
    each MMA lane's 4 weight bytes are one 32-bit word of memory (no byte repacking) and
    share one block scale;
-3. the sm90-prepared weight layout (`prepare_weight`, `fp4_dispatch.nvfp4`) also rotates
+3. the sm90-prepared weight layout (`prepare_weight`, `fp4_dispatch.format.nvfp4`) also rotates
    each high nibble (both bf16 pairs take 3 instructions) and groups 32 bytes so that each
    lane holds one whole scale block per row (4x fewer scale conversions).
 
@@ -87,7 +87,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4_dispatch.backend import DenseOperands
 from fp4_dispatch.backends.driver_launch import record_launches
 from fp4_dispatch.backends.sm90 import gemm_unpack
 from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_K_CHOICES as UK
@@ -97,7 +96,8 @@ from fp4_dispatch.backends.sm90.splitk import k_tile_range, store_tile
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
 from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher, launch_aligned
 from fp4_dispatch.backends.workspace import Scratch
-from fp4_dispatch.nvfp4 import (  # noqa: F401 - rotate/unrotate re-exported
+from fp4_dispatch.contracts.backend import DenseOperands
+from fp4_dispatch.format.nvfp4 import (  # noqa: F401 - rotate/unrotate re-exported
     rotate_high_nibbles,
     sm90_prepare_data,
     sm90_unprepare_data,
@@ -195,7 +195,7 @@ def smem_estimate(cfg: W4A16Config) -> int:
 def prepare_weight(b_data: torch.Tensor) -> torch.Tensor:
     """Packed e2m1 ``[N, K/2]`` (natural order) -> the sm90-prepared weight layout.
 
-    The layout is `fp4_dispatch.nvfp4.sm90_prepare_data` (an ``Nvfp4Tensor`` with
+    The layout is `fp4_dispatch.format.nvfp4.sm90_prepare_data` (an ``Nvfp4Tensor`` with
     ``data_layout="sm90-prepared"`` holds it): a byte permutation matched to the MMA
     operand fragment (in natural order Triton repacks the fragment's bytes one by one with
     PRMT) and a rotation of each high nibble (`rotate_high_nibbles`: both bf16 value
@@ -217,7 +217,7 @@ def _from_prepared(w, ROWS: tl.constexpr, KB: tl.constexpr):
     that Triton folds into the register layout of the MMA operand (no data movement when
     the fragment matches, which is the point of the layout). The dot's byte order is not
     natural: with ``group16 = (G, c)`` dot byte ``(G, c, h, q, e)`` is natural byte
-    ``32G + 8q + 4c + 2h + e`` (`fp4_dispatch.nvfp4.sm90_prepare_data`), so each MMA lane
+    ``32G + 8q + 4c + 2h + e`` (`fp4_dispatch.format.nvfp4.sm90_prepare_data`), so each MMA lane
     q holds the 8 bytes of one scale block per row; the activations are permuted to match
     (`_natural_to_dot`) and the scales broadcast in that order (`_scale_per_byte`).
     """
@@ -228,7 +228,7 @@ def _from_prepared(w, ROWS: tl.constexpr, KB: tl.constexpr):
 @triton.jit
 def _dot_to_natural(w, ROWS: tl.constexpr, KB: tl.constexpr):
     """Dot order -> natural byte order: tensor ``(G, c, h, q, e)`` -> ``(G, q, c, h, e)``
-    (natural byte ``32G + 8q + 4c + 2h + e``; see `fp4_dispatch.nvfp4.sm90_prepare_data`)."""
+    (natural byte ``32G + 8q + 4c + 2h + e``; see `fp4_dispatch.format.nvfp4.sm90_prepare_data`)."""
     g = tl.reshape(w, (ROWS, KB // 32, 2, 2, 4, 2))
     return tl.reshape(tl.permute(g, (0, 1, 4, 2, 3, 5)), (ROWS, KB))
 
@@ -782,7 +782,7 @@ class DenseKernel:
     cfg: Any
     bias_epilogue: ClassVar[bool] = True
     #: records a call's launches for the plan's driver-API replays
-    #: (`fp4_dispatch.plans`; a launch it cannot replay keeps Triton's launcher)
+    #: (`fp4_dispatch.engine.plans`; a launch it cannot replay keeps Triton's launcher)
     record: ClassVar = staticmethod(record_launches)
     _scratch: Scratch = field(default_factory=Scratch, repr=False)
     #: the Triton launch handle of the latest compiling call (its ``asm`` holds PTX and

@@ -172,7 +172,7 @@ def _byte_offsets(KG: tl.constexpr, PREPARED: tl.constexpr):
     block (block ``b``, byte ``i`` = natural byte ``8b + i``: K elements ``16b + 2i`` and
     ``16b + 2i + 1``).
 
-    Natural order: ``8b + i``. sm90-prepared (`fp4_dispatch.nvfp4.sm90_prepare_data`):
+    Natural order: ``8b + i``. sm90-prepared (`fp4_dispatch.format.nvfp4.sm90_prepare_data`):
     within each 32-byte group ``G`` memory byte ``16c + 4q + 2h + e`` holds natural byte
     ``32G + 8q + 4c + 2h + e``, so block ``b = 4G + q``, byte ``i = 4c + 2h + e`` sits at
     ``32G + 16c + 4q + (i % 4)`` (two runs of 4 bytes)."""

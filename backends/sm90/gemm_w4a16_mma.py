@@ -61,7 +61,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from fp4_dispatch.backend import GemmOperands
 from fp4_dispatch.backends import pdl
 from fp4_dispatch.backends.sm90 import expand_rows, gemm_w4a16
 from fp4_dispatch.backends.sm90.epilogue_gluon import store_tile, tile_origin
@@ -74,6 +73,7 @@ from fp4_dispatch.backends.sm90.gemm_w4a16 import (
 )
 from fp4_dispatch.backends.triton_launch import CachedLauncher
 from fp4_dispatch.backends.workspace import Scratch, one_like
+from fp4_dispatch.contracts.backend import GemmOperands
 
 STEP_K = gl.constexpr(128)
 #: K steps of each warp's weight bytes prefetched to L2 before a PDL-launched kernel

@@ -66,7 +66,7 @@ from fp4_dispatch.backends.sm90.epilogue_gluon import (
 )
 from fp4_dispatch.backends.sm90.gemm_w4a16 import _BF16_NATURAL, DenseKernel, W4A16Operands
 from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher, launch_aligned
-from fp4_dispatch.nvfp4 import swizzled_scale_shape
+from fp4_dispatch.format.nvfp4 import swizzled_scale_shape
 
 #: K elements per pipeline step: 32 weight bytes a row (TMA needs 16+ bytes inner box)
 #: and one 512-byte chunk of the swizzled scales (4 groups of 16) per 128-row block

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from fp4_dispatch.backend import GemmOperands
 from fp4_dispatch.backends.sm90.gemm_w4a16 import (
     _USE_ASM,
     _W4A16_LAUNCH,
@@ -37,7 +36,8 @@ from fp4_dispatch.backends.sm90.gemm_w4a16 import (
 )
 from fp4_dispatch.backends.triton_launch import BoundLaunch, launch_aligned
 from fp4_dispatch.backends.workspace import one_like
-from fp4_dispatch.nvfp4 import swizzled_scale_shape
+from fp4_dispatch.contracts.backend import GemmOperands
+from fp4_dispatch.format.nvfp4 import swizzled_scale_shape
 
 
 @dataclass
@@ -50,7 +50,7 @@ class W4A4DenseKernel(W4A16Kernel):
 
     #: `GemmOperands.alpha_b` is multiplied in the epilogue (no product kernel eagerly)
     alpha_factors = True
-    #: W4A4 has no bias operand (`fp4_dispatch.backend.DenseOperands` only)
+    #: W4A4 has no bias operand (`fp4_dispatch.contracts.backend.DenseOperands` only)
     bias_epilogue = False
 
     def __call__(self, operands: GemmOperands, out: torch.Tensor) -> None:  # type: ignore[override]

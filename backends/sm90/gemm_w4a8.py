@@ -50,12 +50,12 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4_dispatch.backend import DenseOperands
 from fp4_dispatch.backends.sm90.gemm_unpack import _e2m1_to_f32, _e4m3_to_f32
 from fp4_dispatch.backends.sm90.gemm_w4a16 import store_dense
 from fp4_dispatch.backends.sm90.splitk import k_tile_range
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
 from fp4_dispatch.backends.workspace import Scratch
+from fp4_dispatch.contracts.backend import DenseOperands
 
 #: the GPU's conversion instruction; the integer rounding under TRITON_INTERPRET=1
 _HW_CVT = os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")

@@ -1,6 +1,6 @@
 """Offsets into the 128x4-swizzled e4m3 scale layout, for the sm90 Triton kernels.
 
-The layout is the one `fp4_dispatch.nvfp4` defines (its module docstring); entry (r, g)
+The layout is the one `fp4_dispatch.format.nvfp4` defines (its module docstring); entry (r, g)
 of a scale tensor lives at ``scale_row_offset(r, blk) + scale_group_offset(g)``, with
 ``blk`` the storage of one 128-row block (``scale.shape[1] * 128``). The fused quantizer
 (`fp4_dispatch.backends.quantize`) keeps its own int32 version: it writes small tensors.

@@ -22,10 +22,10 @@ from typing import ClassVar, Literal
 
 from pydantic import model_validator
 
-from fp4_dispatch.backend import Backend, Kernel, Support
-from fp4_dispatch.device import DeviceInfo
-from fp4_dispatch.sources import SourceVersion
-from fp4_dispatch.tactics import Problem, Tactic
+from fp4_dispatch.contracts.backend import Backend, Kernel, Support
+from fp4_dispatch.contracts.device import DeviceInfo
+from fp4_dispatch.contracts.tactics import Problem, Tactic
+from fp4_dispatch.support.sources import SourceVersion
 
 COMPILE_ONLY = (
     "CuTe-DSL Blackwell/Rubin kernels are compiled here for their target; "

@@ -20,7 +20,7 @@ so on an SM103 device. Validity is FlashInfer's: a tactic is valid iff the runne
 ``get_valid_tactics`` lists it for the problem (`fp4_dispatch.backends.flashinfer`).
 The pydantic specs only make every knob a narrow type, so an impossible knob is a
 ValidationError before FlashInfer is asked. Scores: the shared cost model
-(`fp4_dispatch.ranking`), which reads the generic optional fields ``tile_k`` (deep-K)
+(`fp4_dispatch.policy.ranking`), which reads the generic optional fields ``tile_k`` (deep-K)
 and ``split_k`` (split-K) these tactics declare.
 
 Compiled here for sm_100a / sm_103a / sm_107a on a CPU; not run on hardware.
@@ -33,11 +33,11 @@ from collections.abc import Iterator
 from importlib import metadata
 from typing import ClassVar, Literal
 
-from fp4_dispatch.backend import Backend, Kernel, Support
-from fp4_dispatch.device import DeviceInfo
-from fp4_dispatch.hookspecs import hookimpl
-from fp4_dispatch.sources import SourceVersion
-from fp4_dispatch.tactics import Problem, Tactic
+from fp4_dispatch.contracts.backend import Backend, Kernel, Support
+from fp4_dispatch.contracts.device import DeviceInfo
+from fp4_dispatch.contracts.hookspecs import hookimpl
+from fp4_dispatch.contracts.tactics import Problem, Tactic
+from fp4_dispatch.support.sources import SourceVersion
 
 COMPILE_ONLY = (
     "FlashInfer's CuTe-DSL kernels are compiled here for their target; "

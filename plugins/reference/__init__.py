@@ -13,13 +13,13 @@ from typing import Literal
 import torch
 
 from fp4_dispatch import __version__
-from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.backends import reference
 from fp4_dispatch.backends.reference import w4a8
-from fp4_dispatch.device import DeviceInfo
-from fp4_dispatch.hookspecs import hookimpl
-from fp4_dispatch.sources import SourceVersion
-from fp4_dispatch.tactics import Problem, Tactic
+from fp4_dispatch.contracts.backend import Backend, Kernel, Support
+from fp4_dispatch.contracts.device import DeviceInfo
+from fp4_dispatch.contracts.hookspecs import hookimpl
+from fp4_dispatch.contracts.tactics import Problem, Tactic
+from fp4_dispatch.support.sources import SourceVersion
 
 
 class ReferenceTactic(Tactic):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from fp4_dispatch.device import DeviceInfo, DeviceProfile
-from fp4_dispatch.hookspecs import hookimpl
+from fp4_dispatch.contracts.device import DeviceInfo, DeviceProfile
+from fp4_dispatch.contracts.hookspecs import hookimpl
 from fp4_dispatch.plugins._cute import CuteBackend, PersistentTactic
 
 

@@ -16,10 +16,10 @@ from typing import Literal
 
 from pydantic import model_validator
 
-from fp4_dispatch.device import DeviceInfo, DeviceProfile
-from fp4_dispatch.hookspecs import hookimpl
+from fp4_dispatch.contracts.device import DeviceInfo, DeviceProfile
+from fp4_dispatch.contracts.hookspecs import hookimpl
+from fp4_dispatch.contracts.tactics import Tactic
 from fp4_dispatch.plugins._cute import CuteBackend
-from fp4_dispatch.tactics import Tactic
 
 #: fallback clusters the operator library generates
 FALLBACKS = ((1, 1), (1, 2), (2, 1))

@@ -28,12 +28,12 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Literal, TypeVar
 
-from fp4_dispatch.backend import Backend, Kernel, Support
-from fp4_dispatch.device import DeviceInfo, DeviceProfile
-from fp4_dispatch.hookspecs import hookimpl
+from fp4_dispatch.contracts.backend import Backend, Kernel, Support
+from fp4_dispatch.contracts.device import DeviceInfo, DeviceProfile
+from fp4_dispatch.contracts.hookspecs import hookimpl
+from fp4_dispatch.contracts.tactics import Problem, Tactic
 from fp4_dispatch.plugins.sm90 import cost_model
-from fp4_dispatch.sources import SourceVersion
-from fp4_dispatch.tactics import Problem, Tactic
+from fp4_dispatch.support.sources import SourceVersion
 
 if TYPE_CHECKING:
     from fp4_dispatch.backends.sm90.gemm_direct import KernelConfig

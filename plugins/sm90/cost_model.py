@@ -68,11 +68,11 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fp4_dispatch.ranking import SWAP_NEUTRAL_ABOVE_M, preferred_swap
+from fp4_dispatch.policy.ranking import SWAP_NEUTRAL_ABOVE_M, preferred_swap
 
 if TYPE_CHECKING:
-    from fp4_dispatch.device import DeviceInfo
-    from fp4_dispatch.tactics import Problem, Tactic
+    from fp4_dispatch.contracts.device import DeviceInfo
+    from fp4_dispatch.contracts.tactics import Problem, Tactic
 
 #: the data file the plugin reads (written by benchmarks/fit_cost_model.py)
 MODEL_FILE = Path(__file__).with_name("cost_model.json")

@@ -23,12 +23,12 @@ import itertools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Literal
 
-from fp4_dispatch.backend import Backend, Kernel, Support
-from fp4_dispatch.device import DeviceInfo
+from fp4_dispatch.contracts.backend import Backend, Kernel, Support
+from fp4_dispatch.contracts.device import DeviceInfo
+from fp4_dispatch.contracts.tactics import Problem, Tactic
 from fp4_dispatch.plugins.sm90 import _sm90_support
 from fp4_dispatch.plugins.sm90 import w4a16 as w4
-from fp4_dispatch.sources import SourceVersion
-from fp4_dispatch.tactics import Problem, Tactic
+from fp4_dispatch.support.sources import SourceVersion
 
 if TYPE_CHECKING:
     from fp4_dispatch.backends.sm90.gemm_w4a16 import W4A16Config

@@ -27,11 +27,11 @@ import math
 from collections.abc import Iterator
 from typing import Literal
 
-from fp4_dispatch.backend import Backend, Kernel, Support
-from fp4_dispatch.device import DeviceInfo
+from fp4_dispatch.contracts.backend import Backend, Kernel, Support
+from fp4_dispatch.contracts.device import DeviceInfo
+from fp4_dispatch.contracts.tactics import Problem, Tactic
 from fp4_dispatch.plugins.sm90 import PROFILE, SMEM_LIMIT, _sm90_support
-from fp4_dispatch.sources import SourceVersion
-from fp4_dispatch.tactics import Problem, Tactic
+from fp4_dispatch.support.sources import SourceVersion
 
 #: said in `explain` and the docs: the estimate's constants are not fitted
 UNFITTED = True

@@ -30,12 +30,12 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from fp4_dispatch.backend import Backend, Kernel, Support
-from fp4_dispatch.device import DeviceInfo
+from fp4_dispatch.contracts.backend import Backend, Kernel, Support
+from fp4_dispatch.contracts.device import DeviceInfo
+from fp4_dispatch.contracts.tactics import Problem, Tactic
 from fp4_dispatch.plugins.sm90 import _pow2_at_least, _sm90_support, cost_model, smem_rule
 from fp4_dispatch.plugins.sm90 import split_k_rule as _split_k_rule
-from fp4_dispatch.sources import SourceVersion
-from fp4_dispatch.tactics import Problem, Tactic
+from fp4_dispatch.support.sources import SourceVersion
 
 if TYPE_CHECKING:
     from fp4_dispatch.backends.sm90.gemm_w4a8 import W4A8Config

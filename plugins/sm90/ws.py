@@ -27,12 +27,12 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from fp4_dispatch.backend import Backend, Kernel, Support
-from fp4_dispatch.device import DeviceInfo
+from fp4_dispatch.contracts.backend import Backend, Kernel, Support
+from fp4_dispatch.contracts.device import DeviceInfo
+from fp4_dispatch.contracts.tactics import Problem, Tactic
 from fp4_dispatch.plugins.sm90 import _gluon_support, _pow2_at_least, cost_model, split_k_rule
 from fp4_dispatch.plugins.sm90 import w4a16 as w4
-from fp4_dispatch.sources import SourceVersion
-from fp4_dispatch.tactics import Problem, Tactic
+from fp4_dispatch.support.sources import SourceVersion
 
 if TYPE_CHECKING:
     from fp4_dispatch.backends.sm90.gemm_w4a16_ws import WsConfig

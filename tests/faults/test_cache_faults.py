@@ -29,12 +29,12 @@ from typing import Literal
 import pytest
 import torch
 
-import fp4_dispatch.registry as registry_mod
+import fp4_dispatch.loading.registry as registry_mod
 from fp4_dispatch import Backend, Dispatcher, Problem, Support, Tactic, quantize_nvfp4
-from fp4_dispatch import cache as cache_mod
-from fp4_dispatch.cache import FORMAT, TuningCache
-from fp4_dispatch.nvfp4 import reference_gemm
-from fp4_dispatch.tuning import Timing
+from fp4_dispatch.autotune.tuning import Timing
+from fp4_dispatch.format.nvfp4 import reference_gemm
+from fp4_dispatch.store import cache as cache_mod
+from fp4_dispatch.store.cache import FORMAT, TuningCache
 
 M, N, K = 100, 256, 128
 ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False
@@ -338,7 +338,7 @@ def test_temp_file_of_a_killed_writer_is_removed_by_the_next_write(tmp_path, cap
 _KILL_MID_WRITE = textwrap.dedent(
     """
     import os, signal, sys
-    from fp4_dispatch.cache import TuningCache
+    from fp4_dispatch.store.cache import TuningCache
 
     def die(fd):  # after the temp file is written, before it replaces the cache
         os.kill(os.getpid(), signal.SIGKILL)
@@ -370,7 +370,7 @@ def test_sigkill_mid_write_loses_nothing(tmp_path, caplog):
 _WRITER = textwrap.dedent(
     """
     import sys
-    from fp4_dispatch.cache import TuningCache
+    from fp4_dispatch.store.cache import TuningCache
 
     path, worker = sys.argv[1], int(sys.argv[2])
     cache = TuningCache(path)

@@ -31,9 +31,9 @@ from test_cache_faults import (
     _tune_and_run,
 )
 
-from fp4_dispatch import cache as cache_mod
-from fp4_dispatch import safefs
-from fp4_dispatch.cache import ExportTargetError, TuningCache
+from fp4_dispatch.store import cache as cache_mod
+from fp4_dispatch.store.cache import ExportTargetError, TuningCache
+from fp4_dispatch.support import safefs
 
 ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 #: a user id that is not this process's and not root (the "other user" who plants links)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fp4_dispatch import quantize_nvfp4
-from fp4_dispatch.dispatcher import Dispatcher
-from fp4_dispatch.profiles import resolve
+from fp4_dispatch.engine.dispatcher import Dispatcher
+from fp4_dispatch.loading.profiles import resolve
 
 
 @pytest.mark.parametrize("bad", [0, -4, True, 1.5, "132"])

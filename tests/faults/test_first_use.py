@@ -14,10 +14,11 @@ from typing import Literal
 import pytest
 import torch
 
-import fp4_dispatch.registry as registry_mod
-from fp4_dispatch import Backend, Dispatcher, Problem, Support, Tactic, firstuse, quantize_nvfp4
-from fp4_dispatch.guard import PluginFault
-from fp4_dispatch.nvfp4 import reference_gemm
+import fp4_dispatch.loading.registry as registry_mod
+from fp4_dispatch import Backend, Dispatcher, Problem, Support, Tactic, quantize_nvfp4
+from fp4_dispatch.engine import firstuse
+from fp4_dispatch.format.nvfp4 import reference_gemm
+from fp4_dispatch.loading.guard import PluginFault
 
 M, N, K = 24, 96, 128
 
@@ -176,7 +177,7 @@ def test_cached_winner_failing_verification_is_not_the_heuristic_pick_either(
     d = Dispatcher(device="cpu", cache=path)
 
     def timer(cand, launch, best):
-        from fp4_dispatch.tuning import Timing
+        from fp4_dispatch.autotune.tuning import Timing
 
         us = 1.0 if cand.backend == "ext" else 50.0
         return Timing((us, us, us), "fake")

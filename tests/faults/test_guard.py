@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fp4_dispatch.backend import Support
-from fp4_dispatch.guard import MAX_FAULTS, Guard, PluginFault, contain
+from fp4_dispatch.contracts.backend import Support
+from fp4_dispatch.loading.guard import MAX_FAULTS, Guard, PluginFault, contain
 
 
 class Hostile(Exception):

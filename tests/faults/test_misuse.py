@@ -13,8 +13,9 @@ import pytest
 import torch
 from test_cache_faults import K, M, N, _timer
 
-from fp4_dispatch import Dispatcher, device, quantize_nvfp4
-from fp4_dispatch.cache import FORMAT, TuningCache
+from fp4_dispatch import Dispatcher, quantize_nvfp4
+from fp4_dispatch.contracts import device
+from fp4_dispatch.store.cache import FORMAT, TuningCache
 
 
 @pytest.fixture
@@ -52,8 +53,8 @@ def test_huge_dimensions_are_refused(cpu):
 
 
 def test_explain_of_a_huge_m_is_a_usage_error():
-    from fp4_dispatch.checks import MAX_DIM
     from fp4_dispatch.cli.common import MAX_INT
+    from fp4_dispatch.format.checks import MAX_DIM
 
     assert MAX_INT == MAX_DIM
     proc = _cli("explain", "99999999999999999999", "4096", "4096")

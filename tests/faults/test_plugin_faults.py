@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from fp4_dispatch import PluginLoadError, reference_gemm
-from fp4_dispatch.dispatcher import Dispatcher
-from fp4_dispatch.guard import PluginFault
+from fp4_dispatch.engine.dispatcher import Dispatcher
+from fp4_dispatch.loading.guard import PluginFault
 
 PLUGIN = "faulty"
 BACKEND = "faulty-b"
@@ -346,7 +346,7 @@ def test_list_backends_json_carries_faults(plugin_dist, capsys):
 
 @pytest.mark.parametrize("call", ["supports", "build"])
 def test_slow_hook_is_named_as_it_happens(call, plugin_dist, qab, caplog, monkeypatch):
-    from fp4_dispatch import guard
+    from fp4_dispatch.loading import guard
 
     monkeypatch.setattr(guard, "SLOW_CALL_S", 0.2)
     args = SUPPORTS if call == "supports" else BUILD
@@ -367,8 +367,8 @@ def test_slow_hook_is_named_as_it_happens(call, plugin_dist, qab, caplog, monkey
 
 
 def test_list_backends_table_shows_load_and_hook_times(plugin_dist, capsys, monkeypatch):
-    from fp4_dispatch import guard
     from fp4_dispatch.cli import main
+    from fp4_dispatch.loading import guard
 
     monkeypatch.setattr(guard, "SLOW_CALL_S", 0.2)
     body = "time.sleep(0.3)\nreturn super().supports(device)"

@@ -1,4 +1,4 @@
-"""Backend versions carry a digest of their kernels' source (`fp4_dispatch.sources`): an
+"""Backend versions carry a digest of their kernels' source (`fp4_dispatch.support.sources`): an
 edited kernel is a tuning-cache miss, never a stale winner."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import textwrap
 
 import pytest
 
-import fp4_dispatch.registry as registry_mod
-from fp4_dispatch import Dispatcher, sources
-from fp4_dispatch.sources import SourceVersion, source_digest
+import fp4_dispatch.loading.registry as registry_mod
+from fp4_dispatch import Dispatcher
+from fp4_dispatch.support import sources
+from fp4_dispatch.support.sources import SourceVersion, source_digest
 
 FILES = {
     "__init__.py": "",

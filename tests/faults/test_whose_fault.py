@@ -14,10 +14,10 @@ from typing import Literal
 import pytest
 import torch
 
-import fp4_dispatch.registry as registry_mod
+import fp4_dispatch.loading.registry as registry_mod
 from fp4_dispatch import Backend, Dispatcher, Problem, Support, Tactic, quantize_nvfp4
-from fp4_dispatch.blame import ArgumentError
-from fp4_dispatch.nvfp4 import reference_gemm
+from fp4_dispatch.engine.blame import ArgumentError
+from fp4_dispatch.format.nvfp4 import reference_gemm
 
 M, N, K = 8, 64, 64
 CALLS: list[str] = []

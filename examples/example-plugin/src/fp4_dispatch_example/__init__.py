@@ -14,7 +14,7 @@ import torch
 
 import fp4_dispatch
 from fp4_dispatch import Backend, DeviceInfo, GemmOperands, Problem, Support, Tactic
-from fp4_dispatch.nvfp4 import e2m1_to_float, unpack_e2m1, unswizzle_scales
+from fp4_dispatch.format.nvfp4 import e2m1_to_float, unpack_e2m1, unswizzle_scales
 
 
 class RowBlockTactic(Tactic):
