@@ -34,6 +34,7 @@ _LAZY = {
     "Dispatcher": "dispatcher",
     "BackendStatus": "dispatcher",
     "Nvfp4Linear": "nn",
+    "Nvfp4MoE": "moe",
     "ConversionReport": "convert",
     "quantize_model": "convert",
     "CheckpointError": "checkpoints",
@@ -52,6 +53,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only; at run time the names are 
     from .dispatcher import BackendStatus, Dispatcher
     from .hf import from_pretrained
     from .hookspecs import hookimpl
+    from .moe import Nvfp4MoE
     from .nn import Nvfp4Linear
     from .nvfp4 import Nvfp4Tensor, dequantize, quantize_nvfp4, reference_gemm
     from .registry import LoadError, PluginLoadError
@@ -86,6 +88,7 @@ __all__ = [
     "LoadError",
     "LoadReport",
     "Nvfp4Linear",
+    "Nvfp4MoE",
     "Nvfp4Tensor",
     "PluginLoadError",
     "Problem",

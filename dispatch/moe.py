@@ -41,7 +41,14 @@ from torch import nn
 from . import checks, torch_ops
 from .dispatcher import Dispatcher
 from .nn import ACTIVATIONS, Activations, precision_of
-from .nvfp4 import BLOCK_SIZE, Nvfp4Tensor, swizzle_scales, swizzled_scale_shape, unswizzle_scales
+from .nvfp4 import (
+    BLOCK_SIZE,
+    Nvfp4Tensor,
+    quantize_nvfp4,
+    swizzle_scales,
+    swizzled_scale_shape,
+    unswizzle_scales,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -197,12 +204,10 @@ class Nvfp4MoE(nn.Module):
     ) -> Nvfp4MoE:
         """Quantize dense experts (transformers' fused layout: ``gate_up_proj`` ``[E, 2I,
         H]``, gate rows first, ``down_proj`` ``[E, H, I]``) into a new layer on their
-        device. Each expert's ``[2I, H]`` and ``[H, I]`` matrices are quantized as
-        `fp4_dispatch.quantize_nvfp4` would quantize them alone (global scale ``amax /
-        (6 * 448)`` of that matrix, so gate and up share it), a chunk of rows at a
-        time (`fp4_dispatch.convert.quantize_weight`)."""
-        from .convert import quantize_weight  # noqa: PLC0415 - convert imports this module
-
+        device. Each expert's ``[2I, H]`` and ``[H, I]`` matrices are quantized by
+        `fp4_dispatch.quantize_nvfp4` alone (global scale ``amax / (6 * 448)`` of that
+        matrix, so gate and up share it, as ModelOpt's export does), one expert at a
+        time: the scratch is one expert's matrix in float32."""
         e, two_i, h = gate_up_proj.shape
         if two_i % 2 or tuple(down_proj.shape) != (e, h, two_i // 2):
             raise ValueError(
@@ -220,8 +225,8 @@ class Nvfp4MoE(nn.Module):
         with torch.no_grad():
             mod.gate.weight.copy_(router_weight.detach())
             for x in range(e):
-                gu = quantize_weight(gate_up_proj[x].detach())
-                mod.load_expert(x, gate=gu, down=quantize_weight(down_proj[x].detach()))
+                gu = quantize_nvfp4(gate_up_proj[x].detach())
+                mod.load_expert(x, gate=gu, down=quantize_nvfp4(down_proj[x].detach()))
         return mod
 
     def load_expert(
@@ -254,7 +259,7 @@ class Nvfp4MoE(nn.Module):
             self.gate_up_data[expert].copy_(data)
             self.gate_up_scale[expert].copy_(swizzle_scales(lin))
             self.gate_global_scale[expert].copy_(gate.global_scale)
-            self.up_global_scale[expert].copy_((up or gate).global_scale)
+            self.up_global_scale[expert].copy_((up if up is not None else gate).global_scale)
             self.down_data[expert].copy_(down.natural_data().to(dev))
             self.down_scale[expert].copy_(down.with_layout("swizzled").scale.to(dev))
             self.down_global_scale[expert].copy_(down.global_scale)
