@@ -263,8 +263,11 @@ def _moe_blocks(
         if block is None:
             continue
         hit = _matches(name, skip)
-        why = (block if isinstance(block, str) else f"in skip ({hit!r})" if hit is not None
-               else "refused by filter" if keep is not None and not keep(name, mod) else None)  # fmt: skip
+        why = block if isinstance(block, str) else None
+        if why is None and hit is not None:
+            why = f"in skip ({hit!r})"
+        elif why is None and keep is not None and not keep(name, mod):
+            why = "refused by filter"
         if why is not None:
             report.skipped[name] = why
             continue

@@ -57,8 +57,16 @@ __all__ = ["Nvfp4MoE", "route", "sort_by_expert"]
 _OUT_DTYPES = tuple(checks.OUT_DTYPES)
 _K_MULTIPLE = 2 * BLOCK_SIZE  # the GEMM's K rule
 #: buffers whose dtype IS the format: a module-wide dtype cast must never touch them
-_QUANTIZED = ("gate_up_data", "gate_up_scale", "gate_global_scale", "up_global_scale",
-              "down_data", "down_scale", "down_global_scale", "input_scales")  # fmt: skip
+_QUANTIZED = (
+    "gate_up_data",
+    "gate_up_scale",
+    "gate_global_scale",
+    "up_global_scale",
+    "down_data",
+    "down_scale",
+    "down_global_scale",
+    "input_scales",
+)
 
 
 def route(
@@ -90,10 +98,12 @@ def sort_by_expert(
 
 
 def _check_dims(hidden_size: int, intermediate_size: int, num_experts: int, top_k: int) -> None:
-    for name, value, k_rule in (("hidden_size", hidden_size, True),
-                                ("intermediate_size", intermediate_size, True),
-                                ("num_experts", num_experts, False),
-                                ("top_k", top_k, False)):  # fmt: skip
+    for name, value, k_rule in (
+        ("hidden_size", hidden_size, True),
+        ("intermediate_size", intermediate_size, True),
+        ("num_experts", num_experts, False),
+        ("top_k", top_k, False),
+    ):
         if not isinstance(value, int) or value <= 0 or (k_rule and value % _K_MULTIPLE):
             rule = f"a positive multiple of {_K_MULTIPLE}" if k_rule else "a positive int"
             raise ValueError(f"{name}: expected {rule}, got {value!r}")
@@ -177,13 +187,16 @@ class Nvfp4MoE(nn.Module):
         e, h, i = num_experts, hidden_size, intermediate_size
         u8, f32, e4m3 = torch.uint8, torch.float32, torch.float8_e4m3fn
         self.register_buffer("gate_up_data", torch.zeros(e, 2 * i, h // 2, dtype=u8, device=device))
-        self.register_buffer("gate_up_scale", torch.zeros(
-            e, *swizzled_scale_shape(2 * i, h), dtype=e4m3, device=device))  # fmt: skip
+        self.register_buffer(
+            "gate_up_scale",
+            torch.zeros(e, *swizzled_scale_shape(2 * i, h), dtype=e4m3, device=device),
+        )
         self.register_buffer("gate_global_scale", torch.ones(e, dtype=f32, device=device))
         self.register_buffer("up_global_scale", torch.ones(e, dtype=f32, device=device))
         self.register_buffer("down_data", torch.zeros(e, h, i // 2, dtype=u8, device=device))
-        self.register_buffer("down_scale", torch.zeros(
-            e, *swizzled_scale_shape(h, i), dtype=e4m3, device=device))  # fmt: skip
+        self.register_buffer(
+            "down_scale", torch.zeros(e, *swizzled_scale_shape(h, i), dtype=e4m3, device=device)
+        )
         self.register_buffer("down_global_scale", torch.ones(e, dtype=f32, device=device))
         self.register_buffer("input_scales", None)
 
@@ -219,9 +232,18 @@ class Nvfp4MoE(nn.Module):
                 f"router_weight: expected shape {(e, h)}, got {tuple(router_weight.shape)}"
             )
         dtype = router_weight.dtype if router_weight.dtype in _OUT_DTYPES else torch.bfloat16
-        mod = cls(h, two_i // 2, e, top_k, norm_topk_prob=norm_topk_prob, dispatcher=dispatcher,
-                  activations=activations, precision=precision, device=gate_up_proj.device,
-                  dtype=dtype)  # fmt: skip
+        mod = cls(
+            h,
+            two_i // 2,
+            e,
+            top_k,
+            norm_topk_prob=norm_topk_prob,
+            dispatcher=dispatcher,
+            activations=activations,
+            precision=precision,
+            device=gate_up_proj.device,
+            dtype=dtype,
+        )
         with torch.no_grad():
             mod.gate.weight.copy_(router_weight.detach())
             for x in range(e):
@@ -273,7 +295,9 @@ class Nvfp4MoE(nn.Module):
             return
         t = torch.as_tensor(scales, dtype=torch.float32).detach()
         if tuple(t.shape) != (3, self.num_experts):
-            raise ValueError(f"scales: expected shape (3, {self.num_experts}), got {tuple(t.shape)}")
+            raise ValueError(
+                f"scales: expected shape (3, {self.num_experts}), got {tuple(t.shape)}"
+            )
         if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
             raise ValueError("scales: expected finite values > 0")
         self.input_scales = t.to(self.gate_up_data.device)
@@ -308,15 +332,20 @@ class Nvfp4MoE(nn.Module):
         or ``"up"`` ``[I, H]``, or ``"down"`` ``[H, I]`` weight, linear scales."""
         h, i = self.hidden_size, self.intermediate_size
         if which == "down":
-            return Nvfp4Tensor._trusted(self.down_data[expert], self.down_scale[expert],
-                                        self.down_global_scale[expert], "swizzled", (h, i))  # fmt: skip
+            return Nvfp4Tensor._trusted(
+                self.down_data[expert],
+                self.down_scale[expert],
+                self.down_global_scale[expert],
+                "swizzled",
+                (h, i),
+            )
         if which not in ("gate_up", "gate", "up"):
             raise ValueError(f"which: expected 'gate_up', 'gate', 'up' or 'down', got {which!r}")
         lin = unswizzle_scales(self.gate_up_scale[expert], 2 * i, h)
         rows = {"gate_up": slice(0, 2 * i), "gate": slice(0, i), "up": slice(i, 2 * i)}[which]
         g = (self.up_global_scale if which == "up" else self.gate_global_scale)[expert]
         data = self.gate_up_data[expert, rows]
-        return Nvfp4Tensor._trusted(data, lin[rows], g, "linear", tuple(data.shape[:1]) + (h,))
+        return Nvfp4Tensor._trusted(data, lin[rows], g, "linear", (data.shape[0], h))
 
     def dequantized_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The weights the grouped GEMMs multiply by, float32: (gate_up ``[E, 2I, H]``, each
@@ -372,8 +401,9 @@ class Nvfp4MoE(nn.Module):
         out = torch.zeros(x2.shape, dtype=torch.float32, device=x.device).index_add_(0, token, y)
         return out.to(out_dtype).reshape(x.shape)
 
-    def _gate_up(self, a: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,
-                 dense: bool) -> torch.Tensor:  # fmt: skip
+    def _gate_up(
+        self, a: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype, dense: bool
+    ) -> torch.Tensor:
         """``silu(a @ gate.T) * (a @ up.T)`` per expert, in ``out_dtype``."""
         i = self.intermediate_size
         if self._is_fused():
@@ -401,11 +431,17 @@ class Nvfp4MoE(nn.Module):
         ``"gate"``/``"up"`` the kept contiguous halves)."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         if which == "gate_up":
-            return Nvfp4Tensor._trusted(self.gate_up_data, self.gate_up_scale,
-                                        self.gate_global_scale, "swizzled", (e, 2 * i, h))  # fmt: skip
+            return Nvfp4Tensor._trusted(
+                self.gate_up_data,
+                self.gate_up_scale,
+                self.gate_global_scale,
+                "swizzled",
+                (e, 2 * i, h),
+            )
         if which == "down":
-            return Nvfp4Tensor._trusted(self.down_data, self.down_scale,
-                                        self.down_global_scale, "swizzled", (e, h, i))  # fmt: skip
+            return Nvfp4Tensor._trusted(
+                self.down_data, self.down_scale, self.down_global_scale, "swizzled", (e, h, i)
+            )
         halves = self.__dict__.get("_halves")
         if halves is None:
             if torch_ops.stream_capturing():
@@ -417,14 +453,23 @@ class Nvfp4MoE(nn.Module):
         """A contiguous ``[E, I, H]`` copy of the gate or up rows (split mode only)."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         rows = slice(0, i) if which == "gate" else slice(i, 2 * i)
-        scales = [swizzle_scales(unswizzle_scales(self.gate_up_scale[x], 2 * i, h)[rows])
-                  for x in range(e)]  # fmt: skip
+        scales = [
+            swizzle_scales(unswizzle_scales(self.gate_up_scale[x], 2 * i, h)[rows])
+            for x in range(e)
+        ]
         g = self.gate_global_scale if which == "gate" else self.up_global_scale
-        return Nvfp4Tensor._trusted(self.gate_up_data[:, rows].contiguous(), torch.stack(scales),
-                                    g, "swizzled", (e, i, h))  # fmt: skip
+        return Nvfp4Tensor._trusted(
+            self.gate_up_data[:, rows].contiguous(), torch.stack(scales), g, "swizzled", (e, i, h)
+        )
 
-    def _grouped(self, a: torch.Tensor, which: str, offsets: torch.Tensor,
-                 out_dtype: torch.dtype, dense: bool) -> torch.Tensor:  # fmt: skip
+    def _grouped(
+        self,
+        a: torch.Tensor,
+        which: str,
+        offsets: torch.Tensor,
+        out_dtype: torch.dtype,
+        dense: bool,
+    ) -> torch.Tensor:
         """``a @ W[e].T`` for the rows of each expert ``e`` (`Dispatcher.grouped_gemm`)."""
         d = self.dispatcher or torch_ops.default_dispatcher(a.device, self.precision)
         b = self._stacked(which)

@@ -36,8 +36,14 @@ from .nvfp4 import Nvfp4Tensor
 __all__ = ["ALIASES", "PROJECTIONS", "QMoE", "build_moe", "plan_moe", "split_experts"]
 
 #: checkpoint projection names -> the layer's (gate, up, down)
-PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
-               "w1": "gate", "w3": "up", "w2": "down"}  # fmt: skip
+PROJECTIONS = {
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+}
 _ORDER = ("gate", "up", "down")
 #: (checkpoint block name component, model's) pairs tried when the model lacks the first
 ALIASES = (("block_sparse_moe", "mlp"),)
@@ -98,15 +104,24 @@ def _model_block(block: str, model_mods: dict[str, nn.Module]) -> tuple[str, nn.
     return None
 
 
-def _shape_of(mod: nn.Module, name: str, src: Source) -> tuple[int, int, int, int, bool, torch.dtype]:
+def _shape_of(
+    mod: nn.Module, name: str, src: Source
+) -> tuple[int, int, int, int, bool, torch.dtype]:
     """(E, H, I, top_k, norm_topk_prob, router dtype) of the model's MoE module."""
     if isinstance(mod, Nvfp4MoE):
-        return (mod.num_experts, mod.hidden_size, mod.intermediate_size, mod.top_k,
-                mod.norm_topk_prob, mod.gate.weight.dtype)  # fmt: skip
+        return (
+            mod.num_experts,
+            mod.hidden_size,
+            mod.intermediate_size,
+            mod.top_k,
+            mod.norm_topk_prob,
+            mod.gate.weight.dtype,
+        )
     block = inspect_block(mod)
     if isinstance(block, str):
-        raise CheckpointError(f"{name} in {src.label}: the model's MoE block cannot hold NVFP4 "
-                              f"experts: {block}")  # fmt: skip
+        raise CheckpointError(
+            f"{name} in {src.label}: the model's MoE block cannot hold NVFP4 experts: {block}"
+        )
     e, two_i, h = block.gate_up.shape
     return e, h, two_i // 2, block.top_k, block.norm_topk_prob, block.router_weight.dtype
 
@@ -137,8 +152,12 @@ def plan_moe(
     extra = sorted(x for x, _ in projs if x >= e)
     if extra:
         p = projs[next(k for k in projs if k[0] == extra[0])]
-        raise _err(f"{p}.{fmt.data}", infos[f"{p}.{fmt.data}"], src,
-                   f"expert {extra[0]}, but model module {target_name!r} has {e} experts")  # fmt: skip
+        raise _err(
+            f"{p}.{fmt.data}",
+            infos[f"{p}.{fmt.data}"],
+            src,
+            f"expert {extra[0]}, but model module {target_name!r} has {e} experts",
+        )
     want = {"gate": (i, h), "up": (i, h), "down": (h, i)}
     g = torch.empty(3, e, dtype=torch.float32)
     inputs: list[torch.Tensor | None] = []
@@ -146,14 +165,22 @@ def plan_moe(
         for j, proj in enumerate(_ORDER):
             p = projs.get((x, proj))
             if p is None:
-                raise _err(f"{block}.experts.{x}.{proj}", any_info, src,
-                           f"missing: block {block} has NVFP4 experts but not expert {x}'s "
-                           f"{proj} projection")  # fmt: skip
+                raise _err(
+                    f"{block}.experts.{x}.{proj}",
+                    any_info,
+                    src,
+                    f"missing: block {block} has NVFP4 experts but not expert {x}'s "
+                    f"{proj} projection",
+                )
             n, k = check_layer(src, infos, p, fmt)
             if (n, k) != want[proj]:
-                raise _err(f"{p}.{fmt.data}", infos[f"{p}.{fmt.data}"], src,
-                           f"a [{n}, {k}] weight, but model module {target_name!r} has "
-                           f"{proj} weights of [{want[proj][0]}, {want[proj][1]}]")  # fmt: skip
+                raise _err(
+                    f"{p}.{fmt.data}",
+                    infos[f"{p}.{fmt.data}"],
+                    src,
+                    f"a [{n}, {k}] weight, but model module {target_name!r} has "
+                    f"{proj} weights of [{want[proj][0]}, {want[proj][1]}]",
+                )
             if f"{p}.bias" in infos:
                 raise _err(f"{p}.bias", infos[f"{p}.bias"], src, "expert biases are not supported")
             q.roles[f"{x}.{proj}.data"] = f"{p}.{fmt.data}"
@@ -176,8 +203,12 @@ def _input_scales(inputs, e, block, info, src, fmt) -> torch.Tensor | None:
     if not any(have):
         return None
     if not all(have):
-        raise _err(f"{block}.experts", info, src,
-                   f"some expert projections have {fmt.input_scale} and some do not")  # fmt: skip
+        raise _err(
+            f"{block}.experts",
+            info,
+            src,
+            f"some expert projections have {fmt.input_scale} and some do not",
+        )
     return torch.stack(inputs).reshape(e, 3).T.contiguous()
 
 
@@ -186,12 +217,18 @@ def _router(src: Source, infos: dict[str, TensorInfo], block: str, q: QMoE) -> s
     info = infos.get(name)
     if info is None:
         raise _err(name, None, src, f"missing: the router of MoE block {block}")
-    if info.shape != (q.experts, q.hidden) or info.dtype is None or not (
-        info.dtype.is_floating_point and info.dtype.itemsize > 1
+    if (
+        info.shape != (q.experts, q.hidden)
+        or info.dtype is None
+        or not (info.dtype.is_floating_point and info.dtype.itemsize > 1)
     ):
-        raise _err(name, info, src,
-                   f"expected a float [{q.experts}, {q.hidden}] router weight, got "
-                   f"{info.dtype_name} of shape {list(info.shape)}")  # fmt: skip
+        raise _err(
+            name,
+            info,
+            src,
+            f"expected a float [{q.experts}, {q.hidden}] router weight, got "
+            f"{info.dtype_name} of shape {list(info.shape)}",
+        )
     return name
 
 
@@ -204,9 +241,17 @@ def build_moe(
 ) -> Nvfp4MoE:
     """The `Nvfp4MoE` of one planned block from its tensors (`q.roles` -> tensor)."""
     mod = q.target
-    layer = Nvfp4MoE(q.hidden, q.inter, q.experts, q.top_k, norm_topk_prob=q.norm_topk_prob,
-                     dispatcher=dispatcher, activations=activations, device=device,
-                     dtype=q.router_dtype)  # fmt: skip
+    layer = Nvfp4MoE(
+        q.hidden,
+        q.inter,
+        q.experts,
+        q.top_k,
+        norm_topk_prob=q.norm_topk_prob,
+        dispatcher=dispatcher,
+        activations=activations,
+        device=device,
+        dtype=q.router_dtype,
+    )
     g = q.global_scales.to(device)
     with torch.no_grad():
         layer.gate.weight.copy_(got["router"])
@@ -214,9 +259,13 @@ def build_moe(
             parts = {}
             for j, proj in enumerate(_ORDER):
                 n, k = (q.hidden, q.inter) if proj == "down" else (q.inter, q.hidden)
-                parts[proj] = Nvfp4Tensor._trusted(got[f"{x}.{proj}.data"].contiguous(),
-                                                   got[f"{x}.{proj}.scale"].contiguous(),
-                                                   g[j, x], "linear", (n, k))  # fmt: skip
+                parts[proj] = Nvfp4Tensor._trusted(
+                    got[f"{x}.{proj}.data"].contiguous(),
+                    got[f"{x}.{proj}.scale"].contiguous(),
+                    g[j, x],
+                    "linear",
+                    (n, k),
+                )
             layer.load_expert(x, **parts)
     if q.input_scales is not None:
         layer.set_input_scales(q.input_scales)
