@@ -51,6 +51,18 @@ def _looks_like_moe(module: nn.Module) -> bool:
     return isinstance(experts, nn.Module) and hasattr(experts, "gate_up_proj")
 
 
+def _is_silu(act: object) -> bool:
+    """Whether `act` computes SiLU (transformers' ``ACT2FN["silu"]`` is its own class):
+    checked on a probe of values, not by type."""
+    if not callable(act):
+        return False
+    probe = torch.linspace(-8, 8, 33)
+    try:
+        return bool(torch.equal(act(probe), torch.nn.functional.silu(probe)))
+    except (TypeError, RuntimeError):  # not an elementwise activation: not SiLU
+        return False
+
+
 def _routing(router: nn.Module) -> tuple[int, bool] | str:
     """(top_k, norm_topk_prob) of a known router, or why it is not one."""
     kind = type(router).__name__
@@ -77,7 +89,7 @@ def inspect_block(module: nn.Module) -> MoeBlock | str | None:
         return routing
     ex = module.experts
     act = getattr(ex, "act_fn", None)
-    if not isinstance(act, nn.SiLU) or getattr(ex, "has_bias", False):
+    if not _is_silu(act) or getattr(ex, "has_bias", False):
         return f"{kind}: experts are not bias-free SiLU-gated ({type(act).__name__})"
     if not getattr(ex, "has_gate", True) or not getattr(ex, "is_concatenated", True):
         return f"{kind}: experts' gate and up rows are not concatenated"
