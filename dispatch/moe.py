@@ -40,6 +40,7 @@ from torch import nn
 
 from . import checks, torch_ops
 from .dispatcher import Dispatcher
+from .grouped import Nvfp4Experts
 from .nn import ACTIVATIONS, Activations, precision_of
 from .nvfp4 import (
     BLOCK_SIZE,
@@ -426,21 +427,17 @@ class Nvfp4MoE(nn.Module):
             )
         return fused
 
-    def _stacked(self, which: str) -> Nvfp4Tensor:
+    def _stacked(self, which: str) -> Nvfp4Experts:
         """The ``[E, N, K]`` weight of one grouped GEMM (views of the buffers, or for
         ``"gate"``/``"up"`` the kept contiguous halves)."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         if which == "gate_up":
-            return Nvfp4Tensor._trusted(
-                self.gate_up_data,
-                self.gate_up_scale,
-                self.gate_global_scale,
-                "swizzled",
-                (e, 2 * i, h),
+            return Nvfp4Experts._trusted(
+                self.gate_up_data, self.gate_up_scale, self.gate_global_scale, (e, 2 * i, h)
             )
         if which == "down":
-            return Nvfp4Tensor._trusted(
-                self.down_data, self.down_scale, self.down_global_scale, "swizzled", (e, h, i)
+            return Nvfp4Experts._trusted(
+                self.down_data, self.down_scale, self.down_global_scale, (e, h, i)
             )
         halves = self.__dict__.get("_halves")
         if halves is None:
@@ -449,7 +446,7 @@ class Nvfp4MoE(nn.Module):
             halves = self.__dict__["_halves"] = {w: self._half(w) for w in ("gate", "up")}
         return halves[which]
 
-    def _half(self, which: str) -> Nvfp4Tensor:
+    def _half(self, which: str) -> Nvfp4Experts:
         """A contiguous ``[E, I, H]`` copy of the gate or up rows (split mode only)."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         rows = slice(0, i) if which == "gate" else slice(i, 2 * i)
@@ -458,9 +455,8 @@ class Nvfp4MoE(nn.Module):
             for x in range(e)
         ]
         g = self.gate_global_scale if which == "gate" else self.up_global_scale
-        return Nvfp4Tensor._trusted(
-            self.gate_up_data[:, rows].contiguous(), torch.stack(scales), g, "swizzled", (e, i, h)
-        )
+        data = self.gate_up_data[:, rows].contiguous()
+        return Nvfp4Experts._trusted(data, torch.stack(scales), g, (e, i, h))
 
     def _grouped(
         self,
