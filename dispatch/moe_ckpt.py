@@ -166,11 +166,11 @@ def plan_moe(
             p = projs.get((x, proj))
             if p is None:
                 raise _err(
-                    f"{block}.experts.{x}.{proj}",
+                    f"{block}.experts.{x}.{_raw_name(projs, proj)}.{fmt.data}",
                     any_info,
                     src,
-                    f"missing: block {block} has NVFP4 experts but not expert {x}'s "
-                    f"{proj} projection",
+                    f"missing: block {block} has NVFP4 experts but not expert {x}'s {proj} "
+                    "projection",
                 )
             n, k = check_layer(src, infos, p, fmt)
             if (n, k) != want[proj]:
@@ -195,6 +195,13 @@ def plan_moe(
     q.input_scales = _input_scales(inputs, e, block, any_info, src, fmt)
     q.roles["router"] = _router(src, infos, block, q)
     return q
+
+
+def _raw_name(projs: dict[tuple[int, str], str], proj: str) -> str:
+    """The checkpoint's name of projection `proj` (``gate_proj`` or Mixtral's ``w1``...),
+    as its other experts spell it."""
+    hub = any(p.rpartition(".")[2] in ("w1", "w2", "w3") for p in projs.values())
+    return next(raw for raw, ours in PROJECTIONS.items() if ours == proj and hub == (raw[0] == "w"))
 
 
 def _input_scales(inputs, e, block, info, src, fmt) -> torch.Tensor | None:

@@ -134,7 +134,7 @@ def modelopt_tensors(
     return {
         "weight": packed.contiguous(),
         "weight_scale": scale.contiguous(),
-        "weight_scale_2": scale_2.float().reshape(()),
+        "weight_scale_2": scale_2.float().reshape(()).clone(),  # its own memory (shared s2)
     }
 
 

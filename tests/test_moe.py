@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from fp4_dispatch import Dispatcher, Nvfp4MoE, quantize_nvfp4
 from fp4_dispatch.moe import route, sort_by_expert
 
-E, H, I, TOP_K = 8, 128, 64, 2
+E, H, I, TOP_K = 8, 128, 64, 2  # noqa: E741 - the issue's names
 ROUND16 = 2.0**-7  # two bf16 roundings
 
 
@@ -112,8 +112,8 @@ def test_gate_and_up_with_their_own_global_scales_run_split_and_exact():
     GEMMs, same result as the reference of those weights."""
     moe, _, gate_up, down = make()
     for e in range(E):
-        moe.load_expert(e, gate=quantize_nvfp4(gate_up[e, :I]),
-                        up=quantize_nvfp4(gate_up[e, I:] * 3), down=quantize_nvfp4(down[e]))  # fmt: skip
+        up = quantize_nvfp4(gate_up[e, I:] * 3)  # another global scale than gate's
+        moe.load_expert(e, gate=quantize_nvfp4(gate_up[e, :I]), up=up, down=quantize_nvfp4(down[e]))
     assert not torch.equal(moe.gate_global_scale, moe.up_global_scale)
     x = torch.randn(9, H, dtype=torch.bfloat16)
     with torch.no_grad():
