@@ -32,15 +32,20 @@ on the same inputs.
 
 Configs (`CONFIGS`): ``8b`` (Llama-3-8B layer shapes, 8 layers by default), ``70b``
 (Llama-3-70B layer shapes, 4 layers), ``tiny`` (the CPU smoke). ``--layers`` overrides.
+Mixture-of-experts configs (``qwen3-moe``, ``deepseek-like``, ``tiny-moe``) and their
+variants (``bf16`` with torch's grouped GEMM, ``bf16-loop``, ``w4a16`` grouped NVFP4,
+``nvfp4-loop``) are in `moe_configs` (its docstring); ``--variants`` picks among each
+kind's own, and a config runs all of its kind's by default.
 
 Writes rows of one format (`Row`) as JSON lines to ``$OUT/model.jsonl`` (or ``--out``), a
 markdown table to ``model.md``, and a PNG plot of speedup over bf16 against batch/tokens
 per config and clock (``model_<config>.png``, matplotlib). ``--smoke`` runs the tiny
-config on the CPU, eager only (a script check; its times mean nothing).
+and tiny-moe configs on the CPU, eager only (a script check; its times mean nothing).
 
 Run on the H200::
 
     python benchmarks/bench_model.py --configs 8b 70b
+    python benchmarks/bench_model.py --configs qwen3-moe deepseek-like
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
+from moe_configs import MOE_CONFIGS, MOE_VARIANTS, build_moe_variants, moe_config
 from torch import nn
 
 from fp4_dispatch.harness import eager_wall_samples, gpu_time_samples
@@ -332,12 +338,14 @@ def _try(what: str, fn: Callable[[], list[float]]) -> tuple[list[float] | None, 
 def measure_config(name: str, args: argparse.Namespace, device: torch.device, meta: dict
                    ) -> list[Row]:  # fmt: skip
     """Every (variant, step, clock) of one config: rows with ratios to bf16."""
-    config = llama_config(name, args.layers)
+    args = variants_of(name, args)
+    moe = name in MOE_CONFIGS
+    config = moe_config(name, args.layers) if moe else llama_config(name, args.layers)
     steps = [Step("decode", b, b, args.context) for b in args.decode] + [
         Step("prefill", 1, t, 0) for t in args.prefill
     ]
     t0 = time.perf_counter()
-    models = build_variants(config, device, args.variants)
+    models = (build_moe_variants if moe else build_variants)(config, device, args.variants)
     log.info("%s: built %s in %.1f s", name, list(models), time.perf_counter() - t0)
     if device.type == "cuda":
         t0 = time.perf_counter()
@@ -367,6 +375,16 @@ def measure_config(name: str, args: argparse.Namespace, device: torch.device, me
                     got = eager_rounds(f"{name} {step.label()} {clock}", run, warm, args)
                 results.update({(v, step.label(), clock): r for v, r in got.items()})
     return _rows(name, config.num_hidden_layers, steps, args, results, cosines, meta)
+
+
+def variants_of(name: str, args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with ``variants`` those of `name`'s kind (dense or MoE): the ones asked
+    for that the kind has, all of the kind's by default."""
+    own = MOE_VARIANTS if name in MOE_CONFIGS else VARIANTS
+    asked = own if args.variants is None else [v for v in args.variants if v in own]
+    if args.smoke:
+        asked = [v for v in asked if v != "fp8"]  # no FP8 GEMM on a CPU
+    return argparse.Namespace(**{**vars(args), "variants": list(asked)})
 
 
 #: samples (µs), or None and the error that stopped the measurement
@@ -516,9 +534,12 @@ def _commit() -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", nargs="+", default=["8b", "70b"], choices=sorted(CONFIGS))
+    ap.add_argument("--configs", nargs="+", default=["8b", "70b"],
+                    choices=sorted([*CONFIGS, *MOE_CONFIGS]))  # fmt: skip
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: config's)")
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--variants", nargs="+", default=None,
+                    choices=list(dict.fromkeys([*VARIANTS, *MOE_VARIANTS])),
+                    help="default: every variant of each config's kind")  # fmt: skip
     ap.add_argument("--clocks", nargs="+", default=list(CLOCKS),
                     choices=["graph", "eager", "compile"])  # fmt: skip
     ap.add_argument("--decode", type=int, nargs="*", default=list(DECODE_BATCHES),
@@ -528,12 +549,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=1024, help="KV-cache positions at decode")
     ap.add_argument("--rounds", type=int, default=3, help="eager rounds (median reported)")
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else .)")
-    ap.add_argument("--smoke", action="store_true", help="tiny config on the CPU, eager only")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny and tiny-moe configs on the CPU, eager only")  # fmt: skip
     args = ap.parse_args(argv)
     if args.smoke:
-        args.configs, args.clocks, args.context, args.rounds = ["tiny"], ["eager"], 16, 1
+        args.configs, args.clocks, args.context = ["tiny", "tiny-moe"], ["eager"], 16
+        args.rounds = 1
         args.decode, args.prefill = [*SMOKE_DECODE], [*SMOKE_PREFILL]
-        args.variants = [v for v in args.variants if v != "fp8"]  # no FP8 GEMM on a CPU
     return args
 
 
