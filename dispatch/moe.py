@@ -466,14 +466,18 @@ class Nvfp4MoE(nn.Module):
         out_dtype: torch.dtype,
         dense: bool,
     ) -> torch.Tensor:
-        """``a @ W[e].T`` for the rows of each expert ``e`` (`Dispatcher.grouped_gemm`)."""
-        d = self.dispatcher or torch_ops.default_dispatcher(a.device, self.precision)
+        """``a @ W[e].T`` for the rows of each expert ``e``: the grouped GEMM
+        (`Dispatcher.grouped_gemm`, docs/grouped.md) on the layer's own buffers, which
+        are valid by construction, so through `fp4_dispatch.torch_ops.run_grouped`
+        (no per-call operand checks; the custom op under torch.compile)."""
         b = self._stacked(which)
         if dense:
-            return d.grouped_gemm(a, b, offsets, out_dtype=out_dtype)
+            return torch_ops.run_grouped(self.dispatcher, a, None, b.data, b.scale,
+                                         b.global_scale, offsets, out_dtype)  # fmt: skip
         static = None
         if self.input_scales is not None:
             static = self.input_scales[2 if which == "down" else slice(0, 2)].amax()
         qa, sa, ga = torch_ops.quantize(a, static)
-        qa = Nvfp4Tensor._trusted(qa, sa, ga, "swizzled", tuple(a.shape))
-        return d.grouped_gemm(qa, b, offsets, out_dtype=out_dtype)
+        alpha = b.global_scale * ga  # per expert: the weight's scale times the activation's
+        return torch_ops.run_grouped(self.dispatcher, qa, sa, b.data, b.scale, alpha, offsets,
+                                     out_dtype)  # fmt: skip
