@@ -185,3 +185,15 @@ def test_a_warm_forward_captures_in_a_cuda_graph_and_replays_new_routing():
         assert torch.equal(y, moe(x))
         ref = reference(moe.cpu(), x.cpu())
     assert float((y.cpu().double() - ref).norm() / ref.norm()) < ROUND16
+
+
+@pytest.mark.parametrize("activations", ["bf16", "nvfp4"])
+def test_torch_compile_traces_the_whole_forward_without_a_graph_break(activations):
+    """fullgraph=True: routing, the device-side sort and both grouped GEMMs (the
+    ``fp4_dispatch::grouped_gemm`` op) trace as one graph, and compute the eager bits."""
+    moe, *_ = make(activations=activations)
+    x = torch.randn(6, H, dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = moe(x)
+        compiled = torch.compile(moe, backend="eager", fullgraph=True)
+        assert torch.equal(compiled(x), eager)
