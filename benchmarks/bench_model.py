@@ -367,8 +367,9 @@ def measure_config(name: str, args: argparse.Namespace, device: torch.device, me
                     cosines[(v, step.label())] = cosine(logits, warm["bf16"])
             for clock in args.clocks:
                 if clock == "graph":
-                    got = {v: _failed(warm[v]) or _try(f"{name} {v} {step.label()} graph",
-                                                       lambda fn=fn: graph_samples(fn, device))
+                    got = {v: _failed(warm[v]) or _no_graph(models[v])
+                           or _try(f"{name} {v} {step.label()} graph",
+                                   lambda fn=fn: graph_samples(fn, device))
                            for v, fn in fns.items()}  # fmt: skip
                 else:
                     run = fns if clock == "eager" else _compiled(models, step, device)
@@ -399,6 +400,13 @@ def first_runs(what: str, fns: dict[str, Callable[[], torch.Tensor]]) -> dict[st
         out, err = _try(f"{what} {v} first run", lambda fn=fn: [fn()])
         warm[v] = out[0].float() if out is not None else err
     return warm
+
+
+def _no_graph(model: nn.Module) -> Measured | None:
+    """The "measurement" of a model that cannot be captured (its ``no_graph`` reason:
+    the MoE loop variants, `moe_configs`), else None."""
+    why = getattr(model, "no_graph", None)
+    return (None, why) if why else None
 
 
 def _failed(warm: object) -> Measured | None:

@@ -22,14 +22,15 @@ Variants (`MOE_VARIANTS`), all in one process on the same weights:
 - ``bf16-loop``: the same weights with transformers' ``eager`` experts implementation,
   a Python loop over the experts hit (one pair of dense GEMMs each; it reads which
   experts were hit on the host, so it does not capture in a CUDA graph: its graph rows
-  record that error);
+  say so instead of a time);
 - ``w4a16``: `fp4_dispatch.quantize_model` (``activations="bf16"``): every MoE block an
   `Nvfp4MoE` (two grouped W4A16 GEMMs a layer), the attention projections `Nvfp4Linear`;
 - ``nvfp4-loop``: the same NVFP4 weights, the experts run as a loop of dense W4A16
   ``gemm`` calls, one pair per expert hit (`ExpertLoop`, the issue's "loop of dense gemm
   calls" baseline; host-synchronising, eager only like ``bf16-loop``).
 
-The loop variants share every tensor with their model (`shared_copy`): no extra memory.
+The loop variants share every tensor with their model (`shared_copy`): no extra memory;
+so does the copy that `quantize_model` converts, until its blocks are replaced.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ MOE_CONFIGS: dict[str, dict] = {
                  "num_hidden_layers": 2},
 }  # fmt: skip
 MOE_VARIANTS = ("bf16", "bf16-loop", "w4a16", "nvfp4-loop")
+#: why the loop variants have no graph rows (`bench_model` reads a model's ``no_graph``)
+NO_GRAPH = "per-expert loop: reads which experts were hit on the host (no CUDA graph)"
 
 
 def moe_config(name: str, layers: int | None):
@@ -76,14 +79,15 @@ def moe_config(name: str, layers: int | None):
 
 
 def build_bf16(config, device: torch.device) -> nn.Module:
-    """A random-weight Qwen3-MoE in bf16 on `device` (transformers' init, seeded). The
-    router gets random values too: a zero router ties every expert, which sends every
-    token to the same top-k and is nothing like a real model's routing."""
-    from transformers import Qwen3MoeForCausalLM
+    """A random-weight Qwen3-MoE in bf16 on `device` (transformers' init, seeded; made
+    in bf16 directly: deepseek-like's experts would need 90 GB in float32). The router
+    gets random values too: a zero router ties every expert, which sends every token to
+    the same top-k and is nothing like a real model's routing."""
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3MoeForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
@@ -108,7 +112,7 @@ def build_moe_variants(config, device: torch.device, variants) -> dict[str, nn.M
     from fp4_dispatch import quantize_model
 
     base = build_bf16(config, device)
-    q = copy.deepcopy(base)
+    q = shared_copy(base)  # conversion replaces modules, never writes the dense tensors
     report = quantize_model(q, activations="bf16")
     log.info("w4a16: %d MoE blocks and %d linears converted", len(report.moe),
              len(report.converted))  # fmt: skip
@@ -118,10 +122,12 @@ def build_moe_variants(config, device: torch.device, variants) -> dict[str, nn.M
     if "bf16-loop" in variants:
         models["bf16-loop"] = shared_copy(base)
         set_experts_implementation(models["bf16-loop"], "eager")
+        models["bf16-loop"].no_graph = NO_GRAPH
     if "w4a16" in variants:
         models["w4a16"] = q
     if "nvfp4-loop" in variants:
         models["nvfp4-loop"] = to_expert_loops(shared_copy(q))
+        models["nvfp4-loop"].no_graph = NO_GRAPH
     return {v: models[v] for v in ("bf16", *variants) if v in models}
 
 
