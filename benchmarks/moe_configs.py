@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp4_dispatch import torch_ops
-from fp4_dispatch.moe import Nvfp4MoE, route, sort_by_expert
+from fp4_dispatch.moe import Nvfp4MoE, combine, route, sort_by_expert
 
 log = logging.getLogger("bench_model.moe")
 
@@ -175,9 +175,7 @@ class ExpertLoop(nn.Module):
                 act = F.silu(h[:, :i]) * h[:, i:]
                 y[start:end] = self._gemm(act, m.down_data, m.down_scale, m.down_global_scale, e)
             start = end
-        y = y.float() * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-        out = torch.zeros(x2.shape, dtype=torch.float32, device=x.device).index_add_(0, token, y)
-        return out.to(x.dtype).reshape(x.shape)
+        return combine(y, order, weights).to(x.dtype).reshape(x.shape)
 
     @staticmethod
     def _gemm(a, data, scale, g, e) -> torch.Tensor:

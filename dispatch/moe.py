@@ -19,8 +19,8 @@ sync, so a warmed-up forward can be captured in a CUDA graph:
 4. ``h = grouped_gemm(x[sorted], gate_up)`` with the fused ``[E, 2I, H]`` weight
    (gate rows first, as transformers' ``gate_up_proj``), ``act = silu(h[:, :I]) *
    h[:, I:]`` in the activation dtype, ``y = grouped_gemm(act, down)`` with ``[E, H, I]``;
-5. ``out[t] = sum over t's pairs of weight * y``, accumulated in float32 by one
-   ``index_add_`` and rounded once to the output dtype.
+5. ``out[t] = sum over t's pairs of weight * y`` in float32, the k terms of a token in
+   slot order (`combine`: deterministic, no atomics), rounded once to the output dtype.
 
 Numerics under ``activations="bf16"`` (W4A16, the exact default): every expert
 multiplies by exactly its dequantized NVFP4 weight, with fp32 accumulation; the only
@@ -53,7 +53,7 @@ from .nvfp4 import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Nvfp4MoE", "route", "sort_by_expert"]
+__all__ = ["Nvfp4MoE", "combine", "route", "sort_by_expert"]
 
 _OUT_DTYPES = tuple(checks.OUT_DTYPES)
 _K_MULTIPLE = 2 * BLOCK_SIZE  # the GEMM's K rule
@@ -96,6 +96,16 @@ def sort_by_expert(
     experts = torch.arange(num_experts, device=ids.device, dtype=sorted_ids.dtype)
     offsets = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
     return order, order // ids.shape[-1], offsets
+
+
+def combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """float32 ``[T, H]``: each token's expert outputs ``y`` (rows sorted by expert, as
+    `sort_by_expert` made them) weighted by ``weights`` ``[T, k]`` and summed. The rows go
+    back to (token, slot) order by one ``index_copy_`` and the k terms of a token add in
+    slot order: deterministic, unlike an ``index_add_`` (float atomics on a GPU)."""
+    t, k = weights.shape
+    pairs = torch.empty_like(y).index_copy_(0, order, y)
+    return (pairs.view(t, k, -1).float() * weights.unsqueeze(-1)).sum(dim=1)
 
 
 def _check_dims(hidden_size: int, intermediate_size: int, num_experts: int, top_k: int) -> None:
@@ -373,8 +383,12 @@ class Nvfp4MoE(nn.Module):
         if self.activations != "auto":
             return "w4a16" if self.activations == "bf16" else "w4a4"
         dev = torch.device(device if device is not None else self.gate_up_data.device)
-        fp4_cores = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 10
-        return "w4a4" if fp4_cores else "w4a16"
+        cache = self.__dict__.setdefault("_op_by_device", {})  # a device query per call costs
+        op = cache.get(dev)
+        if op is None:
+            fp4_cores = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 10
+            op = cache[dev] = "w4a4" if fp4_cores else "w4a16"
+        return op
 
     # ---- forward ----------------------------------------------------------------------
 
@@ -398,9 +412,7 @@ class Nvfp4MoE(nn.Module):
         dense = self.operation(x.device) == "w4a16"
         act = self._gate_up(a, offsets, out_dtype, dense)
         y = self._grouped(act, "down", offsets, out_dtype, dense)
-        y = y.float() * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-        out = torch.zeros(x2.shape, dtype=torch.float32, device=x.device).index_add_(0, token, y)
-        return out.to(out_dtype).reshape(x.shape)
+        return combine(y, order, weights).to(out_dtype).reshape(x.shape)
 
     def _gate_up(
         self, a: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype, dense: bool

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from fp4_dispatch import Dispatcher, Nvfp4MoE, quantize_nvfp4
-from fp4_dispatch.moe import route, sort_by_expert
+from fp4_dispatch.moe import combine, route, sort_by_expert
 
 E, H, I, TOP_K = 8, 128, 64, 2  # noqa: E741 - the issue's names
 ROUND16 = 2.0**-7  # two bf16 roundings
@@ -69,6 +69,16 @@ def test_sort_by_expert_offsets_with_empty_experts():
     assert flat[order].tolist() == [0, 1, 1, 1, 3, 3, 6, 6]
     assert token.tolist() == (order // 2).tolist()
     assert token[1:4].tolist() == [0, 1, 3]  # stable: an expert's rows in token order
+
+
+def test_combine_puts_rows_back_and_sums_each_tokens_weighted_terms():
+    ids = torch.tensor([[3, 1], [1, 6], [3, 0]])
+    order, _, _ = sort_by_expert(ids, E)
+    per_pair = torch.randn(6, 5)  # the output of pair (token t, slot s) in row 2t + s
+    weights = torch.rand(3, 2)
+    got = combine(per_pair[order], order, weights)  # rows as the grouped GEMM has them
+    want = (per_pair.view(3, 2, 5) * weights.unsqueeze(-1)).sum(1)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
 
 
 def test_w4a16_is_exact_against_the_float64_reference():
