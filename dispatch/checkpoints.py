@@ -299,7 +299,13 @@ def _check_plain(name: str, info: TensorInfo, slot: _Slot, src: Source) -> None:
         )
 
 
-def _plan_moe(src, infos, prefixes, fmt, model_mods) -> tuple[dict[str, QMoE], set[str]]:
+def _plan_moe(
+    src: Source,
+    infos: dict[str, TensorInfo],
+    prefixes: set[str],
+    fmt: LayerFormat,
+    model_mods: dict[str, nn.Module],
+) -> tuple[dict[str, QMoE], set[str]]:
     """The MoE blocks' plans (`fp4_dispatch.moe_ckpt`) and the prefixes left to linears."""
     blocks, rest = split_experts(prefixes)
     moe = {}

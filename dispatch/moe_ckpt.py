@@ -204,7 +204,14 @@ def _raw_name(projs: dict[tuple[int, str], str], proj: str) -> str:
     return next(raw for raw, ours in PROJECTIONS.items() if ours == proj and hub == (raw[0] == "w"))
 
 
-def _input_scales(inputs, e, block, info, src, fmt) -> torch.Tensor | None:
+def _input_scales(
+    inputs: list[torch.Tensor | None],
+    e: int,
+    block: str,
+    info: TensorInfo,
+    src: Source,
+    fmt: LayerFormat,
+) -> torch.Tensor | None:
     """[3, E] from the per-projection activation scales: all or none."""
     have = [t is not None for t in inputs]
     if not any(have):
