@@ -10,8 +10,12 @@ measured only by benchmarks/bench_grouped.py.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
-from conftest import run_interpreted
+from conftest import TARGET_ONLY, run_interpreted, sm90_compile_env
 
 from fp4_dispatch import Dispatcher
 from fp4_dispatch.plugins.sm90.grouped import (
@@ -80,6 +84,74 @@ def test_grouped_kernel_matches_the_reference_per_expert():
         assert len(res["errs"]) == sum(1 for s in sizes if s), case
         assert all(err < 1e-2 for err in res["errs"]), (case, res)
         assert res["untouched"], case  # rows past the last offset are never written
+
+
+# ---- precompile: sm_90 compiles on the CPU, and a real call hits what it compiled ----------
+
+_PRECOMPILE = (
+    TARGET_ONLY
+    + r"""
+from fp4_dispatch.backend import GroupedOperands
+from fp4_dispatch.backends.sm90 import gemm_grouped as gg
+from fp4_dispatch.nvfp4 import swizzled_scale_shape
+from fp4_dispatch.plugins.sm90 import PROFILE
+from fp4_dispatch.plugins.sm90.grouped import TritonSm90GroupedBackend, TritonSm90GroupedTactic
+from fp4_dispatch.tactics import Problem
+
+backend, dev = TritonSm90GroupedBackend(), PROFILE.device
+cache = gg._grouped_kernel.device_caches[0][0]
+out = {}
+for spec in json.loads(sys.argv[1]):
+    tactic = TritonSm90GroupedTactic(**spec["tactic"])
+    t, n, k, e = spec["t"], spec["n"], spec["k"], spec["e"]
+    p = Problem(m=t, n=n, k=k, out_dtype=spec["dtype"], operation=spec["op"], groups=e)
+    assert backend.validate(tactic, p, dev) is None, spec
+    before = len(cache)
+    compiled = backend.precompile(tactic, p, dev)
+    after = len(cache)
+    dtype = getattr(torch, spec["dtype"])
+    b = torch.zeros(e, n, k // 2, dtype=torch.uint8)
+    bs = torch.zeros(e, *swizzled_scale_shape(n, k), dtype=torch.float8_e4m3fn)
+    off = torch.zeros(e, dtype=torch.int32)
+    if p.dense:
+        ops = GroupedOperands(torch.zeros(t, k, dtype=dtype), b, bs, torch.ones(e), off)
+    else:
+        ops = GroupedOperands(torch.zeros(t, k // 2, dtype=torch.uint8), b, bs, torch.ones(e),
+                              off, a_scale=torch.zeros(swizzled_scale_shape(t, k),
+                                                       dtype=torch.float8_e4m3fn))
+    res = torch.empty(t, n, dtype=dtype)
+    grid, args, meta = backend.build(tactic, p, dev)._launch(ops, res)
+    gg._grouped_kernel.warmup(*args, grid=grid, **meta)  # the real call's variant
+    out[spec["name"]] = {"new_by_precompile": after - before,
+                         "new_by_real_args": len(cache) - after,
+                         "type": type(compiled).__name__}
+print(json.dumps(out))
+"""
+)
+
+
+def test_grouped_precompile_compiles_what_a_call_launches(tmp_path):
+    """Both paths (FMA at decode, tl.dot), both operations, a K tail, bf16 and fp16 compile
+    for sm_90 on a CPU without a launch (the PTX dequantizer included), and a real call's
+    arguments hit the variant precompile made."""
+    pytest.importorskip("triton")
+    cases = [
+        {"name": "fma-bf16", "t": 8, "n": 256, "k": 512, "e": 128, "dtype": "bfloat16",
+         "op": "grouped_w4a16", "tactic": {"tile_m": 1, "tile_n": 64, "tile_k": 128}},
+        {"name": "dot-fp16-tail", "t": 600, "n": 192, "k": 1056, "e": 8, "dtype": "float16",
+         "op": "grouped_w4a16", "tactic": {"tile_m": 64, "tile_n": 128, "tile_k": 128,
+                                           "num_stages": 3, "num_warps": 8}},
+        {"name": "w4a4-dot", "t": 512, "n": 256, "k": 512, "e": 16, "dtype": "bfloat16",
+         "op": "grouped_w4a4", "tactic": {"tile_m": 16, "tile_n": 64, "tile_k": 256}},
+    ]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", _PRECOMPILE, json.dumps(cases)],
+                          capture_output=True, text=True, env=sm90_compile_env(tmp_path),
+                          timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for case in cases:
+        assert got[case["name"]] == {"new_by_precompile": 1, "new_by_real_args": 0,
+                                     "type": "CompiledKernel"}, got  # fmt: skip
 
 
 # ---- tactics --------------------------------------------------------------------------

@@ -26,12 +26,12 @@ Two inner products, by ``BLOCK_M`` (a compile-time knob):
   MMA's 16-row minimum being mostly padding there (the decode dequantizer's idea,
   `gemm_w4a16_decode`).
 
-Weight dequantization: a nibble ``n`` placed as fp16 bits ``(n & 7) << 9 | (n & 8) << 12``
-is exactly ``e2m1(n) * 2**-14``; times the block's e4m3 scale and ``2**14`` in fp32 that
-is ``e2m1 * scale`` exactly, then rounded (exactly) to the 16-bit operand type. The same
-bit placement as `gemm_w4a16_decode`'s element-wise twin, without the inline PTX (this
-kernel's loop is bound by the weight bytes at decode; the PTX is a refinement to
-measure). Shapes: any T, N >= 1, ``K % 32 == 0`` (K need not divide by the K tile).
+Weight dequantization is the decode kernel's (`gemm_w4a16_decode._nibbles`: its inline
+PTX on a GPU, its element-wise twin under the interpreter): a nibble ``n`` placed as
+fp16 bits ``(n & 7) << 9 | (n & 8) << 12`` is exactly ``e2m1(n) * 2**-14``; times the
+block's e4m3 scale and ``2**14`` in fp32 that is ``e2m1 * scale`` exactly, then rounded
+(exactly) to the 16-bit operand type. Shapes: any T, N >= 1, ``K % 32 == 0`` (K need not
+divide by the K tile).
 
 Not measured on a GPU yet: `benchmarks/bench_grouped.py` is the measurement.
 """
@@ -39,6 +39,7 @@ Not measured on a GPU yet: `benchmarks/bench_grouped.py` is the measurement.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,10 @@ import triton
 import triton.language as tl
 
 from fp4_dispatch.backend import GroupedOperands
+from fp4_dispatch.backends.sm90.gemm_w4a16 import _USE_ASM
+from fp4_dispatch.backends.sm90.gemm_w4a16_decode import _nibbles
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
+from fp4_dispatch.nvfp4 import swizzled_scale_shape
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +102,7 @@ class GroupedConfig:
 
 @triton.jit
 def _nvfp4_tile(data_ptr, scale_ptr, rows, row_ok, k0, K, s_blk, KT: tl.constexpr,
-                EVEN_K: tl.constexpr, OUT: tl.constexpr):  # fmt: skip
+                EVEN_K: tl.constexpr, OUT: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
     """Dequantized ``[len(rows), KT]`` tile (K elements ``k0..k0+KT``) of an NVFP4
     operand, as ``OUT`` (exact: e2m1 x e4m3 fits fp16 and bf16). ``rows``: row indices
     (int64 offsets of ``data_ptr``'s rows, ``K/2`` bytes each); ``row_ok`` masks them;
@@ -116,12 +120,11 @@ def _nvfp4_tile(data_ptr, scale_ptr, rows, row_ok, k0, K, s_blk, KT: tl.constexp
     else:
         mask = row_ok[:, None, None] & (g < K // 16)[None, :, None]
         s_mask = row_ok[:, None] & (g < K // 16)[None, :]
-    w = tl.load(data_ptr + offs, mask=mask, other=0).to(tl.uint16)
+    w = tl.load(data_ptr + offs, mask=mask, other=0)
     s = tl.load(scale_ptr + s_offs, mask=s_mask, other=0.0).to(tl.float32) * 16384.0
-    lo = (((w & 0x7) << 9) | ((w & 0x8) << 12)).to(tl.float16, bitcast=True)
-    hi = (((w & 0x70) << 5) | ((w & 0x80) << 8)).to(tl.float16, bitcast=True)
-    lo = lo.to(tl.float32) * s[:, :, None]
-    hi = hi.to(tl.float32) * s[:, :, None]
+    lo, hi = _nibbles(w, USE_ASM, False)  # fp32 e2m1 * 2**-14 (the decode kernel's PTX)
+    lo = lo * s[:, :, None]
+    hi = hi * s[:, :, None]
     vals = tl.join(lo, hi)  # [R, KG, 8, 2]: element 16 g + 2 i + nibble
     return tl.reshape(vals, (rows.shape[0], KT)).to(OUT)
 
@@ -153,6 +156,7 @@ def _grouped_kernel(
     EVEN_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     DT: tl.constexpr,
+    USE_ASM: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     tile = tl.program_id(1)
@@ -185,9 +189,9 @@ def _grouped_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        w = _nvfp4_tile(b_e, bs_e, rn, n_ok, k0, K, b_sblk, BLOCK_K, EVEN_K, DT)
+        w = _nvfp4_tile(b_e, bs_e, rn, n_ok, k0, K, b_sblk, BLOCK_K, EVEN_K, DT, USE_ASM)
         if A_FP4:
-            x = _nvfp4_tile(a_ptr, as_ptr, rm, m_ok, k0, K, a_sblk, BLOCK_K, EVEN_K, DT)
+            x = _nvfp4_tile(a_ptr, as_ptr, rm, m_ok, k0, K, a_sblk, BLOCK_K, EVEN_K, DT, USE_ASM)
         else:
             x_ptrs = a_ptr + rm[:, None] * stride_am + (k0 + rk)[None, :]
             if EVEN_K:
@@ -217,15 +221,38 @@ class GroupedKernel:
     cfg: GroupedConfig
 
     def __call__(self, ops: GroupedOperands, out: torch.Tensor) -> None:
-        t, n, k, e = ops.m, ops.n, ops.k, ops.groups
-        if t == 0 or n == 0:
+        if ops.m == 0 or ops.n == 0:
             return
+        grid, args, meta = self._launch(ops, out)
+        _grouped_kernel[grid](*args, **meta)
+
+    def precompile(
+        self, t: int, n: int, k: int, e: int, out_dtype: torch.dtype, a_fp4: bool
+    ) -> object:
+        """Compile (Triton ``warmup``, nothing launched) what a call with T rows, E experts
+        of ``[N, K]``, activations in `out_dtype` (W4A16) or NVFP4 (`a_fp4`) and a
+        contiguous `out_dtype` output runs. Stand-in one-element tensors carry the dtypes
+        (the kernel specializes on pointer alignment, never on the data)."""
+        u8, f8 = torch.uint8, torch.float8_e4m3fn
+        a = _Shaped((t, k // 2), u8) if a_fp4 else _Shaped((t, k), out_dtype)
+        a_scale = _Shaped(swizzled_scale_shape(t, k), f8) if a_fp4 else None
+        b_data = _Shaped((e, n, k // 2), u8)
+        b_scale = _Shaped((e, *swizzled_scale_shape(n, k)), f8)
+        ops = _StandIn(a, b_data, b_scale, a_scale, t, n, k, e)
+        grid, args, meta = self._launch(ops, _Shaped((t, n), out_dtype))
+        dtypes = (a.dtype, (a_scale or a).dtype, u8, f8, torch.float32, torch.int32, out_dtype)
+        pointers = [torch.empty(16, dtype=dt) for dt in dtypes]  # aligned like real ones
+        return _grouped_kernel.warmup(*pointers, *args[len(pointers) :], grid=grid, **meta)
+
+    def _launch(self, ops, out) -> tuple[tuple[int, int], list, dict]:
+        """(grid, positional arguments, meta-parameters) of one call."""
+        t, n, k, e = ops.m, ops.n, ops.k, ops.groups
         cfg = self.cfg
         a_fp4 = ops.a_scale is not None
         grid = (triton.cdiv(n, cfg.block_n), m_tile_bound(t, e, cfg.block_m))
         b_sblk = ops.b_scale.shape[2] * 128
         a_sblk = ops.a_scale.shape[1] * 128 if a_fp4 else 0
-        _grouped_kernel[grid](
+        args = [
             ops.a,
             ops.a_scale if a_fp4 else ops.a,
             ops.b_data,
@@ -243,16 +270,47 @@ class GroupedKernel:
             a_sblk,
             b_sblk,
             ops.b_scale.shape[1] * ops.b_scale.shape[2],
-            E_PAD=triton.next_power_of_2(e),
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            A_FP4=a_fp4,
-            EVEN_K=k % cfg.block_k == 0,
-            NUM_STAGES=cfg.num_stages,
-            DT=tl.float16 if a_fp4 or ops.a.dtype == torch.float16 else tl.bfloat16,
-            num_warps=cfg.num_warps,
-        )
+        ]
+        meta = {
+            "E_PAD": triton.next_power_of_2(e),
+            "BLOCK_M": cfg.block_m,
+            "BLOCK_N": cfg.block_n,
+            "BLOCK_K": cfg.block_k,
+            "A_FP4": a_fp4,
+            "EVEN_K": k % cfg.block_k == 0,
+            "NUM_STAGES": cfg.num_stages,
+            "DT": tl.float16 if a_fp4 or ops.a.dtype == torch.float16 else tl.bfloat16,
+            "USE_ASM": _USE_ASM,
+            "num_warps": cfg.num_warps,
+        }
+        return grid, args, meta
+
+
+class _Shaped:
+    """What `GroupedKernel._launch` reads of a tensor (shape, dtype, strides of a
+    contiguous one), for a precompile without allocating the operands."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.shape, self.dtype = tuple(shape), dtype
+
+    def stride(self, dim: int) -> int:
+        return math.prod(self.shape[dim + 1 :])
+
+
+@dataclass
+class _StandIn:
+    """The fields of `GroupedOperands` `GroupedKernel._launch` reads, for a precompile."""
+
+    a: object
+    b_data: object
+    b_scale: object
+    a_scale: object
+    m: int
+    n: int
+    k: int
+    groups: int
+    offsets: object = None
+    alpha: object = None
 
 
 def build(cfg: GroupedConfig) -> GroupedKernel:

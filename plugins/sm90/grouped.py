@@ -170,6 +170,23 @@ class TritonSm90GroupedBackend(Backend):
         assert isinstance(tactic, TritonSm90GroupedTactic)
         return _kernel_for(tactic)
 
+    def precompile(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> object:
+        """Compile (Triton ``warmup``, no launch) what a grouped call of `problem` runs:
+        activations in the output dtype (W4A16) or NVFP4, a contiguous output."""
+        assert isinstance(tactic, TritonSm90GroupedTactic)
+        import torch  # noqa: PLC0415 - start-up time: the plugin module imports without torch
+
+        kernel = self.build(tactic, problem, device)
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[problem.out_dtype]
+        p = problem
+        return kernel.precompile(p.m, p.n, p.k, p.groups, dtype, not p.dense)  # type: ignore[attr-defined]
+
+    def precompile_key(self, tactic: Tactic, problem: Problem) -> tuple:
+        """No specialization on T (``do_not_specialize``; T only sizes the grid): the
+        tactic, N, K, E, dtype and operation."""
+        p = problem
+        return (tactic, p.n, p.k, p.groups, p.out_dtype, p.operation)
+
 
 @functools.cache
 def _tactic(tm: int, tn: int, tk: int, warps: int, stages: int) -> TritonSm90GroupedTactic:
