@@ -67,7 +67,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-from moe_configs import MOE_CONFIGS, MOE_VARIANTS, build_moe_variants, moe_config
+from moe_configs import MOE_CONFIGS, MOE_VARIANTS, build_moe_variants, grouped_plans, moe_config
 from torch import nn
 
 from fp4_dispatch.harness import eager_wall_samples, gpu_time_samples
@@ -295,6 +295,7 @@ def precompile(models: dict[str, nn.Module], steps: list[Step], device: torch.de
                 c = d.select(m, n, k, "bfloat16", op)
                 problem = Problem(m=m, n=n, k=k, out_dtype="bfloat16", operation=c.operation)
                 planned.append((d.registry.backends[c.backend], c.tactic, problem))
+    planned += grouped_plans(models, [step_m(s) for s in steps], device)
     return precompile_kernels(planned, d.device, workers=min(16, os.cpu_count() or 1))
 
 

@@ -190,3 +190,26 @@ def to_expert_loops(model: nn.Module) -> nn.Module:
             if isinstance(child, Nvfp4MoE):
                 setattr(mod, name, ExpertLoop(child))
     return model
+
+
+def grouped_plans(models: dict[str, nn.Module], ms: list[int], device: torch.device) -> list:
+    """(backend, tactic, problem) of each grouped GEMM the models' `Nvfp4MoE` layers run
+    for steps of `ms` tokens (``m * top_k`` rows; gate/up ``[E, 2I, H]`` and down ``[E, H,
+    I]``): what `bench_model.precompile` compiles ahead, beside the dense ones."""
+    from fp4_dispatch.tactics import Problem
+    from fp4_dispatch.torch_ops import default_dispatcher
+
+    shapes = {(m.num_experts, m.intermediate_size, m.hidden_size, m.top_k, m.operation(device))
+              for model in models.values() for m in model.modules()
+              if isinstance(m, Nvfp4MoE)}  # fmt: skip
+    planned = []
+    d = default_dispatcher(device)
+    for e, i, h, k, op in sorted(shapes):
+        operation = f"grouped_{op}"
+        for rows in sorted({m * k for m in ms}):
+            for n, kk in ((2 * i, h), (h, i)):
+                c = d.select(rows, n, kk, "bfloat16", operation, e)
+                problem = Problem(m=rows, n=n, k=kk, out_dtype="bfloat16",
+                                  operation=c.operation, groups=e)  # fmt: skip
+                planned.append((d.registry.backends[c.backend], c.tactic, problem))
+    return planned
