@@ -207,3 +207,13 @@ def test_torch_compile_traces_the_whole_forward_without_a_graph_break(activation
         eager = moe(x)
         compiled = torch.compile(moe, backend="eager", fullgraph=True)
         assert torch.equal(compiled(x), eager)
+
+
+def test_a_given_dispatcher_runs_the_grouped_gemms():
+    d = Dispatcher(device="cpu")
+    moe, *_ = make(dispatcher=d)
+    other, *_ = make()
+    x = torch.randn(5, H, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(moe(x), other(x))
+    assert any(len(key) == 6 and key[-1] == E for key in d._plans), list(d._plans)
