@@ -120,8 +120,9 @@ for spec in json.loads(sys.argv[1]):
                               off, a_scale=torch.zeros(swizzled_scale_shape(t, k),
                                                        dtype=torch.float8_e4m3fn))
     res = torch.empty(t, n, dtype=dtype)
-    grid, args, meta = backend.build(tactic, p, dev)._launch(ops, res)
-    gg._grouped_kernel.warmup(*args, grid=grid, **meta)  # the real call's variant
+    kernel = backend.build(tactic, p, dev)
+    grid, args, meta = kernel._launch(ops, res)
+    kernel._binding(meta).warmup(grid, args)  # the real call's variant
     out[spec["name"]] = {"new_by_precompile": after - before,
                          "new_by_real_args": len(cache) - after,
                          "type": type(compiled).__name__}
@@ -224,6 +225,7 @@ def test_gpu_grouped_every_tactic_bf16_and_graph_replay():
     from fp4_dispatch.backend import GroupedOperands
     from fp4_dispatch.device import detect
     from fp4_dispatch.grouped import grouped_reference, quantize_experts
+    from fp4_dispatch.nvfp4 import quantize_nvfp4
 
     backend, info = TritonSm90GroupedBackend(), detect()
     e, n, k = 16, 384, 512
@@ -242,11 +244,25 @@ def test_gpu_grouped_every_tactic_bf16_and_graph_replay():
             backend.build(tactic, p, info)(ops, out)
             err = float((out.double().cpu() - ref).norm() / ref.norm())
             assert err < 1e-2, (tactic, err)
-    d = Dispatcher()
+    d = Dispatcher(cache=False)
     sizes = [1] * 8 + [0] * 8
     a = torch.randn(8, k, device="cuda").to(torch.bfloat16)
     off = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
     out = d.grouped_gemm(a, b, off)  # warm the plan
+    assert d.cached_plan(8, n, k, "bfloat16", "grouped_w4a16", e).candidate.backend == (
+        "triton-sm90-grouped"
+    )
+    for shift in range(1, 4):  # eager calls: the plan's driver replay, new routing each
+        routing = torch.roll(torch.tensor(sizes), shift * 3).cumsum(0).to(torch.int32)
+        off.copy_(routing)
+        again = d.grouped_gemm(a, b, off)
+        ref = grouped_reference(a, b, off)
+        assert float((again.double().cpu() - ref).norm() / ref.norm()) < 1e-2, shift
+    qa = quantize_nvfp4(a.float())  # grouped W4A4: both operands dequantized in the kernel
+    y4 = d.grouped_gemm(qa, b, off)
+    ref4 = grouped_reference(qa, b, off)
+    assert float((y4.double().cpu() - ref4).norm() / ref4.norm()) < 1e-2
+    off.copy_(torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = d.grouped_gemm(a, b, off)

@@ -40,16 +40,19 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import triton
 import triton.language as tl
 
 from fp4_dispatch.backend import GroupedOperands
+from fp4_dispatch.backends.driver_launch import record_launches
 from fp4_dispatch.backends.sm90.gemm_w4a16 import _USE_ASM
 from fp4_dispatch.backends.sm90.gemm_w4a16_decode import _nibbles
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
+from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher
 from fp4_dispatch.nvfp4 import swizzled_scale_shape
 
 log = logging.getLogger(__name__)
@@ -102,9 +105,9 @@ class GroupedConfig:
 
 @triton.jit
 def _nvfp4_tile(data_ptr, scale_ptr, rows, row_ok, k0, K, s_blk, KT: tl.constexpr,
-                EVEN_K: tl.constexpr, OUT: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
-    """Dequantized ``[len(rows), KT]`` tile (K elements ``k0..k0+KT``) of an NVFP4
-    operand, as ``OUT`` (exact: e2m1 x e4m3 fits fp16 and bf16). ``rows``: row indices
+                EVEN_K: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
+    """Dequantized ``[len(rows), KT]`` fp32 tile (K elements ``k0..k0+KT``) of an NVFP4
+    operand (exact, and exact again in fp16 and bf16: e2m1 x e4m3). ``rows``: row indices
     (int64 offsets of ``data_ptr``'s rows, ``K/2`` bytes each); ``row_ok`` masks them;
     the scales are the 128x4-swizzled layout at ``scale_ptr`` (``s_blk`` elements per
     128-row block)."""
@@ -126,7 +129,7 @@ def _nvfp4_tile(data_ptr, scale_ptr, rows, row_ok, k0, K, s_blk, KT: tl.constexp
     lo = lo * s[:, :, None]
     hi = hi * s[:, :, None]
     vals = tl.join(lo, hi)  # [R, KG, 8, 2]: element 16 g + 2 i + nibble
-    return tl.reshape(vals, (rows.shape[0], KT)).to(OUT)
+    return tl.reshape(vals, (rows.shape[0], KT))
 
 
 @triton.jit(do_not_specialize=["T", "N"])
@@ -155,7 +158,6 @@ def _grouped_kernel(
     A_FP4: tl.constexpr,
     EVEN_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    DT: tl.constexpr,
     USE_ASM: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -189,15 +191,20 @@ def _grouped_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        w = _nvfp4_tile(b_e, bs_e, rn, n_ok, k0, K, b_sblk, BLOCK_K, EVEN_K, DT, USE_ASM)
+        w = _nvfp4_tile(b_e, bs_e, rn, n_ok, k0, K, b_sblk, BLOCK_K, EVEN_K, USE_ASM)
         if A_FP4:
-            x = _nvfp4_tile(a_ptr, as_ptr, rm, m_ok, k0, K, a_sblk, BLOCK_K, EVEN_K, DT, USE_ASM)
+            x = _nvfp4_tile(a_ptr, as_ptr, rm, m_ok, k0, K, a_sblk, BLOCK_K, EVEN_K, USE_ASM)
+            if BLOCK_M >= 16:  # fp16 MMA operands: exact for e2m1 x e4m3 values
+                x = x.to(tl.float16)
+                w = w.to(tl.float16)
         else:
             x_ptrs = a_ptr + rm[:, None] * stride_am + (k0 + rk)[None, :]
             if EVEN_K:
                 x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             else:
                 x = tl.load(x_ptrs, mask=m_ok[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
+            if BLOCK_M >= 16:
+                w = w.to(a_ptr.dtype.element_ty)  # the activations' 16-bit type (exact)
         if BLOCK_M >= 16:
             acc = tl.dot(x, tl.trans(w), acc)
         else:  # [BLOCK_M, BLOCK_N, BLOCK_K] products of this step, reduced at once
@@ -214,17 +221,36 @@ def m_tile_bound(t: int, e: int, block_m: int) -> int:
     return -(-t // block_m) + min(e, t)
 
 
+_LAUNCH = CachedLauncher(_grouped_kernel)
+
+
 @dataclass
 class GroupedKernel:
-    """A built grouped kernel: ``kernel(operands, out)`` with `GroupedOperands`."""
+    """A built grouped kernel: ``kernel(operands, out)`` with `GroupedOperands`.
+
+    Launches through `triton_launch.CachedLauncher` (the compiled binary called directly
+    after the first call of a specialization) and records its launch for the plan's
+    driver-API replays (``record``: `fp4_dispatch.plans`): no torch operation runs in a
+    call, so a warm eager call is one launch with the per-call pointers patched."""
 
     cfg: GroupedConfig
+    record: ClassVar = staticmethod(record_launches)
+    #: constexpr values -> launcher binding (`_binding`)
+    _bound: dict = field(default_factory=dict, repr=False)
 
     def __call__(self, ops: GroupedOperands, out: torch.Tensor) -> None:
         if ops.m == 0 or ops.n == 0:
             return
         grid, args, meta = self._launch(ops, out)
-        _grouped_kernel[grid](*args, **meta)
+        self._binding(meta)(grid, args)
+
+    def _binding(self, meta: dict) -> BoundLaunch:
+        """The launcher binding of these constexprs (made once per kernel object)."""
+        key = tuple(meta.values())
+        bound = self._bound.get(key)
+        if bound is None:
+            bound = self._bound[key] = _LAUNCH.bind(meta, self.cfg.num_warps)
+        return bound
 
     def precompile(
         self, t: int, n: int, k: int, e: int, out_dtype: torch.dtype, a_fp4: bool
@@ -242,7 +268,7 @@ class GroupedKernel:
         grid, args, meta = self._launch(ops, _Shaped((t, n), out_dtype))
         dtypes = (a.dtype, (a_scale or a).dtype, u8, f8, torch.float32, torch.int32, out_dtype)
         pointers = [torch.empty(16, dtype=dt) for dt in dtypes]  # aligned like real ones
-        return _grouped_kernel.warmup(*pointers, *args[len(pointers) :], grid=grid, **meta)
+        return self._binding(meta).warmup(grid, [*pointers, *args[len(pointers) :]])
 
     def _launch(self, ops, out) -> tuple[tuple[int, int], list, dict]:
         """(grid, positional arguments, meta-parameters) of one call."""
@@ -279,9 +305,7 @@ class GroupedKernel:
             "A_FP4": a_fp4,
             "EVEN_K": k % cfg.block_k == 0,
             "NUM_STAGES": cfg.num_stages,
-            "DT": tl.float16 if a_fp4 or ops.a.dtype == torch.float16 else tl.bfloat16,
             "USE_ASM": _USE_ASM,
-            "num_warps": cfg.num_warps,
         }
         return grid, args, meta
 
