@@ -33,17 +33,22 @@ on the same inputs.
 
 Configs (`CONFIGS`): ``8b`` (Llama-3-8B layer shapes, 8 layers by default), ``70b``
 (Llama-3-70B layer shapes, 4 layers), ``tiny`` (the CPU smoke). ``--layers`` overrides.
+Mixture-of-experts configs (``qwen3-moe``, ``deepseek-like``, ``tiny-moe``) and their
+variants (``bf16`` with torch's grouped GEMM, ``bf16-loop``, ``w4a16`` grouped NVFP4,
+``nvfp4-loop``) are in `moe_configs` (its docstring); ``--variants`` picks among each
+kind's own, and a config runs all of its kind's by default.
 
 Writes `results.Row`s (``backend`` = the variant, ``m`` = tokens per step; config,
 layers, step, batch, tokens/s and cosine in ``extra``; ``ratios["bf16"]``) as JSON lines to
 ``$OUT/model.jsonl`` (or ``--out``), a markdown table to ``model.md``, and a PNG plot of
 speedup over bf16 against batch/tokens per config and clock (``model_<config>.png``,
-matplotlib). ``--smoke`` runs the tiny config on the CPU, eager only (a script check; its
-times mean nothing).
+matplotlib). ``--smoke`` runs the tiny and tiny-moe configs on the CPU, eager only (a
+script check; its times mean nothing).
 
 Run on the H200::
 
     python -m benchmarks model --configs 8b 70b
+    python -m benchmarks model --configs qwen3-moe deepseek-like
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ from fp4_dispatch.autotune.harness import eager_wall_samples, gpu_time_samples
 
 from .common import Context
 from .common import precompile as precompile_kernels
+from .moe_configs import MOE_CONFIGS, MOE_VARIANTS, build_moe_variants, grouped_plans, moe_config
 from .results import Row
 
 log = logging.getLogger("benchmarks.model")
@@ -265,6 +271,7 @@ def precompile(models: dict[str, nn.Module], steps: list[Step], device: torch.de
                 c = d.select(m, n, k, "bfloat16", op)
                 problem = Problem(m=m, n=n, k=k, out_dtype="bfloat16", operation=c.operation)
                 planned.append((d.registry.backends[c.backend], c.tactic, problem))
+    planned += grouped_plans(models, [step_m(s) for s in steps], device)
     return precompile_kernels(planned, d.device, workers=min(16, os.cpu_count() or 1))
 
 
@@ -308,12 +315,14 @@ def _try(what: str, fn: Callable[[], list[float]]) -> tuple[list[float] | None, 
 def measure_config(name: str, args: argparse.Namespace, device: torch.device, ctx: Context
                    ) -> list[Row]:  # fmt: skip
     """Every (variant, step, clock) of one config: rows with ratios to bf16."""
-    config = llama_config(name, args.layers)
+    args = variants_of(name, args)
+    moe = name in MOE_CONFIGS
+    config = moe_config(name, args.layers) if moe else llama_config(name, args.layers)
     steps = [Step("decode", b, b, args.context) for b in args.decode] + [
         Step("prefill", 1, t, 0) for t in args.prefill
     ]
     t0 = time.perf_counter()
-    models = build_variants(config, device, args.variants)
+    models = (build_moe_variants if moe else build_variants)(config, device, args.variants)
     log.info("%s: built %s in %.1f s", name, list(models), time.perf_counter() - t0)
     if device.type == "cuda":
         t0 = time.perf_counter()
@@ -335,14 +344,25 @@ def measure_config(name: str, args: argparse.Namespace, device: torch.device, ct
                     cosines[(v, step.label())] = cosine(logits, warm["bf16"])
             for clock in args.clocks:
                 if clock == "graph":
-                    got = {v: _failed(warm[v]) or _try(f"{name} {v} {step.label()} graph",
-                                                       lambda fn=fn: graph_samples(fn, device))
+                    got = {v: _failed(warm[v]) or _no_graph(models[v])
+                           or _try(f"{name} {v} {step.label()} graph",
+                                   lambda fn=fn: graph_samples(fn, device))
                            for v, fn in fns.items()}  # fmt: skip
                 else:
                     run = fns if clock == "eager" else _compiled(models, step, device)
                     got = eager_rounds(f"{name} {step.label()} {clock}", run, warm, args)
                 results.update({(v, step.label(), clock): r for v, r in got.items()})
     return _rows(name, config.num_hidden_layers, steps, args, results, cosines, ctx)
+
+
+def variants_of(name: str, args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with ``variants`` those of `name`'s kind (dense or MoE): the ones asked
+    for that the kind has, all of the kind's by default."""
+    own = MOE_VARIANTS if name in MOE_CONFIGS else VARIANTS
+    asked = own if args.variants is None else [v for v in args.variants if v in own]
+    if args.smoke:
+        asked = [v for v in asked if v != "fp8"]  # no FP8 GEMM on a CPU
+    return argparse.Namespace(**{**vars(args), "variants": list(asked)})
 
 
 #: samples (µs), or None and the error that stopped the measurement
@@ -357,6 +377,13 @@ def first_runs(what: str, fns: dict[str, Callable[[], torch.Tensor]]) -> dict[st
         out, err = _try(f"{what} {v} first run", lambda fn=fn: [fn()])
         warm[v] = out[0].float() if out is not None else err
     return warm
+
+
+def _no_graph(model: nn.Module) -> Measured | None:
+    """The "measurement" of a model that cannot be captured (its ``no_graph`` reason:
+    the MoE loop variants, `moe_configs`), else None."""
+    why = getattr(model, "no_graph", None)
+    return (None, why) if why else None
 
 
 def _failed(warm: object) -> Measured | None:
@@ -484,9 +511,12 @@ def plot(rows: list[Row], folder: Path) -> list[Path]:
 def options(args: argparse.Namespace, argv: list[str]) -> None:
     """The suite's own options (after the runner's common ones), parsed into `args`."""
     ap = argparse.ArgumentParser(prog="python -m benchmarks model")
-    ap.add_argument("--configs", nargs="+", default=["8b", "70b"], choices=sorted(CONFIGS))
+    ap.add_argument("--configs", nargs="+", default=["8b", "70b"],
+                    choices=sorted([*CONFIGS, *MOE_CONFIGS]))  # fmt: skip
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: config's)")
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--variants", nargs="+", default=None,
+                    choices=list(dict.fromkeys([*VARIANTS, *MOE_VARIANTS])),
+                    help="default: every variant of each config's kind")  # fmt: skip
     ap.add_argument("--decode", type=int, nargs="*", default=list(DECODE_BATCHES),
                     help="decode batch sizes")  # fmt: skip
     ap.add_argument("--prefill", type=int, nargs="*", default=list(PREFILL_TOKENS),
@@ -495,9 +525,9 @@ def options(args: argparse.Namespace, argv: list[str]) -> None:
     ap.add_argument("--rounds", type=int, default=3, help="eager rounds (median reported)")
     ap.parse_args(argv, namespace=args)
     if args.smoke:
-        args.configs, args.clocks, args.context, args.rounds = ["tiny"], ["eager"], 16, 1
+        args.configs, args.clocks, args.context = ["tiny", "tiny-moe"], ["eager"], 16
+        args.rounds = 1
         args.decode, args.prefill = [*SMOKE_DECODE], [*SMOKE_PREFILL]
-        args.variants = [v for v in args.variants if v != "fp8"]  # no FP8 GEMM on a CPU
 
 
 def step(ctx: Context) -> None:

@@ -43,6 +43,7 @@ _LAZY = {
     "Dispatcher": "engine.dispatcher",
     "BackendStatus": "engine.dispatcher",
     "Nvfp4Linear": "integrations.nn",
+    "Nvfp4MoE": "integrations.moe",
     "ConversionReport": "integrations.convert",
     "quantize_model": "integrations.convert",
     "CheckpointError": "integrations.checkpoints",
@@ -79,6 +80,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only; at run time the names are 
     from fp4_dispatch.integrations.ckpt_save import save_checkpoint
     from fp4_dispatch.integrations.convert import ConversionReport, quantize_model
     from fp4_dispatch.integrations.hf import from_pretrained
+    from fp4_dispatch.integrations.moe import Nvfp4MoE
     from fp4_dispatch.integrations.nn import Nvfp4Linear
     from fp4_dispatch.loading.registry import LoadError, PluginLoadError
 
@@ -113,6 +115,7 @@ __all__ = [
     "LoadReport",
     "Nvfp4Experts",
     "Nvfp4Linear",
+    "Nvfp4MoE",
     "Nvfp4Tensor",
     "PluginLoadError",
     "Problem",

@@ -85,12 +85,15 @@ def _codes_rne(y: torch.Tensor) -> torch.Tensor:
     return code.to(torch.uint8) | ((y < 0).to(torch.uint8) << 3)
 
 
-def modelopt_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def modelopt_quantize(
+    w: torch.Tensor, scale_2: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed uint8 [N, K/2], e4m3 scale [N, K/16], float32 scale_2 []) by ModelOpt's
-    documented arithmetic (module docstring)."""
+    documented arithmetic (module docstring); `scale_2` given: used as it is (ModelOpt's
+    ``weights_scaling_factor_2``, as its MoE export shares one between gate and up)."""
     wf = w.float()
     n, k = wf.shape
-    scale_2 = wf.abs().amax() / (6.0 * 448.0)
+    scale_2 = wf.abs().amax() / (6.0 * 448.0) if scale_2 is None else scale_2.float()
     blocks = wf.reshape(n, k // 16, 16)
     per_block = blocks.abs().amax(-1) / (6.0 * scale_2)
     per_block[per_block == 0] = 1.0
@@ -118,16 +121,20 @@ def modelopt_library():
     return NVFP4QTensor
 
 
-def modelopt_tensors(w: torch.Tensor, use_library: bool) -> dict[str, torch.Tensor]:
+def modelopt_tensors(
+    w: torch.Tensor, use_library: bool, scale_2: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     if use_library:
-        q, scale, scale_2 = modelopt_library().quantize(w.float(), 16)
+        q, scale, scale_2 = modelopt_library().quantize(
+            w.float(), 16, weights_scaling_factor_2=scale_2
+        )
         packed = q._quantized_data
     else:
-        packed, scale, scale_2 = modelopt_quantize(w)
+        packed, scale, scale_2 = modelopt_quantize(w, scale_2)
     return {
         "weight": packed.contiguous(),
         "weight_scale": scale.contiguous(),
-        "weight_scale_2": scale_2.float().reshape(()),
+        "weight_scale_2": scale_2.float().reshape(()).clone(),  # its own memory (shared s2)
     }
 
 
@@ -215,11 +222,13 @@ def write_checkpoint(
     shards: int = 2,
     use_library: bool = True,
     input_scales: bool = True,
+    tensors: dict[str, torch.Tensor] | None = None,
 ) -> Path:
+    """`tensors` (default `checkpoint_tensors`) written as the format's exporter does."""
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    sd = checkpoint_tensors(model, fmt, use_library, input_scales)
+    sd = checkpoint_tensors(model, fmt, use_library, input_scales) if tensors is None else tensors
     config = model.config.to_dict()
     if fmt == "compressed-tensors":
         config["quantization_config"] = ct_quantization_config()
@@ -250,3 +259,108 @@ def write_checkpoint(
         json.dumps({"metadata": {}, "weight_map": weight_map})
     )
     return path
+
+
+# ---- mixture-of-experts models ----------------------------------------------------------
+
+
+def tiny_qwen3_moe(seed: int = 0, **kw):
+    """A small Qwen3-MoE (transformers 5: fused experts, a router module), bf16."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    args = dict(vocab_size=256, hidden_size=128, intermediate_size=256,
+                moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=32, max_position_embeddings=64, norm_topk_prob=True,
+                tie_word_embeddings=False, dtype="bfloat16")  # fmt: skip
+    args.update(kw)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**args)).to(torch.bfloat16).eval()
+    _randomize_router(model)
+    return model
+
+
+def tiny_mixtral(seed: int = 0, **kw):
+    """A small Mixtral (transformers 5: fused experts, a router module), bf16."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    args = dict(vocab_size=256, hidden_size=128, intermediate_size=64, num_local_experts=8,
+                num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+                tie_word_embeddings=False, dtype="bfloat16")  # fmt: skip
+    args.update(kw)
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(MixtralConfig(**args)).to(torch.bfloat16).eval()
+    _randomize_router(model)
+    return model
+
+
+def _randomize_router(model: nn.Module) -> None:
+    """Qwen3-MoE's router starts at zero (a tie between all experts): give it values."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.1)
+
+
+def moe_blocks(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if hasattr(getattr(m, "experts", None),
+                                                           "gate_up_proj")]  # fmt: skip
+
+
+def moe_checkpoint_tensors(
+    model: nn.Module,
+    fmt: str,
+    use_library: bool = True,
+    input_scales: bool = True,
+    hub_names: bool = False,
+    shared_gate_up: bool | None = None,
+) -> dict[str, torch.Tensor]:
+    """`checkpoint_tensors`, with each MoE block's fused experts written one linear per
+    expert projection as the exporters do: ``<block>.experts.<e>.gate_proj`` / ``up_proj``
+    / ``down_proj`` (``hub_names``: Mixtral's ``block_sparse_moe`` and ``w1``/``w3``/``w2``).
+    ``shared_gate_up`` (default: ModelOpt yes, compressed-tensors no): gate and up get
+    one global scale, from the amax of both (ModelOpt's MoE export); else each its own."""
+    sd = checkpoint_tensors(model, fmt, use_library, input_scales)
+    shared = (fmt == "modelopt") if shared_gate_up is None else shared_gate_up
+    names = ("w1", "w3", "w2") if hub_names else ("gate_proj", "up_proj", "down_proj")
+    gen = torch.Generator().manual_seed(2)
+    for block in moe_blocks(model):
+        gu = sd.pop(f"{block}.experts.gate_up_proj")
+        dn = sd.pop(f"{block}.experts.down_proj")
+        out = block.replace(".mlp", ".block_sparse_moe") if hub_names else block
+        sd[f"{out}.gate.weight"] = sd.pop(f"{block}.gate.weight")
+        i = gu.shape[1] // 2
+        for e in range(gu.shape[0]):
+            s2 = gu[e].float().abs().amax() / (6.0 * 448.0) if shared else None
+            act = 1.0 + torch.rand((), generator=gen).item()
+            for proj, w in zip(names, (gu[e, :i], gu[e, i:], dn[e]), strict=True):
+                if fmt == "modelopt":
+                    parts = modelopt_tensors(w, use_library, s2 if proj != names[2] else None)
+                    if input_scales:
+                        parts["input_scale"] = torch.tensor(act / 2688.0)
+                else:
+                    parts = ct_tensors(w) if not shared else ct_tensors_shared(w, gu[e])
+                    if input_scales:
+                        parts["input_global_scale"] = torch.tensor([2688.0 / act])
+                sd.update({f"{out}.experts.{e}.{proj}.{k}": v for k, v in parts.items()})
+    return sd
+
+
+def ct_tensors_shared(w: torch.Tensor, fused: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`ct_tensors` of `w` with the global scale of `fused` (llm-compressor's fused
+    gate/up global scale)."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    scheme = ct_scheme()
+    ff = fused.float()
+    g = generate_gparam(ff.min(), ff.max()).reshape(1)
+    wf = w.float()
+    blocks = wf.reshape(wf.shape[0], -1, 16)
+    scale, _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), scheme.weights, g)
+    out = NVFP4PackedCompressor.compress(
+        {"weight": w, "weight_scale": scale, "weight_global_scale": g}, scheme
+    )
+    return {k: v for k, v in out.items() if k in ("weight_packed", "weight_scale",
+                                                  "weight_global_scale")}  # fmt: skip

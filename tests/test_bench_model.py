@@ -1,6 +1,7 @@
 """`python -m benchmarks model --smoke`: the whole-model yardstick runs end to end on a CPU
-(tiny Llama, eager) and writes what its docstring promises: one row per variant, step
-and clock, ratios to bf16, logits cosines against the dequantized twin, a table, a plot."""
+(tiny Llama and tiny Qwen3-MoE, eager) and writes what its docstring promises: one row
+per variant, step and clock, ratios to bf16, logits cosines against the dequantized
+twin, a table, a plot."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from conftest import run_bench_smoke
 
 #: the smoke's variants: all but FP8 (no FP8 GEMM in torch on a CPU)
 VARIANTS = ("bf16", "w4a16", "w4a4", "nvfp4-fp8")
+#: the MoE config's: transformers' grouped_mm and loop, grouped NVFP4, a loop of NVFP4 gemms
+MOE_VARIANTS = ("bf16", "bf16-loop", "w4a16", "nvfp4-loop")
 
 pytest.importorskip("transformers")
 
@@ -16,8 +19,10 @@ pytest.importorskip("transformers")
 def test_smoke_rows_cosines_table_and_plot(tmp_path):
     rows = run_bench_smoke(tmp_path, "model")
     got = {(r["backend"], r["case"], r["clock"]) for r in rows}
-    cases = {"tiny decode 1", "tiny decode 4", "tiny prefill 64"}
-    assert got == {(v, c, "eager") for v in VARIANTS for c in cases}
+    steps = ("decode 1", "decode 4", "prefill 64")
+    assert got == {(v, f"tiny {c}", "eager") for v in VARIANTS for c in steps} | {
+        (v, f"tiny-moe {c}", "eager") for v in MOE_VARIANTS for c in steps
+    }
     for r in rows:
         x = r["extra"]
         assert r["suite"] == "model" and r["failure"] is None, r
@@ -33,10 +38,15 @@ def test_smoke_rows_cosines_table_and_plot(tmp_path):
             assert x["cosine"] >= 0.999, r
         elif r["backend"] == "w4a4":
             assert 0.9 < x["cosine"] < 0.9999, r
+        elif r["backend"] == "bf16-loop":  # the same bf16 weights, another experts loop
+            assert x["cosine"] >= 0.9999, r
+        elif r["backend"] == "nvfp4-loop":  # the grouped layer's weights, one gemm each
+            assert x["cosine"] >= 0.999, r
         else:  # under precision="fp8": W4A16, or W4A8 (FP8 rounding, docs/PRECISION.md)
             assert x["cosine"] >= 0.99, r
     table = (tmp_path / "model.md").read_text().splitlines()
-    assert len(table) == 2 + 3, table  # header, rule, one line per step
+    assert len(table) == 2 + 3 + 3, table  # header, rule, one line per config and step
     assert all("x)" in line for line in table[2:]), table
     pytest.importorskip("matplotlib")
     assert (tmp_path / "model_tiny.png").stat().st_size > 1000
+    assert (tmp_path / "model_tiny-moe.png").stat().st_size > 1000

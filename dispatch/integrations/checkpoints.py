@@ -31,6 +31,7 @@ from fp4_dispatch.engine.dispatcher import Dispatcher
 from fp4_dispatch.format.nvfp4 import BLOCK_SIZE, Nvfp4Tensor, swizzle_scales
 from fp4_dispatch.integrations.ckpt_formats import FORMATS, Format, LayerFormat, detect_format
 from fp4_dispatch.integrations.ckpt_sources import CheckpointError, Source, TensorInfo, open_source
+from fp4_dispatch.integrations.moe_ckpt import QMoE, build_moe, plan_moe, split_experts
 from fp4_dispatch.integrations.nn import ACTIVATIONS, Activations, Nvfp4Linear
 
 logger = logging.getLogger(__name__)
@@ -44,18 +45,21 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16)
 @dataclass
 class LoadReport:
     """What `load_checkpoint` loaded: the format, the layers now `Nvfp4Linear`, how many
-    plain tensors (embeddings, norms, dense layers), and tensors it left unused."""
+    plain tensors (embeddings, norms, dense layers), tensors it left unused, and the
+    MoE blocks now `fp4_dispatch.moe.Nvfp4MoE` (``moe``, the model's names)."""
 
     format: str
     quantized: list[str] = field(default_factory=list)
     tensors: int = 0
     unused: list[str] = field(default_factory=list)
+    moe: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         text = (
             f"{self.format}: {len(self.quantized)} NVFP4 linear layers, "
             f"{self.tensors} other tensors"
         )
+        text += f", {len(self.moe)} NVFP4 MoE blocks" if self.moe else ""
         return text + (f", {len(self.unused)} unused" if self.unused else "")
 
 
@@ -89,6 +93,7 @@ class _Plan:
     layers: dict[str, _QLayer]
     plain: dict[str, _Slot]  # checkpoint tensor name -> the model tensor it fills
     unused: list[str]
+    moe: dict[str, QMoE] = field(default_factory=dict)  # checkpoint block name -> plan
 
 
 # ---- pass 1: plan and validate ------------------------------------------------------
@@ -294,15 +299,34 @@ def _check_plain(name: str, info: TensorInfo, slot: _Slot, src: Source) -> None:
         )
 
 
+def _plan_moe(
+    src: Source,
+    infos: dict[str, TensorInfo],
+    prefixes: set[str],
+    fmt: LayerFormat,
+    model_mods: dict[str, nn.Module],
+) -> tuple[dict[str, QMoE], set[str]]:
+    """The MoE blocks' plans (`fp4_dispatch.moe_ckpt`) and the prefixes left to linears."""
+    blocks, rest = split_experts(prefixes)
+    moe = {}
+    for block, projs in sorted(blocks.items()):
+        q = plan_moe(src, infos, block, projs, fmt, model_mods, _check_layer_tensors, _scalar)
+        if q is None:  # no MoE block there: per-expert linears of the model, if anything
+            rest |= set(projs.values())
+        else:
+            moe[block] = q
+    return moe, rest
+
+
 def _plan(model: nn.Module, src: Source, fmt: LayerFormat, strict: bool) -> _Plan:
     infos = src.infos()
     model_mods = dict(model.named_modules())
-    layers = {
-        p: _plan_layer(src, infos, p, fmt, model_mods, strict)
-        for p in sorted(_prefixes(infos, fmt))
-    }
+    moe, prefixes = _plan_moe(src, infos, _prefixes(infos, fmt), fmt, model_mods)
+    layers = {p: _plan_layer(src, infos, p, fmt, model_mods, strict) for p in sorted(prefixes)}
     claimed = {t for q in layers.values() for t in q.roles.values()}
     claimed |= {f"{p}.{r}" for p in layers for r in (fmt.global_scale, fmt.input_scale)}
+    claimed |= {t for q in moe.values() for t in (*q.roles.values(), *q.scalars)}
+    replaced = tuple(q.target_name + "." for q in moe.values())
     slots = _slots(model)
     plain: dict[str, _Slot] = {}
     unused: list[str] = []
@@ -313,7 +337,7 @@ def _plan(model: nn.Module, src: Source, fmt: LayerFormat, strict: bool) -> _Pla
             unused.append(name)
             continue
         slot = slots.get(name)
-        in_layer = name.rpartition(".")[0] in layers
+        in_layer = name.rpartition(".")[0] in layers or name.startswith(replaced)
         if slot is None or in_layer:
             if strict:
                 what = (
@@ -327,8 +351,8 @@ def _plan(model: nn.Module, src: Source, fmt: LayerFormat, strict: bool) -> _Pla
             continue
         _check_plain(name, info, slot, src)
         plain[name] = slot
-    _check_missing(slots, plain, layers, src, strict)
-    return _Plan(fmt, layers, plain, unused)
+    _check_missing(slots, plain, layers, src, strict, replaced)
+    return _Plan(fmt, layers, plain, unused, moe)
 
 
 def _check_missing(
@@ -337,12 +361,14 @@ def _check_missing(
     layers: dict[str, _QLayer],
     src: Source,
     strict: bool,
+    replaced: tuple[str, ...] = (),
 ) -> None:
-    """Every model tensor outside the loaded layers must be filled (strict), and a
-    meta-device one always: it has no value to keep."""
+    """Every model tensor outside the loaded layers and MoE blocks (`replaced`: their
+    name prefixes) must be filled (strict), and a meta-device one always: it has no
+    value to keep."""
     filled = {id(s) for s in plain.values()}
     for name, slot in slots.items():
-        if id(slot) in filled or name.rpartition(".")[0] in layers:
+        if id(slot) in filled or name.rpartition(".")[0] in layers or name.startswith(replaced):
             continue
         if strict or slot.old.is_meta:
             why = "its weights are on the meta device" if slot.old.is_meta else "strict=True"
@@ -383,12 +409,13 @@ def _stage(
     device: torch.device,
     activations: Activations,
     dispatcher: Dispatcher | None,
-) -> tuple[dict[str, Nvfp4Linear], dict[int, torch.Tensor]]:
+) -> tuple[dict[str, nn.Module], dict[int, torch.Tensor]]:
     """Read every needed tensor, one file at a time, into new device tensors and new
-    layers beside the model."""
-    role_of = {t: (q, r) for q in plan.layers.values() for r, t in q.roles.items()}
-    pending: dict[str, dict[str, torch.Tensor]] = {p: {} for p in plan.layers}
-    built: dict[str, Nvfp4Linear] = {}
+    layers (`Nvfp4Linear`, `Nvfp4MoE`) beside the model."""
+    groups = [*plan.layers.values(), *plan.moe.values()]
+    role_of = {t: (q, r) for q in groups for r, t in q.roles.items()}
+    pending: dict[str, dict[str, torch.Tensor]] = {q.name: {} for q in groups}
+    built: dict[str, nn.Module] = {}
     staged: dict[int, torch.Tensor] = {}  # id(slot) -> new tensor
     with torch.no_grad():
         for file, items in src.read_files(set(role_of) | set(plan.plain)):
@@ -399,7 +426,8 @@ def _stage(
                     pending[q.name][role] = t.to(device)
                     if len(pending[q.name]) == len(q.roles):
                         got = pending.pop(q.name)
-                        built[q.name] = _build_layer(q, got, device, activations, dispatcher)
+                        build = build_moe if isinstance(q, QMoE) else _build_layer
+                        built[q.name] = build(q, got, device, activations, dispatcher)
                     continue
                 slot = plan.plain[name]
                 if id(slot) not in staged:
@@ -422,9 +450,11 @@ def _stage(
 
 
 def _commit(
-    model: nn.Module, plan: _Plan, built: dict[str, Nvfp4Linear], staged: dict[int, torch.Tensor]
+    model: nn.Module, plan: _Plan, built: dict[str, nn.Module], staged: dict[int, torch.Tensor]
 ) -> None:
-    new_by_old = {id(plan.layers[p].target): layer for p, layer in built.items()}
+    targets = {**{p: q.target for p, q in plan.layers.items()},
+               **{p: q.target for p, q in plan.moe.items()}}  # fmt: skip
+    new_by_old = {id(targets[p]): layer for p, layer in built.items()}
     for mod in model.modules():
         for attr, child in list(mod._modules.items()):
             if child is not None and id(child) in new_by_old:
@@ -474,6 +504,13 @@ def load_checkpoint(
     - ``device``: where the loaded tensors go (default: the model's device; CPU for a
       model wholly on the meta device).
 
+    - MoE experts (``<block>.experts.<e>.gate_proj``/``up_proj``/``down_proj``, or
+      Mixtral's ``w1``/``w3``/``w2``, with the router ``<block>.gate.weight``) load into
+      one `fp4_dispatch.moe.Nvfp4MoE` that replaces the model's MoE block of that name
+      (a transformers Mixtral or Qwen3-MoE block, or an `Nvfp4MoE`; Mixtral's
+      ``block_sparse_moe`` is the model's ``mlp``), bytes as stored; the report lists
+      them in ``moe``.
+
     Everything is checked before anything changes: a wrong shape or dtype, a missing
     scale, an unknown format or a module the model lacks raises `CheckpointError`
     naming the tensor and the file, and the model is left as it was.
@@ -492,6 +529,8 @@ def load_checkpoint(
     dev = torch.device(device) if device is not None else _device_of(model)
     built, staged = _stage(plan, src, dev, activations, dispatcher)
     _commit(model, plan, built, staged)
-    report = LoadReport(fmt.name, sorted(built), len(staged), sorted(plan.unused))
+    moe = sorted(q.target_name for q in plan.moe.values())
+    report = LoadReport(fmt.name, sorted(p for p in built if p in plan.layers), len(staged),
+                        sorted(plan.unused), moe)  # fmt: skip
     logger.info("load_checkpoint %s: %s", src.label, report)
     return report

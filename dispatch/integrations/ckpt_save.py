@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fp4_dispatch.integrations.moe import Nvfp4MoE
 from fp4_dispatch.integrations.nn import Nvfp4Linear
 from fp4_dispatch.version import __version__
 
@@ -35,8 +36,12 @@ def _tensors(model: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], list[str
     out: list[tuple[str, torch.Tensor]] = []
     dense: list[str] = []
     seen: set[int] = set()
-    quantized = {n for n, m in model.named_modules() if isinstance(m, Nvfp4Linear)}
+    quantized = {n for n, m in model.named_modules() if isinstance(m, (Nvfp4Linear, Nvfp4MoE))}
     for name, mod in model.named_modules():
+        if isinstance(mod, Nvfp4MoE):
+            out += _expert_tensors(name, mod)
+            dense.append(f"{name}.gate")  # the router: dense, as ModelOpt lists it
+            continue
         if isinstance(mod, Nvfp4Linear):
             q = mod.quantized_weight()
             out += [(f"{name}.weight", q.natural_data()),
@@ -56,6 +61,34 @@ def _tensors(model: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], list[str
     return out, dense
 
 
+def _expert_tensors(name: str, mod: Nvfp4MoE) -> list[tuple[str, torch.Tensor]]:
+    """An `Nvfp4MoE`'s experts under the per-expert ModelOpt names
+    (``<name>.experts.<e>.gate_proj``/``up_proj``/``down_proj``, what vLLM and
+    `fp4_dispatch.load_checkpoint` read), bytes as held; the router goes with the
+    state dict (``<name>.gate.weight``)."""
+    out: list[tuple[str, torch.Tensor]] = []
+    scales = mod.input_scales
+    for x in range(mod.num_experts):
+        for j, (proj, which) in enumerate((("gate_proj", "gate"), ("up_proj", "up"),
+                                           ("down_proj", "down"))):  # fmt: skip
+            q = mod.expert_weight(which, x)
+            p = f"{name}.experts.{x}.{proj}"
+            out += [(f"{p}.weight", q.natural_data().contiguous()),
+                    (f"{p}.weight_scale", q.linear_scale().contiguous()),
+                    (f"{p}.weight_scale_2", q.global_scale.reshape(()))]  # fmt: skip
+            if scales is not None:
+                out.append((f"{p}.input_scale", scales[j, x].reshape(())))
+    return out
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the CPU, contiguous, and a copy when it is part of a larger storage (an
+    expert's slice of a stacked buffer): safetensors refuses tensors sharing memory."""
+    t = t.detach().to("cpu").contiguous()
+    whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole else t.clone()
+
+
 def _write_shards(path: Path, tensors: list[tuple[str, torch.Tensor]], limit: int) -> None:
     from safetensors.torch import save_file  # noqa: PLC0415 - optional: the [hf] extra
 
@@ -73,7 +106,7 @@ def _write_shards(path: Path, tensors: list[tuple[str, torch.Tensor]], limit: in
     total = 0
     for i, names in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        part = {n: by_name[n].detach().to("cpu").contiguous() for n in names}
+        part = {n: _own(by_name[n]) for n in names}
         total += sum(t.numel() * t.element_size() for t in part.values())
         save_file(part, str(path / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, file))
@@ -87,6 +120,9 @@ def save_checkpoint(
 ) -> Path:
     """Write `model` to the directory `path` (created) as a ModelOpt NVFP4 checkpoint.
 
+    Every `Nvfp4MoE` becomes its experts as ModelOpt writes them, one linear each
+    (``<block>.experts.<e>.gate_proj`` / ``up_proj`` / ``down_proj``) and its dense router
+    ``<block>.gate.weight`` (listed in ``exclude_modules``).
     Every `Nvfp4Linear` becomes ``weight`` (uint8 packed e2m1), ``weight_scale`` (e4m3,
     linear ``[N, K/16]``), ``weight_scale_2`` (the decode global scale), ``input_scale``
     when the layer has a static activation scale, and ``bias``; every other tensor is

@@ -28,6 +28,7 @@ from fp4_dispatch.format.nvfp4 import (
     quantize_fields,
     swizzle_scales,
 )
+from fp4_dispatch.integrations.moe_convert import inspect_block, to_nvfp4_moe
 from fp4_dispatch.integrations.nn import ACTIVATIONS, Activations, Nvfp4Linear, precision_of
 
 logger = logging.getLogger(__name__)
@@ -51,14 +52,18 @@ class MetaWeightsError(ValueError):
 
 @dataclass
 class ConversionReport:
-    """What `quantize_model` did: the converted layers' names (in model order) and, for
-    each eligible-looking ``nn.Linear`` left alone, why."""
+    """What `quantize_model` did: the converted layers' names (in model order), the MoE
+    blocks now `fp4_dispatch.moe.Nvfp4MoE` (``moe``), and for each eligible-looking
+    ``nn.Linear`` or MoE block left alone, why."""
 
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    moe: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"converted {len(self.converted)} linear layers to NVFP4"]
+        if self.moe:
+            lines.append(f"converted {len(self.moe)} MoE blocks to Nvfp4MoE")
         lines += [f"skipped {name}: {why}" for name, why in self.skipped.items()]
         return "\n".join(lines)
 
@@ -193,6 +198,12 @@ def quantize_model(
       dispatcher's, else ``"exact"``; ``"fp8"`` lets dense calls run as W4A8,
       docs/PRECISION.md).
 
+    A transformers sparse MoE block (Mixtral, Qwen3-MoE: router plus fused SiLU-gated
+    experts) becomes one `fp4_dispatch.moe.Nvfp4MoE` (grouped NVFP4 GEMMs, the router
+    kept dense), listed in the report's ``moe``; ``skip`` and ``filter`` apply to the
+    block's name, and a block of another kind stays as it is, its reason in
+    ``skipped`` (docs/checkpoints.md, "Mixture-of-experts blocks").
+
     A layer whose ``in_features`` is not a multiple of 32 stays dense (the GEMM's K
     rule), as does an ``nn.MultiheadAttention`` projection. Each weight is quantized on
     its own device (CPU or GPU) and its dense copy released before the next layer.
@@ -209,6 +220,12 @@ def quantize_model(
     patterns = _check_skip(skip)
     precision_of(precision, dispatcher)  # a bad policy fails before anything changes
     report = ConversionReport()
+    blocks = _moe_blocks(model, patterns, filter, report)
+    while blocks:  # first: a block's own linears go with it; each dense block freed in turn
+        name, parent, attr, block = blocks.pop(0)
+        setattr(parent, attr, to_nvfp4_moe(block, activations, dispatcher, precision))
+        del block
+        report.moe.append(name)
     todo = []
     for name, parent, attr, layer in _candidates(model):
         why = _why_not(name, parent, layer, patterns, filter)
@@ -232,6 +249,41 @@ def quantize_model(
         del layer  # the dense weight goes with its last reference (the parent's, just now)
         report.converted.append(name)
     logger.info(
-        "quantize_model: %d converted, %d skipped", len(report.converted), len(report.skipped)
-    )
+        "quantize_model: %d converted, %d MoE blocks, %d skipped",
+        len(report.converted), len(report.moe), len(report.skipped),
+    )  # fmt: skip
     return report
+
+
+def _moe_blocks(
+    model: nn.Module,
+    skip: tuple[str, ...],
+    keep: Callable[[str, nn.Module], bool] | None,
+    report: ConversionReport,
+) -> list[tuple[str, nn.Module, str, object]]:
+    """(name, parent, attribute, `MoeBlock`) of every MoE block to convert, checked
+    whole before any changes (meta weights raise); the others' reasons go in `report`."""
+    found = []
+    mods = dict(model.named_modules())
+    for name, mod in mods.items():
+        block = inspect_block(mod) if name else None
+        if block is None:
+            continue
+        hit = _matches(name, skip)
+        why = block if isinstance(block, str) else None
+        if why is None and hit is not None:
+            why = f"in skip ({hit!r})"
+        elif why is None and keep is not None and not keep(name, mod):
+            why = "refused by filter"
+        if why is not None:
+            report.skipped[name] = why
+            continue
+        if block.gate_up.is_meta or block.down.is_meta:
+            raise MetaWeightsError(
+                f"model: {name}.experts is on the meta device: quantize_model needs the "
+                "weights. Load them first, or load an NVFP4 checkpoint with "
+                "fp4_dispatch.load_checkpoint(model, path) or fp4_dispatch.from_pretrained(path)"
+            )
+        parent, _, attr = name.rpartition(".")
+        found.append((name, mods[parent], attr, block))
+    return found
