@@ -36,6 +36,7 @@ from typing import ClassVar, Literal
 from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo
 from fp4_dispatch.hookspecs import hookimpl
+from fp4_dispatch.plugins.flashinfer.grouped import FiGroupedW4A16Backend
 from fp4_dispatch.sources import SourceVersion
 from fp4_dispatch.tactics import Problem, Tactic
 
@@ -315,3 +316,4 @@ BACKENDS = (FiSm100Backend, FiSm100DeepKBackend, FiSm100SplitKBackend, FiSm103Ba
 def fp4_dispatch_register_backends(register) -> None:
     for cls in BACKENDS:
         register(cls())
+    register(FiGroupedW4A16Backend())  # grouped_w4a16 (plugins/flashinfer/grouped.py)

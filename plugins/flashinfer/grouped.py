@@ -1,0 +1,182 @@
+"""Family ``fi-grouped-w4a16``: FlashInfer's SM100 W4A16 grouped GEMM (CuTe-DSL).
+
+The GEMM of FlashInfer's CuTe-DSL W4A16 MoE, without the rest of its MoE layer
+(`fp4_dispatch.backends.flashinfer.grouped` says how it is driven and why that is
+exact). Serves ``grouped_w4a16`` with bfloat16 activations and output (the kernel
+decodes NVFP4 to bf16 and writes bf16); never ``grouped_w4a4`` and never fp16.
+
+Orientation. The kernel puts the weight's output channels on the MMA's M side and the
+routed token rows on N; tactics here speak the problem's orientation (rows = tokens):
+
+* ``tile_m``: token rows per routed tile (FlashInfer's ``route_tile``; each tile belongs
+  to one expert, so an expert with c rows occupies ceil(c / tile_m) tiles);
+* ``tile_n``: output channels per CTA pair (the MMA M; 256 is a 2-CTA instruction);
+* ``cluster_n``: CTAs of a cluster along the output channels (FlashInfer's cluster M).
+
+Validity is the kernel's own ``can_implement`` over FlashInfer's tactic list, for the
+padded row count `fp4_dispatch.backends.flashinfer.grouped.route_slots`. Scores: the
+shared cost model. Compiled here for sm_100a / sm_103a / sm_107a; not run on hardware.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Hashable, Iterator
+from importlib import metadata
+from typing import ClassVar, Literal
+
+from pydantic import model_validator
+
+from fp4_dispatch.backend import Backend, Kernel, Support
+from fp4_dispatch.device import DeviceInfo
+from fp4_dispatch.sources import SourceVersion
+from fp4_dispatch.tactics import Problem, Tactic
+
+COMPILE_ONLY = (
+    "FlashInfer's CuTe-DSL grouped W4A16 kernel is compiled here for its target; "
+    "it has not been run on hardware by this project"
+)
+OPERATION = "grouped_w4a16"
+
+
+def _fi_version() -> str:
+    try:
+        return metadata.version("flashinfer-python")
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+class FiGroupedW4A16Tactic(Tactic):
+    """One FlashInfer W4A16 grouped-GEMM tactic, in the problem's orientation (see module).
+
+    FlashInfer's rules, as types and a validator: a 2-CTA tile (tile_n 256) needs a
+    cluster of 2 along the channels and a routed tile of at least 16 rows; a 192-row
+    routed tile needs the 2-CTA tile (a 128 x 192 x 256 tile cannot hold the pipeline's
+    two load and transform stages, per FlashInfer).
+    """
+
+    backend: Literal["fi-grouped-w4a16"] = "fi-grouped-w4a16"
+    tile_m: Literal[8, 16, 32, 64, 128, 192]
+    tile_n: Literal[128, 256]
+    cluster_m: Literal[1] = 1
+    cluster_n: Literal[1, 2] = 1
+    swap_ab: Literal[False] = False
+
+    @property
+    def ctas_per_tile(self) -> int:
+        """A 2-CTA instruction (tile_n 256) spans a CTA pair: two SMs per output tile."""
+        return 2 if self.tile_n == 256 else 1
+
+    @model_validator(mode="after")
+    def _kernel_rules(self) -> FiGroupedW4A16Tactic:
+        if self.tile_n == 256 and self.cluster_n != 2:
+            raise ValueError(f"tile_n=256 (2-CTA) needs cluster_n=2, got {self.cluster_n}")
+        if self.tile_n == 256 and self.tile_m < 16:
+            raise ValueError(f"tile_n=256 (2-CTA) needs tile_m >= 16, got {self.tile_m}")
+        if self.tile_m == 192 and self.tile_n != 256:
+            raise ValueError(f"tile_m=192 needs tile_n=256 (2-CTA), got {self.tile_n}")
+        return self
+
+    def to_fi(self) -> tuple:
+        """FlashInfer's single-GEMM tactic tuple (raster along its M, as its tuner does)."""
+        return ((self.tile_n, self.tile_m, 256), (self.cluster_n, 1), True)
+
+
+def tactic_of(fi: tuple) -> FiGroupedW4A16Tactic:
+    """The typed tactic of a FlashInfer W4A16 GEMM tactic (ValueError for unknown ones)."""
+    (tile, route_tile, tile_k), (cm, cn), raster = fi
+    if tile_k != 256 or cn != 1 or raster is not True:
+        raise ValueError(
+            f"fi-grouped-w4a16: unknown FlashInfer W4A16 tactic {fi!r} (flashinfer-python "
+            f"{_fi_version()}; fp4-dispatch was tested with 0.7.2.post1)"
+        )
+    return FiGroupedW4A16Tactic(tile_m=route_tile, tile_n=tile, cluster_n=cm)
+
+
+@functools.lru_cache(maxsize=256)
+def _typed(fi: tuple) -> FiGroupedW4A16Tactic:
+    """Tactic objects are frozen: build each once (pydantic validation is ~5 us)."""
+    return tactic_of(fi)
+
+
+def _served(problem: Problem) -> str | None:
+    """Why this family has nothing for `problem` (None when it may)."""
+    if problem.operation != OPERATION:
+        return f"serves {OPERATION} only, not {problem.operation}"
+    if problem.out_dtype != "bfloat16":
+        return f"writes bfloat16 only (bf16 activations), not {problem.out_dtype}"
+    if not getattr(problem, "groups", None):
+        return "a grouped problem needs its expert count (groups)"
+    return None
+
+
+class FiGroupedW4A16Backend(Backend):
+    """FlashInfer's W4A16 grouped GEMM: enumerated by FlashInfer, validated by its kernel."""
+
+    name = "fi-grouped-w4a16"
+    family = "fi-grouped-w4a16"
+    tactic_type = FiGroupedW4A16Tactic
+    operations = (OPERATION,)
+    compile_only_note = COMPILE_ONLY
+    compiles_ahead_of_time: ClassVar[bool] = True
+    diversity_axes = ("tile_m", "tile_n")
+    version = SourceVersion(
+        f"1+flashinfer-{_fi_version()}",
+        "fp4_dispatch.backends.flashinfer.grouped",
+        plugin=__name__,
+    )
+
+    def supports(self, device: DeviceInfo) -> Support:
+        from fp4_dispatch.backends.flashinfer import grouped as fg
+
+        cc = device.cc
+        if cc is None or cc < 100:
+            return Support(False, f"needs a Blackwell/Rubin device (sm_100a+), got {device.name}")
+        ok, reason = fg.availability()  # raises FlashInferUnavailable on a broken install
+        if not ok:
+            return Support(False, reason)
+        if cc not in fg.CCS:
+            return Support(False, f"FlashInfer offers its CuTe-DSL MoE GEMMs on compute "
+                                  f"capability {sorted(fg.CCS)}, not {cc}")  # fmt: skip
+        where = "compile-only (simulated)" if device.is_simulated else "compiled for"
+        return Support(True, f"{where} sm_{cc}a; grouped_w4a16, bfloat16; {reason}")
+
+    def tactics(self, problem: Problem, device: DeviceInfo) -> Iterator[Tactic]:
+        from fp4_dispatch.backends.flashinfer import grouped as fg
+
+        if _served(problem) is not None:
+            return
+        p = problem
+        for fi in fg.valid_tactics(p.m, p.n, p.k, p.groups):
+            yield _typed(fi)
+
+    def validate(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> str | None:
+        """FlashInfer's list and its kernel's ``can_implement`` for this problem."""
+        from fp4_dispatch.backends.flashinfer import grouped as fg
+
+        checked = self.tactic_type.model_validate(tactic.model_dump())
+        why = _served(problem)
+        if why is not None:
+            return f"{checked.canonical_json()}: {why}"
+        p = problem
+        if checked.to_fi() not in fg.valid_tactics(p.m, p.n, p.k, p.groups):
+            return (f"{checked.canonical_json()}: FlashInfer's W4A16 kernel does not accept "
+                    f"T={p.m} N={p.n} K={p.k} E={p.groups}")  # fmt: skip
+        return None
+
+    def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
+        """Compile for the device's arch and SM count (memoized in this process)."""
+        from fp4_dispatch.backends.flashinfer import grouped as fg
+
+        checked = self.tactic_type.model_validate(tactic.model_dump())
+        p = problem
+        compiled = fg.compile_tactic(checked.to_fi(), p.n, p.k, p.groups, device)
+        return fg.GroupedW4A16Kernel(compiled)
+
+    def precompile_key(self, tactic: Tactic, problem: Problem) -> Hashable:
+        """The binary does not depend on the token count (a runtime size): one compile
+        per (tactic, E, K class, N alignment class)."""
+        from fp4_dispatch.backends.flashinfer import grouped as fg
+
+        checked = self.tactic_type.model_validate(tactic.model_dump())
+        return fg.compile_key(checked.to_fi(), problem.n, problem.k, problem.groups)
