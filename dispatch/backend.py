@@ -127,9 +127,68 @@ class DenseOperands:
         return self.a.shape[1]
 
 
+@dataclass(frozen=True, slots=True)
+class GroupedOperands:
+    """Operands of a grouped (mixture-of-experts) kernel: each expert's rows of A times
+    that expert's NVFP4 weight (docs/grouped.md).
+
+    The kernel computes, for every expert ``e`` and every row ``r`` in
+    ``[offsets[e-1], offsets[e])`` (``offsets[-1]`` read as 0)::
+
+        out[r, :] = alpha[e] * A[r, :] @ dequant(b[e]).T
+
+    - ``a``: ``grouped_w4a16``: bfloat16/float16 ``[T, K]`` with unit stride along K,
+      rows sorted by expert. ``grouped_w4a4``: the NVFP4 data, uint8 ``[T, K/2]``
+      contiguous, with ``a_scale`` set.
+    - ``b_data``: uint8 ``[E, N, K/2]`` contiguous (each expert's weight as in
+      `GemmOperands`, natural byte order).
+    - ``b_scale``: float8_e4m3fn ``[E, ceil128(N), ceil4(K/16)]`` contiguous: each
+      expert's block scales in the 128x4 swizzled order of `GemmOperands`, padding
+      included; expert ``e``'s slab starts at element ``e * ceil128(N) * ceil4(K/16)``.
+    - ``alpha``: float32 ``[E]``: expert ``e``'s weight global scale, times A's global
+      scale for ``grouped_w4a4`` (real checkpoints have one scale per expert).
+    - ``offsets``: int32 ``[E]`` on the device: cumulative row ends, non-decreasing,
+      ``offsets[E-1] == T`` (torch's ``_grouped_mm`` convention). Empty experts
+      (equal neighbours) are allowed. Kernels read it on the device: nobody on the
+      host may (no synchronisation; CUDA graphs replay with new routing).
+    - ``a_scale`` (keyword only): ``grouped_w4a4`` only: A's e4m3 block scales,
+      ``[ceil128(T), ceil4(K/16)]`` swizzled as one tensor (indexed by the global row;
+      a kernel that wants per-expert 128-row-aligned scales repacks on the device).
+
+    Rows at or past ``offsets[E-1]`` belong to no expert: kernels leave them unwritten.
+    Never swapped (``swap_ab`` is refused for grouped problems).
+    """
+
+    a: torch.Tensor
+    b_data: torch.Tensor
+    b_scale: torch.Tensor
+    alpha: torch.Tensor
+    offsets: torch.Tensor
+    a_scale: torch.Tensor | None = field(default=None, kw_only=True)
+
+    @property
+    def m(self) -> int:
+        """Total rows T (all experts)."""
+        return self.a.shape[0]
+
+    @property
+    def n(self) -> int:
+        return self.b_data.shape[1]
+
+    @property
+    def k(self) -> int:
+        return self.b_data.shape[2] * 2
+
+    @property
+    def groups(self) -> int:
+        """The expert count E."""
+        return self.b_data.shape[0]
+
+
 Kernel = Callable[[GemmOperands, "torch.Tensor"], None]
 """A built kernel: ``kernel(operands, out)`` writes ``out`` (shape [M, N]) in place.
-Operands are `GemmOperands` for W4A4 problems and `DenseOperands` for W4A16 ones."""
+Operands are `GemmOperands` for W4A4 problems, `DenseOperands` for W4A16 ones and
+`GroupedOperands` for the grouped operations."""
 
 
 def launch(kernel: Kernel, operands: GemmOperands, out: torch.Tensor, swap_ab: bool) -> None:

@@ -5,12 +5,20 @@ one stopped at 4096) sends a prefill of M = 100000 to the M = 4096 decision. N, 
 output dtype and the operation (``w4a4``: both operands NVFP4; ``w4a16``: dense
 activations) are exact: the two operations run different kernels, so they never share a
 winner.
+
+Grouped problems (mixture-of-experts, docs/grouped.md) add the expert count E, exact, as
+a sixth key element; their M is the total rows over all experts, bucketed like any M.
+Why not a bucket of the real per-expert row counts: those live on the device (the
+offsets) and reading them would synchronise every call. So the token distribution is
+described by host facts only, (M bucket, E), read under a balanced-routing assumption:
+``M / E`` rows per expert, ``min(M, E)`` experts touched. Dense keys are unchanged.
 """
 
 from __future__ import annotations
 
-#: (N, K, M bucket, out dtype, operation): the unit a tuned winner covers
-BucketKey = tuple[int, int, int, str, str]
+#: (N, K, M bucket, out dtype, operation), plus E for a grouped operation: the unit a
+#: tuned winner covers
+BucketKey = tuple[int, int, int, str, str] | tuple[int, int, int, str, str, int]
 
 #: what an entry or key without an operation means (everything tuned before W4A16 was)
 DEFAULT_OPERATION = "w4a4"
@@ -24,7 +32,15 @@ def m_bucket(m: int) -> int:
 
 
 def bucket_key(
-    m: int, n: int, k: int, out_dtype: str, operation: str = DEFAULT_OPERATION
+    m: int,
+    n: int,
+    k: int,
+    out_dtype: str,
+    operation: str = DEFAULT_OPERATION,
+    groups: int | None = None,
 ) -> BucketKey:
-    """The bucket an exact (M, N, K, out dtype, operation) falls into."""
-    return (n, k, m_bucket(m), out_dtype, operation)
+    """The bucket an exact (M, N, K, out dtype, operation[, E]) falls into (a dense
+    problem's key has five elements, a grouped one's six: E last)."""
+    if groups is None:
+        return (n, k, m_bucket(m), out_dtype, operation)
+    return (n, k, m_bucket(m), out_dtype, operation, groups)

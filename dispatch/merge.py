@@ -199,7 +199,7 @@ def _collect(
     sms, peak, bw = device.sm_count, _peak_tflops(device), device.mem_bw_gbps
     by_geom: dict[tuple, float] = {}
     by_id, by_value = _BY_ID, _CHECKED
-    dense = problem.dense
+    dense = problem.dense or problem.grouped  # neither is ever swapped by the dispatcher
     asked = problem
     guard = Guard() if guard is None else guard
     broken = guard.broken
@@ -238,7 +238,7 @@ def _collect(
                     first_invalid = first_invalid or str(exc)
                     continue
             canon, geom = info
-            if dense and geom[4]:  # the dispatcher never exchanges dense and NVFP4 operands
+            if dense and geom[4]:  # never exchanged: dense and NVFP4 operands, expert stacks
                 invalid += 1
                 first_invalid = first_invalid or f"{canon}: swap_ab=True on a dense problem"
                 continue

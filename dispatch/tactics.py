@@ -11,15 +11,21 @@ import json
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 OutDtype = Literal["bfloat16", "float16"]
 #: the operations: both operands NVFP4 (``mm_fp4``); dense bf16/fp16 activations times
 #: NVFP4 weights (weight-only, FlashInfer's ``mm_bf16_fp4``); and ``w4a8``, dense
 #: activations rounded to FP8 E4M3 per token and the weights to FP8 inside the GEMM (FP8
-#: tensor cores: lossy, only under ``precision="fp8"``, docs/PRECISION.md)
-Operation = Literal["w4a4", "w4a16", "w4a8"]
-OPERATIONS: tuple[str, ...] = ("w4a4", "w4a16", "w4a8")
+#: tensor cores: lossy, only under ``precision="fp8"``, docs/PRECISION.md). The grouped
+#: operations (mixture-of-experts, docs/grouped.md) are the same products per expert:
+#: ``grouped_w4a16`` (dense activations) and ``grouped_w4a4`` (NVFP4 activations), over
+#: a stack of E expert weights; there is no grouped W4A8
+Operation = Literal["w4a4", "w4a16", "w4a8", "grouped_w4a16", "grouped_w4a4"]
+OPERATIONS: tuple[str, ...] = ("w4a4", "w4a16", "w4a8", "grouped_w4a16", "grouped_w4a4")
+#: operations over E expert weights (`Problem.groups` set): `fp4_dispatch.backend.
+#: GroupedOperands`; a family serves them only when its ``Backend.operations`` lists them
+GROUPED_OPERATIONS: frozenset[str] = frozenset({"grouped_w4a16", "grouped_w4a4"})
 #: operations whose result rounds an operand the caller handed over exactly (the dense
 #: activations): never chosen unless the user's precision policy allows it
 LOSSY_OPERATIONS: frozenset[str] = frozenset({"w4a8"})
@@ -36,6 +42,8 @@ _COMPUTED_AS: dict[str, tuple[str, ...]] = {
     "w4a4": ("w4a4",),
     "w4a16": ("w4a16",),
     "w4a8": ("w4a16", "w4a8"),
+    "grouped_w4a16": ("grouped_w4a16",),
+    "grouped_w4a4": ("grouped_w4a4",),
 }
 
 
@@ -49,7 +57,8 @@ def check_precision(precision: object) -> str:
 def problem_operation(call: str, precision: str) -> str:
     """The operation a call is ranked as under `precision`: a dense (``w4a16``) call under
     ``"fp8"`` becomes ``w4a8`` (W4A16 and W4A8 candidates together); anything else is
-    unchanged (an NVFP4 ``w4a4`` call rounds nothing more under either policy)."""
+    unchanged (an NVFP4 ``w4a4`` call rounds nothing more under either policy, and the
+    grouped operations have no FP8 variant: a grouped call is exact under both)."""
     check_precision(precision)
     if call not in OPERATIONS:
         raise ValueError(f"operation: expected one of {OPERATIONS}, got {call!r}")
@@ -164,6 +173,11 @@ class Problem(BaseModel):
     it as ``w4a16`` or ``w4a8`` (`computed_as`). A backend always receives the problem in
     the operation its tactic computes (`as_operation`). Families compete only within one
     problem operation.
+
+    Grouped problems (``grouped_w4a16``/``grouped_w4a4``, docs/grouped.md): ``groups``
+    is the number of experts E (set for, and only for, these operations), ``m`` the
+    total rows of A over all experts (tokens x top-k), ``n``/``k`` one expert's weight
+    shape. Which rows go to which expert lives on the device and is never read here.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -173,11 +187,36 @@ class Problem(BaseModel):
     k: PositiveInt
     out_dtype: OutDtype = "bfloat16"
     operation: Operation = "w4a4"
+    groups: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _groups_match_operation(self) -> Problem:
+        grouped = self.operation in GROUPED_OPERATIONS
+        if grouped and self.groups is None:
+            raise ValueError(f"groups: operation {self.operation!r} needs the expert count E")
+        if not grouped and self.groups is not None:
+            raise ValueError(
+                f"groups: only grouped operations {sorted(GROUPED_OPERATIONS)} take groups, "
+                f"got groups={self.groups} for operation {self.operation!r}"
+            )
+        return self
 
     @property
     def dense(self) -> bool:
-        """Whether A is dense bf16/fp16 activations (`DENSE_OPERATIONS`)."""
-        return self.operation in DENSE_OPERATIONS
+        """Whether A is dense bf16/fp16 activations (`DENSE_OPERATIONS`, ``grouped_w4a16``)."""
+        return self.operation in DENSE_OPERATIONS or self.operation == "grouped_w4a16"
+
+    @property
+    def grouped(self) -> bool:
+        """Whether this is a grouped (per-expert) problem (`GROUPED_OPERATIONS`)."""
+        return self.groups is not None
+
+    @property
+    def touched_groups(self) -> int:
+        """Experts whose weights a grouped problem reads, under the balanced-routing
+        assumption of docs/grouped.md: ``min(E, M)`` (each of the M rows lands on a
+        different expert until all are used). 1 for a plain GEMM."""
+        return 1 if self.groups is None else min(self.groups, self.m)
 
     def as_operation(self, operation: str) -> Problem:
         """This problem as a backend computing it with `operation` sees it (self if same)."""
@@ -186,17 +225,25 @@ class Problem(BaseModel):
         return self.model_copy(update={"operation": operation})
 
     def swapped(self) -> Problem:
-        """The problem the kernel sees when a tactic sets swap_ab."""
+        """The problem the kernel sees when a tactic sets swap_ab (never grouped: the
+        ranking refuses swapped tactics for dense and grouped problems)."""
         return self.model_copy(update={"m": self.n, "n": self.m})
 
     @property
     def flops(self) -> float:
+        """2 M N K: grouped too (each of the M rows meets one expert's N x K weight)."""
         return 2.0 * self.m * self.n * self.k
 
     @property
     def min_bytes(self) -> float:
         """Fewest bytes moved: fp4 operands with e4m3 scales (1 per 16 values: 0.5625
-        bytes per value), a dense 2-byte A for w4a16 and w4a8, and the 2-byte output."""
+        bytes per value), a dense 2-byte A for w4a16 and w4a8, and the 2-byte output.
+
+        Grouped: the weights of `touched_groups` experts (all E once M >= E; at decode,
+        with tokens x top-k < E, only the experts the rows touch under balanced routing),
+        plus the int32 offsets and float32 alphas (8 bytes per expert)."""
         fp4 = 0.5 + 1.0 / 16
         a_bytes = 2.0 if self.dense else fp4
-        return self.m * self.k * a_bytes + self.n * self.k * fp4 + 2.0 * self.m * self.n
+        weights = self.touched_groups * self.n * self.k * fp4
+        per_group = 0.0 if self.groups is None else 8.0 * self.groups
+        return self.m * self.k * a_bytes + weights + 2.0 * self.m * self.n + per_group
