@@ -117,11 +117,13 @@ def test_adapter_is_exact_against_per_group_reference(monkeypatch, route_tile):
     alpha = torch.tensor([0.5, 1.0, 2.0, 0.25, 1.0, 4.0])
     offsets = _offsets(counts)
     operands = types.SimpleNamespace(
-        a=a, offsets=offsets, alpha=alpha,
-        b_data=torch.zeros(experts, n, k // 2, dtype=torch.uint8), b_scale=None,
-    )  # fmt: skip
-    compiled = types.SimpleNamespace(tactic=((128, route_tile, 256), (1, 1), True),
-                                     experts=experts)  # fmt: skip
+        a=a,
+        offsets=offsets,
+        alpha=alpha,
+        b_data=torch.zeros(experts, n, k // 2, dtype=torch.uint8),
+        b_scale=None,
+    )
+    compiled = types.SimpleNamespace(tactic=((128, route_tile, 256), (1, 1), True), experts=experts)
     monkeypatch.setattr(fg.GroupedW4A16Kernel, "launch", _emulate(weights))
     out = torch.full((tokens, n), 7.0, dtype=torch.bfloat16)
     fg.GroupedW4A16Kernel(compiled)(operands, out)
@@ -136,8 +138,11 @@ def test_adapter_is_exact_against_per_group_reference(monkeypatch, route_tile):
 def test_adapter_refuses_fp16_and_a_wrong_expert_count():
     compiled = types.SimpleNamespace(tactic=((128, 8, 256), (1, 1), True), experts=4)
     kernel = fg.GroupedW4A16Kernel(compiled)
-    ops = types.SimpleNamespace(a=torch.zeros(3, 32, dtype=torch.float16), offsets=_offsets([3]),
-                                b_data=torch.zeros(4, 8, 16, dtype=torch.uint8))  # fmt: skip
+    ops = types.SimpleNamespace(
+        a=torch.zeros(3, 32, dtype=torch.float16),
+        offsets=_offsets([3]),
+        b_data=torch.zeros(4, 8, 16, dtype=torch.uint8),
+    )
     with pytest.raises(ValueError, match="a: expected contiguous bfloat16"):
         kernel(ops, torch.zeros(3, 8, dtype=torch.bfloat16))
     ops.b_data = torch.zeros(5, 8, 16, dtype=torch.uint8)
@@ -177,3 +182,143 @@ def test_every_flashinfer_tactic_has_a_typed_twin():
     fis = fg.flashinfer_tactics()
     assert len(fis) >= 10
     assert [tactic_of(fi).to_fi() for fi in fis] == list(fis)
+
+
+def _backend_problem(t: int, n: int, k: int, e: int, op: str = "grouped_w4a16", **kw):
+    from fp4_dispatch.tactics import Problem
+
+    return Problem(m=t, n=n, k=k, operation=op, groups=e, **kw)
+
+
+@needs_fi
+def test_family_serves_grouped_w4a16_in_bfloat16_only():
+    b, dev = FiGroupedW4A16Backend(), simulated("sm100")
+    assert list(b.tactics(_backend_problem(8, 1536, 2048, 128), dev))
+    for other in (
+        _backend_problem(8, 1536, 2048, 128, out_dtype="float16"),
+        _backend_problem(8, 1536, 2048, 128, op="grouped_w4a4"),
+    ):
+        assert not list(b.tactics(other, dev))
+    t = next(iter(b.tactics(_backend_problem(8, 1536, 2048, 128), dev)))
+    why = b.validate(t, _backend_problem(8, 1536, 2048, 128, out_dtype="float16"), dev)
+    assert "bfloat16 only" in why
+
+
+@needs_fi
+@pytest.mark.parametrize(
+    "shape", [(8, 1536, 2048, 128), (512, 2048, 768, 128), (64, 4096, 7168, 256)]
+)
+def test_tactics_and_validate_agree(shape):
+    b, dev = FiGroupedW4A16Backend(), simulated("sm107")
+    problem = _backend_problem(*shape)
+    offered = list(b.tactics(problem, dev))
+    assert offered
+    for t in offered:
+        assert b.validate(t, problem, dev) is None
+    others = {tactic_of(fi) for fi in fg.flashinfer_tactics()} - set(offered)
+    for t in others:
+        assert b.validate(t, problem, dev) is not None
+
+
+@needs_fi
+def test_misaligned_k_gets_no_tactic():
+    # K = 2056 bf16 activations: rows of 4112 bytes are not 32-byte aligned (kernel rule)
+    assert not fg.valid_tactics(64, 1536, 2056, 8)
+
+
+def test_estimate_counts_padded_tiles_and_touched_experts():
+    from fp4_dispatch.plugins.flashinfer.grouped import estimate
+
+    dev = simulated("sm100")
+    narrow = FiGroupedW4A16Tactic(tile_m=8, tile_n=128)
+    wide = FiGroupedW4A16Tactic(tile_m=128, tile_n=128)
+    decode = _backend_problem(8, 1536, 2048, 128)  # 8 rows on 8 experts
+    assert estimate(decode, dev, narrow) < estimate(decode, dev, wide)
+    # more experts touched at the same rows: more weight bytes, never cheaper
+    few, many = _backend_problem(64, 1536, 2048, 8), _backend_problem(64, 1536, 2048, 128)
+    assert estimate(few, dev, narrow) < estimate(many, dev, narrow)
+
+
+# ---- compile for each arch (no GPU: cubin checked, nothing launched) ----------------------
+
+
+@needs_fi
+def test_one_tactic_compiles_for_each_arch():
+    """sm_100a, sm_103a and sm_107a in one process: each gets its own cubin, and a second
+    build of the same class is a memory hit (E=128: Qwen3-30B-A3B's expert count)."""
+    b = FiGroupedW4A16Backend()
+    problem = _backend_problem(64, 1536, 2048, 128)
+    for dev, cc in DEVICES.items():
+        device = simulated(dev)
+        tactic = FiGroupedW4A16Tactic(tile_m=16, tile_n=128)
+        assert b.validate(tactic, problem, device) is None
+        kernel = b.build(tactic, problem, device)
+        c = kernel.compiled
+        assert (c.cubin_sm, c.target, c.sm_count, c.experts) == (cc, f"{cc}a", device.sm_count, 128)
+        assert c.max_active_clusters == device.sm_count  # simulated: SMs // cluster size 1
+        again = b.build(tactic, _backend_problem(300, 1536, 2048, 128), device)
+        assert again.compiled.source == "memory"
+
+
+def test_compile_key_leaves_the_token_count_out():
+    fi = FiGroupedW4A16Tactic(tile_m=16, tile_n=256, cluster_n=2).to_fi()
+    assert fg.compile_key(fi, 1536, 2048, 128) == fg.compile_key(fi, 1536, 2048, 128)
+    assert fg.compile_key(fi, 1536, 2048, 128) != fg.compile_key(fi, 1536, 2048, 64)
+    assert fg.compile_key(fi, 1536, 256, 128)[2] == 128  # K == one K tile: wide fragments
+    assert fg.compile_key(fi, 1000, 2048, 128)[3] is False  # N not whole cluster tiles
+    b = FiGroupedW4A16Backend()
+    t = tactic_of(fi)
+    assert b.precompile_key(t, _backend_problem(8, 1536, 2048, 128)) == b.precompile_key(
+        t, _backend_problem(4096, 1536, 2048, 128)
+    )
+
+
+# ---- ranking: no family starved on grouped problems (simulated Blackwell/Rubin) -----------
+
+GROUPED_SHAPES = [
+    (8, 1536, 2048, 128),  # Qwen3-30B-A3B-like gate/up, batch 1 x top-8
+    (512, 2048, 768, 128),  # its down projection, batch 64 x top-8
+    (32768, 1536, 2048, 128),  # prefill 4,096 tokens x top-8
+    (64, 4096, 7168, 256),  # DeepSeek-like, batch 8 x top-8
+]
+
+
+@needs_fi
+@pytest.mark.parametrize("dev", sorted(DEVICES))
+@pytest.mark.parametrize("shape", GROUPED_SHAPES)
+def test_explain_keeps_every_familys_floor_on_grouped_problems(dev, shape):
+    from fp4_dispatch.ranking import default_floor, shortlist
+    from fp4_dispatch.registry import load
+
+    device = simulated(dev)
+    reg = load(strict=False)
+    backends = [b for b in reg.backends.values() if b.supports(device).ok]
+    for op in ("grouped_w4a16", "grouped_w4a4"):
+        problem = _backend_problem(*shape, op=op)
+        sl = shortlist(problem, device, backends, budget=8)
+        serving = {b.family for b in backends if op in b.operations}
+        assert set(sl.cut) <= serving  # dense-only families never see a grouped problem
+        kept: dict[str, int] = {}
+        for c in sl.candidates:
+            kept[c.family] = kept.get(c.family, 0) + 1
+            assert c.operation == op
+        floor = default_floor(8, len(sl.cut))
+        for family, cut in sl.cut.items():
+            assert kept.get(family, 0) >= min(floor, kept.get(family, 0) + cut), (family, sl.cut)
+        if op == "grouped_w4a16":
+            assert kept.get("fi-grouped-w4a16", 0) >= floor
+
+
+@needs_fi
+@pytest.mark.parametrize("dev", sorted(DEVICES))
+def test_list_backends_shows_the_family_compile_only(capsys, dev):
+    import json
+
+    from fp4_dispatch.cli import main
+
+    assert main(["list-backends", "--device", dev, "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    row = rows["fi-grouped-w4a16"]
+    assert row["status"] == "available", row
+    assert "grouped_w4a16" in row["reason"]
+    assert "not been run on hardware" in row["note"]

@@ -28,6 +28,7 @@ from typing import ClassVar, Literal
 from pydantic import model_validator
 
 from fp4_dispatch.backend import Backend, Kernel, Support
+from fp4_dispatch.costmodel import BW_SATURATION, LAUNCH_US, OVERLAP, _peak_tflops, _shared_us
 from fp4_dispatch.device import DeviceInfo
 from fp4_dispatch.sources import SourceVersion
 from fp4_dispatch.tactics import Problem, Tactic
@@ -37,6 +38,11 @@ COMPILE_ONLY = (
     "it has not been run on hardware by this project"
 )
 OPERATION = "grouped_w4a16"
+#: small device kernels of the torch-side routing (`fp4_dispatch.backends.flashinfer.
+#: grouped.route`, counted in its source) and the GPU time assumed for each in a CUDA
+#: graph: NOT fitted, to be measured on a Blackwell part
+ROUTE_KERNELS = 25
+ROUTE_KERNEL_US = 2.0
 
 
 def _fi_version() -> str:
@@ -150,6 +156,10 @@ class FiGroupedW4A16Backend(Backend):
         for fi in fg.valid_tactics(p.m, p.n, p.k, p.groups):
             yield _typed(fi)
 
+    def estimate_us(self, problem: Problem, device: DeviceInfo, tactic: Tactic) -> float:
+        """The shared model's pieces on the kernel's real work (unfitted; see `estimate`)."""
+        return estimate(problem, device, self.tactic_type.model_validate(tactic.model_dump()))
+
     def validate(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> str | None:
         """FlashInfer's list and its kernel's ``can_implement`` for this problem."""
         from fp4_dispatch.backends.flashinfer import grouped as fg
@@ -180,3 +190,33 @@ class FiGroupedW4A16Backend(Backend):
 
         checked = self.tactic_type.model_validate(tactic.model_dump())
         return fg.compile_key(checked.to_fi(), problem.n, problem.k, problem.groups)
+
+
+def estimate(problem: Problem, device: DeviceInfo, tactic: FiGroupedW4A16Tactic) -> float:
+    """Estimated microseconds under the balanced routing of docs/grouped.md. Not fitted.
+
+    Rows: `Problem.touched_groups` experts get ceil(T / touched) rows each, padded to
+    whole routed tiles: P = touched x ceil(ceil(T / touched) / tile_m) x tile_m rows
+    (at decode, 8 rows on 8 experts with tile_m 16 is 128 rows of MMA work). Compute:
+    the shared formula's wave model on a P x N x K problem (its memory term switched
+    off). Memory: the touched experts' weights (0.5625 B per value), the padded bf16
+    rows read and bf16 results written, 8 B per expert, at the bandwidth the active CTAs
+    reach (as the shared model). Plus the routing's small kernels (`ROUTE_KERNELS`) and
+    the scatter and gather copies (T x (K + N) x 2 B, each written and read once).
+    """
+    touched = problem.touched_groups
+    per_expert = -(-problem.m // touched)
+    rows = touched * -(-per_expert // tactic.tile_m) * tactic.tile_m
+    cpt = tactic.ctas_per_tile
+    compute = _shared_us(rows, problem.n, problem.k, device.sm_count, _peak_tflops(device),
+                         float("inf"), tactic.tile_m, tactic.tile_n, tactic.cluster_m,
+                         tactic.cluster_n, False, cpt) - LAUNCH_US  # fmt: skip
+    fp4 = 0.5 + 1.0 / 16
+    weights = touched * problem.n * problem.k * fp4
+    traffic = weights + rows * (problem.k + problem.n) * 2.0 + 8.0 * (problem.groups or 1)
+    ctas = -(-rows // tactic.tile_m) * -(-problem.n // tactic.tile_n) * cpt
+    bw_frac = min(1.0, min(ctas, device.sm_count) / (BW_SATURATION * device.sm_count))
+    memory = traffic / (device.mem_bw_gbps * 1e3 * bw_frac)
+    copies = 2.0 * problem.m * (problem.k + problem.n) * 2.0 / (device.mem_bw_gbps * 1e3)
+    kernel = max(compute, memory) + OVERLAP * min(compute, memory) + LAUNCH_US
+    return kernel + copies + ROUTE_KERNELS * ROUTE_KERNEL_US
