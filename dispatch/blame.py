@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 ARG_NAMES: dict[str, tuple[str, ...]] = {
     "w4a4": ("qa.data", "qa.scale", "qb.data", "qb.scale", "alpha", "out", "qb.global_scale"),
     "w4a16": ("qa", "qb.data", "qb.scale", "alpha", "out", "bias", "b_prepared"),
+    "grouped_w4a16": ("a", "b.data", "b.scale", "b.global_scale", "offsets", "out"),
+    "grouped_w4a4": ("a.data", "a.scale", "b.data", "b.scale", "alpha", "offsets", "out"),
 }
 
 

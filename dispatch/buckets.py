@@ -31,6 +31,14 @@ def m_bucket(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
 
+def describe(bkey: BucketKey) -> str:
+    """A bucket key as log and error text: ``N=.. K=.. M<=.. dtype operation`` (and
+    ``E=..`` for a grouped bucket)."""
+    n, k, mb, dtype, op = bkey[:5]
+    text = f"N={n} K={k} M<={mb} {dtype} {op}"
+    return text if len(bkey) < 6 else f"{text} E={bkey[5]}"
+
+
 def bucket_key(
     m: int,
     n: int,

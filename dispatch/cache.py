@@ -17,7 +17,9 @@ Format (``FORMAT_VERSION`` 1)::
      "entries": [entry, ...]}   # sorted by key
 
 One file may hold several devices: an entry's key is (``device`` fingerprint, ``n``,
-``k``, ``m_bucket``, ``out_dtype``, ``operation`` - "w4a4" when absent), and the
+``k``, ``m_bucket``, ``out_dtype``, ``operation`` - "w4a4" when absent, ``groups`` - the
+expert count E of a grouped operation, absent (None) for every other, so dense entries
+are written and keyed as before; docs/grouped.md), and the
 fingerprint's name, compute capability and SM count are in ``metadata.devices``. An
 entry also holds ``backend``, ``backend_version``, ``family``, ``tactic`` (the tactic
 as JSON, with its ``backend`` discriminator), ``us`` (measured), ``est_us``,
@@ -87,10 +89,12 @@ ENV_LOCK_TIMEOUT = "FP4_DISPATCH_CACHE_LOCK_TIMEOUT"
 #: temp files of this cache's writers: ``.<name>.<random>.tmp`` (see `TuningCache._write`)
 TMP_SUFFIX = ".tmp"
 
-KEY_FIELDS = ("device", "n", "k", "m_bucket", "out_dtype", "operation")
+KEY_FIELDS = ("device", "n", "k", "m_bucket", "out_dtype", "operation", "groups")
 #: key fields an entry may lack, and what it then means (an entry without ``operation``
-#: predates W4A16 tuning: it is a W4A4 winner)
-KEY_DEFAULTS: dict[str, Any] = {"operation": "w4a4"}
+#: predates W4A16 tuning: it is a W4A4 winner; one without ``groups`` is not grouped)
+KEY_DEFAULTS: dict[str, Any] = {"operation": "w4a4", "groups": None}
+#: the types an optional key field must have when present
+_KEY_TYPES: dict[str, type] = {"operation": str, "groups": int}
 #: field -> accepted types; an entry missing one (or of another type) is dropped
 REQUIRED: dict[str, tuple[type, ...]] = {
     "device": (str,),
@@ -104,7 +108,7 @@ REQUIRED: dict[str, tuple[type, ...]] = {
     "us": (int, float),
 }
 
-Key = tuple[str, int, int, int, str, str]
+Key = tuple[str, int, int, int, str, str, int | None]
 
 
 class CacheFormatError(ValueError):
@@ -178,8 +182,9 @@ def check_entry(entry: object) -> str | None:
         value = entry[name]
         if isinstance(value, bool) or not isinstance(value, types):
             return f"field {name!r} has type {type(value).__name__}"
-    for name in KEY_DEFAULTS:  # optional key fields: absent or a string
-        if name in entry and not isinstance(entry[name], str):
+    for name, want in _KEY_TYPES.items():  # optional key fields: absent or of their type
+        value = entry.get(name, KEY_DEFAULTS[name])
+        if value is not None and (isinstance(value, bool) or not isinstance(value, want)):
             return f"field {name!r} has type {type(entry[name]).__name__}"
     return None
 
@@ -209,7 +214,8 @@ class CacheData:
 
 
 def _sort_key(key: Key) -> tuple:
-    return tuple(str(x) if isinstance(x, str) else f"{x:020d}" for x in key)
+    return tuple("" if x is None else str(x) if isinstance(x, str) else f"{x:020d}"
+                 for x in key)  # fmt: skip
 
 
 def parse(text: str, source: str = "<text>") -> CacheData:

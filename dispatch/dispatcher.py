@@ -33,11 +33,12 @@ from . import firstuse as _firstuse
 from . import precompile as _precompile
 from . import tuning as _tuning
 from .backend import Backend, GemmOperands, Kernel, kernel_problem
-from .buckets import BucketKey, m_bucket
+from .buckets import BucketKey, bucket_key, describe, m_bucket
 from .cache import TuningCache, device_fingerprint
 from .cache import from_argument as _tuning_cache
 from .checks import tune_shape as _shape
 from .device import DeviceInfo
+from .grouped import Nvfp4Experts, check_groups, check_offsets
 from .guard import Fault, Guard, PluginFault
 from .guard import launch_candidate as launch
 from .nvfp4 import Nvfp4Tensor
@@ -189,34 +190,48 @@ class Dispatcher:
         return problem_operation(operation, self.precision)
 
     def candidates(
-        self, m: int, n: int, k: int, out_dtype: str = "bfloat16", operation: str = "w4a4"
+        self,
+        m: int,
+        n: int,
+        k: int,
+        out_dtype: str = "bfloat16",
+        operation: str = "w4a4",
+        groups: int | None = None,
     ) -> Shortlist:
         """The capped, explained shortlist for one problem (``operation`` w4a4 or w4a16,
-        ranked as `operation_of` says; each candidate names the operation it computes)."""
+        ranked as `operation_of` says, or a grouped one with ``groups`` = E; each
+        candidate names the operation it computes)."""
         checks.problem_dims(m, n, k)
         operation = self.operation_of(operation)
         return self.ranker.shortlist(
-            Problem(m=m, n=n, k=k, out_dtype=out_dtype, operation=operation)
+            Problem(m=m, n=n, k=k, out_dtype=out_dtype, operation=operation, groups=groups)
         )
 
     def select(
-        self, m: int, n: int, k: int, out_dtype: str = "bfloat16", operation: str = "w4a4"
+        self,
+        m: int,
+        n: int,
+        k: int,
+        out_dtype: str = "bfloat16",
+        operation: str = "w4a4",
+        groups: int | None = None,
     ) -> Candidate:
         """The candidate a call of this shape would run: the bucket's tuned winner if there
         is a valid one, else the heuristic pick (logged once per bucket). A (backend,
-        tactic) that failed to build or run in this process is never selected."""
+        tactic) that failed to build or run in this process is never selected.
+        ``groups``: E of a grouped operation (docs/grouped.md)."""
         checks.problem_dims(m, n, k)
         operation = self.operation_of(operation)
-        tuned = self.winners.pick(m, n, k, out_dtype, operation)
+        tuned = self.winners.pick(m, n, k, out_dtype, operation, groups)
         if tuned is not None and (tuned.backend, tuned.tactic) not in self.guard.broken:
             return tuned
-        pick = self.ranker.pick(m, n, k, out_dtype, operation)
-        bkey = (n, k, m_bucket(m), out_dtype, operation)
+        pick = self.ranker.pick(m, n, k, out_dtype, operation, groups)
+        bkey = bucket_key(m, n, k, out_dtype, operation, groups)
         if bkey not in self._untuned_logged:
             self._untuned_logged.add(bkey)
             log.info(
-                "bucket N=%d K=%d M<=%d %s %s is not tuned: heuristic pick %s %s",
-                *bkey, pick.backend, pick.tactic.canonical_json(),
+                "bucket %s is not tuned: heuristic pick %s %s",
+                describe(bkey), pick.backend, pick.tactic.canonical_json(),
             )  # fmt: skip
         return pick
 
@@ -242,6 +257,7 @@ class Dispatcher:
         timer: _tuning.Timer | None = None,
         band: float | None = None,
         precompile: bool | None = None,
+        groups: int | None = None,
     ) -> list[_tuning.TuneResult]:
         """Measure the shortlist of each shape's bucket and adopt the winners.
 
@@ -263,7 +279,10 @@ class Dispatcher:
         (default: on for CUDA devices): first compile the shortlists' kernels in parallel
         worker processes (`fp4_dispatch.precompile`; skipped for kernels this process
         already compiled); the one progress bar counts compiles and measurements.
+        ``groups``: the expert count E, for (and only for) a grouped ``operation``
+        ("grouped_w4a16", "grouped_w4a4"); M is then the total rows (docs/grouped.md).
         """
+        groups = check_groups(operation, groups)
         if out_dtype not in _tuning.OUT_DTYPES:
             raise ValueError(
                 f"out_dtype: expected one of {sorted(_tuning.OUT_DTYPES)}, got {out_dtype!r}"
@@ -275,7 +294,8 @@ class Dispatcher:
         fleet = _distributed.fleet_of(group)
         tuner = _tuning.Tuner(self.device, self.kernel_for, self.ranker, timer=timer, band=band,
                               measure=measure)  # fmt: skip
-        order, results, todo = self._tune_todo(shapes, out_dtype, operation, force, tuner.policy)
+        order, results, todo = self._tune_todo(shapes, out_dtype, operation, force, tuner.policy,
+                                               groups)  # fmt: skip
         if fleet is not None:
             todo = self._fleet_todo(fleet, todo, results, order)
         shortlists = [
@@ -334,6 +354,7 @@ class Dispatcher:
         operation: str,
         force: bool,
         policy: str,
+        groups: int | None = None,
     ) -> tuple[list[BucketKey], dict[BucketKey, _tuning.TuneResult], list[Problem]]:
         """(buckets in the order asked, cached results of this policy, problems to measure):
         one problem per bucket, the first shape asked of it."""
@@ -342,7 +363,7 @@ class Dispatcher:
         order: list[BucketKey] = []
         for shape in shapes:
             m, n, k = _shape(shape)
-            bkey = (n, k, m_bucket(m), out_dtype, operation)
+            bkey = bucket_key(m, n, k, out_dtype, operation, groups)
             if bkey in order:
                 continue
             order.append(bkey)
@@ -350,7 +371,8 @@ class Dispatcher:
             if hit is not None:
                 results[bkey] = hit
             else:
-                todo.append(Problem(m=m, n=n, k=k, out_dtype=out_dtype, operation=operation))
+                todo.append(Problem(m=m, n=n, k=k, out_dtype=out_dtype, operation=operation,
+                                    groups=groups))  # fmt: skip
         return order, results, todo
 
     def _fleet_todo(
@@ -363,9 +385,9 @@ class Dispatcher:
         """The buckets the whole group measures: those any rank lacks (in `order`), so
         every rank runs the same collectives; a local cache hit of one is re-measured."""
         fleet.agree("the shapes to tune", order)
-        mine = {(p.n, p.k, m_bucket(p.m), p.out_dtype, p.operation) for p in todo}
-        need = set().union(*fleet.gather(sorted(mine)))
-        problems = {(p.n, p.k, m_bucket(p.m), p.out_dtype, p.operation): p for p in todo}
+        problems = {bucket_key(p.m, p.n, p.k, p.out_dtype, p.operation, p.groups): p
+                    for p in todo}  # fmt: skip
+        need = set().union(*fleet.gather(sorted(problems)))
         out = []
         for bkey in order:
             if bkey not in need:
@@ -376,7 +398,8 @@ class Dispatcher:
             else:  # a local hit another rank lacks: measure it with the group
                 assert hit is not None
                 m, n, k = hit.requested or (hit.problem.m, hit.problem.n, hit.problem.k)
-                out.append(Problem(m=m, n=n, k=k, out_dtype=bkey[3], operation=bkey[4]))
+                out.append(Problem(m=m, n=n, k=k, out_dtype=bkey[3], operation=bkey[4],
+                                   groups=bkey[5] if len(bkey) > 5 else None))  # fmt: skip
         return out
 
     def _adopt(self, result: _tuning.TuneResult, save: bool) -> None:
@@ -389,7 +412,7 @@ class Dispatcher:
         self.plan_epoch += 1
         self._plans = {
             key: plan for key, plan in self._plans.items()
-            if (key[1], key[2], m_bucket(key[0]), key[3], key[4]) != bkey
+            if bucket_key(*key) != bkey
         }  # fmt: skip
 
     @contextlib.contextmanager
@@ -421,8 +444,16 @@ class Dispatcher:
         """Is the current CUDA stream being captured into a graph (never tune then)?"""
         return self.device.kind == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def _autotune(self, m: int, n: int, k: int, dtype: str, operation: str = "w4a4") -> None:
-        bkey = (n, k, m_bucket(m), dtype, operation)
+    def _autotune(
+        self,
+        m: int,
+        n: int,
+        k: int,
+        dtype: str,
+        operation: str = "w4a4",
+        groups: int | None = None,
+    ) -> None:
+        bkey = bucket_key(m, n, k, dtype, operation, groups)
         measure, group = self._autotune_opts[-1] if self._autotune_opts else ("graph", None)
         policy = _tuning.policy_of(self.device, measure)
         done = (bkey, policy)  # settled for this policy (a winner of the other is no hit)
@@ -436,13 +467,12 @@ class Dispatcher:
         if self._capturing():
             if bkey not in self._capture_warned:
                 self._capture_warned.add(bkey)
-                log.warning("autotuning: N=%d K=%d M<=%d %s %s called inside CUDA-graph "
-                            "capture; not tuning now (heuristic or cached pick used)",
-                            *bkey)  # fmt: skip
+                log.warning("autotuning: %s called inside CUDA-graph capture; not tuning "
+                            "now (heuristic or cached pick used)", describe(bkey))  # fmt: skip
             return
         self._autotuned.add(done)
         self.tune([(m, n, k)], out_dtype=dtype, operation=operation, measure=measure,
-                  group=group)  # fmt: skip
+                  group=group, groups=groups)  # fmt: skip
 
     # ---- running --------------------------------------------------------------------
 
@@ -461,15 +491,24 @@ class Dispatcher:
         return kernel
 
     def cached_plan(
-        self, m: int, n: int, k: int, dtype: str, operation: str = "w4a4"
+        self,
+        m: int,
+        n: int,
+        k: int,
+        dtype: str,
+        operation: str = "w4a4",
+        groups: int | None = None,
     ) -> Plan | None:
         """The plan of this exact problem if one was made, else None (never ranks or builds).
 
         Tuning replaces a bucket's plans with new objects, so a changed plan is not warm.
         A dense call's plan is found by "w4a16" under either precision (`dense_operation`).
+        ``groups``: E of a grouped operation.
         """
         if operation == "w4a16":
             operation = self.dense_operation
+        if groups is not None:
+            return self._plans.get((m, n, k, dtype, operation, groups))
         return self._plans.get((m, n, k, dtype, operation))
 
     def _new_plan(self, key: PlanKey) -> Plan:
@@ -479,10 +518,11 @@ class Dispatcher:
         the next `select` ranks without it: the loop ends when a build works or ranking
         finds no candidate left (its RuntimeError then lists why). Strict: raises.
         """
-        m, n, k, dtype, op = key
-        problem = Problem(m=m, n=n, k=k, out_dtype=dtype, operation=op)
+        m, n, k, dtype, op = key[:5]
+        groups = key[5] if len(key) > 5 else None
+        problem = Problem(m=m, n=n, k=k, out_dtype=dtype, operation=op, groups=groups)
         while True:
-            candidate = self.select(m, n, k, dtype, op)
+            candidate = self.select(m, n, k, dtype, op, groups)
             try:
                 kernel = self.kernel_for(candidate, problem)
             except Exception as exc:  # recorded by the guard; fall back unless strict
@@ -562,6 +602,31 @@ class Dispatcher:
         if a.shape[0] and b.shape[0]:
             self._run((a.shape[0], b.shape[0], a.shape[1], dtype, self.dense_operation),
                       (a, b, sb, alpha, out, bias, b_prepared))  # fmt: skip
+
+    def run_grouped(
+        self,
+        a: torch.Tensor,
+        a_scale: torch.Tensor | None,
+        b: torch.Tensor,
+        sb: torch.Tensor,
+        alpha: torch.Tensor,
+        offsets: torch.Tensor,
+        out: torch.Tensor,
+        dtype: str,
+    ) -> None:
+        """The grouped hot path (`GroupedOperands`): ``a`` dense ``[T, K]`` (``a_scale``
+        None: grouped W4A16) or NVFP4 data ``[T, K/2]`` with its swizzled scales (grouped
+        W4A4), the expert stack ``b`` ``[E, N, K/2]``/``sb``, ``alpha`` ``[E]``, device
+        ``offsets`` ``[E]``. The plan key holds E; nothing reads the offsets here."""
+        if not (a.shape[0] and b.shape[1]):
+            return
+        e = b.shape[0]
+        if a_scale is None:
+            self._run((a.shape[0], b.shape[1], a.shape[1], dtype, "grouped_w4a16", e),
+                      (a, b, sb, alpha, offsets, out))  # fmt: skip
+        else:
+            self._run((a.shape[0], b.shape[1], a.shape[1] * 2, dtype, "grouped_w4a4", e),
+                      (a, a_scale, b, sb, alpha, offsets, out))  # fmt: skip
 
     def _run(self, key: PlanKey, args: tuple) -> None:
         """Run `args` through the plan of `key`.
@@ -706,6 +771,56 @@ class Dispatcher:
         if out is None:
             out = torch.empty((a.shape[0], qb.rows), dtype=out_dtype, device=device)
         self.run_dense(a, qb.data, qb.scale, alpha, out, dtype)
+        return out
+
+    def grouped_gemm(
+        self,
+        a: torch.Tensor | Nvfp4Tensor,
+        b: Nvfp4Experts,
+        offsets: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """The grouped (mixture-of-experts) GEMM, torch's ``_grouped_mm`` convention:
+        ``out[r] = A[r] @ dequant(b[e]).T`` for the rows ``r`` of each expert ``e``
+        (docs/grouped.md).
+
+        ``a``: ``[T, K]`` rows sorted by expert: dense bfloat16/float16 (grouped W4A16;
+        ``out_dtype`` default ``a.dtype``) or an `Nvfp4Tensor` (grouped W4A4; default
+        bfloat16). ``b``: the stacked expert weights, an `Nvfp4Experts` ``[E, N, K]``.
+        ``offsets``: int32 ``[E]`` on the same device, cumulative row ends (empty experts
+        allowed; the last must be T). Its values are never read here (no host sync), so
+        the call is capturable in a CUDA graph once its plan is warm. ``out``: optional
+        ``[T, N]`` output."""
+        if not isinstance(b, Nvfp4Experts):
+            raise TypeError(f"b: expected an Nvfp4Experts [E, N, K] (quantize_experts), "
+                            f"got {type(b).__name__}")  # fmt: skip
+        e, n, k = b.shape
+        if isinstance(a, Nvfp4Tensor):
+            qa = a.with_layout("swizzled").natural()
+            checks.k_dims(qa.k, k, ("a", "b"))
+            out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+            device = self.check_device("a", qa.data)
+            x, a_scale, t = qa.data, qa.scale, qa.rows
+        else:
+            x = checks.dense_activation("a", a)
+            checks.k_dims(x.shape[1], k, ("a", "b"))
+            out_dtype = x.dtype if out_dtype is None else out_dtype
+            device = self.check_device("a", x)
+            a_scale, t = None, x.shape[0]
+        dtype = checks.out_dtype_name(out_dtype)
+        checks.same_device(device, b=b.data, offsets=offsets)
+        check_offsets(offsets, e)
+        out = checks.out_tensor(out, t, n, out_dtype, device)
+        # per-expert alpha: the weights' scales (a view), times A's for W4A4 (one launch)
+        alpha = b.global_scale if a_scale is None else b.global_scale * qa.global_scale
+        if torch.compiler.is_compiling():
+            return torch_ops.run_grouped(self, x, a_scale, b.data, b.scale, alpha, offsets,
+                                         out_dtype, out)  # fmt: skip
+        if out is None:
+            out = torch.empty((t, n), dtype=out_dtype, device=device)
+        self.run_grouped(x, a_scale, b.data, b.scale, alpha, offsets, out, dtype)
         return out
 
     def mm_fp4(

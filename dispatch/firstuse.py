@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from .backend import DenseOperands, GemmOperands
+from .backend import DenseOperands, GemmOperands, GroupedOperands
 from .buckets import m_bucket
 from .harness import CHECK_RTOL, reference_output
 from .plans import Plan
@@ -79,8 +79,9 @@ class FirstUse:
         self.checked: set[Key] = _CHECKED
 
     def key(self, plan: Plan) -> Key:
-        m, n, k, dtype, op = plan.key
-        return (plan.candidate.backend, plan.candidate.tactic, (n, k, m_bucket(m), dtype, op))
+        m, n, k, dtype, op = plan.key[:5]
+        bucket = (n, k, m_bucket(m), dtype, op, *plan.key[5:])  # E of a grouped plan
+        return (plan.candidate.backend, plan.candidate.tactic, bucket)
 
     def needed(self, plan: Plan) -> bool:
         """Whether `plan`'s kernel has yet to be checked in this process."""
@@ -115,9 +116,16 @@ def forget() -> None:
 def wrong_output(operation: str, args: tuple) -> str | None:
     """Why the output in `args` (checked operands, as a plan takes them) is not the
     reference's on the sampled rows and columns; None when it is."""
+    ops: GemmOperands | DenseOperands | GroupedOperands
     if operation == "w4a16":
         a, b, sb, alpha, out, bias, _ = args
-        ops: GemmOperands | DenseOperands = DenseOperands(a, b, sb, alpha)
+        ops = DenseOperands(a, b, sb, alpha)
+    elif operation == "grouped_w4a16":  # `plans.GroupedPlan`'s arguments
+        a, b, sb, alpha, offsets, out = args
+        ops, bias = GroupedOperands(a, b, sb, alpha, offsets), None
+    elif operation == "grouped_w4a4":  # `plans.GroupedW4A4Plan`'s arguments
+        a, sa, b, sb, alpha, offsets, out = args
+        ops, bias = GroupedOperands(a, b, sb, alpha, offsets, a_scale=sa), None
     else:
         a, sa, b, sb, alpha, out, alpha_b = args
         if alpha_b is not None:

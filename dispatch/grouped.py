@@ -31,12 +31,15 @@ from .nvfp4 import (
     unpack_e2m1,
     unswizzle_scales,
 )
+from .tactics import GROUPED_OPERATIONS
 
 __all__ = [
     "Nvfp4Experts",
     "balanced_offsets",
+    "check_groups",
     "check_offset_values",
     "check_offsets",
+    "check_stack",
     "grouped_reference",
     "quantize_experts",
     "reference_output",
@@ -210,6 +213,34 @@ def quantize_experts(
     return Nvfp4Experts.stack(qs)
 
 
+def check_groups(operation: object, groups: object) -> int | None:
+    """`groups` when it fits `operation`: a positive int E for a grouped operation, None
+    for any other; ValueError naming what was expected otherwise."""
+    grouped = operation in GROUPED_OPERATIONS
+    if grouped and (type(groups) is not int or groups < 1):
+        raise ValueError(f"groups: operation {operation!r} needs the expert count E "
+                         f"(a positive int), got {groups!r}")  # fmt: skip
+    if not grouped and groups is not None:
+        raise ValueError(
+            f"groups: only the grouped operations {sorted(GROUPED_OPERATIONS)} take an "
+            f"expert count, got groups={groups!r} for {operation!r}"
+        )
+    return groups
+
+
+def check_stack(b_data: object, b_scale: object, alpha: object, k: int) -> tuple[int, int]:
+    """(E, N) of raw expert-stack operands (`fp4_dispatch.backend.GroupedOperands`) after
+    checking their types, shapes and contiguity against A's `k`; reads no value."""
+    if not isinstance(b_data, torch.Tensor) or b_data.dim() != 3:
+        got = tuple(b_data.shape) if isinstance(b_data, torch.Tensor) else type(b_data).__name__
+        raise ValueError(f"b_data: expected a uint8 [E, N, K/2] tensor, got {got}")
+    e, n = b_data.shape[0], b_data.shape[1]
+    _expect(b_data, "b_data", (e, n, k // 2), torch.uint8)
+    _expect(b_scale, "b_scale", (e, *swizzled_scale_shape(n, k)), torch.float8_e4m3fn)
+    _expect(alpha, "alpha", (e,), torch.float32)
+    return e, n
+
+
 def check_offsets(offsets: object, groups: int, device: torch.device | None = None):
     """`offsets` if it is an int32 ``[groups]`` tensor (on `device` when given); reads no
     value (no host sync): ValueError/TypeError naming what was expected otherwise."""
@@ -278,18 +309,22 @@ def grouped_reference(
     return _per_expert(x, bc.data, bc.scale, alpha, offsets)
 
 
-def reference_output(ops: object) -> torch.Tensor:
-    """float64 ``[T, N]`` on the CPU of raw grouped operands
-    (`fp4_dispatch.backend.GroupedOperands`): what a kernel given `ops` must write (rows
-    of no expert 0; ``alpha`` as given, float32). What tuning and the first-use check
-    compare with."""
-    k = ops.b_data.shape[2] * 2
+def reference_output(
+    ops: object, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None
+) -> torch.Tensor:
+    """float64 ``[len(rows), len(cols)]`` on the CPU of raw grouped operands
+    (`fp4_dispatch.backend.GroupedOperands`; all rows / columns when not given): what a
+    kernel given `ops` must write (rows of no expert 0; ``alpha`` as given, float32).
+    What tuning and the first-use check compare with. Only the selected rows and
+    columns are read and multiplied, expert by expert (a full float64 reference of a
+    256-expert prefill would take minutes on a CPU)."""
+    t, k = ops.a.shape[0], ops.b_data.shape[2] * 2
     if ops.a_scale is not None:
-        x = _unscaled(ops.a.cpu(), ops.a_scale.cpu(), ops.a.shape[0], k)
+        x = _unscaled(ops.a.cpu(), ops.a_scale.cpu(), t, k)
     else:
         x = ops.a.detach().cpu().to(torch.float64)
     alpha = ops.alpha.detach().cpu().to(torch.float64)
-    return _per_expert(x, ops.b_data.cpu(), ops.b_scale.cpu(), alpha, ops.offsets)
+    return _per_expert(x, ops.b_data, ops.b_scale, alpha, ops.offsets, rows, cols)
 
 
 def _unscaled(data: torch.Tensor, scale: torch.Tensor, rows: int, k: int) -> torch.Tensor:
@@ -305,16 +340,29 @@ def _per_expert(
     b_scale: torch.Tensor,
     alpha: torch.Tensor,
     offsets: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    cols: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out[r] = alpha[e] * x[r] @ w_e.T`` over each expert's rows, float64 on the CPU."""
-    e_count, n, k = b_data.shape[0], b_data.shape[1], b_data.shape[2] * 2
-    out = torch.zeros(x.shape[0], n, dtype=torch.float64)
+    """``out[r] = alpha[e] * x[r] @ w_e.T`` over each expert's rows, float64 on the CPU,
+    for the selected `rows` (ascending) and `cols` only (all when None). Weights are read
+    expert by expert from their device (selected columns only)."""
+    n, k = b_data.shape[1], b_data.shape[2] * 2
+    rows = torch.arange(x.shape[0]) if rows is None else rows.cpu()
+    cols = torch.arange(n) if cols is None else cols.cpu()
+    out = torch.zeros(len(rows), len(cols), dtype=torch.float64)
+    ends = offsets.cpu().tolist()
+    if len(ends) != b_data.shape[0]:
+        raise ValueError(f"offsets: expected {b_data.shape[0]} row ends, got {len(ends)}")
     start = 0
-    for e, end in enumerate(offsets.cpu().tolist()):
+    for e, end in enumerate(ends):
         end = max(start, min(int(end), x.shape[0]))
-        if end > start:
-            w = _unscaled(b_data[e], b_scale[e], n, k)
-            out[start:end] = (x[start:end] @ w.T) * alpha[e]
+        mine = ((rows >= start) & (rows < end)).nonzero().flatten()
         start = end
-    assert e_count == len(offsets)
+        if not len(mine):
+            continue
+        data = b_data[e].index_select(0, cols.to(b_data.device)).cpu()
+        vals = e2m1_to_float(unpack_e2m1(data)).to(torch.float64)
+        sc = unswizzle_scales(b_scale[e].cpu(), n, k).index_select(0, cols).to(torch.float64)
+        w = (vals.view(len(cols), k // BLOCK_SIZE, BLOCK_SIZE) * sc.unsqueeze(-1)).view(-1, k)
+        out[mine] = (x.index_select(0, rows[mine]) @ w.T) * alpha[e]
     return out

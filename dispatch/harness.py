@@ -43,7 +43,8 @@ from typing import TypeVar
 
 import torch
 
-from .backend import DenseOperands, GemmOperands
+from . import grouped
+from .backend import DenseOperands, GemmOperands, GroupedOperands
 from .checks import TORCH_DTYPES
 from .device import DeviceInfo
 from .nvfp4 import (
@@ -325,7 +326,7 @@ class Inputs:
     columns, computed once (`check_output`) and shared by every candidate.
     """
 
-    copies: list[GemmOperands] | list[DenseOperands]
+    copies: list[GemmOperands] | list[DenseOperands] | list[GroupedOperands]
     out: torch.Tensor
     bytes_per_copy: int
     reference: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -354,7 +355,10 @@ def make_inputs(
 ) -> Inputs:
     """Random non-zero NVFP4 operands for `problem` on `device`, in rotating copies
     (`n_copies` of them unless ``copies`` says how many). W4A16 problems get
-    `make_dense_inputs` (as do W4A8 ones: the same call)."""
+    `make_dense_inputs` (as do W4A8 ones: the same call), grouped ones
+    `make_grouped_inputs`."""
+    if problem.grouped:
+        return make_grouped_inputs(problem, device, seed, copies)
     if problem.dense:
         return make_dense_inputs(problem, device, seed, copies)
     dev = torch.device(device.torch_device)
@@ -393,6 +397,63 @@ def make_dense_inputs(
     for _ in range(count - 1):
         rotating.append(DenseOperands(a.clone(), b_data.clone(), b_scale.clone(), alpha))
     out = torch.empty(problem.m, problem.n, dtype=dtype, device=dev)
+    return Inputs(rotating, out, size)
+
+
+def random_experts(
+    groups: int, n: int, k: int, device: torch.device, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(data, scale, global scales) of E distinct random NVFP4 experts, made on the device
+    without quantizing: random bytes (every byte is two valid e2m1 codes), block scales
+    ``2**-j`` for j in 0..6 (exact in e4m3), global scales ``2**-i`` for i in 6..9, so
+    each expert's weights and alpha differ and a kernel that reads the wrong expert's
+    slab (or alpha) fails the check. Padding scales are 0. Quantizing E x N x K random
+    normals (up to 256 x 2048 x 7168) would cost seconds per bucket."""
+    data = torch.randint(0, 256, (groups, n, k // 2), dtype=torch.uint8, device=device,
+                         generator=gen)  # fmt: skip
+    rp, kp = swizzled_scale_shape(n, k)
+    expo = torch.randint(0, 7, (groups, rp, kp), device=device, generator=gen)
+    scale = torch.exp2(-expo.to(torch.float32))
+    scale[:, n:, :] = 0  # padding rows/columns, in linear order before the swizzle
+    scale[:, :, k // BLOCK_SIZE :] = 0
+    tiled = scale.view(groups, rp // 128, 4, 32, kp // 4, 4).permute(0, 1, 4, 3, 2, 5)
+    scale = tiled.contiguous().view(groups, rp, kp).to(torch.float8_e4m3fn)
+    g_expo = torch.randint(6, 10, (groups,), device=device, generator=gen)
+    return data, scale, torch.exp2(-g_expo.to(torch.float32))
+
+
+def make_grouped_inputs(
+    problem: Problem, device: DeviceInfo, seed: int = 0, copies: int | None = None
+) -> Inputs:
+    """Grouped inputs: T = M rows split over E experts by `grouped.balanced_offsets`
+    (the bucket's balanced-routing assumption, docs/grouped.md), dense activations in
+    the output dtype (``grouped_w4a16``) or NVFP4 ones (``grouped_w4a4``), and
+    `random_experts` weights; rotating copies of the activations and weights."""
+    dev = torch.device(device.torch_device)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed)
+    e, m, n, k = problem.groups, problem.m, problem.n, problem.k
+    dtype = OUT_DTYPES[problem.out_dtype]
+    b_data, b_scale, gb = random_experts(e, n, k, dev, gen)
+    offsets = grouped.balanced_offsets(m, e, dev)
+    if problem.dense:
+        a = torch.randn(m, k, generator=gen, device=dev).to(dtype)
+        a_scale, alpha = None, gb
+    else:
+        a, a_scale, ga = _random_operand(m, k, dev, gen)
+        alpha = gb * ga
+    fields = [t for t in (a, a_scale, b_data, b_scale) if t is not None]
+    size = sum(t.numel() * t.element_size() for t in fields)
+    count = n_copies(size, device.l2_bytes) if copies is None else max(1, copies)
+
+    def copy(first: bool) -> GroupedOperands:
+        def c(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t if first or t is None else t.clone()
+
+        return GroupedOperands(c(a), c(b_data), c(b_scale), alpha, offsets, a_scale=c(a_scale))
+
+    rotating = [copy(i == 0) for i in range(count)]
+    out = torch.empty(m, n, dtype=dtype, device=dev)
     return Inputs(rotating, out, size)
 
 
@@ -498,15 +559,21 @@ def dequant_rows(data: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, k:
 
 
 def reference_output(
-    operands: GemmOperands | DenseOperands,
+    operands: GemmOperands | DenseOperands | GroupedOperands,
     rows: torch.Tensor | None = None,
     cols: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``alpha * dequant(a)[rows] @ dequant(b)[cols].T`` in float64 on the operands'
     device (all rows / columns when not given); for W4A16 (`DenseOperands`) ``a`` is the
-    dense activation itself."""
+    dense activation itself; grouped operands: `grouped.reference_output`, per expert
+    (computed on the CPU: the offsets are read there)."""
     k = operands.k
     dev = operands.b_data.device
+    if isinstance(operands, GroupedOperands):
+        ref = grouped.reference_output(operands).to(dev)
+        if rows is not None:
+            ref = ref.index_select(0, rows)
+        return ref if cols is None else ref.index_select(1, cols)
     rows = torch.arange(operands.m, device=dev) if rows is None else rows
     cols = torch.arange(operands.n, device=dev) if cols is None else cols
     if isinstance(operands, DenseOperands):

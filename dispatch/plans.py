@@ -31,14 +31,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .backend import DenseOperands, GemmOperands, Kernel
+from .backend import DenseOperands, GemmOperands, GroupedOperands, Kernel
 from .tactics import DENSE_OPERATIONS
 
 if TYPE_CHECKING:
     from .ranking import Candidate
 
-#: (M, N, K, out dtype, operation): the exact problem a plan serves
-PlanKey = tuple[int, int, int, str, str]
+#: (M, N, K, out dtype, operation), plus the expert count E for a grouped operation: the
+#: exact problem a plan serves
+PlanKey = tuple[int, int, int, str, str] | tuple[int, int, int, str, str, int]
 
 
 class Plan:
@@ -138,9 +139,10 @@ class Plan:
             self(*args)
 
     def __repr__(self) -> str:
-        m, n, k, dtype, op = self.key
+        m, n, k, dtype, op = self.key[:5]
         state = "warm" if self.warm else "cold"
-        return f"Plan({op} M={m} N={n} K={k} {dtype}: {self.candidate.backend} {state})"
+        e = f" E={self.key[5]}" if len(self.key) > 5 else ""
+        return f"Plan({op} M={m} N={n} K={k}{e} {dtype}: {self.candidate.backend} {state})"
 
 
 class DensePlan(Plan):
@@ -179,6 +181,53 @@ class DensePlan(Plan):
             out.add_(bias)
 
 
+class GroupedPlan(Plan):
+    """A grouped W4A16 plan: ``plan(a, b, sb, alpha, offsets, out)`` (`GroupedOperands`:
+    ``a`` dense ``[T, K]``, the expert stack, per-expert alpha, device offsets). The
+    routing (offsets) and alpha change per call and are patched on replay; the expert
+    stack keys it."""
+
+    __slots__ = ()
+
+    PER_CALL = (0, 3, 4, 5)  # a, alpha, offsets, out
+    FIXED = (1, 2)  # b, sb
+    STRIDED = (0, 5)
+
+    def __call__(  # type: ignore[override]
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        sb: torch.Tensor,
+        alpha: torch.Tensor,
+        offsets: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        self.kernel(GroupedOperands(a, b, sb, alpha, offsets), out)
+
+
+class GroupedW4A4Plan(Plan):
+    """A grouped W4A4 plan: ``plan(a, sa, b, sb, alpha, offsets, out)`` with the NVFP4
+    activation's data and swizzled scales (per call) and the expert stack (fixed)."""
+
+    __slots__ = ()
+
+    PER_CALL = (0, 1, 4, 5, 6)  # a, sa, alpha, offsets, out
+    FIXED = (2, 3)  # b, sb
+    STRIDED = (6,)
+
+    def __call__(  # type: ignore[override]
+        self,
+        a: torch.Tensor,
+        sa: torch.Tensor,
+        b: torch.Tensor,
+        sb: torch.Tensor,
+        alpha: torch.Tensor,
+        offsets: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        self.kernel(GroupedOperands(a, b, sb, alpha, offsets, a_scale=sa), out)
+
+
 def replays_default() -> bool:
     """Whether plans replay their launches unless told (``FP4_DISPATCH_REPLAY``, on
     unless ``0``)."""
@@ -191,4 +240,11 @@ _UNSEEN = object()
 
 def plan_for(key: PlanKey, candidate: Candidate, kernel: Kernel, replay: bool = True) -> Plan:
     """The plan class of the key's operation (``replay``: whether it may replay)."""
-    return (DensePlan if key[4] in DENSE_OPERATIONS else Plan)(key, candidate, kernel, replay)
+    cls = _PLAN_CLASSES.get(key[4], DensePlan if key[4] in DENSE_OPERATIONS else Plan)
+    return cls(key, candidate, kernel, replay)
+
+
+_PLAN_CLASSES: dict[str, type[Plan]] = {
+    "grouped_w4a16": GroupedPlan,
+    "grouped_w4a4": GroupedW4A4Plan,
+}

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Sequence
 
 from .backend import Backend
-from .buckets import m_bucket
+from .buckets import bucket_key, m_bucket
 from .candidates import Candidate, Shortlist
 from .cap import (  # noqa: F401 - re-exported
     DEFAULT_BUDGET,
@@ -128,31 +128,46 @@ class Ranker:
         self.guard = Guard() if guard is None else guard
         self.device = device
         self.budget = budget
-        self._buckets: dict[tuple[int, int, int, str, str], Candidate] = {}
-        self._exact: dict[tuple[int, int, int, str, str], Candidate] = {}
+        #: bucket key (`fp4_dispatch.buckets.bucket_key`: E last when grouped) -> top-1
+        self._buckets: dict[tuple, Candidate] = {}
+        #: (M, N, K, out dtype, operation), E appended when grouped -> top-1
+        self._exact: dict[tuple, Candidate] = {}
 
     def shortlist(self, problem: Problem) -> Shortlist:
         """The full capped ranking for this exact problem (not memoized)."""
         return shortlist(problem, self.device, self.backends, self.budget, guard=self.guard)
 
     def pick(
-        self, m: int, n: int, k: int, out_dtype: str = "bfloat16", operation: str = "w4a4"
+        self,
+        m: int,
+        n: int,
+        k: int,
+        out_dtype: str = "bfloat16",
+        operation: str = "w4a4",
+        groups: int | None = None,
     ) -> Candidate:
-        """The heuristic top-1 for this shape: memoized per bucket, checked per exact M."""
-        hit = self._exact.get((m, n, k, out_dtype, operation))
+        """The heuristic top-1 for this shape: memoized per bucket, checked per exact M.
+        ``groups``: the expert count E of a grouped operation (None otherwise)."""
+        key = (m, n, k, out_dtype, operation) if groups is None else (
+            m, n, k, out_dtype, operation, groups)  # fmt: skip
+        hit = self._exact.get(key)
         if hit is not None:
             return hit
-        return self._pick_slow(m, n, k, out_dtype, operation)
+        return self._pick_slow(m, n, k, out_dtype, operation, groups)
 
-    def _pick_slow(self, m: int, n: int, k: int, out_dtype: str, operation: str) -> Candidate:
+    def _pick_slow(
+        self, m: int, n: int, k: int, out_dtype: str, operation: str, groups: int | None
+    ) -> Candidate:
         bucket = m_bucket(m)
-        bkey = (n, k, bucket, out_dtype, operation)
+        bkey = bucket_key(m, n, k, out_dtype, operation, groups)
         top = self._buckets.get(bkey)
         if top is None:
-            rep = Problem(m=bucket, n=n, k=k, out_dtype=out_dtype, operation=operation)
+            rep = Problem(m=bucket, n=n, k=k, out_dtype=out_dtype, operation=operation,
+                          groups=groups)  # fmt: skip
             top = self._buckets[bkey] = self._best(rep)
         if m != bucket:
-            problem = Problem(m=m, n=n, k=k, out_dtype=out_dtype, operation=operation)
+            problem = Problem(m=m, n=n, k=k, out_dtype=out_dtype, operation=operation,
+                              groups=groups)  # fmt: skip
             why = self._invalid_for(top, problem)
             if why is not None:
                 log.info("bucket %d pick %s invalid at M=%d (%s); ranking M itself",
@@ -160,7 +175,7 @@ class Ranker:
                 top = self._best(problem)
         if len(self._exact) >= _MEMO_LIMIT:
             self._exact.clear()
-        self._exact[(m, n, k, out_dtype, operation)] = top
+        self._exact[(m, n, k, out_dtype, operation, *(() if groups is None else (groups,)))] = top
         return top
 
     def _invalid_for(self, cand: Candidate, problem: Problem) -> str | None:
@@ -178,6 +193,8 @@ class Ranker:
     def _none_qualifies(self, problem: Problem, skipped: dict[str, str]) -> str:
         p = (f"{problem.operation} M={problem.m} N={problem.n} K={problem.k} "
              f"out={problem.out_dtype}")  # fmt: skip
+        if problem.groups is not None:
+            p += f" E={problem.groups}"
         serving = [b for b in self.backends if operation_for(b, problem) is not None]
         if not serving:
             return f"no NVFP4 GEMM backend is available on {self.device.name} for {p}"

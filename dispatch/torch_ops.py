@@ -22,6 +22,9 @@ Ops, namespace ``fp4_dispatch`` (``torch.ops.fp4_dispatch.*``):
 - ``gemm_w4a16(a, b_data, b_scale, alpha, out_dtype, dispatcher=-1, bias=None,
   b_prepared=None) -> out``: weight-only ``out = alpha * a @ dequant(b).T (+ bias)`` with
   dense bf16/fp16 activations ``a`` (``b_prepared``: `DenseOperands.b_prepared`).
+- ``grouped_gemm(a, a_scale, b_data, b_scale, alpha, offsets, out_dtype, dispatcher=-1)
+  -> out``: the grouped (mixture-of-experts) GEMM of `GroupedOperands` (``a_scale``
+  None: dense ``a``, grouped W4A16); the offsets stay on the device (docs/grouped.md).
 
 ``dispatcher`` is an int: `dispatcher_id` of a registered dispatcher, or -1 for the
 per-device default (`default_dispatcher`), -2 for the per-device default of the ``"fp8"``
@@ -51,7 +54,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from . import checks
+from . import checks, grouped
 from .nvfp4 import (
     Nvfp4Tensor,
     quantize_fields,
@@ -80,6 +83,7 @@ __all__ = [
     "not_warm",
     "quantize",
     "run",
+    "run_grouped",
     "run_w4a16",
     "set_default_factory",
     "stream_capturing",
@@ -126,6 +130,18 @@ class Runner(Protocol):
         dtype: str,
         bias: torch.Tensor | None = None,
         b_prepared: torch.Tensor | None = None,
+    ) -> None: ...
+
+    def run_grouped(
+        self,
+        a: torch.Tensor,
+        a_scale: torch.Tensor | None,
+        b: torch.Tensor,
+        sb: torch.Tensor,
+        alpha: torch.Tensor,
+        offsets: torch.Tensor,
+        out: torch.Tensor,
+        dtype: str,
     ) -> None: ...
 
     def check_device(self, name: str, t: torch.Tensor) -> torch.device: ...
@@ -249,8 +265,10 @@ def is_warm(
 
 def not_warm(device_name: str, key: PlanKey, why: str) -> CaptureNotWarmError:
     """The error for a shape whose plan may not launch inside a capture (names the fix)."""
-    m, n, k, dtype, op = key
+    m, n, k, dtype, op = key[:5]
     what = {"w4a4": "GEMM", "w4a16": "W4A16 GEMM"}.get(op, f"{op.upper()} GEMM")
+    if len(key) > 5:
+        what += f" over E={key[5]} experts"
     return CaptureNotWarmError(
         f"fp4_dispatch: {what} M={m} N={n} K={k} out={dtype} on {device_name} reached a "
         f"CUDA graph capture {why}. Inside a capture nothing is ranked, built, compiled, "
@@ -422,6 +440,70 @@ def _gemm_w4a16_fake(a, b_data, b_scale, alpha, out_dtype, dispatcher=DEFAULT, b
     return a.new_empty((a.shape[0], b_data.shape[0]), dtype=out_dtype)
 
 
+def _grouped_impl(
+    did: int,
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    alpha: torch.Tensor,
+    offsets: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """The grouped op's body: check the plain-tensor operands (the op is public; no value
+    is read, so no host sync), then run through the dispatcher's plan. A signature seen
+    before skips the checks (`_checked`, tagged "grouped")."""
+    operands = (a, a_scale, b_data, b_scale, alpha, offsets, out)
+    sig = ("grouped", did, b_data.data_ptr(), b_scale.data_ptr(), *[_meta(t) for t in operands])
+    hit = _checked.get(sig)
+    if hit is not None:
+        d, dtype = hit
+        d.run_grouped(a, a_scale, b_data, b_scale, alpha, offsets, out, dtype)
+        return
+    if a_scale is None:
+        a = checks.dense_activation("a", a)
+        k = checks.gemm_k(a.shape[1], "a")
+    else:
+        a = checks.fp4_data("a", a)
+        k = checks.gemm_k(a.shape[1] * 2, "a")
+        a_scale = checks.swizzled_scale("a_scale", a_scale, a.shape[0], k)
+    e, n = grouped.check_stack(b_data, b_scale, alpha, k)
+    grouped.check_offsets(offsets, e)
+    dtype = checks.out_dtype_name(out.dtype)
+    if tuple(out.shape) != (a.shape[0], n):
+        raise ValueError(f"out: expected shape {(a.shape[0], n)}, got {tuple(out.shape)}")
+    d = get_dispatcher(did, a.device)
+    device = d.check_device("a", a)
+    checks.same_device(device, b_data=b_data, b_scale=b_scale, alpha=alpha, offsets=offsets,
+                       out=out)  # fmt: skip
+    d.run_grouped(a, a_scale, b_data, b_scale, alpha, offsets, out, dtype)
+    if len(_checked) >= _CHECKED_MAX:
+        _checked.clear()
+    _checked[sig] = (d, dtype)
+
+
+@torch.library.custom_op("fp4_dispatch::grouped_gemm", mutates_args=())
+def _grouped_gemm_op(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    alpha: torch.Tensor,
+    offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+    dispatcher: int = DEFAULT,
+) -> torch.Tensor:
+    out = torch.empty((a.shape[0], b_data.shape[1]), dtype=out_dtype, device=a.device)
+    _grouped_impl(dispatcher, a, a_scale, b_data, b_scale, alpha, offsets, out)
+    return out
+
+
+@_grouped_gemm_op.register_fake
+def _grouped_gemm_fake(a, a_scale, b_data, b_scale, alpha, offsets, out_dtype,
+                       dispatcher=DEFAULT):  # fmt: skip
+    return a.new_empty((a.shape[0], b_data.shape[1]), dtype=out_dtype)
+
+
 def _quantize_eager(
     x: torch.Tensor, global_scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -558,6 +640,34 @@ def run_w4a16(
     if out is None:
         out = torch.empty((a.shape[0], b_data.shape[0]), dtype=out_dtype, device=a.device)
     d.run_dense(a, b_data, b_scale, alpha, out, dtype, bias, b_prepared)
+    return out
+
+
+def run_grouped(
+    dispatcher: Runner | None,
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    alpha: torch.Tensor,
+    offsets: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The grouped GEMM on checked `GroupedOperands` fields (``a_scale`` None: dense
+    ``a``). Under torch.compile the ``fp4_dispatch::grouped_gemm`` op (a caller's ``out``
+    is written through a copy); eagerly the plan runs directly. Same CUDA-graph rules as
+    `run`; nothing reads ``offsets`` on the host."""
+    if torch.compiler.is_compiling():
+        did = DEFAULT if dispatcher is None else dispatcher.op_id
+        y = torch.ops.fp4_dispatch.grouped_gemm(a, a_scale, b_data, b_scale, alpha, offsets,
+                                                out_dtype, did)  # fmt: skip
+        return y if out is None else out.copy_(y)
+    d = _resolve(dispatcher, a.device)
+    dtype = checks.out_dtype_name(out_dtype)
+    if out is None:
+        out = torch.empty((a.shape[0], b_data.shape[1]), dtype=out_dtype, device=a.device)
+    d.run_grouped(a, a_scale, b_data, b_scale, alpha, offsets, out, dtype)
     return out
 
 

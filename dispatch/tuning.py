@@ -87,7 +87,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from .backend import Kernel
-from .buckets import BucketKey
+from .buckets import BucketKey, bucket_key
 from .device import DeviceInfo
 from .distributed import Fleet, merge_shares
 from .guard import launch as run_kernel
@@ -264,7 +264,7 @@ class TuneResult:
     @property
     def bucket(self) -> BucketKey:
         p = self.problem
-        return (p.n, p.k, p.m, p.out_dtype, p.operation)
+        return bucket_key(p.m, p.n, p.k, p.out_dtype, p.operation, p.groups)
 
     @property
     def failures(self) -> list[Measurement]:
@@ -351,7 +351,8 @@ def race_list(
 ) -> tuple[list[Candidate], Candidate]:
     """(what tuning a bucket measures, the default pick): the shortlist, plus the default
     (heuristic) pick when the cut left it out - the default always races."""
-    heuristic = ranker.pick(bucket.m, bucket.n, bucket.k, bucket.out_dtype, bucket.operation)
+    b = bucket
+    heuristic = ranker.pick(b.m, b.n, b.k, b.out_dtype, b.operation, b.groups)
     todo = list(shortlist)
     if not any(_same(c, heuristic) for c in todo):
         todo.append(heuristic)

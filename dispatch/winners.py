@@ -47,7 +47,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, WrapValidator
 
 from . import tuning
-from .buckets import DEFAULT_OPERATION, BucketKey
+from .buckets import DEFAULT_OPERATION, BucketKey, bucket_key, describe
 from .cache import CacheReadOnlyError, ImportReport, TuningCache
 from .device import DeviceInfo
 from .ranking import Candidate, estimate_us, m_bucket, operation_for
@@ -181,6 +181,8 @@ class CacheEntry(BaseModel):
     timestamp: _OptStr = None
     env: _OptDict = None
     operation: _OptStr = None
+    #: the expert count E of a grouped winner (a key field; absent for dense ones)
+    groups: int | None = None
     winner_operation: _OptStr = None
     measure: _OptStr = None
     kept_default: _OptBool = None
@@ -206,12 +208,12 @@ class CacheEntry(BaseModel):
 
     @property
     def bucket(self) -> BucketKey:
-        return (self.n, self.k, self.m_bucket, self.out_dtype, self.op)
+        return bucket_key(self.m_bucket, self.n, self.k, self.out_dtype, self.op, self.groups)
 
     @property
     def problem(self) -> Problem:
         return Problem(m=self.m_bucket, n=self.n, k=self.k, out_dtype=self.out_dtype,
-                       operation=self.op)  # fmt: skip
+                       operation=self.op, groups=self.groups)  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         """The file's form: unset optional fields left out."""
@@ -242,7 +244,8 @@ class CacheEntry(BaseModel):
             noise_band=result.noise_band, measured=len(result.measurements),
             failed=len(result.failures), method=method or "unknown",
             timestamp=time.strftime("%Y-%m-%dT%H:%M:%S%z"), env=env,
-            operation=p.operation, winner_operation=w.operation, measure=result.measure,
+            operation=p.operation, groups=p.groups, winner_operation=w.operation,
+            measure=result.measure,
             kept_default=result.kept_default, paired_ratio=_finite(result.paired_ratio),
             pairs=result.pairs, decision=result.decision or None,
             challenger=ref(result.challenger, result.runner_up_us)
@@ -302,8 +305,8 @@ class TunedWinners:
         entry = self.entries().get(bkey)
         if entry is not None:
             if self.verify and self._d._capturing():  # cannot run a check inside capture
-                log.info("bucket N=%d K=%d M<=%d %s %s: cached winner not verified yet "
-                         "(CUDA-graph capture); heuristic used", *bkey)  # fmt: skip
+                log.info("bucket %s: cached winner not verified yet "
+                         "(CUDA-graph capture); heuristic used", describe(bkey))  # fmt: skip
                 return None
             try:
                 cand = self.validate(entry)
@@ -311,8 +314,9 @@ class TunedWinners:
                     self._verify(cand, bkey)
             except StaleEntry as exc:
                 cand = None
-                log.warning("tuning cache %s: ignoring stale entry for N=%d K=%d M<=%d %s %s: %s",
-                            self.cache.path if self.cache else "-", *bkey, exc)  # fmt: skip
+                log.warning("tuning cache %s: ignoring stale entry for %s: %s",
+                            self.cache.path if self.cache else "-", describe(bkey),
+                            exc)  # fmt: skip
         self._winners[bkey] = cand
         return cand
 
@@ -384,7 +388,7 @@ class TunedWinners:
         if entry is None or measure not in (None, entry.policy):
             return None
         heuristic = self._d.ranker.pick(entry.m_bucket, entry.n, entry.k, entry.out_dtype,
-                                        entry.op)  # fmt: skip
+                                        entry.op, entry.groups)  # fmt: skip
         h = entry.heuristic or {}
         same_pick = h.get("backend") == heuristic.backend and h.get(
             "tactic"
@@ -416,8 +420,9 @@ class TunedWinners:
 
     def _verify(self, cand: Candidate, bkey: BucketKey) -> None:
         """Run a cached winner once and compare with the reference; StaleEntry if wrong."""
-        n, k, bucket, dtype, op = bkey
-        problem = Problem(m=bucket, n=n, k=k, out_dtype=dtype, operation=op)
+        n, k, bucket, dtype, op = bkey[:5]
+        groups = bkey[5] if len(bkey) > 5 else None
+        problem = Problem(m=bucket, n=n, k=k, out_dtype=dtype, operation=op, groups=groups)
         d = self._d
         why = tuning.verify_candidate(cand, d.kernel_for, problem, d.device)
         if why is not None:  # a wrong kernel: never picked again, by the heuristic either
@@ -453,17 +458,24 @@ class TunedWinners:
         return report
 
     def pick(
-        self, m: int, n: int, k: int, dtype: str, operation: str = DEFAULT_OPERATION
+        self,
+        m: int,
+        n: int,
+        k: int,
+        dtype: str,
+        operation: str = DEFAULT_OPERATION,
+        groups: int | None = None,
     ) -> Candidate | None:
         """The bucket's winner if it is also valid at this exact M (else None)."""
         bucket = m_bucket(m)
-        cand = self.bucket((n, k, bucket, dtype, operation))
+        cand = self.bucket(bucket_key(m, n, k, dtype, operation, groups))
         if cand is None or m == bucket:
             return cand
         d = self._d
         backend = d.registry.backends[cand.backend]
         try:
-            exact = Problem(m=m, n=n, k=k, out_dtype=dtype, operation=cand.operation)
+            exact = Problem(m=m, n=n, k=k, out_dtype=dtype, operation=cand.operation,
+                            groups=groups)  # fmt: skip
             why = backend.validate(cand.tactic, exact, d.device)
         except Exception as exc:  # a raising check counts as "not valid here"
             why = f"validate() raised {type(exc).__name__}: {exc}"

@@ -1,4 +1,4 @@
-"""Portable reference kernels (W4A4 and W4A16): plain torch, runs on CPU and CUDA.
+"""Portable reference kernels (W4A4, W4A16 and grouped): plain torch, runs on CPU and CUDA.
 
 Dequantizes both operands to ``compute_dtype`` and multiplies with torch's own GEMM
 (fp32 accumulation), optionally in K chunks, then applies ``alpha`` (the product of the
@@ -29,7 +29,7 @@ from collections import OrderedDict
 
 import torch
 
-from fp4_dispatch.backend import DenseOperands, GemmOperands
+from fp4_dispatch.backend import DenseOperands, GemmOperands, GroupedOperands
 from fp4_dispatch.checks import TORCH_DTYPES
 from fp4_dispatch.nvfp4 import as_uint8_data, e2m1_to_float, unswizzle_scales
 
@@ -130,6 +130,29 @@ def gemm_dense(
     dtype = COMPUTE_DTYPES[compute_dtype]
     b = dequantize_cached(operands.b_data, operands.b_scale, dtype)
     _accumulate(operands.a.to(dtype), b, operands.alpha, out, k_chunk)
+
+
+def gemm_grouped(
+    operands: GroupedOperands, out: torch.Tensor, compute_dtype: str, k_chunk: int
+) -> None:
+    """Grouped W4A16/W4A4 (docs/grouped.md): for each expert with rows, its rows of A
+    (dense, or dequantized NVFP4) times its dequantized weight, alpha[e] in fp32.
+
+    Reads the offsets on the host (one synchronisation per call): a correctness fallback
+    and the CPU path, not a graph-capturable GPU kernel. Rows past the last offset are
+    not written. Each expert's dequantized weight goes through the same LRU as a dense
+    weight (a slab of the stack is a view with its own storage offset)."""
+    dtype = COMPUTE_DTYPES[compute_dtype]
+    ops = operands
+    dense = ops.a_scale is None
+    a = ops.a.to(dtype) if dense else dequantize_operand(ops.a, ops.a_scale, dtype)
+    start = 0
+    for e, end in enumerate(ops.offsets.tolist()):
+        end = max(start, min(int(end), a.shape[0]))
+        if end > start:
+            b = dequantize_cached(ops.b_data[e], ops.b_scale[e], dtype)
+            _accumulate(a[start:end], b, ops.alpha[e], out[start:end], k_chunk)
+        start = end
 
 
 def _accumulate(

@@ -38,7 +38,7 @@ class ReferenceBackend(Backend):
     version = SourceVersion(__version__, "fp4_dispatch.backends.reference", plugin=__name__)
     tactic_type = ReferenceTactic
     diversity_axes = ("compute_dtype",)
-    operations = ("w4a4", "w4a16")
+    operations = ("w4a4", "w4a16", "grouped_w4a16", "grouped_w4a4")
 
     def supports(self, device: DeviceInfo) -> Support:
         if device.is_simulated:
@@ -65,23 +65,29 @@ class ReferenceBackend(Backend):
         (naive NVFP4: 1.68 ms at 1x8192x8192, 3.13 ms at 4096x8192x8192): the passes
         move ~100 bytes per operand element.
         """
+        # grouped: the touched experts' weights, one GEMM each (docs/grouped.md); the
+        # per-expert launch cost is the dense one (NOT fitted for the grouped loop)
+        weights, gemms = problem.touched_groups, problem.touched_groups
         if device.kind == "cpu":
             bf16 = tactic.compute_dtype != "float32"
             rate, bw, size = (125e9, 7e9, 2) if bf16 else (70e9, 20e9, 4)
-            gemm_s = max(problem.flops / rate, problem.n * problem.k * size / bw)
-            return 50.0 + gemm_s * 1e6 + problem.m * problem.k * 2e-3
-        elems = (problem.m + problem.n) * problem.k
+            gemm_s = max(problem.flops / rate, weights * problem.n * problem.k * size / bw)
+            return 50.0 * gemms + gemm_s * 1e6 + problem.m * problem.k * 2e-3
+        elems = (problem.m + weights * problem.n) * problem.k
         rate_tflops = device.bf16_tflops if tactic.compute_dtype != "float32" else 60.0
         chunks = 1 if tactic.k_chunk == 0 else problem.k // tactic.k_chunk
         return (
-            30.0 * chunks
+            30.0 * chunks * gemms
             + elems * 100.0 / (device.mem_bw_gbps * 1e3)
             + problem.flops / (rate_tflops * 1e6)
         )
 
     def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
         assert isinstance(tactic, ReferenceTactic)
-        fn = reference.gemm_dense if problem.dense else reference.gemm
+        if problem.grouped:
+            fn = reference.gemm_grouped
+        else:
+            fn = reference.gemm_dense if problem.dense else reference.gemm
         return functools.partial(fn, compute_dtype=tactic.compute_dtype, k_chunk=tactic.k_chunk)
 
 
