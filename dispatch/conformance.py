@@ -29,7 +29,7 @@ from .dispatcher import Dispatcher
 from .guard import launch
 from .profiles import profiles, resolve
 from .progress import progress
-from .tactics import Problem, Tactic, is_lossy
+from .tactics import GROUPED_OPERATIONS, Problem, Tactic, is_lossy
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,9 @@ def _for_operations(problems: Sequence[Problem], backend: object) -> tuple[Probl
     ops = tuple(getattr(backend, "operations", ("w4a4",)) or ("w4a4",))
     out: list[Problem] = []
     for p in problems:
-        wanted = [p.operation] if p.operation in ops else list(ops)
+        # grouped and plain problems differ in kind (E): never one asked as the other
+        same_kind = [op for op in ops if (op in GROUPED_OPERATIONS) == p.grouped]
+        wanted = [p.operation] if p.operation in ops else same_kind
         for op in wanted:
             q = p if p.operation == op else p.model_copy(update={"operation": op})
             if q not in out:
@@ -522,8 +524,9 @@ def _check_merged(
     kept, first = 0, None
     mine_problems = _for_operations(problems, d.registry.backends[name])
     for problem in mine_problems:
-        sl = d.candidates(problem.m, problem.n, problem.k, problem.out_dtype,
-                          "w4a16" if problem.dense else problem.operation)  # fmt: skip
+        op = "w4a16" if problem.dense and not problem.grouped else problem.operation
+        sl = d.candidates(problem.m, problem.n, problem.k, problem.out_dtype, op,
+                          groups=problem.groups)  # fmt: skip
         if name in sl.skipped:
             where = f"M={problem.m} N={problem.n} K={problem.k}"
             report.add("dispatcher", "merge", "FAIL", f"{where}: {sl.skipped[name]}", name)
