@@ -307,6 +307,8 @@ def test_explain_keeps_every_familys_floor_on_grouped_problems(dev, shape):
             assert kept.get(family, 0) >= min(floor, kept.get(family, 0) + cut), (family, sl.cut)
         if op == "grouped_w4a16":
             assert kept.get("fi-grouped-w4a16", 0) >= floor
+        elif dev != "sm107":  # FlashInfer's Blackwell W4A4 kernel (its Rubin one: not yet)
+            assert kept.get("fi-grouped-w4a4", 0) >= floor
 
 
 @needs_fi
@@ -322,3 +324,119 @@ def test_list_backends_shows_the_family_compile_only(capsys, dev):
     assert row["status"] == "available", row
     assert "grouped_w4a16" in row["reason"]
     assert "not been run on hardware" in row["note"]
+
+
+# ---- fi-grouped-w4a4: FlashInfer's block-scaled contiguous grouped GEMM (cc 100/103) ------
+
+
+def _w4a4_operands(counts: list[int], n: int, k: int, seed: int):
+    from fp4_dispatch.backend import GroupedOperands
+    from fp4_dispatch.grouped import quantize_experts
+    from fp4_dispatch.nvfp4 import quantize_nvfp4
+
+    gen = torch.Generator().manual_seed(seed)
+    tokens, experts = sum(counts), len(counts)
+    qa = quantize_nvfp4(torch.randn(tokens, k, generator=gen))
+    w = quantize_experts(torch.randn(experts, n, k, generator=gen))
+    alpha = (qa.global_scale * w.global_scale).to(torch.float32)
+    return GroupedOperands(qa.data, w.data, w.scale, alpha, _offsets(counts), a_scale=qa.scale)
+
+
+def test_scale_repack_moves_each_rows_scales_to_its_padded_row():
+    from fp4_dispatch.backends.flashinfer import grouped_w4a4 as g4
+    from fp4_dispatch.nvfp4 import unswizzle_scales
+
+    ops = _w4a4_operands([5, 0, 130, 1], n=128, k=128, seed=1)
+    r = fg.route(ops.offsets, 136, 128)
+    packed = g4.repack_scales(ops.a_scale, r.dest, 128, r.slots)
+    # the swizzle is a permutation within 128-row atoms: linear index order agrees
+    rows = torch.arange(256)
+    assert torch.equal(
+        g4.swizzled_index(rows[:, None], torch.arange(8)[None, :], 8).flatten().sort().values,
+        torch.arange(256 * 8),
+    )
+    before = unswizzle_scales(ops.a_scale, 136, 128).view(torch.uint8)
+    after = unswizzle_scales(packed.view(r.slots, 8), r.slots, 128).view(torch.uint8)
+    assert torch.equal(after[r.dest], before)
+
+
+def _emulate_w4a4(seen: dict):
+    """FlashInfer's deterministic-mode epilogue as its source reads: tile j (< num_tiles)
+    computes padded rows [j*t, min((j+1)*t, limit[j])) with expert tile_expert[j] and
+    writes row p to out[expanded[p]] scaled by alpha[e]; nothing else is written."""
+    from fp4_dispatch.grouped import _unscaled
+
+    def launch(self, operands, p, out):
+        t, k = self.route_tile, p.a.shape[1] * 2
+        x = _unscaled(p.a, p.a_scale.view(p.routing.slots, k // 16), p.routing.slots, k)
+        n = operands.b_data.shape[1]
+        result = torch.full((out.shape[0], n), float("nan"), dtype=torch.float64)
+        for j in range(int(p.routing.num_tiles[0])):
+            e = int(p.routing.tile_expert[j])
+            w = _unscaled(operands.b_data[e], operands.b_scale[e], n, k)
+            for row in range(j * t, min((j + 1) * t, int(p.routing.tile_limit[j]))):
+                dst = int(p.expanded[row])
+                result[dst] = (x[row] @ w.T) * float(operands.alpha[e])
+        seen["result"] = result
+        out.copy_(result.to(out.dtype))
+
+    return launch
+
+
+@pytest.mark.parametrize("tile", [128, 256])
+def test_w4a4_adapter_matches_the_grouped_reference(monkeypatch, tile):
+    from fp4_dispatch.backends.flashinfer import grouped_w4a4 as g4
+    from fp4_dispatch.grouped import reference_output
+
+    counts = [3, 0, 140, 1, 0, 20]
+    ops = _w4a4_operands(counts, n=128, k=128, seed=tile)
+    seen: dict = {}
+    monkeypatch.setattr(g4.GroupedW4A4Kernel, "launch", _emulate_w4a4(seen))
+    compiled = types.SimpleNamespace(tactic=((tile, 128), (tile // 128, 1), False))
+    out = torch.empty(sum(counts), 128, dtype=torch.bfloat16)
+    g4.GroupedW4A4Kernel(compiled)(ops, out)
+    torch.testing.assert_close(seen["result"], reference_output(ops), rtol=1e-12, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [dict(tile_m=256, tile_n=128, cluster_m=1), dict(tile_m=128, tile_n=128, cluster_m=2)],
+)
+def test_w4a4_impossible_knob_is_a_validation_error(fields):
+    from fp4_dispatch.plugins.flashinfer.grouped_w4a4 import FiGroupedW4A4Tactic
+
+    with pytest.raises(ValidationError):
+        FiGroupedW4A4Tactic(**fields)
+
+
+@needs_fi
+def test_w4a4_family_offers_flashinfers_tactics_where_its_layout_is_ours():
+    from fp4_dispatch.backends.flashinfer import grouped_w4a4 as g4
+    from fp4_dispatch.plugins.flashinfer.grouped_w4a4 import FiGroupedW4A4Backend, tactic_of
+
+    b, dev = FiGroupedW4A4Backend(), simulated("sm100")
+    fis = g4.flashinfer_tactics()
+    assert [tactic_of(fi).to_fi() for fi in fis] == list(fis)
+    problem = _backend_problem(64, 1536, 2048, 128, op="grouped_w4a4")
+    offered = list(b.tactics(problem, dev))
+    assert {t.to_fi() for t in offered} == set(fis)
+    assert all(b.validate(t, problem, dev) is None for t in offered)
+    for n, k in ((1500, 2048), (1536, 2080)):  # padded scale strides would differ
+        odd = _backend_problem(64, n, k, 128, op="grouped_w4a4")
+        assert not list(b.tactics(odd, dev))
+        assert "N % 128 == 0 and K % 64 == 0" in b.validate(offered[0], odd, dev)
+    assert not b.supports(simulated("sm107")).ok  # FlashInfer's Rubin kernel: not offered
+    assert not list(b.tactics(_backend_problem(64, 1536, 2048, 128), dev))  # w4a16
+
+
+@needs_fi
+def test_w4a4_one_tactic_compiles_for_sm100a_and_sm103a():
+    from fp4_dispatch.plugins.flashinfer.grouped_w4a4 import FiGroupedW4A4Backend
+
+    b = FiGroupedW4A4Backend()
+    problem = _backend_problem(64, 1536, 2048, 128, op="grouped_w4a4")
+    for dev in ("sm100", "sm103"):
+        device = simulated(dev)
+        tactic = next(iter(b.tactics(problem, device)))
+        c = b.build(tactic, problem, device).compiled
+        assert (c.cubin_sm, c.sm_count) == (DEVICES[dev], device.sm_count)

@@ -193,16 +193,27 @@ class FiGroupedW4A16Backend(Backend):
 
 
 def estimate(problem: Problem, device: DeviceInfo, tactic: FiGroupedW4A16Tactic) -> float:
-    """Estimated microseconds under the balanced routing of docs/grouped.md. Not fitted.
+    """`estimate_routed` for this family: bf16 rows (2 B a value) copied in and the bf16
+    result rows gathered out (T x (K + N) x 2 B, each written and read once)."""
+    copies = 2.0 * problem.m * (problem.k + problem.n) * 2.0
+    return estimate_routed(problem, device, tactic, 2.0, copies, ROUTE_KERNELS)
+
+
+def estimate_routed(
+    problem: Problem, device: DeviceInfo, tactic: Tactic, a_bytes: float, copy_bytes: float,
+    route_kernels: int,
+) -> float:  # fmt: skip
+    """Estimated microseconds of a routed-tile grouped kernel under the balanced routing
+    of docs/grouped.md. Not fitted.
 
     Rows: `Problem.touched_groups` experts get ceil(T / touched) rows each, padded to
     whole routed tiles: P = touched x ceil(ceil(T / touched) / tile_m) x tile_m rows
     (at decode, 8 rows on 8 experts with tile_m 16 is 128 rows of MMA work). Compute:
     the shared formula's wave model on a P x N x K problem (its memory term switched
-    off). Memory: the touched experts' weights (0.5625 B per value), the padded bf16
-    rows read and bf16 results written, 8 B per expert, at the bandwidth the active CTAs
-    reach (as the shared model). Plus the routing's small kernels (`ROUTE_KERNELS`) and
-    the scatter and gather copies (T x (K + N) x 2 B, each written and read once).
+    off). Memory: the touched experts' weights (0.5625 B per value), the P padded rows
+    of A (`a_bytes` a value) read and bf16 results written, 8 B per expert, at the
+    bandwidth the active CTAs reach (as the shared model). Plus `route_kernels` small
+    kernels of `ROUTE_KERNEL_US` each and `copy_bytes` of re-layout at full bandwidth.
     """
     touched = problem.touched_groups
     per_expert = -(-problem.m // touched)
@@ -213,10 +224,11 @@ def estimate(problem: Problem, device: DeviceInfo, tactic: FiGroupedW4A16Tactic)
                          tactic.cluster_n, False, cpt) - LAUNCH_US  # fmt: skip
     fp4 = 0.5 + 1.0 / 16
     weights = touched * problem.n * problem.k * fp4
-    traffic = weights + rows * (problem.k + problem.n) * 2.0 + 8.0 * (problem.groups or 1)
+    rows_bytes = rows * (problem.k * a_bytes + problem.n * 2.0)
+    traffic = weights + rows_bytes + 8.0 * (problem.groups or 1)
     ctas = -(-rows // tactic.tile_m) * -(-problem.n // tactic.tile_n) * cpt
     bw_frac = min(1.0, min(ctas, device.sm_count) / (BW_SATURATION * device.sm_count))
     memory = traffic / (device.mem_bw_gbps * 1e3 * bw_frac)
-    copies = 2.0 * problem.m * (problem.k + problem.n) * 2.0 / (device.mem_bw_gbps * 1e3)
+    copies = copy_bytes / (device.mem_bw_gbps * 1e3)
     kernel = max(compute, memory) + OVERLAP * min(compute, memory) + LAUNCH_US
-    return kernel + copies + ROUTE_KERNELS * ROUTE_KERNEL_US
+    return kernel + copies + route_kernels * ROUTE_KERNEL_US

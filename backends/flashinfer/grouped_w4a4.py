@@ -1,0 +1,300 @@
+"""FlashInfer's SM100 block-scaled contiguous grouped GEMM (CuTe-DSL) as a plain grouped W4A4.
+
+FlashInfer 0.7.2.post1's CuTe-DSL NVFP4 MoE computes its second GEMM with
+``Sm100BlockScaledContiguousGroupedGemmFinalizeFusionKernel`` (``flashinfer.fused_moe.
+cute_dsl.blackwell``): NVFP4 x NVFP4 (16-element e4m3 block scales, tcgen05 block-scaled
+MMA), rows in routed tiles (`fp4_dispatch.backends.flashinfer.grouped.route`), and an
+epilogue that sends each computed row ``p`` to output row ``expanded[p]`` scaled by
+``alpha[e] * router_weight``. Built with ``use_fused_finalize=False`` (its
+"deterministic" mode) the router weight is 1.0 and each row is *written*, not added:
+``out[expanded[p]] = round(alpha[e] * acc)``. With ``top_k = 1`` and
+``expanded[dest[r]] = r`` that is exactly a grouped GEMM writing ``out`` in place: no
+output gather, no memset. Only the operands are re-laid out on the device (no sync):
+
+* A's e2m1 rows go to their padded rows (`route`, tile = the kernel's MMA tile M);
+* A's block scales, one tensor swizzled 128x4 over all T rows in our format, are moved
+  element by element to the same swizzle over the padded rows (an expert's first row is
+  then on a 128-row atom boundary, which the kernel's scale TMA needs);
+* ``expanded`` is -1 on padding rows (never written: the epilogue stops at each tile's
+  row limit) and ``r`` on row ``dest[r]``; the router weights are a ``[T, 1]`` float32
+  tensor of ones (read, then replaced by 1.0 in this mode).
+
+Layout rule of this kernel (its wrapper builds the scale layouts with floor division):
+N % 128 == 0 and K % 64 == 0, so that its scale strides equal our padded ones; other
+shapes get no tactic. Serves cc 100 and 103 (FlashInfer's Blackwell kernel); its Rubin
+(SM107) sibling always adds atomically into a zeroed output and takes other tactics: not
+offered here yet. Compiled here for sm_100a / sm_103a; not run on hardware.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from fp4_dispatch.backends import flashinfer as fb
+from fp4_dispatch.backends.flashinfer import grouped as fg
+
+if TYPE_CHECKING:
+    import torch
+
+    from fp4_dispatch.device import DeviceInfo
+
+log = logging.getLogger(__name__)
+
+KERNEL_MODULE = (
+    "flashinfer.fused_moe.cute_dsl.blackwell.blockscaled_contiguous_grouped_gemm_finalize_fusion"
+)
+KERNEL_CLASS = "Sm100BlockScaledContiguousGroupedGemmFinalizeFusionKernel"
+TUNER_MODULE = "flashinfer.fused_moe.cute_dsl.tuner"
+#: FlashInfer's Blackwell MoE kernels run on these (its Rubin kernel serves 107)
+CCS = frozenset({100, 103})
+SF_VEC = 16
+#: out dtype name -> the kernel's (cutlass type attribute, torch dtype attribute)
+OUT_TYPES = {"bfloat16": "BFloat16", "float16": "Float16"}
+
+#: FlashInfer's GEMM2 tactic: ((tile M, tile N), (cluster M, cluster N), raster_along_m)
+FiTactic = tuple
+
+
+@functools.cache
+def availability() -> tuple[bool, str]:
+    """FlashInfer's availability plus this kernel class and its tactic list."""
+    ok, reason = fb.availability()
+    if not ok:
+        return ok, reason
+    try:
+        kernel = importlib.import_module(KERNEL_MODULE)
+        tuner = importlib.import_module(TUNER_MODULE)
+        missing = [n for n in (KERNEL_CLASS,) if not hasattr(kernel, n)]
+        missing += [n for n in ("get_blackwell_gemm2_valid_tactics", "VALID_TILE_SIZES")
+                    if not hasattr(tuner, n)]  # fmt: skip
+        if missing:
+            raise AttributeError(f"FlashInfer has no {', '.join(missing)}")
+    except Exception as exc:  # an internal API: failed, naming the version
+        raise fb.FlashInferUnavailable(fb._failure(exc)) from exc
+    return True, reason
+
+
+@functools.cache
+def flashinfer_tactics() -> tuple[FiTactic, ...]:
+    """FlashInfer's Blackwell GEMM2 tactics over its tile sizes, in its order."""
+    tuner = importlib.import_module(TUNER_MODULE)
+    found: dict[FiTactic, None] = {}
+    for size in tuner.VALID_TILE_SIZES:
+        for (tm, tn), (cm, cn), raster in tuner.get_blackwell_gemm2_valid_tactics(size):
+            found[((int(tm), int(tn)), (int(cm), int(cn)), bool(raster))] = None
+    return tuple(found)
+
+
+def layout_rule(n: int, k: int) -> str | None:
+    """Why this kernel's scale layout differs from ours for (N, K) (None: equal)."""
+    if n % 128 or k % 64:
+        return (f"N % 128 == 0 and K % 64 == 0 needed (the kernel's scale layout has no "
+                f"padding), got N={n} K={k}")  # fmt: skip
+    return None
+
+
+def can_implement(fi: FiTactic, n: int, k: int, slots: int, experts: int, out: str) -> bool:
+    """The kernel's own ``can_implement`` for `slots` routed rows, plus `layout_rule`."""
+    import cutlass
+
+    if out not in OUT_TYPES or layout_rule(n, k) is not None:
+        return False
+    kernel = getattr(importlib.import_module(KERNEL_MODULE), KERNEL_CLASS)
+    tiler, cluster, _ = fi
+    fp4, sf = cutlass.Float4E2M1FN, cutlass.Float8E4M3FN
+    return bool(kernel.can_implement(
+        fp4, fp4, sf, SF_VEC, getattr(cutlass, OUT_TYPES[out]), cutlass.Float32, tiler,
+        cluster, slots, n, k, experts, a_major="k", b_major="k", out_major="n",
+    ))  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def valid_tactics(tokens: int, n: int, k: int, experts: int, out: str) -> tuple[FiTactic, ...]:
+    """FlashInfer's tactics its kernel accepts for this grouped W4A4 problem."""
+    return tuple(
+        fi for fi in flashinfer_tactics()
+        if can_implement(fi, n, k, fg.route_slots(tokens, experts, fi[0][0]), experts, out)
+    )  # fmt: skip
+
+
+# ---- A's block scales: one swizzle over T rows -> the same swizzle over padded rows -----
+
+
+def swizzled_index(rows: torch.Tensor, cols: torch.Tensor, k_blocks: int) -> torch.Tensor:
+    """Element index of (row, block column) in a 128x4-swizzled scale tensor whose rows
+    hold `k_blocks` (a multiple of 4) block scales: 512-element atoms of 128 rows x 4
+    columns, rows r%32 x 16 + (r//32)%4 x 4 + c%4 within an atom, atoms K-major.
+    (`fp4_dispatch.nvfp4`'s swizzled order.)"""
+    atom = (rows // 128) * (k_blocks // 4) + cols // 4
+    return atom * 512 + (rows % 32) * 16 + ((rows // 32) % 4) * 4 + cols % 4
+
+
+def repack_scales(a_scale: torch.Tensor, dest: torch.Tensor, k: int, slots: int) -> torch.Tensor:
+    """A's scales in the swizzled order over `slots` padded rows (row r -> dest[r])."""
+    import torch
+
+    tokens, k_blocks = dest.shape[0], k // SF_VEC
+    dev = dest.device
+    cols = torch.arange(k_blocks, device=dev, dtype=torch.int64)
+    rows = torch.arange(tokens, device=dev, dtype=torch.int64)
+    src = swizzled_index(rows[:, None], cols[None, :], k_blocks).reshape(-1)
+    dst = swizzled_index(dest[:, None], cols[None, :], k_blocks).reshape(-1)
+    flat = a_scale.reshape(-1).view(torch.uint8)
+    out = torch.empty(slots * k_blocks, dtype=torch.uint8, device=dev)
+    out.index_copy_(0, dst, flat.index_select(0, src))
+    return out.view(torch.float8_e4m3fn)
+
+
+# ---- compile --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class CompiledKernel:
+    """One tactic compiled for one (arch, SM count, out dtype)."""
+
+    tactic: FiTactic
+    function: Any
+    out_dtype: str
+    target: str
+    sm_count: int
+    cubin_sm: int
+    max_active_clusters: int
+    seconds: float
+    source: str
+
+
+_memory: dict[tuple, CompiledKernel] = {}
+
+
+def _pointers(out_dtype: str, addresses: dict[str, int] | None = None) -> list[Any]:
+    """The wrapper's typed pointers, in its order (null ones for a compile)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    a = addresses or {}
+    fp4, sf, i32 = cutlass.Float4E2M1FN, cutlass.Float8E4M3FN, cutlass.Int32
+    spec = (("a", fp4, 32), ("b", fp4, 32), ("a_sf", sf, 16), ("b_sf", sf, 16),
+            ("out", getattr(cutlass, OUT_TYPES[out_dtype]), 32), ("alpha", cutlass.Float32, 4),
+            ("tile_expert", i32, 4), ("tile_limit", i32, 4), ("expanded", i32, 4),
+            ("num_tiles", i32, 4), ("router", cutlass.Float32, 16))  # fmt: skip
+    return [make_ptr(t, a.get(name, 0), cute.AddressSpace.gmem, assumed_align=al)
+            for name, t, al in spec]  # fmt: skip
+
+
+def compile_tactic(fi: FiTactic, out_dtype: str, device: DeviceInfo) -> CompiledKernel:
+    """Compile `fi` (deterministic mode, no PDL) for `device`; the cubin's SM is checked.
+    Sizes are runtime arguments: one binary per (tactic, out dtype, arch, SM count)."""
+    import cutlass.cute as cute
+
+    from fp4_dispatch.backends import cute as cb
+
+    if device.cc is None:
+        raise ValueError(f"device: {device.name} has no compute capability to compile for")
+    target = cb.target_of(device.cc)
+    key = (fi, out_dtype, target, device.sm_count)
+    hit = _memory.get(key)
+    if hit is not None:
+        return dataclasses.replace(hit, source="memory", seconds=0.0)
+    tiler, cluster, raster = fi
+    mac = int(cb.max_clusters_for(device)(cluster[0] * cluster[1]))
+    kernel = getattr(importlib.import_module(KERNEL_MODULE), KERNEL_CLASS)(
+        sf_vec_size=SF_VEC, mma_tiler_mn=tiler, cluster_shape_mn=cluster,
+        raster_along_m=raster, enable_pdl=False, use_a_per_token_scale=False,
+        use_fused_finalize=False,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    cb._preload_runtime()
+    with cb._compile_lock, fb.dsl_chatter_to_log():
+        function = cute.compile(
+            kernel.wrapper, *_pointers(out_dtype), None, tiler[0], 128, 256, 1, 1, 1,
+            tile_size=tiler[0], scaling_vector_size=SF_VEC, max_active_clusters=mac,
+            stream=cute.runtime.make_fake_stream(), options=f"--gpu-arch=sm_{device.cc}a",
+        )  # fmt: skip
+    name = f"flashinfer grouped W4A4 {fi}"
+    sm = cb.cubin_sm(function.dump_to_object(f"fp4fig4_{abs(hash(key)):x}"))
+    cb._check_target(sm, target, name)
+    ck = CompiledKernel(fi, function, out_dtype, target, device.sm_count, sm, mac,
+                        time.perf_counter() - t0, "compiled")  # fmt: skip
+    _memory[key] = ck
+    log.info("%s for %s, %d SMs: compiled in %.2f s", name, target, device.sm_count, ck.seconds)
+    return ck
+
+
+# ---- launch (runs only on a Blackwell GPU) ----------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """The kernel's operands built from `GroupedOperands` (all on the device)."""
+
+    routing: fg.Routing
+    a: torch.Tensor  # uint8 [slots, K/2]
+    a_scale: torch.Tensor  # e4m3 [slots * K/16], swizzled over the padded rows
+    expanded: torch.Tensor  # int32 [slots]: -1 or the source row
+    router: torch.Tensor  # float32 [T, 1] of ones
+
+
+def prepare(operands: Any, route_tile: int) -> Prepared:
+    """Routed tiles, A's rows and scales moved to them, and the row map (device ops)."""
+    import torch
+
+    a, offsets = operands.a, operands.offsets
+    tokens, half_k = a.shape
+    routing = fg.route(offsets, tokens, route_tile)
+    padded = torch.empty(routing.slots, half_k, dtype=torch.uint8, device=a.device)
+    padded.index_copy_(0, routing.dest, a)
+    scales = repack_scales(operands.a_scale, routing.dest, half_k * 2, routing.slots)
+    expanded = torch.full((routing.slots,), -1, dtype=torch.int32, device=a.device)
+    rows = torch.arange(tokens, device=a.device, dtype=torch.int32)
+    expanded.index_copy_(0, routing.dest, rows)
+    router = torch.ones(tokens, 1, dtype=torch.float32, device=a.device)
+    return Prepared(routing, padded, scales, expanded, router)
+
+
+class GroupedW4A4Kernel:
+    """``kernel(operands, out)`` for a grouped W4A4 problem: `prepare`, then FlashInfer's
+    kernel writes ``out``'s rows in place (alpha per expert in its epilogue).
+    Not run here: no Blackwell GPU was available."""
+
+    def __init__(self, compiled: CompiledKernel) -> None:
+        self.compiled = compiled
+        self.route_tile = compiled.tactic[0][0]
+
+    def __repr__(self) -> str:
+        c = self.compiled
+        return f"GroupedW4A4Kernel({c.tactic}, {c.target}, {c.sm_count} SMs, {c.source})"
+
+    def __call__(self, operands: Any, out: torch.Tensor) -> None:
+        if operands.a_scale is None:
+            raise ValueError("a_scale: expected A's block scales (grouped_w4a4), got None")
+        if not out.is_contiguous():
+            raise ValueError(f"out: expected a contiguous [T, N] tensor, strides {out.stride()}")
+        prepared = prepare(operands, self.route_tile)
+        self.launch(operands, prepared, out)
+
+    def launch(self, operands: Any, p: Prepared, out: torch.Tensor) -> None:
+        """FlashInfer's compiled kernel on the current torch stream."""
+        import torch
+        from cuda.bindings import driver
+
+        r = p.routing
+        addresses = {
+            "a": p.a.data_ptr(), "b": operands.b_data.data_ptr(),
+            "a_sf": p.a_scale.data_ptr(), "b_sf": operands.b_scale.data_ptr(),
+            "out": out.data_ptr(), "alpha": operands.alpha.data_ptr(),
+            "tile_expert": r.tile_expert.data_ptr(), "tile_limit": r.tile_limit.data_ptr(),
+            "expanded": p.expanded.data_ptr(), "num_tiles": r.num_tiles.data_ptr(),
+            "router": p.router.data_ptr(),
+        }  # fmt: skip
+        experts, n = operands.b_data.shape[0], operands.b_data.shape[1]
+        stream = driver.CUstream(torch.cuda.current_stream(out.device).cuda_stream)
+        self.compiled.function(
+            *_pointers(self.compiled.out_dtype, addresses), None, r.slots, n,
+            p.a.shape[1] * 2, experts, out.shape[0], 1, stream=stream,
+        )  # fmt: skip
