@@ -29,8 +29,8 @@ needs_fi = pytest.mark.skipif(
 )
 HINT = "pip install '.[flashinfer]' in the fp4-dispatch checkout"
 NAMES = {"fi-sm100", "fi-sm100-deepk", "fi-sm100-splitk", "fi-sm103", "fi-sm107"}
-#: and the grouped family (tests/test_blackwell_grouped.py), which never serves a dense problem
-LISTED = NAMES | {"fi-grouped-w4a16"}
+#: and the grouped families (tests/test_blackwell_grouped.py), which serve no dense problem
+LISTED = NAMES | {"fi-grouped-w4a16", "fi-grouped-w4a4"}
 SM107 = simulated("sm107")
 SM100 = simulated("sm100")
 
@@ -350,8 +350,9 @@ def test_conformance_kit(device):
     # the kit's problems have K <= 512 and no decode M with K % 512 == 0, where deep-K
     # and split-K exist at all: add two decode shapes (as the kit's message asks)
     problems = (*DEFAULT_PROBLEMS, Problem(m=1, n=2048, k=8192), Problem(m=16, n=7168, k=2048))
-    # and a grouped one for fi-grouped-w4a16 (which serves nothing else)
-    problems += (Problem(m=64, n=1536, k=2048, operation="grouped_w4a16", groups=8),)
+    # and grouped ones for fi-grouped-w4a16 and fi-grouped-w4a4 (which serve nothing else)
+    grouped = {"m": 64, "n": 1536, "k": 2048, "groups": 8}
+    problems += tuple(Problem(**grouped, operation=op) for op in ("grouped_w4a16", "grouped_w4a4"))
     report = check_plugin(
         "flashinfer", device=device, problems=problems, samples=1, show_progress=False
     )
