@@ -307,8 +307,9 @@ def test_explain_keeps_every_familys_floor_on_grouped_problems(dev, shape):
             assert kept.get(family, 0) >= min(floor, kept.get(family, 0) + cut), (family, sl.cut)
         if op == "grouped_w4a16":
             assert kept.get("fi-grouped-w4a16", 0) >= floor
-        elif dev != "sm107":  # FlashInfer's Blackwell W4A4 kernel (its Rubin one: not yet)
-            assert kept.get("fi-grouped-w4a4", 0) >= floor
+        else:  # FlashInfer's Blackwell W4A4 kernel on cc 100/103, its Rubin one on 107
+            family = "fi-grouped-w4a4-sm107" if dev == "sm107" else "fi-grouped-w4a4"
+            assert kept.get(family, 0) >= floor
 
 
 @needs_fi
@@ -361,9 +362,10 @@ def test_scale_repack_moves_each_rows_scales_to_its_padded_row():
 
 
 def _emulate_w4a4(seen: dict):
-    """FlashInfer's deterministic-mode epilogue as its source reads: tile j (< num_tiles)
-    computes padded rows [j*t, min((j+1)*t, limit[j])) with expert tile_expert[j] and
-    writes row p to out[expanded[p]] scaled by alpha[e]; nothing else is written."""
+    """FlashInfer's GEMM2 epilogues as their source reads: tile j (< num_tiles) computes
+    padded rows [j*t, min((j+1)*t, limit[j])) with expert tile_expert[j] and sends row p,
+    scaled by alpha[e], to out[expanded[p]]: written (Blackwell, deterministic mode) or
+    added (Rubin, always a reduce-add); nothing else is touched."""
     from fp4_dispatch.grouped import _unscaled
 
     def launch(self, operands, p, out):
@@ -378,24 +380,37 @@ def _emulate_w4a4(seen: dict):
                 dst = int(p.expanded[row])
                 result[dst] = (x[row] @ w.T) * float(operands.alpha[e])
         seen["result"] = result
-        out.copy_(result.to(out.dtype))
+        rows = result.isfinite().all(dim=1)
+        if self.compiled.kind == "sm107":
+            out[rows] += result[rows].to(out.dtype)
+        else:
+            out[rows] = result[rows].to(out.dtype)
 
     return launch
 
 
-@pytest.mark.parametrize("tile", [128, 256])
-def test_w4a4_adapter_matches_the_grouped_reference(monkeypatch, tile):
+@pytest.mark.parametrize(
+    "kind, tactic",
+    [
+        ("sm100", ((128, 128), (1, 1), False)),
+        ("sm100", ((256, 128), (2, 1), False)),
+        ("sm107", ((256, 128, 256), (128, 128, 128), (1, 1), False)),
+    ],
+)
+def test_w4a4_adapter_matches_the_grouped_reference(monkeypatch, kind, tactic):
     from fp4_dispatch.backends.flashinfer import grouped_w4a4 as g4
     from fp4_dispatch.grouped import reference_output
 
     counts = [3, 0, 140, 1, 0, 20]
-    ops = _w4a4_operands(counts, n=128, k=128, seed=tile)
+    ops = _w4a4_operands(counts, n=128, k=128, seed=len(tactic))
     seen: dict = {}
     monkeypatch.setattr(g4.GroupedW4A4Kernel, "launch", _emulate_w4a4(seen))
-    compiled = types.SimpleNamespace(tactic=((tile, 128), (tile // 128, 1), False))
-    out = torch.empty(sum(counts), 128, dtype=torch.bfloat16)
+    compiled = types.SimpleNamespace(tactic=tactic, kind=kind)
+    out = torch.full((sum(counts), 128), 7.0, dtype=torch.bfloat16)  # stale contents
     g4.GroupedW4A4Kernel(compiled)(ops, out)
-    torch.testing.assert_close(seen["result"], reference_output(ops), rtol=1e-12, atol=1e-9)
+    want = reference_output(ops)
+    torch.testing.assert_close(seen["result"], want, rtol=1e-12, atol=1e-9)
+    assert torch.equal(out, want.to(torch.bfloat16))  # every row written, once
 
 
 @pytest.mark.parametrize(
@@ -430,13 +445,30 @@ def test_w4a4_family_offers_flashinfers_tactics_where_its_layout_is_ours():
 
 
 @needs_fi
-def test_w4a4_one_tactic_compiles_for_sm100a_and_sm103a():
-    from fp4_dispatch.plugins.flashinfer.grouped_w4a4 import FiGroupedW4A4Backend
+def test_w4a4_one_tactic_compiles_for_each_arch():
+    from fp4_dispatch.plugins.flashinfer.grouped_w4a4 import (
+        FiGroupedW4A4Backend,
+        FiGroupedW4A4Sm107Backend,
+    )
 
-    b = FiGroupedW4A4Backend()
     problem = _backend_problem(64, 1536, 2048, 128, op="grouped_w4a4")
-    for dev in ("sm100", "sm103"):
+    for dev, b in (("sm100", FiGroupedW4A4Backend()), ("sm103", FiGroupedW4A4Backend()),
+                   ("sm107", FiGroupedW4A4Sm107Backend())):  # fmt: skip
         device = simulated(dev)
         tactic = next(iter(b.tactics(problem, device)))
         c = b.build(tactic, problem, device).compiled
-        assert (c.cubin_sm, c.sm_count) == (DEVICES[dev], device.sm_count)
+        assert (c.cubin_sm, c.sm_count, c.kind) == (DEVICES[dev], device.sm_count, b.kind)
+
+
+@needs_fi
+def test_w4a4_rubin_family_offers_flashinfers_rubin_tactics():
+    from fp4_dispatch.backends.flashinfer import grouped_w4a4 as g4
+    from fp4_dispatch.plugins.flashinfer.grouped_w4a4 import FiGroupedW4A4Sm107Backend, tactic_of
+
+    b, dev = FiGroupedW4A4Sm107Backend(), simulated("sm107")
+    fis = g4.flashinfer_tactics("sm107")
+    assert fis and [tactic_of(fi).to_fi() for fi in fis] == list(fis)
+    problem = _backend_problem(512, 2048, 768, 128, op="grouped_w4a4")
+    offered = list(b.tactics(problem, dev))
+    assert offered and all(b.validate(t, problem, dev) is None for t in offered)
+    assert not b.supports(simulated("sm100")).ok

@@ -30,7 +30,7 @@ needs_fi = pytest.mark.skipif(
 HINT = "pip install '.[flashinfer]' in the fp4-dispatch checkout"
 NAMES = {"fi-sm100", "fi-sm100-deepk", "fi-sm100-splitk", "fi-sm103", "fi-sm107"}
 #: and the grouped families (tests/test_blackwell_grouped.py), which serve no dense problem
-LISTED = NAMES | {"fi-grouped-w4a16", "fi-grouped-w4a4"}
+LISTED = NAMES | {"fi-grouped-w4a16", "fi-grouped-w4a4", "fi-grouped-w4a4-sm107"}
 SM107 = simulated("sm107")
 SM100 = simulated("sm100")
 

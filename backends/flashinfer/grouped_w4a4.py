@@ -21,9 +21,16 @@ output gather, no memset. Only the operands are re-laid out on the device (no sy
 
 Layout rule of this kernel (its wrapper builds the scale layouts with floor division):
 N % 128 == 0 and K % 64 == 0, so that its scale strides equal our padded ones; other
-shapes get no tactic. Serves cc 100 and 103 (FlashInfer's Blackwell kernel); its Rubin
-(SM107) sibling always adds atomically into a zeroed output and takes other tactics: not
-offered here yet. Compiled here for sm_100a / sm_103a; not run on hardware.
+shapes get no tactic. Kernel kinds (one family each):
+
+* ``"sm100"`` (cc 100, 103): the Blackwell kernel above, deterministic mode;
+* ``"sm107"`` (cc 107): FlashInfer's Rubin sibling, ``Sm107BlockScaledContiguousGrouped
+  GemmFinalizeFusionKernel``, which has no deterministic mode: it always adds each row
+  into ``out[token]`` with a bulk reduce-add. With ``top_k = 1`` every output row gets
+  exactly one addition, so ``out`` is zeroed first and ``0 + round(alpha * acc)`` is the
+  rounded value itself: still exact, at the cost of one memset of ``out``.
+
+Compiled here for sm_100a / sm_103a / sm_107a; not run on hardware.
 """
 
 from __future__ import annotations
@@ -48,30 +55,49 @@ log = logging.getLogger(__name__)
 KERNEL_MODULE = (
     "flashinfer.fused_moe.cute_dsl.blackwell.blockscaled_contiguous_grouped_gemm_finalize_fusion"
 )
+RUBIN_MODULE = (
+    "flashinfer.fused_moe.cute_dsl.rubin.blockscaled_contiguous_grouped_gemm_finalize_fusion"
+)
 KERNEL_CLASS = "Sm100BlockScaledContiguousGroupedGemmFinalizeFusionKernel"
+RUBIN_CLASS = "Sm107BlockScaledContiguousGroupedGemmFinalizeFusionKernel"
 TUNER_MODULE = "flashinfer.fused_moe.cute_dsl.tuner"
-#: FlashInfer's Blackwell MoE kernels run on these (its Rubin kernel serves 107)
-CCS = frozenset({100, 103})
+#: compute capabilities of each kernel kind (FlashInfer's MoE picks the same way)
+CCS = {"sm100": frozenset({100, 103}), "sm107": frozenset({107})}
 SF_VEC = 16
 #: out dtype name -> the kernel's (cutlass type attribute, torch dtype attribute)
 OUT_TYPES = {"bfloat16": "BFloat16", "float16": "Float16"}
 
-#: FlashInfer's GEMM2 tactic: ((tile M, tile N), (cluster M, cluster N), raster_along_m)
+#: FlashInfer's GEMM2 tactic. "sm100": ((tile M, tile N), (cluster M, cluster N), raster);
+#: "sm107": ((tile M, N, K), (instruction M, N, K), (cluster M, N), raster)
 FiTactic = tuple
+_KINDS = {
+    "sm100": (KERNEL_MODULE, KERNEL_CLASS, "get_blackwell_gemm2_valid_tactics"),
+    "sm107": (RUBIN_MODULE, RUBIN_CLASS, "get_rubin_gemm2_valid_tactics"),
+}
+
+
+def kind_of(cc: int | None) -> str | None:
+    """The kernel kind serving compute capability `cc` (None: neither)."""
+    return next((kind for kind, ccs in CCS.items() if cc in ccs), None)
+
+
+def _kernel_class(kind: str) -> Any:
+    module, cls, _ = _KINDS[kind]
+    return getattr(importlib.import_module(module), cls)
 
 
 @functools.cache
-def availability() -> tuple[bool, str]:
-    """FlashInfer's availability plus this kernel class and its tactic list."""
+def availability(kind: str = "sm100") -> tuple[bool, str]:
+    """FlashInfer's availability plus this kind's kernel class and tactic list."""
     ok, reason = fb.availability()
     if not ok:
         return ok, reason
+    module, cls, lister = _KINDS[kind]
     try:
-        kernel = importlib.import_module(KERNEL_MODULE)
+        kernel = importlib.import_module(module)
         tuner = importlib.import_module(TUNER_MODULE)
-        missing = [n for n in (KERNEL_CLASS,) if not hasattr(kernel, n)]
-        missing += [n for n in ("get_blackwell_gemm2_valid_tactics", "VALID_TILE_SIZES")
-                    if not hasattr(tuner, n)]  # fmt: skip
+        missing = [n for n in (cls,) if not hasattr(kernel, n)]
+        missing += [n for n in (lister, "VALID_TILE_SIZES") if not hasattr(tuner, n)]
         if missing:
             raise AttributeError(f"FlashInfer has no {', '.join(missing)}")
     except Exception as exc:  # an internal API: failed, naming the version
@@ -79,15 +105,28 @@ def availability() -> tuple[bool, str]:
     return True, reason
 
 
+def _plain(value: Any) -> Any:
+    """Nested tuples of Python ints and bools (FlashInfer's lists may hold other ints)."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    return value if isinstance(value, bool) else int(value)
+
+
 @functools.cache
-def flashinfer_tactics() -> tuple[FiTactic, ...]:
-    """FlashInfer's Blackwell GEMM2 tactics over its tile sizes, in its order."""
+def flashinfer_tactics(kind: str = "sm100") -> tuple[FiTactic, ...]:
+    """FlashInfer's GEMM2 tactics of this kernel kind over its tile sizes, in its order."""
     tuner = importlib.import_module(TUNER_MODULE)
+    lister = getattr(tuner, _KINDS[kind][2])
     found: dict[FiTactic, None] = {}
     for size in tuner.VALID_TILE_SIZES:
-        for (tm, tn), (cm, cn), raster in tuner.get_blackwell_gemm2_valid_tactics(size):
-            found[((int(tm), int(tn)), (int(cm), int(cn)), bool(raster))] = None
+        for tactic in lister(size):
+            found[_plain(tactic)] = None
     return tuple(found)
+
+
+def tile_size(fi: FiTactic) -> int:
+    """The routed tile (rows per tile, one expert each): the MMA tile M of either kind."""
+    return fi[0][0]
 
 
 def layout_rule(n: int, k: int) -> str | None:
@@ -98,27 +137,39 @@ def layout_rule(n: int, k: int) -> str | None:
     return None
 
 
-def can_implement(fi: FiTactic, n: int, k: int, slots: int, experts: int, out: str) -> bool:
+def can_implement(
+    kind: str, fi: FiTactic, n: int, k: int, slots: int, experts: int, out: str
+) -> bool:
     """The kernel's own ``can_implement`` for `slots` routed rows, plus `layout_rule`."""
     import cutlass
 
     if out not in OUT_TYPES or layout_rule(n, k) is not None:
         return False
-    kernel = getattr(importlib.import_module(KERNEL_MODULE), KERNEL_CLASS)
+    kernel = _kernel_class(kind)
+    fp4, sf, c = cutlass.Float4E2M1FN, cutlass.Float8E4M3FN, getattr(cutlass, OUT_TYPES[out])
+    if kind == "sm107":
+        tiler, inst, cluster, _ = fi
+        return bool(kernel.can_implement(
+            a_dtype=fp4, b_dtype=fp4, sf_dtype=sf, sf_vec_size=SF_VEC, c_dtype=c,
+            mma_inst_shape=inst, mma_tiler=tiler, cluster_shape_mn=cluster, m=slots, n=n,
+            k=k, l=experts, a_major="k", b_major="k", c_major="n",
+        ))  # fmt: skip
     tiler, cluster, _ = fi
-    fp4, sf = cutlass.Float4E2M1FN, cutlass.Float8E4M3FN
     return bool(kernel.can_implement(
-        fp4, fp4, sf, SF_VEC, getattr(cutlass, OUT_TYPES[out]), cutlass.Float32, tiler,
-        cluster, slots, n, k, experts, a_major="k", b_major="k", out_major="n",
+        fp4, fp4, sf, SF_VEC, c, cutlass.Float32, tiler, cluster, slots, n, k, experts,
+        a_major="k", b_major="k", out_major="n",
     ))  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)
-def valid_tactics(tokens: int, n: int, k: int, experts: int, out: str) -> tuple[FiTactic, ...]:
-    """FlashInfer's tactics its kernel accepts for this grouped W4A4 problem."""
+def valid_tactics(
+    kind: str, tokens: int, n: int, k: int, experts: int, out: str
+) -> tuple[FiTactic, ...]:
+    """FlashInfer's tactics of this kind its kernel accepts for this grouped W4A4 problem."""
     return tuple(
-        fi for fi in flashinfer_tactics()
-        if can_implement(fi, n, k, fg.route_slots(tokens, experts, fi[0][0]), experts, out)
+        fi for fi in flashinfer_tactics(kind)
+        if can_implement(kind, fi, n, k, fg.route_slots(tokens, experts, tile_size(fi)),
+                         experts, out)
     )  # fmt: skip
 
 
@@ -160,6 +211,7 @@ class CompiledKernel:
     tactic: FiTactic
     function: Any
     out_dtype: str
+    kind: str
     target: str
     sm_count: int
     cubin_sm: int
@@ -172,7 +224,8 @@ _memory: dict[tuple, CompiledKernel] = {}
 
 
 def _pointers(out_dtype: str, addresses: dict[str, int] | None = None) -> list[Any]:
-    """The wrapper's typed pointers, in its order (null ones for a compile)."""
+    """The wrappers' eleven typed pointers, in their order (null ones for a compile); the
+    Blackwell wrapper takes a twelfth, the per-row A scale, passed as None."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
@@ -187,46 +240,67 @@ def _pointers(out_dtype: str, addresses: dict[str, int] | None = None) -> list[A
             for name, t, al in spec]  # fmt: skip
 
 
+def _make_kernel(kind: str, fi: FiTactic) -> Any:
+    if kind == "sm107":
+        tiler, inst, cluster, raster = fi
+        return _kernel_class(kind)(
+            sf_vec_size=SF_VEC, mma_inst_shape=inst, mma_tiler=tiler, cluster_shape_mn=cluster,
+            raster_along_m=raster, topK=1,
+        )  # fmt: skip
+    tiler, cluster, raster = fi
+    return _kernel_class(kind)(
+        sf_vec_size=SF_VEC, mma_tiler_mn=tiler, cluster_shape_mn=cluster,
+        raster_along_m=raster, enable_pdl=False, use_a_per_token_scale=False,
+        use_fused_finalize=False,
+    )  # fmt: skip
+
+
+def _cluster(kind: str, fi: FiTactic) -> tuple[int, int]:
+    return fi[2] if kind == "sm107" else fi[1]
+
+
 def compile_tactic(fi: FiTactic, out_dtype: str, device: DeviceInfo) -> CompiledKernel:
-    """Compile `fi` (deterministic mode, no PDL) for `device`; the cubin's SM is checked.
-    Sizes are runtime arguments: one binary per (tactic, out dtype, arch, SM count)."""
+    """Compile `fi` for `device` (the kind its compute capability takes; Blackwell:
+    deterministic mode, no PDL); the cubin's SM is checked. Sizes are runtime arguments:
+    one binary per (tactic, out dtype, arch, SM count)."""
+    import cutlass
     import cutlass.cute as cute
 
     from fp4_dispatch.backends import cute as cb
 
-    if device.cc is None:
-        raise ValueError(f"device: {device.name} has no compute capability to compile for")
+    kind = kind_of(device.cc)
+    if kind is None:
+        raise ValueError(f"device: {device.name} is not served by FlashInfer's MoE GEMMs")
     target = cb.target_of(device.cc)
     key = (fi, out_dtype, target, device.sm_count)
     hit = _memory.get(key)
     if hit is not None:
         return dataclasses.replace(hit, source="memory", seconds=0.0)
-    tiler, cluster, raster = fi
+    cluster = _cluster(kind, fi)
     mac = int(cb.max_clusters_for(device)(cluster[0] * cluster[1]))
-    kernel = getattr(importlib.import_module(KERNEL_MODULE), KERNEL_CLASS)(
-        sf_vec_size=SF_VEC, mma_tiler_mn=tiler, cluster_shape_mn=cluster,
-        raster_along_m=raster, enable_pdl=False, use_a_per_token_scale=False,
-        use_fused_finalize=False,
-    )  # fmt: skip
+    kernel = _make_kernel(kind, fi)
+    extra = [None] if kind == "sm100" else []  # the Blackwell wrapper's per-row A scale
+    rubin = {"c_stride_row": cutlass.Int64(0)} if kind == "sm107" else {}
     t0 = time.perf_counter()
     cb._preload_runtime()
     with cb._compile_lock, fb.dsl_chatter_to_log():
         function = cute.compile(
-            kernel.wrapper, *_pointers(out_dtype), None, tiler[0], 128, 256, 1, 1, 1,
-            tile_size=tiler[0], scaling_vector_size=SF_VEC, max_active_clusters=mac,
+            kernel.wrapper, *_pointers(out_dtype), *extra, tile_size(fi), 128, 256, 1, 1, 1,
+            tile_size=tile_size(fi), scaling_vector_size=SF_VEC, max_active_clusters=mac,
             stream=cute.runtime.make_fake_stream(), options=f"--gpu-arch=sm_{device.cc}a",
+            **rubin,
         )  # fmt: skip
-    name = f"flashinfer grouped W4A4 {fi}"
+    name = f"flashinfer grouped W4A4 ({kind}) {fi}"
     sm = cb.cubin_sm(function.dump_to_object(f"fp4fig4_{abs(hash(key)):x}"))
     cb._check_target(sm, target, name)
-    ck = CompiledKernel(fi, function, out_dtype, target, device.sm_count, sm, mac,
+    ck = CompiledKernel(fi, function, out_dtype, kind, target, device.sm_count, sm, mac,
                         time.perf_counter() - t0, "compiled")  # fmt: skip
     _memory[key] = ck
     log.info("%s for %s, %d SMs: compiled in %.2f s", name, target, device.sm_count, ck.seconds)
     return ck
 
 
-# ---- launch (runs only on a Blackwell GPU) ----------------------------------------------
+# ---- launch (runs only on a Blackwell/Rubin GPU) ----------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,12 +333,12 @@ def prepare(operands: Any, route_tile: int) -> Prepared:
 
 class GroupedW4A4Kernel:
     """``kernel(operands, out)`` for a grouped W4A4 problem: `prepare`, then FlashInfer's
-    kernel writes ``out``'s rows in place (alpha per expert in its epilogue).
-    Not run here: no Blackwell GPU was available."""
+    kernel writes ``out``'s rows in place (alpha per expert in its epilogue; the Rubin
+    kind adds them onto a zeroed ``out``). Not run here: no Blackwell/Rubin GPU."""
 
     def __init__(self, compiled: CompiledKernel) -> None:
         self.compiled = compiled
-        self.route_tile = compiled.tactic[0][0]
+        self.route_tile = tile_size(compiled.tactic)
 
     def __repr__(self) -> str:
         c = self.compiled
@@ -276,10 +350,13 @@ class GroupedW4A4Kernel:
         if not out.is_contiguous():
             raise ValueError(f"out: expected a contiguous [T, N] tensor, strides {out.stride()}")
         prepared = prepare(operands, self.route_tile)
+        if self.compiled.kind == "sm107":  # it adds each row once: onto zero is exact
+            out.zero_()
         self.launch(operands, prepared, out)
 
     def launch(self, operands: Any, p: Prepared, out: torch.Tensor) -> None:
         """FlashInfer's compiled kernel on the current torch stream."""
+        import cutlass
         import torch
         from cuda.bindings import driver
 
@@ -294,7 +371,10 @@ class GroupedW4A4Kernel:
         }  # fmt: skip
         experts, n = operands.b_data.shape[0], operands.b_data.shape[1]
         stream = driver.CUstream(torch.cuda.current_stream(out.device).cuda_stream)
+        rubin = self.compiled.kind == "sm107"
+        extra = [] if rubin else [None]
+        kw = {"c_stride_row": cutlass.Int64(0)} if rubin else {}
         self.compiled.function(
-            *_pointers(self.compiled.out_dtype, addresses), None, r.slots, n,
-            p.a.shape[1] * 2, experts, out.shape[0], 1, stream=stream,
+            *_pointers(self.compiled.out_dtype, addresses), *extra, r.slots, n,
+            p.a.shape[1] * 2, experts, out.shape[0], 1, stream=stream, **kw,
         )  # fmt: skip

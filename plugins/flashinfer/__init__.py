@@ -37,7 +37,10 @@ from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo
 from fp4_dispatch.hookspecs import hookimpl
 from fp4_dispatch.plugins.flashinfer.grouped import FiGroupedW4A16Backend
-from fp4_dispatch.plugins.flashinfer.grouped_w4a4 import FiGroupedW4A4Backend
+from fp4_dispatch.plugins.flashinfer.grouped_w4a4 import (
+    FiGroupedW4A4Backend,
+    FiGroupedW4A4Sm107Backend,
+)
 from fp4_dispatch.sources import SourceVersion
 from fp4_dispatch.tactics import Problem, Tactic
 
@@ -319,3 +322,4 @@ def fp4_dispatch_register_backends(register) -> None:
         register(cls())
     register(FiGroupedW4A16Backend())  # grouped_w4a16 (plugins/flashinfer/grouped.py)
     register(FiGroupedW4A4Backend())  # grouped_w4a4 (plugins/flashinfer/grouped_w4a4.py)
+    register(FiGroupedW4A4Sm107Backend())
