@@ -256,3 +256,51 @@ def test_the_public_op_checks_its_operands(experts):
         None, a, None, experts.data, experts.scale, experts.global_scale, off, torch.bfloat16
     )
     assert torch.equal(y, y2)
+
+
+def test_reference_capturable_path_matches_the_eager_one(experts):
+    """The reference family's path for a CUDA-graph capture (offsets never read on the
+    host: each row's expert found by a device search) computes what the eager one does,
+    rows past the last offset left as they were."""
+    from fp4_dispatch.backend import GroupedOperands
+    from fp4_dispatch.backends import reference
+
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(9, K, generator=gen).to(torch.bfloat16)
+    off = offsets_of([0, 3, 0, 1, 4, 0])  # 8 rows: row 8 belongs to no expert
+    ops = GroupedOperands(a, experts.data, experts.scale, experts.global_scale, off)
+    eager = torch.full((9, N), float("nan"), dtype=torch.bfloat16)
+    reference.gemm_grouped(ops, eager, "float32", 0)
+    device_path = torch.full((9, N), float("nan"), dtype=torch.bfloat16)
+    reference._grouped_on_device(ops, a.to(torch.float32), device_path, torch.float32, 0)
+    assert torch.equal(eager[:8], device_path[:8])
+    assert torch.isnan(eager[8]).all() and torch.isnan(device_path[8]).all()
+    assert rel_err(eager[:8], grouped_reference(a, experts, off)[:8]) < CHECK_RTOL
+
+
+# ---- the CLI ---------------------------------------------------------------------------
+
+
+def test_cli_explain_and_tune_take_groups(tmp_path, capsys, monkeypatch):
+    from fp4_dispatch.cli import main
+
+    assert main(["explain", "64", "1536", "2048", "--op", "grouped_w4a16", "--groups", "128",
+                 "--device", "sm90", "--json"]) == 0  # fmt: skip
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["problem"]["groups"] == 128 and shown["problem"]["operation"] == "grouped_w4a16"
+    assert {c["backend"] for c in shown["candidates"]} == {"triton-sm90-grouped"}
+    assert main(["explain", "8", "48", "64", "--op", "grouped_w4a4", "--groups", "6",
+                 "--device", "cpu"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "over E=6 experts" in text and "torch-reference" in text
+    assert main(["explain", "8", "48", "64", "--op", "grouped_w4a16"]) == 2
+    assert "needs --groups E" in capsys.readouterr().err
+    assert main(["explain", "8", "48", "64", "--groups", "6"]) == 2
+    assert "only for --op grouped" in capsys.readouterr().err
+    cache = tmp_path / "c.json"
+    monkeypatch.setenv("FP4_DISPATCH_CACHE", str(cache))
+    assert main(["tune", "--shapes", "8,48,64", "--op", "grouped_w4a16", "--groups", "6",
+                 "--device", "cpu", "--no-progress", "--json"]) == 0  # fmt: skip
+    (result,) = json.loads(capsys.readouterr().out)["results"]
+    assert result["problem"]["groups"] == 6 and result["winner"] is not None
+    assert json.loads(cache.read_text())["entries"][0]["groups"] == 6

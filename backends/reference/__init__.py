@@ -138,14 +138,20 @@ def gemm_grouped(
     """Grouped W4A16/W4A4 (docs/grouped.md): for each expert with rows, its rows of A
     (dense, or dequantized NVFP4) times its dequantized weight, alpha[e] in fp32.
 
-    Reads the offsets on the host (one synchronisation per call): a correctness fallback
-    and the CPU path, not a graph-capturable GPU kernel. Rows past the last offset are
-    not written. Each expert's dequantized weight goes through the same LRU as a dense
+    Eagerly it reads the offsets on the host (one synchronisation per call) and
+    multiplies only each expert's rows: the CPU path and the GPU correctness fallback.
+    Inside a CUDA-graph capture, where nothing may be read, every expert multiplies all
+    rows and keeps its own (each row's expert found on the device by a search of the
+    offsets): E times the work, but capturable. Rows past the last offset are not
+    written. Each expert's dequantized weight goes through the same LRU as a dense
     weight (a slab of the stack is a view with its own storage offset)."""
     dtype = COMPUTE_DTYPES[compute_dtype]
     ops = operands
     dense = ops.a_scale is None
     a = ops.a.to(dtype) if dense else dequantize_operand(ops.a, ops.a_scale, dtype)
+    if a.is_cuda and torch.cuda.is_current_stream_capturing():
+        _grouped_on_device(ops, a, out, dtype, k_chunk)
+        return
     start = 0
     for e, end in enumerate(ops.offsets.tolist()):
         end = max(start, min(int(end), a.shape[0]))
@@ -153,6 +159,21 @@ def gemm_grouped(
             b = dequantize_cached(ops.b_data[e], ops.b_scale[e], dtype)
             _accumulate(a[start:end], b, ops.alpha[e], out[start:end], k_chunk)
         start = end
+
+
+def _grouped_on_device(
+    ops: GroupedOperands, a: torch.Tensor, out: torch.Tensor, dtype: torch.dtype, k_chunk: int
+) -> None:
+    """`gemm_grouped` without reading the offsets: row r belongs to the first expert whose
+    row end exceeds r (`torch.searchsorted` on the device); each expert's product of all
+    rows is kept where the row is its own."""
+    rows = torch.arange(a.shape[0], device=a.device, dtype=ops.offsets.dtype)
+    owner = torch.searchsorted(ops.offsets, rows, right=True)  # E: past the last offset
+    y = torch.empty_like(out)
+    for e in range(ops.b_data.shape[0]):
+        b = dequantize_cached(ops.b_data[e], ops.b_scale[e], dtype)
+        _accumulate(a, b, ops.alpha[e], y, k_chunk)
+        out.copy_(torch.where((owner == e)[:, None], y, out))
 
 
 def _accumulate(

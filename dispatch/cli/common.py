@@ -153,8 +153,17 @@ def add_problem_kind_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--op",
         default="w4a4",
-        choices=("w4a4", "w4a16"),
-        help="w4a4: both operands NVFP4 (default); w4a16: dense activations, NVFP4 weights",
+        choices=("w4a4", "w4a16", "grouped_w4a16", "grouped_w4a4"),
+        help="w4a4: both operands NVFP4 (default); w4a16: dense activations, NVFP4 weights; "
+        "grouped_w4a16/grouped_w4a4: the mixture-of-experts GEMM over --groups experts "
+        "(M = total rows, N x K one expert's weight; docs/grouped.md)",
+    )
+    parser.add_argument(
+        "--groups",
+        type=int,
+        default=None,
+        metavar="E",
+        help="the expert count of a grouped --op (needed by them, refused by the others)",
     )
     parser.add_argument(
         "--precision",
@@ -163,6 +172,18 @@ def add_problem_kind_args(parser: argparse.ArgumentParser) -> None:
         help="exact (default): nothing lossy is ever chosen; fp8: a w4a16 call may also run "
         "as w4a8 (activations and weights rounded to FP8 E4M3, FP8 tensor cores)",
     )
+
+
+def problem_groups(args: argparse.Namespace) -> int | None:
+    """``--groups`` checked against ``--op`` (a grouped op needs it, the others refuse it)."""
+    grouped = args.op.startswith("grouped_")
+    if grouped and (args.groups is None or args.groups < 1):
+        raise UsageError(f"--op {args.op}: needs --groups E (the expert count, >= 1), "
+                         f"got {args.groups}")  # fmt: skip
+    if not grouped and args.groups is not None:
+        raise UsageError(f"--groups {args.groups}: only for --op grouped_w4a16 or "
+                         f"grouped_w4a4, got --op {args.op}")  # fmt: skip
+    return args.groups
 
 
 def add_json_arg(parser: argparse.ArgumentParser) -> None:

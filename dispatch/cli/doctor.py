@@ -68,6 +68,11 @@ fp4-dispatch doctor --shape 128x512x1024 --json""",
     p.set_defaults(func=run)
 
 
+#: the expert count of the test problem of a family that serves only grouped operations
+#: (small: the doctor checks that a kernel runs and is right, not its speed)
+DOCTOR_GROUPS = 4
+
+
 def _check(result: dict[str, Any], name: str, status: str, detail: str = "") -> None:
     result["checks"][name] = {"result": status, "detail": detail}
 
@@ -79,14 +84,15 @@ def _find_tactic(backend, device, shape: tuple[int, int, int]):
     reported through why-not starting with "tactics() raised".
     """
     from ..ranking import shortlist  # noqa: PLC0415 - lazy: start-up time
-    from ..tactics import Problem  # noqa: PLC0415 - lazy: start-up time
+    from ..tactics import GROUPED_OPERATIONS, Problem  # noqa: PLC0415 - lazy: start-up time
 
     m, n, k = shape
     why = ""
     ops = tuple(backend.operations)
     op = "w4a4" if "w4a4" in ops or not ops else ops[0]
+    groups = DOCTOR_GROUPS if op in GROUPED_OPERATIONS else None  # a grouped-only family
     for mm in (m, *(x for x in FALLBACK_M if x != m)):
-        problem = Problem(m=mm, n=n, k=k, operation=op)
+        problem = Problem(m=mm, n=n, k=k, operation=op, groups=groups)
         sl = shortlist(problem, device, [backend], budget=1)
         if sl.candidates:
             return sl.candidates[0], problem, ""
@@ -148,7 +154,15 @@ def _run_check(dispatcher, cand, problem, result: dict[str, Any]) -> None:
     try:
         device = torch.device(dispatcher.device.torch_device)
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
-        if problem.dense:  # dense activations (never swapped): the kernel itself
+        if problem.grouped:  # experts over balanced routing: the kernel itself
+            from ..grouped import reference_output  # noqa: PLC0415 - lazy: start-up time
+            from ..harness import make_inputs  # noqa: PLC0415 - lazy: start-up time
+
+            inputs = make_inputs(problem, dispatcher.device, copies=1)
+            ops, out = inputs.copies[0], inputs.out.fill_(float("nan"))
+            dispatcher.kernel_for(cand, problem)(ops, out)
+            ref = reference_output(ops)
+        elif problem.dense:  # dense activations (never swapped): the kernel itself
             ops, ref = random_operands(problem, device, 0)
             dispatcher.kernel_for(cand, problem)(ops, out)
         else:

@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 fp4-dispatch explain 32768 4096 8192 --device sm107 --budget 16
 fp4-dispatch explain 1 8192 8192 --device sm90 --json
 fp4-dispatch explain 16 4096 4096 --op w4a16
-fp4-dispatch explain 1024 5120 5120 --op w4a16 --precision fp8 --device sm90""",
+fp4-dispatch explain 1024 5120 5120 --op w4a16 --precision fp8 --device sm90
+fp4-dispatch explain 64 1536 2048 --op grouped_w4a16 --groups 128 --device sm90""",
     )
     common.add_shape_args(p)
     common.add_device_args(p)
@@ -52,9 +53,10 @@ def render(sl: Shortlist, sm_count: int | None = None) -> str:
     p = sl.problem
     sms = f", {sm_count} SMs" if sm_count else ""
     floor = f", floor {sl.floor} per family" if sl.cut else ""
+    experts = "" if p.groups is None else f" over E={p.groups} experts"
     lines = [
-        f"explain M={p.m} N={p.n} K={p.k} ({p.out_dtype}{_op_note(p.operation)}) on "
-        f"{sl.device}{sms}",
+        f"explain M={p.m} N={p.n} K={p.k}{experts} ({p.out_dtype}{_op_note(p.operation)}) "
+        f"on {sl.device}{sms}",
         f"kept {len(sl.candidates)} of {sl.total} valid tactics (budget {sl.budget}{floor})",
         "",
         _ranked(sl),
@@ -80,7 +82,9 @@ def _op_note(operation: str) -> str:
     return "" if operation == "w4a4" else f", {operation}"
 
 
-def tuned_entry(dispatcher, m: int, n: int, k: int, dtype: str, op: str) -> dict | None:
+def tuned_entry(
+    dispatcher, m: int, n: int, k: int, dtype: str, op: str, groups: int | None = None
+) -> dict | None:
     """The bucket's cache entry as recorded (None: not tuned), with ``usable``/``stale``.
 
     Read, never run: explain works on simulated devices, so a cached winner's output is
@@ -90,7 +94,7 @@ def tuned_entry(dispatcher, m: int, n: int, k: int, dtype: str, op: str) -> dict
         return None
     from ..winners import StaleEntry  # noqa: PLC0415 - imports torch
 
-    entry = winners.entries().get(bucket_key(m, n, k, dtype, op))
+    entry = winners.entries().get(bucket_key(m, n, k, dtype, op, groups))
     if entry is None:
         return None
     row = entry.to_json()
@@ -165,12 +169,13 @@ def _per_family(sl: Shortlist) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    groups = common.problem_groups(args)
     dispatcher = common.make_dispatcher(args, budget=args.budget)
     sl = dispatcher.candidates(args.m, args.n, args.k, out_dtype=args.out_dtype,
-                               operation=args.op)  # fmt: skip
+                               operation=args.op, groups=groups)  # fmt: skip
     faults = list(getattr(dispatcher, "faults", ()))
     op = sl.problem.operation  # the call's operation under the precision policy
-    tuned = tuned_entry(dispatcher, args.m, args.n, args.k, args.out_dtype, op)
+    tuned = tuned_entry(dispatcher, args.m, args.n, args.k, args.out_dtype, op, groups)
     if args.json:
         common.emit_json({**sl.to_json(), "tuned": tuned, "faults": [f.to_json() for f in faults]})
     else:

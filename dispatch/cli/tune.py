@@ -126,6 +126,7 @@ def render(results: list[TuneResult]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     shapes = args.shapes
+    groups = common.problem_groups(args)
     d = common.make_dispatcher(args, budget=args.budget)
     if d.device.is_simulated:
         raise common.UsageError(
@@ -140,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         force=args.force,
         save=not args.no_save,
         progress=False if args.no_progress else None,
+        groups=groups,
     )
     path = None if args.no_save or d.cache is None else str(d.cache.path)
     if args.json:

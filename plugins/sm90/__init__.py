@@ -447,9 +447,10 @@ def _kernel_for(cfg: KernelConfig) -> Kernel:
 
 @hookimpl
 def fp4_dispatch_register_backends(register) -> None:
-    # the W4A16, dense, ws, mma, rs and W4A8 modules build on this one's shared rules:
+    # the W4A16, dense, ws, mma, rs, W4A8 and grouped modules build on this one's shared rules:
     # imported after it
     from fp4_dispatch.plugins.sm90.dense import TritonSm90DenseBackend  # noqa: PLC0415
+    from fp4_dispatch.plugins.sm90.grouped import TritonSm90GroupedBackend  # noqa: PLC0415
     from fp4_dispatch.plugins.sm90.mma import TritonSm90MmaBackend  # noqa: PLC0415
     from fp4_dispatch.plugins.sm90.rs import TritonSm90RsBackend  # noqa: PLC0415
     from fp4_dispatch.plugins.sm90.w4a8 import TritonSm90W4A8Backend  # noqa: PLC0415
@@ -464,3 +465,4 @@ def fp4_dispatch_register_backends(register) -> None:
     register(TritonSm90MmaBackend())
     register(TritonSm90RsBackend())
     register(TritonSm90W4A8Backend())
+    register(TritonSm90GroupedBackend())

@@ -1,0 +1,204 @@
+"""Plugin module: ``triton-sm90-grouped``, the grouped (mixture-of-experts) NVFP4 GEMM on
+Hopper (`fp4_dispatch.backends.sm90.gemm_grouped`; docs/grouped.md).
+
+Serves ``grouped_w4a16`` (dense bf16/fp16 rows) and ``grouped_w4a4`` (NVFP4 rows, both
+operands dequantized in the kernel: Hopper has no FP4 MMA, and one kernel reading the
+packed activations moves fewer bytes than a dequantize pass followed by the W4A16
+kernel). Tiles are scheduled over (expert, M tile, N tile) from the offsets on the
+device.
+
+Tactics: ``tile_m`` rows per program (1-8: fp32 multiply-adds, the decode path; 16-128:
+tensor cores), ``tile_n`` weight rows, ``tile_k``, warps and stages. ``tile_m`` is
+offered up to the balanced rows per expert of the bucket (M / min(E, M), docs/grouped.md)
+rounded up to a power of two, and always 16 (the tensor-core path), so decode buckets
+rank the FMA path and prefill buckets the MMA path. ``swap_ab`` is never set.
+
+The estimate is a roofline written from the kernel's structure and the device's peak
+rates, NOT fitted to any measurement (`UNFITTED`): the weight bytes of the touched
+experts (each read once per N tile), the dequantization of each program's weight tile,
+and the padded rows' products; it ranks tactics for measurement, which decides.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Iterator
+from typing import Literal
+
+from fp4_dispatch.backend import Backend, Kernel, Support
+from fp4_dispatch.device import DeviceInfo
+from fp4_dispatch.plugins.sm90 import PROFILE, SMEM_LIMIT, _sm90_support
+from fp4_dispatch.sources import SourceVersion
+from fp4_dispatch.tactics import Problem, Tactic
+
+#: said in `explain` and the docs: the estimate's constants are not fitted
+UNFITTED = True
+TILE_M = (1, 2, 4, 8, 16, 32, 64, 128)
+TILE_N = (16, 32, 64, 128)
+TILE_K = (64, 128, 256)
+WARPS = (4, 8)
+STAGES = (2, 3)
+#: below this tile_m the kernel multiplies on FMAs (`gemm_grouped.DOT_MIN_M`)
+DOT_MIN_M = 16
+#: FMA path: products of one step per thread (`gemm_grouped.FMA_PER_THREAD`)
+FMA_PER_THREAD = 128
+#: unfitted roofline constants: integer/fp32 instructions to dequantize one weight
+#: element in Triton without the PTX (bit placement, convert, scale multiply, convert:
+#: about 6, counted from the kernel's source), and the fraction of the peak rates a
+#: Triton kernel of this shape reaches (a guess, to be replaced by a fit)
+DEQUANT_OPS = 6.0
+EFFICIENCY = 0.6
+#: ALU lanes per SM per clock on Hopper (4 sub-partitions x 32) and its boost clock, GHz
+LANES_PER_SM = 128
+CLOCK_GHZ = 1.98
+LAUNCH_US = 3.0
+#: per wave of programs (PROGRAMS_PER_SM resident per SM): each program's prologue
+#: (reading E offsets, the running sum over experts) and its pipeline fill, a guess
+WAVE_US = 1.0
+PROGRAMS_PER_SM = 4
+
+
+class TritonSm90GroupedTactic(Tactic):
+    """One variant of the grouped kernel (`gemm_grouped.GroupedConfig`)."""
+
+    backend: Literal["triton-sm90-grouped"] = "triton-sm90-grouped"
+    tile_m: Literal[1, 2, 4, 8, 16, 32, 64, 128]
+    tile_n: Literal[16, 32, 64, 128]
+    swap_ab: Literal[False] = False
+    tile_k: Literal[64, 128, 256] = 128
+    num_warps: Literal[4, 8] = 4
+    num_stages: Literal[2, 3] = 2
+
+    def kernel_config(self):
+        """The kernel's config (imports the Triton module: only on a build)."""
+        from fp4_dispatch.backends.sm90.gemm_grouped import (  # noqa: PLC0415 - optional: Triton
+            GroupedConfig,
+        )
+
+        return GroupedConfig(self.tile_m, self.tile_n, self.tile_k, self.num_warps,
+                             self.num_stages)  # fmt: skip
+
+
+def rows_per_expert(problem: Problem) -> int:
+    """Balanced rows per touched expert of a grouped problem: ``ceil(M / min(E, M))``."""
+    return -(-problem.m // problem.touched_groups)
+
+
+def max_tile_m(problem: Problem) -> int:
+    """The largest tile_m offered: the balanced rows per expert as a power of two, at
+    least the tensor-core minimum (16), at most 128."""
+    rows = 1 << (rows_per_expert(problem) - 1).bit_length()
+    return min(128, max(DOT_MIN_M, rows))
+
+
+def why_invalid(t: TritonSm90GroupedTactic, problem: Problem) -> str | None:
+    """Why `t` is not offered for `problem`, else None."""
+    if not problem.grouped:
+        return f"operation {problem.operation!r}: grouped operations only"
+    if problem.k % 32:
+        return f"K={problem.k}: the kernels need K % 32 == 0"
+    if t.tile_m > max_tile_m(problem):
+        return f"tile_m={t.tile_m} > {max_tile_m(problem)} (balanced rows per expert)"
+    threads = 32 * t.num_warps
+    if t.tile_m < DOT_MIN_M:
+        per_thread = t.tile_m * t.tile_n * t.tile_k // threads
+        if per_thread > FMA_PER_THREAD:
+            return f"FMA path: {per_thread} products per thread > {FMA_PER_THREAD}"
+        return None
+    smem = (t.tile_m + t.tile_n) * t.tile_k * 2 * t.num_stages
+    if smem > SMEM_LIMIT:
+        return f"{smem} bytes of shared memory exceed Hopper's {SMEM_LIMIT}"
+    return None
+
+
+class TritonSm90GroupedBackend(Backend):
+    """Hopper grouped W4A16 and W4A4 (one Triton kernel, expert tiles from device offsets)."""
+
+    name = "triton-sm90-grouped"
+    family = "sm90"
+    version = SourceVersion("1", "fp4_dispatch.backends.sm90.gemm_grouped", plugin=__name__)
+    tactic_type = TritonSm90GroupedTactic
+    diversity_axes = ("tile_m", "tile_n")
+    operations = ("grouped_w4a16", "grouped_w4a4")
+    device_profiles = (PROFILE,)
+
+    def supports(self, device: DeviceInfo) -> Support:
+        return _sm90_support(device)
+
+    def tactics(self, problem: Problem, device: DeviceInfo) -> Iterator[TritonSm90GroupedTactic]:
+        for tm, tn, tk, warps, stages in itertools.product(TILE_M, TILE_N, TILE_K, WARPS, STAGES):
+            t = _tactic(tm, tn, tk, warps, stages)
+            if why_invalid(t, problem) is None:
+                yield t
+
+    def validate(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> str | None:
+        checked = TritonSm90GroupedTactic.model_validate(tactic.model_dump())
+        return why_invalid(checked, problem)
+
+    def estimate_us(self, problem: Problem, device: DeviceInfo, tactic: Tactic) -> float:
+        """Microseconds, an UNFITTED roofline (module docstring): max(memory, compute) plus
+        a launch, where memory = the touched experts' weights + A + out at the device's
+        bandwidth, compute = each program's dequantization of its weight tile (integer
+        lanes) + the padded rows' products (tensor cores, or fp32 FMAs below tile_m 16)."""
+        assert isinstance(tactic, TritonSm90GroupedTactic)
+        t, p = tactic, problem
+        touched = p.touched_groups
+        n_tiles = math.ceil(p.n / t.tile_n)
+        m_tiles = touched * math.ceil(rows_per_expert(p) / t.tile_m)  # balanced, padded
+        weight_bytes = touched * n_tiles * t.tile_n * p.k * (0.5 + 1 / 16)
+        a_bytes = p.m * p.k * (2.0 if p.dense else 0.5625)
+        memory_us = (weight_bytes + a_bytes + 2.0 * p.m * p.n) / (device.mem_bw_gbps * 1e3)
+        programs = n_tiles * m_tiles
+        dequant = programs * t.tile_n * p.k * DEQUANT_OPS
+        if not p.dense:  # the activations' tile too, in every N tile
+            dequant += programs * t.tile_m * p.k * DEQUANT_OPS
+        lanes_per_us = device.sm_count * LANES_PER_SM * CLOCK_GHZ * 1e3
+        padded_flops = 2.0 * m_tiles * t.tile_m * n_tiles * t.tile_n * p.k
+        if t.tile_m < DOT_MIN_M:
+            mac_us = padded_flops / 2 / lanes_per_us
+        else:
+            mac_us = padded_flops / (device.bf16_tflops * 1e6)
+        compute_us = (dequant / lanes_per_us + mac_us) / EFFICIENCY
+        # fewer programs than SMs leave bandwidth unused (one program per SM at best)
+        fill = min(1.0, programs / device.sm_count)
+        waves = math.ceil(programs / (device.sm_count * PROGRAMS_PER_SM))
+        return max(memory_us / fill, compute_us) + waves * WAVE_US + LAUNCH_US
+
+    def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
+        assert isinstance(tactic, TritonSm90GroupedTactic)
+        return _kernel_for(tactic)
+
+    def precompile(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> object:
+        """Compile (Triton ``warmup``, no launch) what a grouped call of `problem` runs:
+        activations in the output dtype (W4A16) or NVFP4, a contiguous output."""
+        assert isinstance(tactic, TritonSm90GroupedTactic)
+        import torch  # noqa: PLC0415 - start-up time: the plugin module imports without torch
+
+        kernel = self.build(tactic, problem, device)
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[problem.out_dtype]
+        p = problem
+        return kernel.precompile(p.m, p.n, p.k, p.groups, dtype, not p.dense)  # type: ignore[attr-defined]
+
+    def precompile_key(self, tactic: Tactic, problem: Problem) -> tuple:
+        """No specialization on T (``do_not_specialize``; T only sizes the grid): the
+        tactic, N, K, E, dtype and operation."""
+        p = problem
+        return (tactic, p.n, p.k, p.groups, p.out_dtype, p.operation)
+
+
+@functools.cache
+def _tactic(tm: int, tn: int, tk: int, warps: int, stages: int) -> TritonSm90GroupedTactic:
+    """Cached tactic objects (the ranking memoizes validation by identity)."""
+    return TritonSm90GroupedTactic(
+        tile_m=tm, tile_n=tn, tile_k=tk, num_warps=warps, num_stages=stages
+    )
+
+
+@functools.cache
+def _kernel_for(tactic: TritonSm90GroupedTactic) -> Kernel:
+    """One kernel object per tactic (shapes share Triton's compiled variants)."""
+    from fp4_dispatch.backends.sm90 import gemm_grouped  # noqa: PLC0415 - optional: Triton
+
+    return gemm_grouped.build(tactic.kernel_config())

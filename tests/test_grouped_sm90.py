@@ -1,0 +1,257 @@
+"""The Hopper grouped kernel (`backends/sm90/gemm_grouped.py`) and its ``triton-sm90-grouped``
+tactics (`plugins/sm90/grouped.py`).
+
+Kernels run under TRITON_INTERPRET=1 with fp16 operands (the interpreter mishandles bf16
+operands of ``tl.dot``; fp16 is exact for e2m1 x e4m3 values), against the float64
+per-expert reference, expert by expert, for random offsets with empty experts and
+experts holding most rows; the GPU tests (bf16, CUDA graphs) run on an H200. Speed is
+measured only by benchmarks/bench_grouped.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import TARGET_ONLY, run_interpreted, sm90_compile_env
+
+from fp4_dispatch import Dispatcher
+from fp4_dispatch.plugins.sm90.grouped import (
+    TritonSm90GroupedBackend,
+    TritonSm90GroupedTactic,
+    max_tile_m,
+    why_invalid,
+)
+from fp4_dispatch.profiles import simulated
+from fp4_dispatch.tactics import Problem
+
+SM90 = simulated("sm90")
+
+_SCRIPT = r"""
+import json, sys
+import torch
+from fp4_dispatch.backend import GroupedOperands
+from fp4_dispatch.backends.sm90 import gemm_grouped as gg
+from fp4_dispatch.grouped import quantize_experts, reference_output
+from fp4_dispatch.nvfp4 import quantize_nvfp4
+
+rows = []
+for sizes, tail, n, k, cfg, w4a4 in json.loads(sys.argv[1]):
+    g = torch.Generator().manual_seed(n + k + 7 * sum(sizes))
+    e, t = len(sizes), sum(sizes) + tail  # `tail` rows past the last offset: no expert
+    spread = torch.logspace(-2, 2, e).view(e, 1, 1)  # experts 1e4 apart: a mix-up shows
+    b = quantize_experts(torch.randn(e, n, k, generator=g) * spread)
+    off = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
+    if w4a4:
+        qa = quantize_nvfp4(torch.randn(t, k, generator=g) * 3)
+        alpha = b.global_scale * qa.global_scale
+        ops = GroupedOperands(qa.data, b.data, b.scale, alpha, off, a_scale=qa.scale)
+    else:
+        a = (torch.randn(t, k, generator=g) * 3).half()
+        ops = GroupedOperands(a, b.data, b.scale, b.global_scale, off)
+    out = torch.full((t, n), float("nan"), dtype=torch.float16)
+    gg.build(gg.GroupedConfig(**cfg))(ops, out)
+    ref = reference_output(ops)
+    errs, start = [], 0
+    for end in off.tolist():
+        if end > start:
+            o, r = out[start:end].double(), ref[start:end]
+            errs.append(float((o - r).norm() / r.norm()) if bool(torch.isfinite(o).all())
+                        else float("nan"))
+        start = end
+    untouched = bool(torch.isnan(out[sum(sizes):]).all())
+    rows.append({"errs": errs, "untouched": untouched})
+print(json.dumps(rows))
+"""
+
+CASES = [
+    # sizes, tail rows, N, K, config, w4a4
+    ([0, 3, 0, 1, 9, 0], 0, 48, 64, {"block_m": 16, "block_n": 16, "block_k": 64}, False),
+    ([0, 0, 40, 0, 2, 1], 2, 40, 96, {"block_m": 16, "block_n": 32, "block_k": 64}, False),
+    ([1, 1, 0, 1, 0, 1, 1, 1], 0, 24, 128, {"block_m": 1, "block_n": 16, "block_k": 64}, False),
+    ([2, 0, 5, 3], 1, 32, 64, {"block_m": 4, "block_n": 16, "block_k": 64}, False),
+    ([2, 0, 5], 0, 40, 128, {"block_m": 16, "block_n": 32, "block_k": 64}, True),
+    ([1, 1, 0, 1], 0, 24, 96, {"block_m": 2, "block_n": 16, "block_k": 64}, True),
+]
+
+
+def test_grouped_kernel_matches_the_reference_per_expert():
+    results = run_interpreted(_SCRIPT, CASES)
+    for case, res in zip(CASES, results, strict=True):
+        sizes = case[0]
+        assert len(res["errs"]) == sum(1 for s in sizes if s), case
+        assert all(err < 1e-2 for err in res["errs"]), (case, res)
+        assert res["untouched"], case  # rows past the last offset are never written
+
+
+# ---- precompile: sm_90 compiles on the CPU, and a real call hits what it compiled ----------
+
+_PRECOMPILE = (
+    TARGET_ONLY
+    + r"""
+from fp4_dispatch.backend import GroupedOperands
+from fp4_dispatch.backends.sm90 import gemm_grouped as gg
+from fp4_dispatch.nvfp4 import swizzled_scale_shape
+from fp4_dispatch.plugins.sm90 import PROFILE
+from fp4_dispatch.plugins.sm90.grouped import TritonSm90GroupedBackend, TritonSm90GroupedTactic
+from fp4_dispatch.tactics import Problem
+
+backend, dev = TritonSm90GroupedBackend(), PROFILE.device
+cache = gg._grouped_kernel.device_caches[0][0]
+out = {}
+for spec in json.loads(sys.argv[1]):
+    tactic = TritonSm90GroupedTactic(**spec["tactic"])
+    t, n, k, e = spec["t"], spec["n"], spec["k"], spec["e"]
+    p = Problem(m=t, n=n, k=k, out_dtype=spec["dtype"], operation=spec["op"], groups=e)
+    assert backend.validate(tactic, p, dev) is None, spec
+    before = len(cache)
+    compiled = backend.precompile(tactic, p, dev)
+    after = len(cache)
+    dtype = getattr(torch, spec["dtype"])
+    b = torch.zeros(e, n, k // 2, dtype=torch.uint8)
+    bs = torch.zeros(e, *swizzled_scale_shape(n, k), dtype=torch.float8_e4m3fn)
+    off = torch.zeros(e, dtype=torch.int32)
+    if p.dense:
+        ops = GroupedOperands(torch.zeros(t, k, dtype=dtype), b, bs, torch.ones(e), off)
+    else:
+        ops = GroupedOperands(torch.zeros(t, k // 2, dtype=torch.uint8), b, bs, torch.ones(e),
+                              off, a_scale=torch.zeros(swizzled_scale_shape(t, k),
+                                                       dtype=torch.float8_e4m3fn))
+    res = torch.empty(t, n, dtype=dtype)
+    grid, args, meta = backend.build(tactic, p, dev)._launch(ops, res)
+    gg._grouped_kernel.warmup(*args, grid=grid, **meta)  # the real call's variant
+    out[spec["name"]] = {"new_by_precompile": after - before,
+                         "new_by_real_args": len(cache) - after,
+                         "type": type(compiled).__name__}
+print(json.dumps(out))
+"""
+)
+
+
+def test_grouped_precompile_compiles_what_a_call_launches(tmp_path):
+    """Both paths (FMA at decode, tl.dot), both operations, a K tail, bf16 and fp16 compile
+    for sm_90 on a CPU without a launch (the PTX dequantizer included), and a real call's
+    arguments hit the variant precompile made."""
+    pytest.importorskip("triton")
+    cases = [
+        {"name": "fma-bf16", "t": 8, "n": 256, "k": 512, "e": 128, "dtype": "bfloat16",
+         "op": "grouped_w4a16", "tactic": {"tile_m": 1, "tile_n": 64, "tile_k": 128}},
+        {"name": "dot-fp16-tail", "t": 600, "n": 192, "k": 1056, "e": 8, "dtype": "float16",
+         "op": "grouped_w4a16", "tactic": {"tile_m": 64, "tile_n": 128, "tile_k": 128,
+                                           "num_stages": 3, "num_warps": 8}},
+        {"name": "w4a4-dot", "t": 512, "n": 256, "k": 512, "e": 16, "dtype": "bfloat16",
+         "op": "grouped_w4a4", "tactic": {"tile_m": 16, "tile_n": 64, "tile_k": 256}},
+    ]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", _PRECOMPILE, json.dumps(cases)],
+                          capture_output=True, text=True, env=sm90_compile_env(tmp_path),
+                          timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for case in cases:
+        assert got[case["name"]] == {"new_by_precompile": 1, "new_by_real_args": 0,
+                                     "type": "CompiledKernel"}, got  # fmt: skip
+
+
+# ---- tactics --------------------------------------------------------------------------
+
+
+def grouped_problem(m: int, e: int = 128, op: str = "grouped_w4a16") -> Problem:
+    return Problem(m=m, n=1536, k=2048, operation=op, groups=e)
+
+
+def test_tile_m_follows_the_balanced_rows_per_expert():
+    assert max_tile_m(grouped_problem(8)) == 16  # decode: 1 row per expert, FMA and MMA
+    assert max_tile_m(grouped_problem(4096)) == 32  # 32 rows per expert
+    assert max_tile_m(grouped_problem(65536)) == 128
+    b = TritonSm90GroupedBackend()
+    decode = {t.tile_m for t in b.tactics(grouped_problem(8), SM90)}
+    assert decode == {1, 2, 4, 8, 16}
+    assert max({t.tile_m for t in b.tactics(grouped_problem(4096), SM90)}) == 32
+
+
+def test_fma_path_register_rule_and_swap_refused():
+    p = grouped_problem(8)
+    big = TritonSm90GroupedTactic(tile_m=8, tile_n=128, tile_k=256)
+    assert "products per thread" in why_invalid(big, p)
+    assert why_invalid(TritonSm90GroupedTactic(tile_m=1, tile_n=64), p) is None
+    with pytest.raises(ValueError):
+        TritonSm90GroupedTactic(tile_m=1, tile_n=64, swap_ab=True)
+    dense = Problem(m=8, n=64, k=64, operation="w4a16")
+    assert "grouped operations only" in why_invalid(TritonSm90GroupedTactic(tile_m=1, tile_n=64),
+                                                    dense)  # fmt: skip
+
+
+def test_simulated_sm90_ranks_the_grouped_family_for_both_operations():
+    d = Dispatcher("sm90", cache=False)
+    for op in ("grouped_w4a16", "grouped_w4a4"):
+        for m in (8, 128, 512, 4096):
+            sl = d.candidates(m, 1536, 2048, "bfloat16", op, 128)
+            assert sl.candidates, (op, m)
+            assert {c.backend for c in sl.candidates} == {"triton-sm90-grouped"}
+            assert all(c.operation == op and not c.tactic.swap_ab for c in sl.candidates)
+    # the decode bucket prefers the FMA path, a large prefill the tensor cores
+    assert d.select(8, 1536, 2048, "bfloat16", "grouped_w4a16", 128).tactic.tile_m < 16
+    assert d.select(4096, 1536, 2048, "bfloat16", "grouped_w4a16", 128).tactic.tile_m >= 16
+
+
+def test_estimate_reads_only_touched_experts():
+    b = TritonSm90GroupedBackend()
+    t = TritonSm90GroupedTactic(tile_m=1, tile_n=64)
+    few = b.estimate_us(grouped_problem(8), SM90, t)
+    many = b.estimate_us(grouped_problem(128), SM90, t)
+    assert few < many / 4  # 8 experts' weights vs 128
+
+
+# ---- on the GPU ------------------------------------------------------------------------
+
+
+def _sm90_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90_gpu(), reason="needs a CUDA device of compute capability 9.x")
+def test_gpu_grouped_every_tactic_bf16_and_graph_replay():
+    """Every offered tactic of a decode and a prefill bucket, bf16 rows, within the dense
+    W4A16 tolerance of the float64 reference per expert; then the dispatcher's plan in a
+    CUDA graph replayed with new routing (offsets changed in place: no re-capture)."""
+    import torch
+
+    from fp4_dispatch.backend import GroupedOperands
+    from fp4_dispatch.device import detect
+    from fp4_dispatch.grouped import grouped_reference, quantize_experts
+
+    backend, info = TritonSm90GroupedBackend(), detect()
+    e, n, k = 16, 384, 512
+    g = torch.Generator().manual_seed(0)
+    b = quantize_experts(torch.randn(e, n, k, generator=g) * torch.logspace(-2, 1, e).view(
+        e, 1, 1)).to("cuda")  # fmt: skip
+    for sizes in ([0, 1, 0, 2, 1, 0, 0, 1, 3, 0, 0, 0, 1, 0, 0, 1], [40, 0, 3, 0] * 4):
+        t = sum(sizes)
+        a = (torch.randn(t, k, generator=g) * 3).to(torch.bfloat16).cuda()
+        off = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
+        ref = grouped_reference(a, b, off)
+        ops = GroupedOperands(a, b.data, b.scale, b.global_scale, off)
+        p = Problem(m=t, n=n, k=k, operation="grouped_w4a16", groups=e)
+        for tactic in backend.tactics(p, info):
+            out = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            backend.build(tactic, p, info)(ops, out)
+            err = float((out.double().cpu() - ref).norm() / ref.norm())
+            assert err < 1e-2, (tactic, err)
+    d = Dispatcher()
+    sizes = [1] * 8 + [0] * 8
+    a = torch.randn(8, k, device="cuda").to(torch.bfloat16)
+    off = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
+    out = d.grouped_gemm(a, b, off)  # warm the plan
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = d.grouped_gemm(a, b, off)
+    off.copy_(torch.tensor([0] * 8 + [1] * 8, dtype=torch.int32).cumsum(0).to(torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = grouped_reference(a, b, off)
+    assert float((out.double().cpu() - ref).norm() / ref.norm()) < 1e-2
