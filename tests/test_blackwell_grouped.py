@@ -472,3 +472,28 @@ def test_w4a4_rubin_family_offers_flashinfers_rubin_tactics():
     offered = list(b.tactics(problem, dev))
     assert offered and all(b.validate(t, problem, dev) is None for t in offered)
     assert not b.supports(simulated("sm100")).ok
+
+
+@needs_fi
+@pytest.mark.parametrize("dev", sorted(DEVICES))
+def test_cli_explain_shows_each_grouped_familys_floor(capsys, dev):
+    """``fp4-dispatch explain --op grouped_* --groups E --device sm10x``: every family with a
+    valid tactic keeps its floor (here each operation has one family per device)."""
+    import json
+
+    from fp4_dispatch.cli import main
+
+    want = {
+        "grouped_w4a16": "fi-grouped-w4a16",
+        "grouped_w4a4": "fi-grouped-w4a4-sm107" if dev == "sm107" else "fi-grouped-w4a4",
+    }
+    for op, family in want.items():
+        argv = ["explain", "64", "1536", "2048", "--op", op, "--groups", "128"]
+        assert main([*argv, "--device", dev, "--budget", "8", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        kept: dict[str, int] = {}
+        for c in out["candidates"]:
+            kept[c["family"]] = kept.get(c["family"], 0) + 1
+        assert family in kept, out["cut"]
+        for fam, cut in out["cut"].items():
+            assert kept.get(fam, 0) >= min(out["floor"], kept.get(fam, 0) + cut), (fam, out)
