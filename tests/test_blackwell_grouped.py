@@ -10,6 +10,7 @@ tile semantics. Tests that need ``flashinfer-python`` skip when the extra is abs
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 import types
 
@@ -243,9 +244,12 @@ def test_estimate_counts_padded_tiles_and_touched_experts():
 
 
 @needs_fi
-def test_one_tactic_compiles_for_each_arch():
+def test_one_tactic_compiles_for_each_arch(tmp_path, monkeypatch):
     """sm_100a, sm_103a and sm_107a in one process: each gets its own cubin, and a second
     build of the same class is a memory hit (E=128: Qwen3-30B-A3B's expert count)."""
+    from fp4_dispatch.backends import cute as cb
+
+    monkeypatch.setenv(cb.CACHE_ENV, str(tmp_path))
     b = FiGroupedW4A16Backend()
     problem = _backend_problem(64, 1536, 2048, 128)
     for dev, cc in DEVICES.items():
@@ -258,6 +262,35 @@ def test_one_tactic_compiles_for_each_arch():
         assert c.max_active_clusters == device.sm_count  # simulated: SMs // cluster size 1
         again = b.build(tactic, _backend_problem(300, 1536, 2048, 128), device)
         assert again.compiled.source == "memory"
+
+
+@needs_fi
+def test_compiled_kernels_are_cached_on_disk_and_checked(tmp_path, monkeypatch):
+    """A new process (memory cleared) loads the object file; an entry whose key differs is
+    recompiled, and an entry whose cubin names another SM is refused."""
+    from fp4_dispatch.backends import cute as cb
+
+    monkeypatch.setenv(cb.CACHE_ENV, str(tmp_path))
+    b, device = FiGroupedW4A16Backend(), simulated("sm100")
+    problem = _backend_problem(64, 1536, 2048, 8)
+    tactic = FiGroupedW4A16Tactic(tile_m=8, tile_n=128)
+    first = b.build(tactic, problem, device).compiled
+    assert first.source == "compiled" and first.path and first.cubin_sm == 100
+    fg._memory.clear()
+    again = b.build(tactic, problem, device).compiled
+    assert (again.source, again.path, again.cubin_sm) == ("disk", first.path, 100)
+    assert callable(again.function)
+    # the same entry name holding another key (a planted or stale file): recompiled
+    meta = tmp_path / first.path.rsplit("/", 1)[1].replace(".o", ".json")
+    meta.write_text('{"key": ["something else"], "cubin_sm": 100}')
+    fg._memory.clear()
+    assert b.build(tactic, problem, device).compiled.source == "compiled"
+    # an sm_100a object where an sm_103a kernel is expected: refused, recompiled
+    text = '["key"]'
+    obj = tmp_path / "fp4fig_x.o"
+    obj.write_bytes((tmp_path / first.path.rsplit("/", 1)[1]).read_bytes())
+    (tmp_path / "fp4fig_x.json").write_text(json.dumps({"key": [text]}))
+    assert fg._load("fp4fig_x", obj, tmp_path / "fp4fig_x.json", text, "103a", "t") is None
 
 
 def test_compile_key_leaves_the_token_count_out():
@@ -315,7 +348,6 @@ def test_explain_keeps_every_familys_floor_on_grouped_problems(dev, shape):
 @needs_fi
 @pytest.mark.parametrize("dev", sorted(DEVICES))
 def test_list_backends_shows_the_family_compile_only(capsys, dev):
-    import json
 
     from fp4_dispatch.cli import main
 
@@ -445,11 +477,14 @@ def test_w4a4_family_offers_flashinfers_tactics_where_its_layout_is_ours():
 
 
 @needs_fi
-def test_w4a4_one_tactic_compiles_for_each_arch():
+def test_w4a4_one_tactic_compiles_for_each_arch(tmp_path, monkeypatch):
+    from fp4_dispatch.backends import cute as cb
     from fp4_dispatch.plugins.flashinfer.grouped_w4a4 import (
         FiGroupedW4A4Backend,
         FiGroupedW4A4Sm107Backend,
     )
+
+    monkeypatch.setenv(cb.CACHE_ENV, str(tmp_path))
 
     problem = _backend_problem(64, 1536, 2048, 128, op="grouped_w4a4")
     for dev, b in (("sm100", FiGroupedW4A4Backend()), ("sm103", FiGroupedW4A4Backend()),
@@ -458,6 +493,7 @@ def test_w4a4_one_tactic_compiles_for_each_arch():
         tactic = next(iter(b.tactics(problem, device)))
         c = b.build(tactic, problem, device).compiled
         assert (c.cubin_sm, c.sm_count, c.kind) == (DEVICES[dev], device.sm_count, b.kind)
+        assert c.path is not None and c.path.startswith(str(tmp_path))
 
 
 @needs_fi
@@ -479,7 +515,6 @@ def test_w4a4_rubin_family_offers_flashinfers_rubin_tactics():
 def test_cli_explain_shows_each_grouped_familys_floor(capsys, dev):
     """``fp4-dispatch explain --op grouped_* --groups E --device sm10x``: every family with a
     valid tactic keeps its floor (here each operation has one family per device)."""
-    import json
 
     from fp4_dispatch.cli import main
 

@@ -30,8 +30,9 @@ Compile: ``cute.compile(kernel.wrapper, ...)`` on typed null pointers with an ex
 ``--gpu-arch=sm_XXXa``; sizes (N, rows, K) are runtime arguments, so one binary serves
 every problem of a (tactic, E, K == K tile, N % cluster tile == 0) class. The maximum
 number of co-resident clusters comes from `fp4_dispatch.backends.cute.max_clusters_for`;
-the cubin's SM is read back and checked. Memoized in memory only (a later process
-recompiles, ~2-3 s each here), like the dense FlashInfer families.
+the cubin's SM is read back and checked. Cached in memory and on disk (`compile_cached`:
+the object file in the CuTe-DSL families' kernel cache folder, loaded back with the
+same checks), so `fp4-dispatch`'s precompile workers' builds serve the measuring process.
 
 Compiled here for sm_100a / sm_103a / sm_107a (FlashInfer offers its CuTe-DSL MoE on
 compute capability 100, 103 and 107); not run on hardware.
@@ -41,11 +42,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import importlib
+import json
 import logging
+import os
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fp4_dispatch import safefs
 from fp4_dispatch.backends import flashinfer as fb
 
 if TYPE_CHECKING:
@@ -197,10 +204,64 @@ class CompiledKernel:
     cubin_sm: int
     max_active_clusters: int
     seconds: float
-    source: str  # "compiled" or "memory"
+    source: str  # "compiled", "disk" or "memory"
+    path: str | None = None
 
 
 _memory: dict[tuple, CompiledKernel] = {}
+
+
+def compile_cached(
+    key: tuple, target: str, name: str, build: Callable[[], Any]
+) -> tuple[Any, int, str, str | None]:
+    """(function, cubin SM, source, path) of a grouped kernel: from the on-disk kernel
+    cache (`fp4_dispatch.backends.cute.cache_dir`) if an entry of this exact key and
+    library versions loads and its cubin names `target`, else ``build()`` (a compile),
+    checked and stored. Entries are the object file ``dump_to_object`` writes and a JSON
+    of the key; only this user's regular files are ever loaded (loading runs code)."""
+    from fp4_dispatch.backends import cute as cb
+
+    text = json.dumps([repr(key), fb.version(), *cb.library_versions()])
+    prefix = f"fp4fig_{hashlib.sha256(text.encode()).hexdigest()[:24]}"
+    folder = cb.cache_dir()
+    obj_path, meta_path = folder / f"{prefix}.o", folder / f"{prefix}.json"
+    loaded = _load(prefix, obj_path, meta_path, text, target, name)
+    if loaded is not None:
+        return (*loaded, "disk", str(obj_path))
+    function = build()
+    obj = function.dump_to_object(prefix)
+    sm = cb.cubin_sm(obj)
+    cb._check_target(sm, target, name)
+    return function, sm, "compiled", cb._store(obj, obj_path, meta_path, (text,), sm)
+
+
+def _load(
+    prefix: str, obj_path: Path, meta_path: Path, text: str, target: str, name: str
+) -> tuple[Any, int] | None:
+    """The cached function and its cubin SM, or None (absent, another key, or unusable:
+    a stale or corrupt entry is recompiled, with a warning)."""
+    from fp4_dispatch.backends import cute as cb
+
+    if not (os.path.lexists(obj_path) and os.path.lexists(meta_path)):
+        return None
+    try:
+        for path in (obj_path, meta_path):
+            st = safefs.check_regular(path, "kernel cache entry")
+            if st is not None and st.st_uid not in (0, os.geteuid()):
+                raise PermissionError(f"{path} is owned by another user (uid {st.st_uid})")
+        if json.loads(meta_path.read_text()).get("key") != [text]:
+            log.warning("kernel cache %s holds another key; recompiling", meta_path)
+            return None
+        sm = cb.cubin_sm(obj_path.read_bytes())
+        cb._check_target(sm, target, name)
+        import cutlass.cute as cute
+
+        module = cute.runtime.load_module(str(obj_path), enable_tvm_ffi=False)
+        return getattr(module, prefix), sm
+    except Exception as exc:
+        log.warning("kernel cache entry %s unusable (%s: %s); recompiling",
+                    obj_path, type(exc).__name__, exc)  # fmt: skip
+        return None
 
 
 def compile_key(fi: FiGemmTactic, n: int, k: int, experts: int) -> tuple:
@@ -264,22 +325,24 @@ def compile_tactic(
     cluster = fi[1][0] * fi[1][1]
     mac = int(cb.max_clusters_for(device)(cluster))
     t0 = time.perf_counter()
-    kernel = _make_kernel(fi, experts, base[2], base[3])
-    cb._preload_runtime()  # dump_to_object needs the DSL runtime (see backends.cute)
-    with cb._compile_lock, fb.dsl_chatter_to_log():
-        function = cute.compile(
-            kernel.wrapper, *_pointers(), None, None, n, fi[0][1], k, 0, 0,
-            max_active_clusters=mac, stream=cute.runtime.make_fake_stream(),
-            options=f"--gpu-arch=sm_{device.cc}a",
-        )  # fmt: skip
+
+    def build() -> Any:
+        kernel = _make_kernel(fi, experts, base[2], base[3])
+        cb._preload_runtime()  # dump_to_object needs the DSL runtime (see backends.cute)
+        with cb._compile_lock, fb.dsl_chatter_to_log():
+            return cute.compile(
+                kernel.wrapper, *_pointers(), None, None, n, fi[0][1], k, 0, 0,
+                max_active_clusters=mac, stream=cute.runtime.make_fake_stream(),
+                options=f"--gpu-arch=sm_{device.cc}a",
+            )  # fmt: skip
+
     name = f"flashinfer grouped W4A16 {fi}"
-    sm = cb.cubin_sm(function.dump_to_object(f"fp4fig_{abs(hash(key)):x}"))
-    cb._check_target(sm, target, name)
+    function, sm, source, path = compile_cached((*key, mac), target, name, build)
     ck = CompiledKernel(fi, function, experts, target, device.sm_count, sm, mac,
-                        time.perf_counter() - t0, "compiled")  # fmt: skip
+                        time.perf_counter() - t0, source, path)  # fmt: skip
     _memory[key] = ck
-    log.info("%s for %s, %d SMs, E=%d: compiled in %.2f s", name, target, device.sm_count,
-             experts, ck.seconds)  # fmt: skip
+    log.info("%s for %s, %d SMs, E=%d: %s in %.2f s", name, target, device.sm_count,
+             experts, source, ck.seconds)  # fmt: skip
     return ck
 
 

@@ -217,7 +217,8 @@ class CompiledKernel:
     cubin_sm: int
     max_active_clusters: int
     seconds: float
-    source: str
+    source: str  # "compiled", "disk" or "memory"
+    path: str | None = None
 
 
 _memory: dict[tuple, CompiledKernel] = {}
@@ -278,25 +279,28 @@ def compile_tactic(fi: FiTactic, out_dtype: str, device: DeviceInfo) -> Compiled
         return dataclasses.replace(hit, source="memory", seconds=0.0)
     cluster = _cluster(kind, fi)
     mac = int(cb.max_clusters_for(device)(cluster[0] * cluster[1]))
-    kernel = _make_kernel(kind, fi)
     extra = [None] if kind == "sm100" else []  # the Blackwell wrapper's per-row A scale
     rubin = {"c_stride_row": cutlass.Int64(0)} if kind == "sm107" else {}
     t0 = time.perf_counter()
-    cb._preload_runtime()
-    with cb._compile_lock, fb.dsl_chatter_to_log():
-        function = cute.compile(
-            kernel.wrapper, *_pointers(out_dtype), *extra, tile_size(fi), 128, 256, 1, 1, 1,
-            tile_size=tile_size(fi), scaling_vector_size=SF_VEC, max_active_clusters=mac,
-            stream=cute.runtime.make_fake_stream(), options=f"--gpu-arch=sm_{device.cc}a",
-            **rubin,
-        )  # fmt: skip
+
+    def build() -> Any:
+        kernel = _make_kernel(kind, fi)
+        cb._preload_runtime()
+        with cb._compile_lock, fb.dsl_chatter_to_log():
+            return cute.compile(
+                kernel.wrapper, *_pointers(out_dtype), *extra, tile_size(fi), 128, 256, 1, 1,
+                1, tile_size=tile_size(fi), scaling_vector_size=SF_VEC,
+                max_active_clusters=mac, stream=cute.runtime.make_fake_stream(),
+                options=f"--gpu-arch=sm_{device.cc}a", **rubin,
+            )  # fmt: skip
+
     name = f"flashinfer grouped W4A4 ({kind}) {fi}"
-    sm = cb.cubin_sm(function.dump_to_object(f"fp4fig4_{abs(hash(key)):x}"))
-    cb._check_target(sm, target, name)
+    function, sm, source, path = fg.compile_cached((*key, kind, mac), target, name, build)
     ck = CompiledKernel(fi, function, out_dtype, kind, target, device.sm_count, sm, mac,
-                        time.perf_counter() - t0, "compiled")  # fmt: skip
+                        time.perf_counter() - t0, source, path)  # fmt: skip
     _memory[key] = ck
-    log.info("%s for %s, %d SMs: compiled in %.2f s", name, target, device.sm_count, ck.seconds)
+    log.info("%s for %s, %d SMs: %s in %.2f s", name, target, device.sm_count, source,
+             ck.seconds)  # fmt: skip
     return ck
 
 
