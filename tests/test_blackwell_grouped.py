@@ -9,6 +9,7 @@ tile semantics. Tests that need ``flashinfer-python`` skip when the extra is abs
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import random
@@ -84,6 +85,13 @@ def test_route_slots_bounds_every_split(route_tile):
         assert need <= fg.route_slots(tokens, experts, route_tile)
 
 
+def test_route_clamps_ends_past_the_rows():
+    # offsets[-1] > T is the caller's error; no tile may then cover rows that do not exist
+    r = fg.route(torch.tensor([2, 9], dtype=torch.int32), 5, 4)
+    assert r.dest.tolist() == [0, 1, 4, 5, 6] and r.valid.all()
+    assert int(r.num_tiles[0]) == 2 and r.tile_limit[:2].tolist() == [2, 7]
+
+
 def test_route_slots_refuses_nonsense():
     with pytest.raises(ValueError, match="experts"):
         fg.route_slots(10, 0, 8)
@@ -107,10 +115,13 @@ def _emulate(weights: torch.Tensor):
 
 
 @pytest.mark.parametrize("route_tile", [8, 64])
-def test_adapter_is_exact_against_per_group_reference(monkeypatch, route_tile):
+@pytest.mark.parametrize("past_end", [0, 3])
+def test_adapter_is_exact_against_per_group_reference(monkeypatch, route_tile, past_end):
+    """Every expert's rows exact; rows at or past offsets[E-1] (no expert) untouched."""
     rng = random.Random(route_tile)
-    experts, tokens, n, k = 6, 45, 24, 32
-    counts = _random_counts(rng, experts, tokens)
+    experts, n, k = 6, 24, 32
+    counts = _random_counts(rng, experts, 45)
+    tokens = 45 + past_end
     gen = torch.Generator().manual_seed(route_tile)
     # small integers: every product and sum is exact in float64 and in bf16
     a = torch.randint(-3, 4, (tokens, k), generator=gen).to(torch.bfloat16)
@@ -128,7 +139,7 @@ def test_adapter_is_exact_against_per_group_reference(monkeypatch, route_tile):
     monkeypatch.setattr(fg.GroupedW4A16Kernel, "launch", _emulate(weights))
     out = torch.full((tokens, n), 7.0, dtype=torch.bfloat16)
     fg.GroupedW4A16Kernel(compiled)(operands, out)
-    want = torch.empty(tokens, n, dtype=torch.float64)
+    want = torch.full((tokens, n), 7.0, dtype=torch.float64)
     start = 0
     for e, c in enumerate(counts):
         want[start : start + c] = a[start : start + c].double() @ weights[e].T * float(alpha[e])
@@ -434,15 +445,19 @@ def test_w4a4_adapter_matches_the_grouped_reference(monkeypatch, kind, tactic):
     from fp4_dispatch.grouped import reference_output
 
     counts = [3, 0, 140, 1, 0, 20]
-    ops = _w4a4_operands(counts, n=128, k=128, seed=len(tactic))
+    ops = _w4a4_operands([*counts, 2], n=128, k=128, seed=len(tactic))
+    # the last 2 rows belong to no expert: offsets end at 164 of 166 rows
+    ops = dataclasses.replace(ops, alpha=ops.alpha[:-1], offsets=ops.offsets[:-1],
+                              b_data=ops.b_data[:-1], b_scale=ops.b_scale[:-1])  # fmt: skip
     seen: dict = {}
     monkeypatch.setattr(g4.GroupedW4A4Kernel, "launch", _emulate_w4a4(seen))
     compiled = types.SimpleNamespace(tactic=tactic, kind=kind)
-    out = torch.full((sum(counts), 128), 7.0, dtype=torch.bfloat16)  # stale contents
+    out = torch.full((sum(counts) + 2, 128), 7.0, dtype=torch.bfloat16)  # stale contents
     g4.GroupedW4A4Kernel(compiled)(ops, out)
     want = reference_output(ops)
-    torch.testing.assert_close(seen["result"], want, rtol=1e-12, atol=1e-9)
-    assert torch.equal(out, want.to(torch.bfloat16))  # every row written, once
+    torch.testing.assert_close(seen["result"][:-2], want[:-2], rtol=1e-12, atol=1e-9)
+    assert torch.equal(out[:-2], want[:-2].to(torch.bfloat16))  # every row written, once
+    assert (out[-2:] == 7.0).all()  # rows of no expert left as they were
 
 
 @pytest.mark.parametrize(

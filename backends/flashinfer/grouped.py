@@ -150,11 +150,14 @@ class Routing:
     """FlashInfer's routed-tile description of one grouped problem (all on the device).
 
     ``dest``: int64 ``[T]``, row ``r`` of ``a`` goes to row ``dest[r]`` of the padded
-    buffer; ``tile_expert``/``tile_limit``: int32 ``[slots / route_tile]``;
-    ``num_tiles``: int32 ``[1]``, the tiles in use.
+    buffer; ``valid``: bool ``[T]``, False for rows at or past ``offsets[E-1]`` (they
+    belong to no expert, land past their neighbours' tiles, and are never written back);
+    ``tile_expert``/``tile_limit``: int32 ``[slots / route_tile]``; ``num_tiles``: int32
+    ``[1]``, the tiles in use.
     """
 
     dest: torch.Tensor
+    valid: torch.Tensor
     tile_expert: torch.Tensor
     tile_limit: torch.Tensor
     num_tiles: torch.Tensor
@@ -163,29 +166,33 @@ class Routing:
 
 def route(offsets: torch.Tensor, tokens: int, route_tile: int) -> Routing:
     """Lay `tokens` rows grouped by `offsets` (int32 ``[E]`` cumulative row ends, empty
-    experts allowed, ``offsets[-1] == tokens``) out in tiles of `route_tile` rows.
+    experts allowed) out in tiles of `route_tile` rows.
 
     Expert ``e``'s rows go to ``[pad_start[e], pad_start[e] + count[e])`` where
-    ``pad_start`` is the exclusive cumulative sum of ``ceil(count / rt) * rt``. Shapes
-    depend on (T, E, rt) only, values on the device: no host synchronisation.
+    ``pad_start`` is the exclusive cumulative sum of ``ceil(count / rt) * rt``. Ends are
+    clamped to [0, T] on the device, so ends past T (a caller's error the host cannot
+    see without a sync) never make a tile cover rows that do not exist. Shapes depend on
+    (T, E, rt) only, values on the device: no host synchronisation (~24 small kernels).
     """
     import torch
 
     experts = offsets.shape[0]
     slots = route_slots(tokens, experts, route_tile)
     dev = offsets.device
-    ends = offsets.to(torch.int64)
+    ends = offsets.to(torch.int64).clamp_(0, tokens)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     tiles = (counts + route_tile - 1) // route_tile
     tile_end = torch.cumsum(tiles, 0)
     pad_start = (tile_end - tiles) * route_tile
     rows = torch.arange(tokens, device=dev, dtype=torch.int64)
-    group = torch.searchsorted(ends, rows, right=True).clamp_(max=experts - 1)
-    dest = pad_start[group] + rows - (ends - counts)[group]
+    group = torch.searchsorted(ends, rows, right=True)
+    valid = group < experts
+    group.clamp_(max=experts - 1)
+    dest = rows + (pad_start - (ends - counts))[group]
     slot_tiles = torch.arange(slots // route_tile, device=dev, dtype=torch.int64)
     owner = torch.searchsorted(tile_end, slot_tiles, right=True).clamp_(max=experts - 1)
-    limit = pad_start[owner] + counts[owner]
-    return Routing(dest, owner.to(torch.int32), limit.to(torch.int32),
+    limit = (pad_start + counts)[owner]
+    return Routing(dest, valid, owner.to(torch.int32), limit.to(torch.int32),
                    tile_end[-1:].to(torch.int32), slots)  # fmt: skip
 
 
@@ -353,7 +360,8 @@ class GroupedW4A16Kernel:
     """``kernel(operands, out)`` for a grouped W4A16 problem (bf16 ``a`` and ``out``).
 
     Scatter ``a``'s rows into the routed-tile buffer (`route`), launch FlashInfer's
-    kernel (its alpha per expert), gather the rows back into ``out``. Not run here: no
+    kernel (its alpha per expert), gather the rows back into ``out`` (rows of no expert
+    left as they were). Not run here: no
     Blackwell/Rubin GPU was available.
     """
 
@@ -383,7 +391,9 @@ class GroupedW4A16Kernel:
         padded.index_copy_(0, routing.dest, a)
         result = torch.empty(routing.slots, n, dtype=torch.bfloat16, device=a.device)
         self.launch(operands, routing, padded, result)
-        torch.index_select(result, 0, routing.dest, out=out)
+        # rows of no expert keep what `out` held (GroupedOperands): a select, no host sync
+        gathered = result.index_select(0, routing.dest)
+        out.copy_(torch.where(routing.valid[:, None], gathered, out))
 
     def launch(self, operands: Any, routing: Routing, padded: Any, result: Any) -> None:
         """FlashInfer's compiled kernel on the current torch stream."""

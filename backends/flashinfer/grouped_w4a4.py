@@ -355,7 +355,7 @@ class GroupedW4A4Kernel:
             raise ValueError(f"out: expected a contiguous [T, N] tensor, strides {out.stride()}")
         prepared = prepare(operands, self.route_tile)
         if self.compiled.kind == "sm107":  # it adds each row once: onto zero is exact
-            out.zero_()
+            out.masked_fill_(prepared.routing.valid[:, None], 0)  # rows of no expert: kept
         self.launch(operands, prepared, out)
 
     def launch(self, operands: Any, p: Prepared, out: torch.Tensor) -> None:
