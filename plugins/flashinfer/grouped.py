@@ -193,9 +193,11 @@ class FiGroupedW4A16Backend(Backend):
 
 
 def estimate(problem: Problem, device: DeviceInfo, tactic: FiGroupedW4A16Tactic) -> float:
-    """`estimate_routed` for this family: bf16 rows (2 B a value) copied in and the bf16
-    result rows gathered out (T x (K + N) x 2 B, each written and read once)."""
-    copies = 2.0 * problem.m * (problem.k + problem.n) * 2.0
+    """`estimate_routed` for this family: bf16 rows (2 B a value) copied in (T x K x 2 B
+    read and written), the bf16 result rows gathered (T x N x 2 B read and written) and
+    selected into ``out`` (rows of no expert keep theirs: three passes of T x N x 2 B
+    read, one written, plus the copy back)."""
+    copies = problem.m * (2.0 * problem.k + 7.0 * problem.n) * 2.0
     return estimate_routed(problem, device, tactic, 2.0, copies, ROUTE_KERNELS)
 
 
