@@ -18,6 +18,7 @@ _LAZY = {
     "Backend": "backend",
     "DenseOperands": "backend",
     "GemmOperands": "backend",
+    "GroupedOperands": "backend",
     "Kernel": "backend",
     "Support": "backend",
     "DeviceInfo": "device",
@@ -27,6 +28,8 @@ _LAZY = {
     "dequantize": "nvfp4",
     "quantize_nvfp4": "nvfp4",
     "reference_gemm": "nvfp4",
+    "Nvfp4Experts": "grouped",
+    "quantize_experts": "grouped",
     "LoadError": "registry",
     "PluginLoadError": "registry",
     "Problem": "tactics",
@@ -44,12 +47,13 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # for type checkers and IDEs only; at run time the names are lazy
-    from .backend import Backend, DenseOperands, GemmOperands, Kernel, Support
+    from .backend import Backend, DenseOperands, GemmOperands, GroupedOperands, Kernel, Support
     from .checkpoints import CheckpointError, LoadReport, load_checkpoint
     from .ckpt_save import save_checkpoint
     from .convert import ConversionReport, quantize_model
     from .device import DeviceInfo, DeviceProfile
     from .dispatcher import BackendStatus, Dispatcher
+    from .grouped import Nvfp4Experts, quantize_experts
     from .hf import from_pretrained
     from .hookspecs import hookimpl
     from .nn import Nvfp4Linear
@@ -82,9 +86,11 @@ __all__ = [
     "DeviceProfile",
     "Dispatcher",
     "GemmOperands",
+    "GroupedOperands",
     "Kernel",
     "LoadError",
     "LoadReport",
+    "Nvfp4Experts",
     "Nvfp4Linear",
     "Nvfp4Tensor",
     "PluginLoadError",
@@ -96,6 +102,7 @@ __all__ = [
     "from_pretrained",
     "hookimpl",
     "load_checkpoint",
+    "quantize_experts",
     "quantize_model",
     "quantize_nvfp4",
     "reference_gemm",

@@ -29,12 +29,15 @@ from .dispatcher import Dispatcher
 from .guard import launch
 from .profiles import profiles, resolve
 from .progress import progress
-from .tactics import GROUPED_OPERATIONS, Problem, Tactic, is_lossy
+from .tactics import DENSE_OPERATIONS, GROUPED_OPERATIONS, Problem, Tactic, is_lossy
 
 log = logging.getLogger(__name__)
 
 #: decode M=1, a ragged M with float16 output, M across two 128-row scale tiles with
 #: ragged N and K not a multiple of 64, and a square-ish prefill shape
+#: the expert count of the grouped problems made for a backend that serves a grouped
+#: operation (`_for_operations`): a few experts, some left empty by the random routing
+CONFORMANCE_GROUPS = 4
 DEFAULT_PROBLEMS: tuple[Problem, ...] = (
     Problem(m=1, n=256, k=256),
     Problem(m=37, n=96, k=128, out_dtype="float16"),
@@ -257,11 +260,12 @@ def _for_operations(problems: Sequence[Problem], backend: object) -> tuple[Probl
     ops = tuple(getattr(backend, "operations", ("w4a4",)) or ("w4a4",))
     out: list[Problem] = []
     for p in problems:
-        # grouped and plain problems differ in kind (E): never one asked as the other
-        same_kind = [op for op in ops if (op in GROUPED_OPERATIONS) == p.grouped]
-        wanted = [p.operation] if p.operation in ops else same_kind
+        wanted = [p.operation] if p.operation in ops else list(ops)
         for op in wanted:
-            q = p if p.operation == op else p.model_copy(update={"operation": op})
+            # a grouped operation over `CONFORMANCE_GROUPS` experts unless `p` names E
+            groups = (p.groups or CONFORMANCE_GROUPS) if op in GROUPED_OPERATIONS else None
+            q = p if p.operation == op else p.model_copy(update={"operation": op,
+                                                                 "groups": groups})  # fmt: skip
             if q not in out:
                 out.append(q)
     return tuple(out)
@@ -524,9 +528,9 @@ def _check_merged(
     kept, first = 0, None
     mine_problems = _for_operations(problems, d.registry.backends[name])
     for problem in mine_problems:
-        op = "w4a16" if problem.dense and not problem.grouped else problem.operation
+        op = "w4a16" if problem.operation in DENSE_OPERATIONS else problem.operation
         sl = d.candidates(problem.m, problem.n, problem.k, problem.out_dtype, op,
-                          groups=problem.groups)  # fmt: skip
+                          problem.groups)  # fmt: skip
         if name in sl.skipped:
             where = f"M={problem.m} N={problem.n} K={problem.k}"
             report.add("dispatcher", "merge", "FAIL", f"{where}: {sl.skipped[name]}", name)
@@ -558,7 +562,7 @@ def _check_top_runs(
     dtype = harness.OUT_DTYPES[problem.out_dtype]
     out = torch.full((problem.m, problem.n), float("nan"), dtype=dtype, device=tdev)
     try:
-        if isinstance(ops, DenseOperands):
+        if isinstance(ops, DenseOperands) or problem.grouped:  # never swapped
             d.kernel_for(cand, problem)(ops, out)
         else:
             d.run_candidate(cand, ops, out)

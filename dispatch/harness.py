@@ -459,16 +459,18 @@ def make_grouped_inputs(
 
 def random_operands(
     problem: Problem, device: torch.device | str, seed: int
-) -> tuple[GemmOperands | DenseOperands, torch.Tensor]:
+) -> tuple[GemmOperands | DenseOperands | GroupedOperands, torch.Tensor]:
     """Random operands of `problem` (either operation) and their float64 CPU reference.
 
     Activations are ``3 * randn``, weights ``0.02 * randn`` (a weight-like spread, so
     the global scales are far from 1 and a kernel that ignores ``alpha`` is caught);
     drawn on the CPU from `seed`, so every device sees the same numbers. W4A16 problems
     get dense activations in the output's 16-bit dtype (W4A8 too; the reference is
-    always the exact product).
+    always the exact product); grouped ones `random_grouped_operands`.
     """
     device = torch.device(device)
+    if problem.grouped:
+        return random_grouped_operands(problem, device, seed)
     gen = torch.Generator().manual_seed(seed)
     a = torch.randn(problem.m, problem.k, generator=gen) * 3.0
     b = torch.randn(problem.n, problem.k, generator=gen) * 0.02
@@ -481,6 +483,32 @@ def random_operands(
     alpha = (qa.global_scale * qb.global_scale).reshape(1)
     ops = GemmOperands(qa.data, qa.scale, qb.data, qb.scale, alpha)
     return ops, reference_gemm(qa, qb)
+
+
+def random_grouped_operands(
+    problem: Problem, device: torch.device, seed: int
+) -> tuple[GroupedOperands, torch.Tensor]:
+    """Random `GroupedOperands` of a grouped `problem` and their float64 reference.
+
+    E experts quantized from ``0.02 * randn`` times a per-expert spread of 10**-2..10**1
+    (a kernel that reads the wrong expert's weights or alpha is caught), the M rows split
+    over the experts at random (seeded: some experts empty, some with many rows), rows
+    ``3 * randn`` as the output dtype (``grouped_w4a16``) or NVFP4."""
+    gen = torch.Generator().manual_seed(seed)
+    e, m, n, k = problem.groups, problem.m, problem.n, problem.k
+    spread = torch.logspace(-2, 1, e).view(e, 1, 1)
+    b = grouped.quantize_experts((torch.randn(e, n, k, generator=gen) * 0.02 * spread).to(device))
+    owner = torch.randint(0, e, (m,), generator=gen)
+    offsets = torch.bincount(owner, minlength=e).cumsum(0).to(torch.int32).to(device)
+    x = torch.randn(m, k, generator=gen) * 3.0
+    if problem.dense:
+        a = x.to(device=device, dtype=OUT_DTYPES[problem.out_dtype])
+        ops = GroupedOperands(a, b.data, b.scale, b.global_scale, offsets)
+    else:
+        qa = quantize_nvfp4(x.to(device))
+        alpha = b.global_scale * qa.global_scale
+        ops = GroupedOperands(qa.data, b.data, b.scale, alpha, offsets, a_scale=qa.scale)
+    return ops, grouped.reference_output(ops)
 
 
 def stress_nvfp4(rows: int, k: int, device: torch.device, gen: torch.Generator):

@@ -304,3 +304,106 @@ def test_cli_explain_and_tune_take_groups(tmp_path, capsys, monkeypatch):
     (result,) = json.loads(capsys.readouterr().out)["results"]
     assert result["problem"]["groups"] == 6 and result["winner"] is not None
     assert json.loads(cache.read_text())["entries"][0]["groups"] == 6
+
+
+# ---- a third-party grouped family: first use checked, a wrong kernel falls back --------
+
+
+class WrongGroupedTactic(Tactic):
+    backend: Literal["wrong-grouped"] = "wrong-grouped"
+
+
+class WrongGrouped(Backend):
+    """A plugin's grouped family that ranks first and reads expert 0's weight for every
+    row (the classic grouped bug): the first-use check must catch it."""
+
+    name = "wrong-grouped"
+    family = "third-party"
+    version = "1"
+    tactic_type = WrongGroupedTactic
+    operations = ("grouped_w4a16",)
+
+    def supports(self, device) -> Support:
+        return Support(True)
+
+    def tactics(self, problem, device) -> Iterator[Tactic]:
+        yield WrongGroupedTactic(tile_m=16, tile_n=16)
+
+    def estimate_us(self, problem, device, tactic) -> float:
+        return 0.001  # ranks first
+
+    def build(self, tactic, problem, device):
+        from fp4_dispatch.backend import GroupedOperands
+        from fp4_dispatch.grouped import reference_output
+
+        def kernel(ops: GroupedOperands, out: torch.Tensor) -> None:
+            e = ops.groups
+            same = GroupedOperands(ops.a, ops.b_data[:1].expand(e, -1, -1).contiguous(),
+                                   ops.b_scale[:1].expand(e, -1, -1).contiguous(),
+                                   ops.alpha[:1].expand(e).contiguous(), ops.offsets)  # fmt: skip
+            out.copy_(reference_output(same).to(out.dtype))
+
+        return kernel
+
+
+def test_a_wrong_third_party_grouped_kernel_is_caught_on_first_use(monkeypatch, experts):
+    import fp4_dispatch.registry as registry_mod
+    from fp4_dispatch import firstuse
+    from fp4_dispatch.plugins.reference import ReferenceBackend
+
+    def make_registry(strict=None):
+        reg = registry_mod.Registry()
+        report = registry_mod.PluginReport("fake", "tests", "tests", "0", builtin=False)
+        for b in (WrongGrouped(), ReferenceBackend()):
+            reg.backends[b.name] = b
+            reg.plugin_of[b.name] = report
+            report.backends.append(b.name)
+        reg.plugins.append(report)
+        return reg
+
+    monkeypatch.setattr(registry_mod, "load", make_registry)
+    firstuse.forget()
+    d = Dispatcher("cpu", cache=False, verify_plugins=True)
+    assert d.select(6, N, K, "bfloat16", "grouped_w4a16", E).backend == "wrong-grouped"
+    a = torch.randn(6, K).to(torch.bfloat16)
+    off = offsets_of([1, 1, 1, 1, 1, 1])
+    out = d.grouped_gemm(a, experts, off)
+    assert rel_err(out, grouped_reference(a, experts, off)) < CHECK_RTOL  # the fallback's
+    assert any(name == "wrong-grouped" for name, _ in d.guard.broken)
+    plan = d.cached_plan(6, N, K, "bfloat16", "grouped_w4a16", E)
+    assert plan.candidate.backend == "torch-reference"
+    firstuse.forget()
+
+
+# ---- the conformance kit ---------------------------------------------------------------
+
+
+def test_conformance_kit_checks_grouped_operations():
+    """A backend serving grouped operations is checked on grouped problems: the reference
+    family's kernels run against the float64 per-expert reference on the CPU (a grouped
+    kernel that ignores the routing fails), the Hopper family's build on a simulated sm90
+    (asked dense problems, it gets them as grouped ones)."""
+    from fp4_dispatch.plugins.reference import ReferenceBackend
+    from fp4_dispatch.plugins.sm90.grouped import TritonSm90GroupedBackend
+    from fp4_dispatch.testing import check_backend
+
+    problems = [Problem(m=9, n=32, k=64, operation="grouped_w4a16", groups=4),
+                Problem(m=40, n=48, k=96, out_dtype="float16", operation="grouped_w4a4",
+                        groups=3)]  # fmt: skip
+    report = check_backend(ReferenceBackend(), device="cpu", problems=problems, samples=2)
+    report.raise_for_failures()
+    assert any(c.category == "numerics" for c in report.passed), report.summary()
+
+    class FirstExpertOnly(ReferenceBackend):
+        def build(self, tactic, problem, device):
+            def kernel(ops, out):
+                out.copy_((ops.a.float() @ ops.a.float()[:1].T).expand(-1, out.shape[1]))
+
+            return kernel if problem.grouped else super().build(tactic, problem, device)
+
+    bad = check_backend(FirstExpertOnly(), device="cpu", problems=problems[:1], samples=2)
+    assert any(c.category == "numerics" for c in bad.failures), bad.summary()
+    sim = check_backend(TritonSm90GroupedBackend(), device="sm90",
+                        problems=[Problem(m=8, n=64, k=128)], samples=2)  # fmt: skip
+    sim.raise_for_failures()
+    assert any(c.category == "build" for c in sim.passed), sim.summary()

@@ -72,6 +72,8 @@ CASES = [
     ([0, 0, 40, 0, 2, 1], 2, 40, 96, {"block_m": 16, "block_n": 32, "block_k": 64}, False),
     ([1, 1, 0, 1, 0, 1, 1, 1], 0, 24, 128, {"block_m": 1, "block_n": 16, "block_k": 64}, False),
     ([2, 0, 5, 3], 1, 32, 64, {"block_m": 4, "block_n": 16, "block_k": 64}, False),
+    ([3, 0, 4, 1], 0, 40, 96, {"block_m": 4, "block_n": 16, "block_k": 64}, False),  # K tail
+    ([5, 9, 0, 8], 0, 32, 64, {"block_m": 8, "block_n": 16, "block_k": 64}, False),
     ([2, 0, 5], 0, 40, 128, {"block_m": 16, "block_n": 32, "block_k": 64}, True),
     ([1, 1, 0, 1], 0, 24, 96, {"block_m": 2, "block_n": 16, "block_k": 64}, True),
 ]
@@ -120,8 +122,9 @@ for spec in json.loads(sys.argv[1]):
                               off, a_scale=torch.zeros(swizzled_scale_shape(t, k),
                                                        dtype=torch.float8_e4m3fn))
     res = torch.empty(t, n, dtype=dtype)
-    grid, args, meta = backend.build(tactic, p, dev)._launch(ops, res)
-    gg._grouped_kernel.warmup(*args, grid=grid, **meta)  # the real call's variant
+    kernel = backend.build(tactic, p, dev)
+    grid, args, meta = kernel._launch(ops, res)
+    kernel._binding(meta).warmup(grid, args)  # the real call's variant
     out[spec["name"]] = {"new_by_precompile": after - before,
                          "new_by_real_args": len(cache) - after,
                          "type": type(compiled).__name__}
@@ -131,9 +134,9 @@ print(json.dumps(out))
 
 
 def test_grouped_precompile_compiles_what_a_call_launches(tmp_path):
-    """Both paths (FMA at decode, tl.dot), both operations, a K tail, bf16 and fp16 compile
-    for sm_90 on a CPU without a launch (the PTX dequantizer included), and a real call's
-    arguments hit the variant precompile made."""
+    """Every path (GEMV and FMA at decode, tl.dot), both operations, K tails, bf16 and fp16
+    compile for sm_90 on a CPU without a launch (the PTX dequantizer included), and a real
+    call's arguments hit the variant precompile made."""
     pytest.importorskip("triton")
     cases = [
         {"name": "fma-bf16", "t": 8, "n": 256, "k": 512, "e": 128, "dtype": "bfloat16",
@@ -143,6 +146,10 @@ def test_grouped_precompile_compiles_what_a_call_launches(tmp_path):
                                            "num_stages": 3, "num_warps": 8}},
         {"name": "w4a4-dot", "t": 512, "n": 256, "k": 512, "e": 16, "dtype": "bfloat16",
          "op": "grouped_w4a4", "tactic": {"tile_m": 16, "tile_n": 64, "tile_k": 256}},
+        {"name": "gemv4-tail", "t": 64, "n": 192, "k": 1056, "e": 16, "dtype": "float16",
+         "op": "grouped_w4a16", "tactic": {"tile_m": 4, "tile_n": 32, "tile_k": 128}},
+        {"name": "w4a4-fma", "t": 16, "n": 256, "k": 512, "e": 64, "dtype": "bfloat16",
+         "op": "grouped_w4a4", "tactic": {"tile_m": 1, "tile_n": 64, "tile_k": 128}},
     ]  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", _PRECOMPILE, json.dumps(cases)],
                           capture_output=True, text=True, env=sm90_compile_env(tmp_path),
@@ -224,6 +231,7 @@ def test_gpu_grouped_every_tactic_bf16_and_graph_replay():
     from fp4_dispatch.backend import GroupedOperands
     from fp4_dispatch.device import detect
     from fp4_dispatch.grouped import grouped_reference, quantize_experts
+    from fp4_dispatch.nvfp4 import quantize_nvfp4
 
     backend, info = TritonSm90GroupedBackend(), detect()
     e, n, k = 16, 384, 512
@@ -242,11 +250,25 @@ def test_gpu_grouped_every_tactic_bf16_and_graph_replay():
             backend.build(tactic, p, info)(ops, out)
             err = float((out.double().cpu() - ref).norm() / ref.norm())
             assert err < 1e-2, (tactic, err)
-    d = Dispatcher()
+    d = Dispatcher(cache=False)
     sizes = [1] * 8 + [0] * 8
     a = torch.randn(8, k, device="cuda").to(torch.bfloat16)
     off = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
     out = d.grouped_gemm(a, b, off)  # warm the plan
+    assert d.cached_plan(8, n, k, "bfloat16", "grouped_w4a16", e).candidate.backend == (
+        "triton-sm90-grouped"
+    )
+    for shift in range(1, 4):  # eager calls: the plan's driver replay, new routing each
+        routing = torch.roll(torch.tensor(sizes), shift * 3).cumsum(0).to(torch.int32)
+        off.copy_(routing)
+        again = d.grouped_gemm(a, b, off)
+        ref = grouped_reference(a, b, off)
+        assert float((again.double().cpu() - ref).norm() / ref.norm()) < 1e-2, shift
+    qa = quantize_nvfp4(a.float())  # grouped W4A4: both operands dequantized in the kernel
+    y4 = d.grouped_gemm(qa, b, off)
+    ref4 = grouped_reference(qa, b, off)
+    assert float((y4.double().cpu() - ref4).norm() / ref4.norm()) < 1e-2
+    off.copy_(torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = d.grouped_gemm(a, b, off)

@@ -18,13 +18,16 @@ not ``128``: the cheap choice at decode, where each expert has 1-8 rows. The M t
 one expert sit next to each other in the grid's second axis and the first axis walks N,
 so one expert's weight tile is read by its M tiles at nearly the same time (L2 reuse).
 
-Two inner products, by ``BLOCK_M`` (a compile-time knob):
+Three inner products, by ``BLOCK_M`` (a compile-time knob):
 
 - ``BLOCK_M >= 16``: ``tl.dot`` on the tensor cores, operands in the activation dtype
   (W4A16) or fp16 (W4A4), fp32 accumulation;
-- ``BLOCK_M < 16`` (decode, 1-8 rows per expert): fp32 multiply-adds in registers, the
-  MMA's 16-row minimum being mostly padding there (the decode dequantizer's idea,
-  `gemm_w4a16_decode`).
+- dense rows and ``BLOCK_M <= 4`` (decode: 1-4 rows per expert): the decode GEMV's inner
+  loop (`gemm_w4a16_decode._token_blocks`): per token, each 16-element block's products
+  as one chain of fp32 FMAs in registers, times the block scale, accumulated per block;
+  the MMA's 16-row minimum would be mostly padding there;
+- otherwise below 16 (NVFP4 rows, or 8 dense rows): the dequantized tiles' fp32
+  products reduced per step.
 
 Weight dequantization is the decode kernel's (`gemm_w4a16_decode._nibbles`: its inline
 PTX on a GPU, its element-wise twin under the interpreter): a nibble ``n`` placed as
@@ -40,16 +43,19 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import triton
 import triton.language as tl
 
 from fp4_dispatch.backend import GroupedOperands
+from fp4_dispatch.backends.driver_launch import record_launches
 from fp4_dispatch.backends.sm90.gemm_w4a16 import _USE_ASM
-from fp4_dispatch.backends.sm90.gemm_w4a16_decode import _nibbles
+from fp4_dispatch.backends.sm90.gemm_w4a16_decode import _column, _nibbles, _token_blocks
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
+from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher
 from fp4_dispatch.nvfp4 import swizzled_scale_shape
 
 log = logging.getLogger(__name__)
@@ -64,6 +70,9 @@ BLOCK_N_CHOICES = (16, 32, 64, 128, 256)
 BLOCK_K_CHOICES = (64, 128, 256)
 #: the smallest BLOCK_M that runs on the tensor cores (tl.dot's minimum M)
 DOT_MIN_M = 16
+#: dense rows per tile up to which the decode GEMV's inner loop runs (`_gemv_tile`: one
+#: FMA chain per token and 16-element block, as `gemm_w4a16_decode`; its token limit)
+GEMV_MAX_M = 4
 #: the FMA path (BLOCK_M < 16) holds BLOCK_M x BLOCK_N x BLOCK_K fp32 products of one
 #: step: at most this many per thread (32 x num_warps threads), else registers spill
 FMA_PER_THREAD = 128
@@ -101,13 +110,14 @@ class GroupedConfig:
 
 
 @triton.jit
-def _nvfp4_tile(data_ptr, scale_ptr, rows, row_ok, k0, K, s_blk, KT: tl.constexpr,
-                EVEN_K: tl.constexpr, OUT: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
-    """Dequantized ``[len(rows), KT]`` tile (K elements ``k0..k0+KT``) of an NVFP4
-    operand, as ``OUT`` (exact: e2m1 x e4m3 fits fp16 and bf16). ``rows``: row indices
-    (int64 offsets of ``data_ptr``'s rows, ``K/2`` bytes each); ``row_ok`` masks them;
+def _nvfp4_bytes(data_ptr, scale_ptr, rows, row_ok, k0, K, s_blk, KT: tl.constexpr,
+                 EVEN_K: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
+    """(low, high) nibbles ``[len(rows), KT/16, 8]`` as fp32 ``e2m1 * 2**-14`` and the
+    block scales ``[len(rows), KT/16]`` as fp32, of K elements ``k0..k0+KT`` of an NVFP4
+    operand. ``rows``: row indices (int64; rows of ``K/2`` bytes); ``row_ok`` masks them;
     the scales are the 128x4-swizzled layout at ``scale_ptr`` (``s_blk`` elements per
-    128-row block)."""
+    128-row block). Byte ``i`` of group ``g`` holds K elements ``16 g + 2 i`` (low
+    nibble) and ``16 g + 2 i + 1`` (high)."""
     KG: tl.constexpr = KT // 16
     g = k0 // 16 + tl.arange(0, KG)  # scale groups of this step
     b = tl.arange(0, 8)
@@ -121,12 +131,66 @@ def _nvfp4_tile(data_ptr, scale_ptr, rows, row_ok, k0, K, s_blk, KT: tl.constexp
         mask = row_ok[:, None, None] & (g < K // 16)[None, :, None]
         s_mask = row_ok[:, None] & (g < K // 16)[None, :]
     w = tl.load(data_ptr + offs, mask=mask, other=0)
-    s = tl.load(scale_ptr + s_offs, mask=s_mask, other=0.0).to(tl.float32) * 16384.0
+    s = tl.load(scale_ptr + s_offs, mask=s_mask, other=0.0).to(tl.float32)
     lo, hi = _nibbles(w, USE_ASM, False)  # fp32 e2m1 * 2**-14 (the decode kernel's PTX)
-    lo = lo * s[:, :, None]
-    hi = hi * s[:, :, None]
-    vals = tl.join(lo, hi)  # [R, KG, 8, 2]: element 16 g + 2 i + nibble
-    return tl.reshape(vals, (rows.shape[0], KT)).to(OUT)
+    return lo, hi, s
+
+
+@triton.jit
+def _nvfp4_tile(data_ptr, scale_ptr, rows, row_ok, k0, K, s_blk, KT: tl.constexpr,
+                EVEN_K: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
+    """Dequantized ``[len(rows), KT]`` fp32 tile (`_nvfp4_bytes`' K elements): exact, and
+    exact again in fp16 and bf16 (e2m1 x e4m3 values)."""
+    lo, hi, s = _nvfp4_bytes(data_ptr, scale_ptr, rows, row_ok, k0, K, s_blk, KT, EVEN_K,
+                             USE_ASM)  # fmt: skip
+    s = s * 16384.0  # undoes the nibbles' 2**-14
+    vals = tl.join(lo * s[:, :, None], hi * s[:, :, None])  # [R, KG, 8, 2]: 16 g + 2 i + e
+    return tl.reshape(vals, (rows.shape[0], KT))
+
+
+@triton.jit
+def _gemv_tile(a_ptr, b_e, bs_e, alpha_ptr, out_ptr, row0, row_end, rn, offs_n, n_ok, K,
+               stride_am, stride_om, stride_on, s_blk, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               USE_ASM: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
+    """One expert's rows ``row0..row0+BLOCK_M`` (at most 4; those from ``row_end`` on
+    are read as ``row0`` and never stored) times ``BLOCK_N`` weight rows, the decode
+    GEMV's way (`gemm_w4a16_decode`): per token, each 16-element block's products summed
+    as one FMA chain in registers, times the block scale, accumulated per block; one
+    rounding at the store."""
+    KG: tl.constexpr = BLOCK_K // 16
+    # K element of (block g, byte i, nibble e): 16 g + 2 i + e, as [KG, 8, 2]
+    rk = (16 * tl.arange(0, KG)[:, None, None] + 2 * tl.arange(0, 8)[None, :, None]
+          + tl.arange(0, 2)[None, None, :])  # fmt: skip
+    x0 = a_ptr + row0.to(tl.int64) * stride_am + rk
+    x1 = tl.where(row0 + 1 < row_end, 1, 0).to(tl.int64) * stride_am  # tokens 1-3
+    x2 = tl.where(row0 + 2 < row_end, 2, 0).to(tl.int64) * stride_am
+    x3 = tl.where(row0 + 3 < row_end, 3, 0).to(tl.int64) * stride_am
+    acc0 = tl.zeros((BLOCK_N, KG), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, KG), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, KG), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, KG), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        lo, hi, s = _nvfp4_bytes(b_e, bs_e, rn, n_ok, k0, K, s_blk, BLOCK_K, EVEN_K, USE_ASM)
+        xmask = None if EVEN_K else (k0 + rk) < K
+        acc0 += _token_blocks(lo, hi, x0 + k0, xmask, EVEN_K) * s
+        if BLOCK_M > 1:
+            acc1 += _token_blocks(lo, hi, x0 + x1 + k0, xmask, EVEN_K) * s
+        if BLOCK_M > 2:
+            acc2 += _token_blocks(lo, hi, x0 + x2 + k0, xmask, EVEN_K) * s
+            acc3 += _token_blocks(lo, hi, x0 + x3 + k0, xmask, EVEN_K) * s
+    total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    total = _column(total, tl.sum(acc0, axis=1), 0)
+    if BLOCK_M > 1:
+        total = _column(total, tl.sum(acc1, axis=1), 1)
+    if BLOCK_M > 2:
+        total = _column(total, tl.sum(acc2, axis=1), 2)
+        total = _column(total, tl.sum(acc3, axis=1), 3)
+    y = (total * (tl.load(alpha_ptr) * 16384.0)).to(out_ptr.dtype.element_ty)  # alpha * 2**14
+    rows = row0 + tl.arange(0, BLOCK_M)
+    o_ptrs = (out_ptr + rows[None, :].to(tl.int64) * stride_om
+              + offs_n[:, None].to(tl.int64) * stride_on)  # fmt: skip
+    tl.store(o_ptrs, y, mask=(rows < row_end)[None, :] & n_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["T", "N"])
@@ -155,8 +219,8 @@ def _grouped_kernel(
     A_FP4: tl.constexpr,
     EVEN_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    DT: tl.constexpr,
     USE_ASM: tl.constexpr,
+    GEMV: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     tile = tl.program_id(1)
@@ -185,19 +249,29 @@ def _grouped_kernel(
     e64 = e.to(tl.int64)
     b_e = b_ptr + e64 * N * (K // 2)
     bs_e = bs_ptr + e64 * b_eslab
+    if GEMV:  # dense rows, at most 4 per tile: the decode GEMV's inner loop
+        _gemv_tile(a_ptr, b_e, bs_e, alpha_ptr + e, out_ptr, row0, row_end, rn, offs_n, n_ok,
+                   K, stride_am, stride_om, stride_on, b_sblk, BLOCK_M, BLOCK_N, BLOCK_K,
+                   EVEN_K, USE_ASM, NUM_STAGES)  # fmt: skip
+        return
     rk = tl.arange(0, BLOCK_K)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        w = _nvfp4_tile(b_e, bs_e, rn, n_ok, k0, K, b_sblk, BLOCK_K, EVEN_K, DT, USE_ASM)
+        w = _nvfp4_tile(b_e, bs_e, rn, n_ok, k0, K, b_sblk, BLOCK_K, EVEN_K, USE_ASM)
         if A_FP4:
-            x = _nvfp4_tile(a_ptr, as_ptr, rm, m_ok, k0, K, a_sblk, BLOCK_K, EVEN_K, DT, USE_ASM)
+            x = _nvfp4_tile(a_ptr, as_ptr, rm, m_ok, k0, K, a_sblk, BLOCK_K, EVEN_K, USE_ASM)
+            if BLOCK_M >= 16:  # fp16 MMA operands: exact for e2m1 x e4m3 values
+                x = x.to(tl.float16)
+                w = w.to(tl.float16)
         else:
             x_ptrs = a_ptr + rm[:, None] * stride_am + (k0 + rk)[None, :]
             if EVEN_K:
                 x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             else:
                 x = tl.load(x_ptrs, mask=m_ok[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
+            if BLOCK_M >= 16:
+                w = w.to(a_ptr.dtype.element_ty)  # the activations' 16-bit type (exact)
         if BLOCK_M >= 16:
             acc = tl.dot(x, tl.trans(w), acc)
         else:  # [BLOCK_M, BLOCK_N, BLOCK_K] products of this step, reduced at once
@@ -214,17 +288,36 @@ def m_tile_bound(t: int, e: int, block_m: int) -> int:
     return -(-t // block_m) + min(e, t)
 
 
+_LAUNCH = CachedLauncher(_grouped_kernel)
+
+
 @dataclass
 class GroupedKernel:
-    """A built grouped kernel: ``kernel(operands, out)`` with `GroupedOperands`."""
+    """A built grouped kernel: ``kernel(operands, out)`` with `GroupedOperands`.
+
+    Launches through `triton_launch.CachedLauncher` (the compiled binary called directly
+    after the first call of a specialization) and records its launch for the plan's
+    driver-API replays (``record``: `fp4_dispatch.plans`): no torch operation runs in a
+    call, so a warm eager call is one launch with the per-call pointers patched."""
 
     cfg: GroupedConfig
+    record: ClassVar = staticmethod(record_launches)
+    #: constexpr values -> launcher binding (`_binding`)
+    _bound: dict = field(default_factory=dict, repr=False)
 
     def __call__(self, ops: GroupedOperands, out: torch.Tensor) -> None:
         if ops.m == 0 or ops.n == 0:
             return
         grid, args, meta = self._launch(ops, out)
-        _grouped_kernel[grid](*args, **meta)
+        self._binding(meta)(grid, args)
+
+    def _binding(self, meta: dict) -> BoundLaunch:
+        """The launcher binding of these constexprs (made once per kernel object)."""
+        key = tuple(meta.values())
+        bound = self._bound.get(key)
+        if bound is None:
+            bound = self._bound[key] = _LAUNCH.bind(meta, self.cfg.num_warps)
+        return bound
 
     def precompile(
         self, t: int, n: int, k: int, e: int, out_dtype: torch.dtype, a_fp4: bool
@@ -242,7 +335,7 @@ class GroupedKernel:
         grid, args, meta = self._launch(ops, _Shaped((t, n), out_dtype))
         dtypes = (a.dtype, (a_scale or a).dtype, u8, f8, torch.float32, torch.int32, out_dtype)
         pointers = [torch.empty(16, dtype=dt) for dt in dtypes]  # aligned like real ones
-        return _grouped_kernel.warmup(*pointers, *args[len(pointers) :], grid=grid, **meta)
+        return self._binding(meta).warmup(grid, [*pointers, *args[len(pointers) :]])
 
     def _launch(self, ops, out) -> tuple[tuple[int, int], list, dict]:
         """(grid, positional arguments, meta-parameters) of one call."""
@@ -272,16 +365,15 @@ class GroupedKernel:
             ops.b_scale.shape[1] * ops.b_scale.shape[2],
         ]
         meta = {
-            "E_PAD": triton.next_power_of_2(e),
+            "E_PAD": max(2, triton.next_power_of_2(e)),
             "BLOCK_M": cfg.block_m,
             "BLOCK_N": cfg.block_n,
             "BLOCK_K": cfg.block_k,
             "A_FP4": a_fp4,
             "EVEN_K": k % cfg.block_k == 0,
             "NUM_STAGES": cfg.num_stages,
-            "DT": tl.float16 if a_fp4 or ops.a.dtype == torch.float16 else tl.bfloat16,
             "USE_ASM": _USE_ASM,
-            "num_warps": cfg.num_warps,
+            "GEMV": not a_fp4 and cfg.block_m <= GEMV_MAX_M,
         }
         return grid, args, meta
 

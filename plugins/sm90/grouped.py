@@ -44,12 +44,17 @@ STAGES = (2, 3)
 DOT_MIN_M = 16
 #: FMA path: products of one step per thread (`gemm_grouped.FMA_PER_THREAD`)
 FMA_PER_THREAD = 128
-#: unfitted roofline constants: integer/fp32 instructions to dequantize one weight
-#: element in Triton without the PTX (bit placement, convert, scale multiply, convert:
-#: about 6, counted from the kernel's source), and the fraction of the peak rates a
-#: Triton kernel of this shape reaches (a guess, to be replaced by a fit)
+#: unfitted roofline constants. Instructions per weight element and program: the decode
+#: GEMV's inner loop (dense tiles of <= 4 rows) takes 5.1 at one token and ~1.5 more per
+#: extra token (SASS counts of `gemm_w4a16_decode`'s sm_90 cubin, its docstring); the
+#: other paths dequantize to a scaled 16-bit tile first, about 6 (counted from the
+#: source: expansion, convert, scale multiply, convert), plus 2 per row on FMAs below
+#: tile_m 16. EFFICIENCY: the fraction of the peak rates reached (a guess, to be fitted)
+GEMV_OPS, GEMV_OPS_PER_TOKEN = 5.1, 1.5
 DEQUANT_OPS = 6.0
 EFFICIENCY = 0.6
+#: dense rows per tile up to which the GEMV loop runs (`gemm_grouped.GEMV_MAX_M`)
+GEMV_MAX_M = 4
 #: ALU lanes per SM per clock on Hopper (4 sub-partitions x 32) and its boost clock, GHz
 LANES_PER_SM = 128
 CLOCK_GHZ = 1.98
@@ -140,8 +145,9 @@ class TritonSm90GroupedBackend(Backend):
     def estimate_us(self, problem: Problem, device: DeviceInfo, tactic: Tactic) -> float:
         """Microseconds, an UNFITTED roofline (module docstring): max(memory, compute) plus
         a launch, where memory = the touched experts' weights + A + out at the device's
-        bandwidth, compute = each program's dequantization of its weight tile (integer
-        lanes) + the padded rows' products (tensor cores, or fp32 FMAs below tile_m 16)."""
+        bandwidth, compute = the instructions of each program's weight tile (expansion and,
+        below tile_m 16, the FMAs) on the SMs' lanes + the padded rows' tensor-core
+        products from tile_m 16."""
         assert isinstance(tactic, TritonSm90GroupedTactic)
         t, p = tactic, problem
         touched = p.touched_groups
@@ -151,16 +157,22 @@ class TritonSm90GroupedBackend(Backend):
         a_bytes = p.m * p.k * (2.0 if p.dense else 0.5625)
         memory_us = (weight_bytes + a_bytes + 2.0 * p.m * p.n) / (device.mem_bw_gbps * 1e3)
         programs = n_tiles * m_tiles
-        dequant = programs * t.tile_n * p.k * DEQUANT_OPS
-        if not p.dense:  # the activations' tile too, in every N tile
-            dequant += programs * t.tile_m * p.k * DEQUANT_OPS
+        elements = programs * t.tile_n * p.k  # weight elements expanded, all programs
         lanes_per_us = device.sm_count * LANES_PER_SM * CLOCK_GHZ * 1e3
-        padded_flops = 2.0 * m_tiles * t.tile_m * n_tiles * t.tile_n * p.k
-        if t.tile_m < DOT_MIN_M:
-            mac_us = padded_flops / 2 / lanes_per_us
+        if p.dense and t.tile_m <= GEMV_MAX_M:  # the GEMV loop: FMAs counted in its ops
+            ops = elements * (GEMV_OPS + GEMV_OPS_PER_TOKEN * (t.tile_m - 1))
+            mac_us = 0.0
         else:
-            mac_us = padded_flops / (device.bf16_tflops * 1e6)
-        compute_us = (dequant / lanes_per_us + mac_us) / EFFICIENCY
+            ops = elements * DEQUANT_OPS
+            if not p.dense:  # the activations' tile too, in every N tile
+                ops += programs * t.tile_m * p.k * DEQUANT_OPS
+            if t.tile_m < DOT_MIN_M:
+                ops += elements * 2 * t.tile_m
+                mac_us = 0.0
+            else:
+                padded_flops = 2.0 * m_tiles * t.tile_m * n_tiles * t.tile_n * p.k
+                mac_us = padded_flops / (device.bf16_tflops * 1e6)
+        compute_us = (ops / lanes_per_us + mac_us) / EFFICIENCY
         # fewer programs than SMs leave bandwidth unused (one program per SM at best)
         fill = min(1.0, programs / device.sm_count)
         waves = math.ceil(programs / (device.sm_count * PROGRAMS_PER_SM))
