@@ -128,6 +128,10 @@ def test_adapter_is_exact_against_per_group_reference(monkeypatch, route_tile, p
     weights = torch.randint(-2, 3, (experts, n, k), generator=gen).double()
     alpha = torch.tensor([0.5, 1.0, 2.0, 0.25, 1.0, 4.0])
     offsets = _offsets(counts)
+    if past_end:  # and strided operands: rows of `a` 8 apart wider, `out` column-major
+        wide = torch.zeros(tokens, k + 8, dtype=torch.bfloat16)
+        wide[:, :k] = a
+        a = wide[:, :k]
     operands = types.SimpleNamespace(
         a=a,
         offsets=offsets,
@@ -138,6 +142,8 @@ def test_adapter_is_exact_against_per_group_reference(monkeypatch, route_tile, p
     compiled = types.SimpleNamespace(tactic=((128, route_tile, 256), (1, 1), True), experts=experts)
     monkeypatch.setattr(fg.GroupedW4A16Kernel, "launch", _emulate(weights))
     out = torch.full((tokens, n), 7.0, dtype=torch.bfloat16)
+    if past_end:
+        out = out.t().contiguous().t()
     fg.GroupedW4A16Kernel(compiled)(operands, out)
     want = torch.full((tokens, n), 7.0, dtype=torch.float64)
     start = 0
@@ -155,7 +161,7 @@ def test_adapter_refuses_fp16_and_a_wrong_expert_count():
         offsets=_offsets([3]),
         b_data=torch.zeros(4, 8, 16, dtype=torch.uint8),
     )
-    with pytest.raises(ValueError, match="a: expected contiguous bfloat16"):
+    with pytest.raises(ValueError, match="a: expected bfloat16"):
         kernel(ops, torch.zeros(3, 8, dtype=torch.bfloat16))
     ops.b_data = torch.zeros(5, 8, 16, dtype=torch.uint8)
     with pytest.raises(ValueError, match="b_data: compiled for 4 experts, got 5"):
@@ -452,7 +458,8 @@ def test_w4a4_adapter_matches_the_grouped_reference(monkeypatch, kind, tactic):
     seen: dict = {}
     monkeypatch.setattr(g4.GroupedW4A4Kernel, "launch", _emulate_w4a4(seen))
     compiled = types.SimpleNamespace(tactic=tactic, kind=kind)
-    out = torch.full((sum(counts) + 2, 128), 7.0, dtype=torch.bfloat16)  # stale contents
+    # stale contents, and a column-major view: the kernel's layout goes through a copy
+    out = torch.full((128, sum(counts) + 2), 7.0, dtype=torch.bfloat16).t()
     g4.GroupedW4A4Kernel(compiled)(ops, out)
     want = reference_output(ops)
     torch.testing.assert_close(seen["result"][:-2], want[:-2], rtol=1e-12, atol=1e-9)

@@ -351,12 +351,15 @@ class GroupedW4A4Kernel:
     def __call__(self, operands: Any, out: torch.Tensor) -> None:
         if operands.a_scale is None:
             raise ValueError("a_scale: expected A's block scales (grouped_w4a4), got None")
-        if not out.is_contiguous():
-            raise ValueError(f"out: expected a contiguous [T, N] tensor, strides {out.stride()}")
         prepared = prepare(operands, self.route_tile)
+        # the kernel writes rows of N at a stride of N: another layout goes through a copy
+        # of `out` (so rows of no expert keep their values either way)
+        dst = out if out.is_contiguous() else out.contiguous()
         if self.compiled.kind == "sm107":  # it adds each row once: onto zero is exact
-            out.masked_fill_(prepared.routing.valid[:, None], 0)  # rows of no expert: kept
-        self.launch(operands, prepared, out)
+            dst.masked_fill_(prepared.routing.valid[:, None], 0)  # rows of no expert: kept
+        self.launch(operands, prepared, dst)
+        if dst is not out:
+            out.copy_(dst)
 
     def launch(self, operands: Any, p: Prepared, out: torch.Tensor) -> None:
         """FlashInfer's compiled kernel on the current torch stream."""
