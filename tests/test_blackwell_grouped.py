@@ -554,3 +554,95 @@ def test_cli_explain_shows_each_grouped_familys_floor(capsys, dev):
         assert family in kept, out["cut"]
         for fam, cut in out["cut"].items():
             assert kept.get(fam, 0) >= min(out["floor"], kept.get(fam, 0) + cut), (fam, out)
+
+
+# ---- the one-launch routing (Triton; under the interpreter here) --------------------------
+
+_ROUTE_SCRIPT = r"""
+import json, random, sys
+import torch
+from fp4_dispatch.backends.flashinfer import grouped as fg
+from fp4_dispatch.backends.flashinfer import route_triton as rt
+
+results = []
+for seed, experts, tokens, tile, past_end in json.loads(sys.argv[1]):
+    rng = random.Random(seed)
+    cuts = sorted(rng.randint(0, tokens) for _ in range(experts - 1))
+    ends = torch.tensor([*cuts, tokens], dtype=torch.int32)
+    if past_end:  # rows of no expert, and an end past T (both clamped the same way)
+        ends[-2:] = torch.tensor([tokens - 2, tokens + 5], dtype=torch.int32)
+        ends[:-1] = ends[:-1].clamp(max=tokens - 2)
+    want = fg.route(ends, tokens, tile)  # CPU tensors: the torch path
+    n = want.slots // tile
+    got = (torch.empty(tokens, dtype=torch.int64), torch.empty(tokens, dtype=torch.bool),
+           torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int32),
+           torch.empty(1, dtype=torch.int32))
+    rt.route_into(ends, tokens, tile, want.slots, got)
+    same = [torch.equal(g, w) for g, w in zip(got, (want.dest, want.valid, want.tile_expert,
+                                                     want.tile_limit, want.num_tiles))]
+    results.append(same)
+print(json.dumps(results))
+"""
+
+
+def test_one_launch_routing_equals_the_torch_routing():
+    from conftest import run_interpreted
+
+    cases = [(0, 8, 37, 8, False), (1, 128, 64, 16, False), (2, 6, 300, 128, True),
+             (3, 1, 5, 8, False), (4, 256, 100, 256, True)]  # fmt: skip
+    for case, same in zip(cases, run_interpreted(_ROUTE_SCRIPT, cases), strict=True):
+        assert all(same), (case, same)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts, tokens, tile", [(128, 8, 8), (128, 512, 16), (256, 32768, 128)])
+def test_routing_on_a_gpu_equals_the_cpu_routing(experts, tokens, tile):
+    """On any CUDA GPU (the H200 in CI): the Triton routing equals the torch routing."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(tokens)
+    picks = torch.randint(0, experts, (tokens,), generator=gen)
+    ends = torch.cumsum(torch.bincount(picks, minlength=experts), 0).to(torch.int32)
+    want = fg.route(ends, tokens, tile)
+    got = fg.route(ends.cuda(), tokens, tile)
+    for name in ("dest", "valid", "tile_expert", "tile_limit", "num_tiles"):
+        assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
+
+
+@pytest.mark.gpu
+def test_w4a16_adapter_on_a_gpu_with_the_launch_emulated(monkeypatch):
+    """The adapter's device ops on CUDA (routing, scatter, gather, select; no host sync
+    needed), the FlashInfer launch replaced by the tile emulation (it needs Blackwell)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    counts = [3, 0, 40, 1, 0, 20]
+    tokens, n, k = sum(counts) + 2, 24, 32
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randint(-3, 4, (tokens, k), generator=gen).to(torch.bfloat16)
+    weights = torch.randint(-2, 3, (len(counts), n, k), generator=gen).double()
+    alpha = torch.tensor([0.5, 1.0, 2.0, 0.25, 1.0, 4.0])
+
+    def launch(self, operands, routing, padded, result):  # the emulation, on the CPU
+        host = torch.full(result.shape, float("nan"), dtype=torch.float64)
+        p = padded.cpu()
+        for j in range(int(routing.num_tiles[0])):
+            e = int(routing.tile_expert[j])
+            lo, hi = j * self.route_tile, min((j + 1) * self.route_tile, int(routing.tile_limit[j]))
+            host[lo:hi] = p[lo:hi].double() @ weights[e].T * float(alpha[e])
+        result.copy_(host.to(result.dtype))
+
+    monkeypatch.setattr(fg.GroupedW4A16Kernel, "launch", launch)
+    operands = types.SimpleNamespace(a=a.cuda(), offsets=_offsets(counts).cuda(),
+                                     alpha=alpha.cuda(), b_scale=None,
+                                     b_data=torch.zeros(len(counts), n, k // 2,
+                                                        dtype=torch.uint8).cuda())  # fmt: skip
+    compiled = types.SimpleNamespace(tactic=((128, 16, 256), (1, 1), True), experts=len(counts))
+    out = torch.full((tokens, n), 7.0, dtype=torch.bfloat16, device="cuda")
+    fg.GroupedW4A16Kernel(compiled)(operands, out)
+    want = torch.full((tokens, n), 7.0, dtype=torch.float64)
+    start = 0
+    for e, c in enumerate(counts):
+        want[start : start + c] = a[start : start + c].double() @ weights[e].T * float(alpha[e])
+        start += c
+    assert torch.equal(out.cpu(), want.to(torch.bfloat16))

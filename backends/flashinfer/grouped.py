@@ -172,13 +172,24 @@ def route(offsets: torch.Tensor, tokens: int, route_tile: int) -> Routing:
     ``pad_start`` is the exclusive cumulative sum of ``ceil(count / rt) * rt``. Ends are
     clamped to [0, T] on the device, so ends past T (a caller's error the host cannot
     see without a sync) never make a tile cover rows that do not exist. Shapes depend on
-    (T, E, rt) only, values on the device: no host synchronisation (~24 small kernels).
+    (T, E, rt) only, values on the device: no host synchronisation. On a GPU with Triton
+    this is one kernel (`fp4_dispatch.backends.flashinfer.route_triton`); otherwise ~24
+    small torch ops.
     """
     import torch
 
     experts = offsets.shape[0]
     slots = route_slots(tokens, experts, route_tile)
     dev = offsets.device
+    fused = _fused_route() if offsets.is_cuda else None
+    if fused is not None and experts <= fused.MAX_EXPERTS:
+        out = (torch.empty(tokens, dtype=torch.int64, device=dev),
+               torch.empty(tokens, dtype=torch.bool, device=dev),
+               torch.empty(slots // route_tile, dtype=torch.int32, device=dev),
+               torch.empty(slots // route_tile, dtype=torch.int32, device=dev),
+               torch.empty(1, dtype=torch.int32, device=dev))  # fmt: skip
+        fused.route_into(offsets, tokens, route_tile, slots, out)
+        return Routing(*out, slots)
     ends = offsets.to(torch.int64).clamp_(0, tokens)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     tiles = (counts + route_tile - 1) // route_tile
@@ -194,6 +205,21 @@ def route(offsets: torch.Tensor, tokens: int, route_tile: int) -> Routing:
     limit = (pad_start + counts)[owner]
     return Routing(dest, valid, owner.to(torch.int32), limit.to(torch.int32),
                    tile_end[-1:].to(torch.int32), slots)  # fmt: skip
+
+
+@functools.cache
+def _fused_route() -> Any:
+    """The one-launch routing module, or None without Triton (routing stays in torch)."""
+    try:
+        return importlib.import_module("fp4_dispatch.backends.flashinfer.route_triton")
+    except ImportError as exc:
+        log.info("grouped routing in torch ops (no Triton: %s)", exc)
+        return None
+
+
+def route_kernels() -> int:
+    """Device kernels `route` launches on a GPU: 1 with Triton, else its torch ops (~24)."""
+    return 1 if _fused_route() is not None else 24
 
 
 # ---- compile --------------------------------------------------------------------------

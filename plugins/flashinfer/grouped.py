@@ -38,11 +38,19 @@ COMPILE_ONLY = (
     "it has not been run on hardware by this project"
 )
 OPERATION = "grouped_w4a16"
-#: small device kernels of the torch-side routing (`fp4_dispatch.backends.flashinfer.
-#: grouped.route`, counted in its source) and the GPU time assumed for each in a CUDA
-#: graph: NOT fitted, to be measured on a Blackwell part
-ROUTE_KERNELS = 25
+#: GPU time assumed for one small device kernel (routing, copies) in a CUDA graph:
+#: NOT fitted, to be measured on a Blackwell part
 ROUTE_KERNEL_US = 2.0
+#: the W4A16 call's kernels besides routing and the GEMM: scatter, gather, select, copy
+W4A16_COPY_KERNELS = 4
+
+
+def route_kernels() -> int:
+    """Kernels of the routing (`fp4_dispatch.backends.flashinfer.grouped.route_kernels`:
+    one with Triton, its torch ops without)."""
+    from fp4_dispatch.backends.flashinfer import grouped as fg
+
+    return fg.route_kernels()
 
 
 def _fi_version() -> str:
@@ -198,7 +206,8 @@ def estimate(problem: Problem, device: DeviceInfo, tactic: FiGroupedW4A16Tactic)
     selected into ``out`` (rows of no expert keep theirs: three passes of T x N x 2 B
     read, one written, plus the copy back)."""
     copies = problem.m * (2.0 * problem.k + 7.0 * problem.n) * 2.0
-    return estimate_routed(problem, device, tactic, 2.0, copies, ROUTE_KERNELS)
+    kernels = route_kernels() + W4A16_COPY_KERNELS
+    return estimate_routed(problem, device, tactic, 2.0, copies, kernels)
 
 
 def estimate_routed(

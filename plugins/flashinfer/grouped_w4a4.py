@@ -26,9 +26,9 @@ from fp4_dispatch.backend import Backend, Kernel, Support
 from fp4_dispatch.device import DeviceInfo
 from fp4_dispatch.plugins.flashinfer.grouped import (
     ROUTE_KERNEL_US,
-    ROUTE_KERNELS,
     _fi_version,
     estimate_routed,
+    route_kernels,
 )
 from fp4_dispatch.sources import SourceVersion
 from fp4_dispatch.tactics import Problem, Tactic
@@ -169,7 +169,7 @@ class FiGroupedW4A4Backend(Backend):
         checked = self.tactic_type.model_validate(tactic.model_dump())
         copies = 2.0 * problem.m * problem.k * (0.5 + 1.0 / 16)
         return estimate_routed(problem, device, checked, 0.5 + 1.0 / 16, copies,
-                               ROUTE_KERNELS + PREPARE_KERNELS)  # fmt: skip
+                               route_kernels() + PREPARE_KERNELS)  # fmt: skip
 
     def validate(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> str | None:
         from fp4_dispatch.backends.flashinfer import grouped_w4a4 as g4
