@@ -3,7 +3,8 @@
 calls, one per expert: the issue 35 targets.
 
     python3 benchmarks/bench_grouped.py            # GPU; OUT=/dir: $OUT/grouped.jsonl, .md
-    python3 benchmarks/bench_grouped.py --tune     # tune each grouped bucket first (graph)
+    python3 benchmarks/bench_grouped.py --tune     # tune each grouped bucket first (graph;
+                                                   # --budget 8 tactics a bucket by default)
     python3 benchmarks/bench_grouped.py --smoke    # CPU: a tiny config, interpreter
 
 Configs (per layer, both projections of an expert MLP):
@@ -209,6 +210,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="CPU: tiny config, interpreter")
     p.add_argument("--tune", action="store_true", help="tune each grouped bucket first")
+    p.add_argument("--budget", type=int, default=8,
+                   help="tactics a bucket's tuning measures (the dispatcher's budget)")  # fmt: skip
     p.add_argument("--configs", nargs="*", default=None, help=f"subset of {list(CONFIGS)}")
     p.add_argument("--tokens", nargs="*", type=int, default=None)
     args = p.parse_args()
@@ -223,7 +226,7 @@ def main() -> int:
         device = torch.device("cuda")
         configs = {k: CONFIGS[k] for k in (args.configs or CONFIGS)}
         tokens = tuple(args.tokens or TOKENS)
-        d = Dispatcher()
+        d = Dispatcher(budget=args.budget)
         label = torch.cuda.get_device_name()
     stamp = {"device": label, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
              "command": " ".join(["python3", *sys.argv])}  # fmt: skip

@@ -294,8 +294,8 @@ def grouped_reference(
     in float64, not rounded to float32). ``a`` dense ``[T, K]`` or an `Nvfp4Tensor`;
     rows of no expert come out 0. Reads the offsets (a host sync)."""
     if isinstance(a, Nvfp4Tensor):
-        qa = a.to("cpu").with_layout("swizzled").natural()
-        x = _unscaled(qa.data, qa.scale, qa.rows, qa.k)
+        qa = a.to("cpu").with_layout("linear").natural()
+        x = _unscaled(qa.data, qa.scale, qa.k)
         g_a = float(qa.global_scale)
     else:
         if not isinstance(a, torch.Tensor) or a.dim() != 2:
@@ -306,48 +306,55 @@ def grouped_reference(
     check_offsets(offsets, b.experts)
     bc = b.to("cpu")
     alpha = bc.global_scale.to(torch.float64) * g_a
-    return _per_expert(x, bc.data, bc.scale, alpha, offsets)
+    rows = torch.arange(x.shape[0])
+    return _per_expert(x, rows, x.shape[0], bc.data, bc.scale, alpha, offsets)
 
 
 def reference_output(
     ops: object, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None
 ) -> torch.Tensor:
     """float64 ``[len(rows), len(cols)]`` on the CPU of raw grouped operands
-    (`fp4_dispatch.backend.GroupedOperands`; all rows / columns when not given): what a
-    kernel given `ops` must write (rows of no expert 0; ``alpha`` as given, float32).
-    What tuning and the first-use check compare with. Only the selected rows and
-    columns are read and multiplied, expert by expert (a full float64 reference of a
-    256-expert prefill would take minutes on a CPU)."""
+    (`fp4_dispatch.backend.GroupedOperands`; all rows / columns when not given, `rows`
+    ascending): what a kernel given `ops` must write (rows of no expert 0; ``alpha`` as
+    given, float32). What tuning and the first-use check compare with. Only the
+    selected rows and columns are read and multiplied, expert by expert (a full float64
+    reference of a 256-expert prefill would take minutes on a CPU)."""
     t, k = ops.a.shape[0], ops.b_data.shape[2] * 2
+    rows = torch.arange(t) if rows is None else rows.cpu()
+    picked = ops.a.index_select(0, rows.to(ops.a.device)).cpu()
     if ops.a_scale is not None:
-        x = _unscaled(ops.a.cpu(), ops.a_scale.cpu(), t, k)
+        sc = unswizzle_scales(ops.a_scale.cpu(), t, k).index_select(0, rows)
+        x = _unscaled(picked, sc, k)
     else:
-        x = ops.a.detach().cpu().to(torch.float64)
+        x = picked.to(torch.float64)
     alpha = ops.alpha.detach().cpu().to(torch.float64)
-    return _per_expert(x, ops.b_data, ops.b_scale, alpha, ops.offsets, rows, cols)
+    return _per_expert(x, rows, t, ops.b_data, ops.b_scale, alpha, ops.offsets, cols)
 
 
-def _unscaled(data: torch.Tensor, scale: torch.Tensor, rows: int, k: int) -> torch.Tensor:
-    """float64 ``e2m1 * block scale`` ``[rows, K]`` (swizzled scales; no global scale)."""
+def _unscaled(data: torch.Tensor, linear_scale: torch.Tensor, k: int) -> torch.Tensor:
+    """float64 ``e2m1 * block scale`` ``[R, K]`` of packed rows and their LINEAR block
+    scales ``[R, K/16]`` (no global scale)."""
+    rows = data.shape[0]
     vals = e2m1_to_float(unpack_e2m1(data)).to(torch.float64)
-    sc = unswizzle_scales(scale, rows, k).to(torch.float64)
+    sc = linear_scale.to(torch.float64)
     return (vals.view(rows, k // BLOCK_SIZE, BLOCK_SIZE) * sc.unsqueeze(-1)).view(rows, k)
 
 
 def _per_expert(
     x: torch.Tensor,
+    rows: torch.Tensor,
+    total: int,
     b_data: torch.Tensor,
     b_scale: torch.Tensor,
     alpha: torch.Tensor,
     offsets: torch.Tensor,
-    rows: torch.Tensor | None = None,
     cols: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out[r] = alpha[e] * x[r] @ w_e.T`` over each expert's rows, float64 on the CPU,
-    for the selected `rows` (ascending) and `cols` only (all when None). Weights are read
-    expert by expert from their device (selected columns only)."""
+    """``out[i] = alpha[e] * x[i] @ w_e.T`` float64 on the CPU, where ``x[i]`` is row
+    ``rows[i]`` (ascending, of `total`) and ``e`` its expert; `cols` of the output only
+    (all when None). Weights are read expert by expert from their device (selected
+    columns only), only for experts that own a selected row."""
     n, k = b_data.shape[1], b_data.shape[2] * 2
-    rows = torch.arange(x.shape[0]) if rows is None else rows.cpu()
     cols = torch.arange(n) if cols is None else cols.cpu()
     out = torch.zeros(len(rows), len(cols), dtype=torch.float64)
     ends = offsets.cpu().tolist()
@@ -355,14 +362,13 @@ def _per_expert(
         raise ValueError(f"offsets: expected {b_data.shape[0]} row ends, got {len(ends)}")
     start = 0
     for e, end in enumerate(ends):
-        end = max(start, min(int(end), x.shape[0]))
+        end = max(start, min(int(end), total))
         mine = ((rows >= start) & (rows < end)).nonzero().flatten()
         start = end
         if not len(mine):
             continue
         data = b_data[e].index_select(0, cols.to(b_data.device)).cpu()
-        vals = e2m1_to_float(unpack_e2m1(data)).to(torch.float64)
-        sc = unswizzle_scales(b_scale[e].cpu(), n, k).index_select(0, cols).to(torch.float64)
-        w = (vals.view(len(cols), k // BLOCK_SIZE, BLOCK_SIZE) * sc.unsqueeze(-1)).view(-1, k)
-        out[mine] = (x.index_select(0, rows[mine]) @ w.T) * alpha[e]
+        sc = unswizzle_scales(b_scale[e].cpu(), n, k).index_select(0, cols)
+        w = _unscaled(data, sc, k)
+        out[mine] = (x.index_select(0, mine) @ w.T) * alpha[e]
     return out

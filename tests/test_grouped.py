@@ -184,3 +184,20 @@ def test_reference_output_of_raw_operands():
     a16 = torch.randn(t, k, generator=gen).to(torch.float16)
     dense = GroupedOperands(a16, b.data, b.scale, b.global_scale, off)
     assert torch.equal(grouped.reference_output(dense), grouped.grouped_reference(a16, b, off))
+
+
+def test_reference_output_of_selected_rows_and_columns():
+    """The sampled form (tuning's and the first-use check's) is the full one, sliced."""
+    gen = torch.Generator().manual_seed(4)
+    b = quantize_experts(torch.randn(4, 40, 64, generator=gen))
+    qa = quantize_nvfp4(torch.randn(12, 64, generator=gen))
+    off = offsets_of([5, 0, 4, 3])
+    for ops in (
+        GroupedOperands(qa.data, b.data, b.scale, qa.global_scale * b.global_scale, off,
+                        a_scale=qa.scale),
+        GroupedOperands(torch.randn(12, 64, generator=gen).half(), b.data, b.scale,
+                        b.global_scale, off),
+    ):  # fmt: skip
+        full = grouped.reference_output(ops)
+        rows, cols = torch.tensor([0, 4, 5, 9, 11]), torch.tensor([1, 7, 39])
+        assert torch.equal(grouped.reference_output(ops, rows, cols), full[rows][:, cols])

@@ -75,6 +75,22 @@ CASES = [
     ([3, 0, 4, 1], 0, 40, 96, {"block_m": 4, "block_n": 16, "block_k": 64}, False),  # K tail
     ([5, 9, 0, 8], 0, 32, 64, {"block_m": 8, "block_n": 16, "block_k": 64}, False),
     ([2, 0, 5], 0, 40, 128, {"block_m": 16, "block_n": 32, "block_k": 64}, True),
+    (
+        [0, 20, 0, 3],
+        1,
+        72,
+        96,
+        {"block_m": 16, "block_n": 64, "block_k": 64, "weights_on_m": True},
+        False,
+    ),
+    (
+        [4, 0, 17],
+        0,
+        64,
+        64,
+        {"block_m": 16, "block_n": 64, "block_k": 64, "weights_on_m": True},
+        True,
+    ),
     ([1, 1, 0, 1], 0, 24, 96, {"block_m": 2, "block_n": 16, "block_k": 64}, True),
 ]
 
@@ -146,6 +162,9 @@ def test_grouped_precompile_compiles_what_a_call_launches(tmp_path):
                                            "num_stages": 3, "num_warps": 8}},
         {"name": "w4a4-dot", "t": 512, "n": 256, "k": 512, "e": 16, "dtype": "bfloat16",
          "op": "grouped_w4a4", "tactic": {"tile_m": 16, "tile_n": 64, "tile_k": 256}},
+        {"name": "dot-w-on-m", "t": 300, "n": 512, "k": 512, "e": 32, "dtype": "bfloat16",
+         "op": "grouped_w4a16", "tactic": {"tile_m": 16, "tile_n": 128, "tile_k": 128,
+                                           "weights_on_m": True}},
         {"name": "gemv4-tail", "t": 64, "n": 192, "k": 1056, "e": 16, "dtype": "float16",
          "op": "grouped_w4a16", "tactic": {"tile_m": 4, "tile_n": 32, "tile_k": 128}},
         {"name": "w4a4-fma", "t": 16, "n": 256, "k": 512, "e": 64, "dtype": "bfloat16",
@@ -222,10 +241,10 @@ def _sm90_gpu() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90_gpu(), reason="needs a CUDA device of compute capability 9.x")
-def test_gpu_grouped_every_tactic_bf16_and_graph_replay():
-    """Every offered tactic of a decode and a prefill bucket, bf16 rows, within the dense
-    W4A16 tolerance of the float64 reference per expert; then the dispatcher's plan in a
-    CUDA graph replayed with new routing (offsets changed in place: no re-capture)."""
+def test_gpu_grouped_every_path_bf16_and_graph_replay():
+    """A tactic of every path and knob of a decode and a prefill bucket, bf16 rows, within
+    the dense W4A16 tolerance of the float64 reference; then the dispatcher's plan: eager
+    replays and a CUDA graph replayed with new routing (offsets changed in place)."""
     import torch
 
     from fp4_dispatch.backend import GroupedOperands
@@ -245,7 +264,11 @@ def test_gpu_grouped_every_tactic_bf16_and_graph_replay():
         ref = grouped_reference(a, b, off)
         ops = GroupedOperands(a, b.data, b.scale, b.global_scale, off)
         p = Problem(m=t, n=n, k=k, operation="grouped_w4a16", groups=e)
+        # one tactic per (tile_m, weights_on_m, tile_k): every path, ~20 compiles a problem
+        one_each = {}
         for tactic in backend.tactics(p, info):
+            one_each.setdefault((tactic.tile_m, tactic.weights_on_m, tactic.tile_k), tactic)
+        for tactic in one_each.values():
             out = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
             backend.build(tactic, p, info)(ops, out)
             err = float((out.double().cpu() - ref).norm() / ref.norm())

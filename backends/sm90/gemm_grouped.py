@@ -81,13 +81,17 @@ FMA_PER_THREAD = 128
 @dataclass(frozen=True)
 class GroupedConfig:
     """Compile-time knobs: ``block_m`` rows, ``block_n`` weight rows, ``block_k`` K
-    elements per step, Triton's ``num_warps`` and ``num_stages``."""
+    elements per step, Triton's ``num_warps`` and ``num_stages``; ``weights_on_m``: the
+    tensor-core path multiplies ``W @ A.T`` (weight rows on the MMA's M side, as the
+    dense W4A16 decode kernel does: Hopper's wgmma needs 64 rows there, a few tokens
+    per expert do not have them) instead of ``A @ W.T``."""
 
     block_m: int = 16
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    weights_on_m: bool = False
 
     def __post_init__(self) -> None:
         for name, choices in (
@@ -101,6 +105,9 @@ class GroupedConfig:
             raise ValueError(f"num_warps: expected 2, 4 or 8, got {self.num_warps}")
         if self.num_stages < 1:
             raise ValueError(f"num_stages: expected >= 1, got {self.num_stages}")
+        if self.weights_on_m and self.block_m < DOT_MIN_M:
+            raise ValueError(f"weights_on_m: only for the tensor-core path (block_m >= "
+                             f"{DOT_MIN_M}), got block_m={self.block_m}")  # fmt: skip
         per_thread = self.block_m * self.block_n * self.block_k // (32 * self.num_warps)
         if self.block_m < DOT_MIN_M and per_thread > FMA_PER_THREAD:
             raise ValueError(
@@ -221,6 +228,7 @@ def _grouped_kernel(
     NUM_STAGES: tl.constexpr,
     USE_ASM: tl.constexpr,
     GEMV: tl.constexpr,
+    W_ON_M: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     tile = tl.program_id(1)
@@ -257,6 +265,7 @@ def _grouped_kernel(
     rk = tl.arange(0, BLOCK_K)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # W_ON_M: out tile transposed
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         w = _nvfp4_tile(b_e, bs_e, rn, n_ok, k0, K, b_sblk, BLOCK_K, EVEN_K, USE_ASM)
         if A_FP4:
@@ -273,9 +282,14 @@ def _grouped_kernel(
             if BLOCK_M >= 16:
                 w = w.to(a_ptr.dtype.element_ty)  # the activations' 16-bit type (exact)
         if BLOCK_M >= 16:
-            acc = tl.dot(x, tl.trans(w), acc)
+            if W_ON_M:  # the weight rows on the MMA's M side (wgmma's 64-row minimum)
+                acc_t = tl.dot(w, tl.trans(x), acc_t)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
         else:  # [BLOCK_M, BLOCK_N, BLOCK_K] products of this step, reduced at once
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if W_ON_M:
+        acc = tl.trans(acc_t)
 
     alpha = tl.load(alpha_ptr + e)
     y = (acc * alpha).to(out_ptr.dtype.element_ty)
@@ -374,6 +388,7 @@ class GroupedKernel:
             "NUM_STAGES": cfg.num_stages,
             "USE_ASM": _USE_ASM,
             "GEMV": not a_fp4 and cfg.block_m <= GEMV_MAX_M,
+            "W_ON_M": cfg.weights_on_m,
         }
         return grid, args, meta
 

@@ -29,6 +29,7 @@ from .common import (
     format_table,
     make_dispatcher,
     positive_int,
+    problem_groups,
 )
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "without a GPU; the kernels are compiled, not run.",
         examples="""fp4-dispatch compile 128 4096 4096 --device sm100
 fp4-dispatch compile 32768 4096 8192 --device sm107 --budget 8 --jobs 2
-fp4-dispatch compile 1 8192 8192 --device sm103 --json""",
+fp4-dispatch compile 1 8192 8192 --device sm103 --json
+fp4-dispatch compile 64 1536 2048 --device sm100 --op grouped_w4a4 --groups 128""",
     )
     add_shape_args(p)
     add_device_args(p)
@@ -64,6 +66,15 @@ fp4-dispatch compile 1 8192 8192 --device sm103 --json""",
     )
     p.add_argument("--out-dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument(
+        "--op",
+        default="w4a4",
+        choices=("w4a4", "w4a16", "grouped_w4a16", "grouped_w4a4"),
+        help="the problem's operation (default w4a4); a grouped one needs --groups",
+    )
+    p.add_argument(
+        "--groups", type=int, default=None, metavar="E", help="expert count of a grouped --op"
+    )
+    p.add_argument(
         "--no-progress", action="store_true", help="no progress bar (or FP4_DISPATCH_PROGRESS=0)"
     )
     add_json_arg(p)
@@ -71,8 +82,9 @@ fp4-dispatch compile 1 8192 8192 --device sm103 --json""",
 
 
 def run(args: argparse.Namespace) -> int:
+    groups = problem_groups(args)
     d = make_dispatcher(args, budget=args.budget)
-    shortlist = d.candidates(args.m, args.n, args.k, args.out_dtype)
+    shortlist = d.candidates(args.m, args.n, args.k, args.out_dtype, args.op, groups)
     aot = {n for n, b in d.registry.backends.items() if compiles_ahead_of_time(b)}
     todo = [c for c in shortlist.candidates if c.backend in aot]
     dev = d.device
@@ -85,7 +97,14 @@ def run(args: argparse.Namespace) -> int:
         )
     from ..tactics import Problem  # noqa: PLC0415 - lazy: start-up time
 
-    problem = Problem(m=args.m, n=args.n, k=args.k, out_dtype=args.out_dtype).model_dump_json()
+    problem = Problem(
+        m=args.m,
+        n=args.n,
+        k=args.k,
+        out_dtype=args.out_dtype,
+        operation=shortlist.problem.operation,
+        groups=groups,
+    ).model_dump_json()
     jobs = max(1, min(args.jobs, len(todo)))  # at most; cached kernels need no worker
     if not args.json:
         per = Counter(c.family for c in todo)
@@ -121,7 +140,8 @@ def _from_cache(d, todo: list, problem_json: str) -> list[dict | None]:
         t0 = time.perf_counter()
         if loader is not None:
             try:
-                kernel = loader(c.tactic, kernel_problem(problem, c.tactic), d.device)
+                mine = kernel_problem(problem.as_operation(c.operation), c.tactic)
+                kernel = loader(c.tactic, mine, d.device)
             except Exception as exc:  # a broken cache entry: the worker compiles it afresh
                 log.info("%s: loading from the kernel cache failed (%r); compiling", c.backend,
                          exc)  # fmt: skip
@@ -145,7 +165,8 @@ def _compile_all(d, todo: list, problem_json: str, jobs: int, bar_ok: bool) -> l
     from ..tactics import Problem  # noqa: PLC0415 - lazy: start-up time
 
     problem = Problem.model_validate_json(problem_json)
-    work = [pc.Job(d.registry.backends[c.backend], c.tactic, kernel_problem(problem, c.tactic))
+    work = [pc.Job(d.registry.backends[c.backend], c.tactic,
+                   kernel_problem(problem.as_operation(c.operation), c.tactic))
             for c in todo]  # fmt: skip
     bar = progress(iter(()), total=len(work), desc="compile", unit="kernel",
                    enable=None if bar_ok else False)  # fmt: skip

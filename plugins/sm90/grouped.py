@@ -75,6 +75,8 @@ class TritonSm90GroupedTactic(Tactic):
     tile_k: Literal[64, 128, 256] = 128
     num_warps: Literal[4, 8] = 4
     num_stages: Literal[2, 3] = 2
+    #: tensor-core path only: weight rows on the MMA's M side (`GroupedConfig`)
+    weights_on_m: bool = False
 
     def kernel_config(self):
         """The kernel's config (imports the Triton module: only on a build)."""
@@ -83,7 +85,7 @@ class TritonSm90GroupedTactic(Tactic):
         )
 
         return GroupedConfig(self.tile_m, self.tile_n, self.tile_k, self.num_warps,
-                             self.num_stages)  # fmt: skip
+                             self.num_stages, self.weights_on_m)  # fmt: skip
 
 
 def rows_per_expert(problem: Problem) -> int:
@@ -107,6 +109,8 @@ def why_invalid(t: TritonSm90GroupedTactic, problem: Problem) -> str | None:
     if t.tile_m > max_tile_m(problem):
         return f"tile_m={t.tile_m} > {max_tile_m(problem)} (balanced rows per expert)"
     threads = 32 * t.num_warps
+    if t.weights_on_m and (t.tile_m < DOT_MIN_M or t.tile_n < 64):
+        return "weights_on_m: the tensor-core path with tile_n >= 64 (wgmma's M) only"
     if t.tile_m < DOT_MIN_M:
         per_thread = t.tile_m * t.tile_n * t.tile_k // threads
         if per_thread > FMA_PER_THREAD:
@@ -133,8 +137,10 @@ class TritonSm90GroupedBackend(Backend):
         return _sm90_support(device)
 
     def tactics(self, problem: Problem, device: DeviceInfo) -> Iterator[TritonSm90GroupedTactic]:
-        for tm, tn, tk, warps, stages in itertools.product(TILE_M, TILE_N, TILE_K, WARPS, STAGES):
-            t = _tactic(tm, tn, tk, warps, stages)
+        for tm, tn, tk, warps, stages, w_on_m in itertools.product(
+            TILE_M, TILE_N, TILE_K, WARPS, STAGES, (False, True)
+        ):
+            t = _tactic(tm, tn, tk, warps, stages, w_on_m)
             if why_invalid(t, problem) is None:
                 yield t
 
@@ -201,11 +207,12 @@ class TritonSm90GroupedBackend(Backend):
 
 
 @functools.cache
-def _tactic(tm: int, tn: int, tk: int, warps: int, stages: int) -> TritonSm90GroupedTactic:
+def _tactic(
+    tm: int, tn: int, tk: int, warps: int, stages: int, w_on_m: bool = False
+) -> TritonSm90GroupedTactic:
     """Cached tactic objects (the ranking memoizes validation by identity)."""
-    return TritonSm90GroupedTactic(
-        tile_m=tm, tile_n=tn, tile_k=tk, num_warps=warps, num_stages=stages
-    )
+    return TritonSm90GroupedTactic(tile_m=tm, tile_n=tn, tile_k=tk, num_warps=warps,
+                                   num_stages=stages, weights_on_m=w_on_m)  # fmt: skip
 
 
 @functools.cache
