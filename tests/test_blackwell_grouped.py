@@ -410,12 +410,19 @@ def test_scale_repack_moves_each_rows_scales_to_its_padded_row():
     assert torch.equal(after[r.dest], before)
 
 
+def _unscaled(data: torch.Tensor, scale: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+    """float64 e2m1 x block scale [rows, K] (swizzled scales), from the public format API."""
+    from fp4_dispatch.nvfp4 import e2m1_to_float, unpack_e2m1, unswizzle_scales
+
+    vals = e2m1_to_float(unpack_e2m1(data)).to(torch.float64).view(rows, k // 16, 16)
+    return (vals * unswizzle_scales(scale, rows, k).to(torch.float64)[..., None]).view(rows, k)
+
+
 def _emulate_w4a4(seen: dict):
     """FlashInfer's GEMM2 epilogues as their source reads: tile j (< num_tiles) computes
     padded rows [j*t, min((j+1)*t, limit[j])) with expert tile_expert[j] and sends row p,
     scaled by alpha[e], to out[expanded[p]]: written (Blackwell, deterministic mode) or
     added (Rubin, always a reduce-add); nothing else is touched."""
-    from fp4_dispatch.grouped import _unscaled
 
     def launch(self, operands, p, out):
         t, k = self.route_tile, p.a.shape[1] * 2
@@ -646,3 +653,24 @@ def test_w4a16_adapter_on_a_gpu_with_the_launch_emulated(monkeypatch):
         want[start : start + c] = a[start : start + c].double() @ weights[e].T * float(alpha[e])
         start += c
     assert torch.equal(out.cpu(), want.to(torch.bfloat16))
+
+
+@needs_fi
+def test_cli_compile_builds_a_grouped_tactic_once_then_loads_it(tmp_path, monkeypatch, capsys):
+    """``fp4-dispatch compile --op grouped_w4a16 --groups E``: compiled for sm_100a, then a
+    second run compiles nothing (a worker still holding it, or the on-disk cache)."""
+    from fp4_dispatch.backends import cute as cb
+    from fp4_dispatch.cli import main
+
+    monkeypatch.setenv(cb.CACHE_ENV, str(tmp_path))
+    argv = ["compile", "64", "1536", "2048", "--op", "grouped_w4a16", "--groups", "128",
+            "--device", "sm100", "--budget", "1", "--jobs", "1", "--no-progress"]  # fmt: skip
+    sources = []
+    for _ in range(2):
+        assert main([*argv, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert set(report["families"]) == {"fi-grouped-w4a16"}, report["families"]
+        (row,) = report["results"]
+        assert row["ok"] and row["cubin_sm"] == 100, row
+        sources.append(row["source"])
+    assert sources[0] == "compiled" and sources[1] in ("memory", "disk"), sources
