@@ -171,8 +171,9 @@ def _per_family(sl: Shortlist) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     groups = common.problem_groups(args)
     dispatcher = common.make_dispatcher(args, budget=args.budget)
+    grouped = {} if groups is None else {"groups": groups}  # dense: the call as before
     sl = dispatcher.candidates(args.m, args.n, args.k, out_dtype=args.out_dtype,
-                               operation=args.op, groups=groups)  # fmt: skip
+                               operation=args.op, **grouped)  # fmt: skip
     faults = list(getattr(dispatcher, "faults", ()))
     op = sl.problem.operation  # the call's operation under the precision policy
     tuned = tuned_entry(dispatcher, args.m, args.n, args.k, args.out_dtype, op, groups)
