@@ -29,6 +29,8 @@ needs_fi = pytest.mark.skipif(
 )
 HINT = "pip install '.[flashinfer]' in the fp4-dispatch checkout"
 NAMES = {"fi-sm100", "fi-sm100-deepk", "fi-sm100-splitk", "fi-sm103", "fi-sm107"}
+#: and the grouped families (tests/test_blackwell_grouped.py), which serve no dense problem
+LISTED = NAMES | {"fi-grouped-w4a16", "fi-grouped-w4a4", "fi-grouped-w4a4-sm107"}
 SM107 = simulated("sm107")
 SM100 = simulated("sm100")
 
@@ -75,7 +77,7 @@ def test_families_unsupported_with_hint_when_flashinfer_missing():
     rows = _blocked_rows("missing")
     for dev in ("sm100", "sm107"):
         by_name = {r["name"]: r for r in rows[dev]}
-        assert set(by_name) == NAMES, rows[dev]
+        assert set(by_name) == LISTED, rows[dev]
         assert by_name["fi-sm100"]["status"] == "unsupported"
         assert HINT in by_name["fi-sm100"]["reason"]
     assert {r["status"] for r in rows["sm107"]} == {"unsupported"}
@@ -84,7 +86,7 @@ def test_families_unsupported_with_hint_when_flashinfer_missing():
 def test_families_failed_with_exception_when_flashinfer_broken():
     rows = _blocked_rows("broken")
     by_name = {r["name"]: r for r in rows["sm107"]}
-    assert set(by_name) == NAMES
+    assert set(by_name) == LISTED
     for row in by_name.values():
         assert row["status"] == "failed", row
         assert "libcudart.so.13" in row["reason"]
@@ -94,7 +96,7 @@ def test_families_failed_with_exception_when_flashinfer_broken():
 def test_families_failed_with_version_when_runner_api_moved():
     rows = _blocked_rows("moved")
     by_name = {r["name"]: r for r in rows["sm107"]}
-    assert set(by_name) == NAMES
+    assert set(by_name) == LISTED
     for row in by_name.values():
         assert row["status"] == "failed", row
         assert "_cute_dsl_gemm_fp4_runner" in row["reason"]
@@ -348,6 +350,9 @@ def test_conformance_kit(device):
     # the kit's problems have K <= 512 and no decode M with K % 512 == 0, where deep-K
     # and split-K exist at all: add two decode shapes (as the kit's message asks)
     problems = (*DEFAULT_PROBLEMS, Problem(m=1, n=2048, k=8192), Problem(m=16, n=7168, k=2048))
+    # and grouped ones for fi-grouped-w4a16 and fi-grouped-w4a4 (which serve nothing else)
+    grouped = {"m": 64, "n": 1536, "k": 2048, "groups": 8}
+    problems += tuple(Problem(**grouped, operation=op) for op in ("grouped_w4a16", "grouped_w4a4"))
     report = check_plugin(
         "flashinfer", device=device, problems=problems, samples=1, show_progress=False
     )

@@ -37,6 +37,11 @@ from fp4_dispatch.contracts.backend import Backend, Kernel, Support
 from fp4_dispatch.contracts.device import DeviceInfo
 from fp4_dispatch.contracts.hookspecs import hookimpl
 from fp4_dispatch.contracts.tactics import Problem, Tactic
+from fp4_dispatch.plugins.flashinfer.grouped import FiGroupedW4A16Backend
+from fp4_dispatch.plugins.flashinfer.grouped_w4a4 import (
+    FiGroupedW4A4Backend,
+    FiGroupedW4A4Sm107Backend,
+)
 from fp4_dispatch.support.sources import SourceVersion
 
 COMPILE_ONLY = (
@@ -315,3 +320,6 @@ BACKENDS = (FiSm100Backend, FiSm100DeepKBackend, FiSm100SplitKBackend, FiSm103Ba
 def fp4_dispatch_register_backends(register) -> None:
     for cls in BACKENDS:
         register(cls())
+    register(FiGroupedW4A16Backend())  # grouped_w4a16 (plugins/flashinfer/grouped.py)
+    register(FiGroupedW4A4Backend())  # grouped_w4a4 (plugins/flashinfer/grouped_w4a4.py)
+    register(FiGroupedW4A4Sm107Backend())
