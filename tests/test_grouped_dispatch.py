@@ -428,3 +428,15 @@ def test_cli_compile_takes_a_grouped_problem(capsys):
         assert code != 0 and "nothing to compile on" in err, err
     else:  # fi-grouped-w4a4 compiles it for sm_100a (tests/test_blackwell_grouped.py)
         assert code == 0, err
+
+
+def test_grouped_w4a16_writes_the_activations_dtype_only():
+    """The problem's output dtype names A's dtype too (a family may serve bf16 only), so a
+    grouped W4A16 call with another ``out_dtype`` is refused, naming the argument."""
+    d = Dispatcher(device="cpu", cache=False)
+    w = quantize_experts(torch.randn(2, 32, 64))
+    a = torch.randn(4, 64, dtype=torch.bfloat16)
+    offsets = torch.tensor([1, 4], dtype=torch.int32)
+    assert d.grouped_gemm(a, w, offsets).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"out_dtype: .*bfloat16.*got torch.float16"):
+        d.grouped_gemm(a, w, offsets, out_dtype=torch.float16)

@@ -146,6 +146,9 @@ class Dispatcher(Runner):
             x = checks.dense_activation("a", a)
             checks.k_dims(x.shape[1], k, ("a", "b"))
             out_dtype = x.dtype if out_dtype is None else out_dtype
+            if out_dtype != x.dtype:  # the problem's out dtype is then a's: families know it
+                raise ValueError(f"out_dtype: a grouped W4A16 call writes a's dtype "
+                                 f"({x.dtype}), got {out_dtype}")  # fmt: skip
             device = self.check_device("a", x)
             a_scale, t = None, x.shape[0]
         dtype = checks.out_dtype_name(out_dtype)
