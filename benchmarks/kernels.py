@@ -1,4 +1,5 @@
-"""The ``kernels`` suite: dense GEMMs per operation and the quantize kernel, on one GPU.
+"""The ``kernels`` suite: dense GEMMs per operation, the quantize kernel and the grouped MoE
+GEMM, on one GPU.
 
     python -m benchmarks kernels                       # every routine, default grids
     python -m benchmarks kernels --cases w4a16-decode --top 0   # the whole shortlist
