@@ -4,6 +4,7 @@ Suites (one module each, routines as entries of its ``ROUTINES``):
 
 - ``kernels``: dense GEMMs per operation (w4a4, w4a16, w4a8) and the quantize kernel,
   each backend's tactics and the dispatcher's pick beside bf16 cuBLAS and FP8 cuBLASLt;
+  the grouped MoE GEMM beside bf16 ``torch._grouped_mm`` and a loop of dense GEMMs;
 - ``serving``: the layer a user swaps in (eager and CUDA graph), graph/compile checks,
   first contact on a CPU, loading a checkpoint;
 - ``model``: one step of a Llama decoder, bf16 vs NVFP4 vs FP8;

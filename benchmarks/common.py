@@ -170,6 +170,15 @@ def path_rows(ctx: Context, case: str, fn: Callable[[torch.Tensor], object],
     return rows
 
 
+def add_ratios(rows: list[Row], bases: dict[str, str]) -> None:
+    """``ratios[name]`` = the base path's time / this row's, same clock (> 1: faster)."""
+    for name, path in bases.items():
+        base = {r.clock: r.median_us for r in rows if r.backend == path and r.median_us}
+        for r in rows:
+            if r.median_us and r.clock in base:
+                r.ratios[name] = base[r.clock] / r.median_us
+
+
 def tactic_rows(ctx: Context, case: str, dispatcher: Any, problem: Any, candidates: Sequence,
                 clock: str, deadline: float | None = None) -> list[Row]:  # fmt: skip
     """Each candidate built, checked (float64 reference, NaN-poisoned output) and timed by

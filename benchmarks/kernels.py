@@ -1,4 +1,5 @@
-"""The ``kernels`` suite: dense GEMMs per operation and the quantize kernel, on one GPU.
+"""The ``kernels`` suite: dense GEMMs per operation, the quantize kernel and the grouped MoE
+GEMM, on one GPU.
 
     python -m benchmarks kernels                       # every routine, default grids
     python -m benchmarks kernels --cases w4a16-decode --top 0   # the whole shortlist
@@ -21,17 +22,29 @@ Every path: GPU time (``graph``: CUDA-graph replays, L2 flushed before each call
 eager wall per call (``eager``), the relative error of one NaN-poisoned output, and
 ``ratios`` to bf16 and FP8 (their time over this one: > 1 is faster). Every kernel is
 compiled first in parallel. ``quantize``: `quantize_nvfp4` of a bf16 activation, checked
-bit for bit against the CPU reference, GB/s of bytes read and written.
+bit for bit against the CPU reference, GB/s of bytes read and written. ``grouped``: the
+grouped W4A16 GEMM of MoE layers against bf16 ``torch._grouped_mm`` and a loop of dense
+GEMMs (`benchmarks.grouped`, with the suite's own ``--tune`` and ``--configs``).
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 
 import torch
 
-from .common import Context, on_cuda_or_smoke, path_rows, precompile, tactic_rows, timed_rows
+from . import grouped
+from .common import (
+    Context,
+    add_ratios,
+    on_cuda_or_smoke,
+    path_rows,
+    precompile,
+    tactic_rows,
+    timed_rows,
+)
 
 #: the decode sweeps' (N, K): the issue's four and two more, then the held-out ones (fixed
 #: before the W4A16 fits: `fit_w4a16_model.HELD_OUT` only scores them)
@@ -78,15 +91,6 @@ def baselines(act, qb, dense: bool) -> dict[str, Callable[[torch.Tensor], object
         "_scaled_mm fp8": lambda o: torch._scaled_mm(x8, w8.t(), sx, sw,
                                                      out_dtype=torch.bfloat16, out=o),
     }  # fmt: skip
-
-
-def add_ratios(rows: list, bases: dict[str, str]) -> None:
-    """``ratios[name]`` = the base path's time / this row's, same clock (> 1: faster)."""
-    for name, path in bases.items():
-        base = {r.clock: r.median_us for r in rows if r.backend == path and r.median_us}
-        for r in rows:
-            if r.median_us and r.clock in base:
-                r.ratios[name] = base[r.clock] / r.median_us
 
 
 def shortlisted(d, m: int, n: int, k: int, operation: str, top: int, only: str = "") -> list:
@@ -242,5 +246,19 @@ ROUTINES: dict[str, Callable[[Context], None]] = {
     "w4a16-mid": gemm_routine("w4a16", "w4a16-mid"),
     "w4a8": gemm_routine("w4a8", "w4a8"),
     "quantize": quantize,
+    "grouped": grouped.routine,
 }
-SMOKE = ("w4a4", "w4a16", "w4a8", "quantize")
+SMOKE = ("w4a4", "w4a16", "w4a8", "quantize", "grouped")
+
+
+def options(args: argparse.Namespace, argv: list[str]) -> None:
+    """The suite's own options (after the runner's common ones): the grouped routine's."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks kernels")
+    ap.add_argument(
+        "--tune",
+        action="store_true",
+        help="grouped: tune each bucket first (--top tactics, 0: the shortlist)",
+    )
+    ap.add_argument("--configs", nargs="+", default=None, choices=list(grouped.CONFIGS),
+                    help="grouped: MoE layers (default: all)")  # fmt: skip
+    ap.parse_args(argv, namespace=args)

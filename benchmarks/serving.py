@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .common import ROOT, Context, on_cuda_or_smoke, path_rows, python, timed_rows
-from .kernels import add_ratios, baselines
+from .common import ROOT, Context, add_ratios, on_cuda_or_smoke, path_rows, python, timed_rows
+from .kernels import baselines
 
 GRID = ((1, 16, 256, 4096), ((4096, 4096), (8192, 8192), (13824, 5120)))
 GRAPH_SHAPES = ((1, 4096, 4096), (8, 4096, 4096), (32, 14336, 4096), (128, 4096, 14336))

@@ -1,9 +1,13 @@
 """`python -m benchmarks kernels --smoke --cases w4a8`: the suite's GEMM routine on the CPU,
 through the code that times and checks the H200 run - baselines, both dispatchers, the
 shortlist's tactics through the tuner's `Tuner.measure`, the fused W4A8 kernel under the
-Triton interpreter (``_scaled_mm`` is torch's CPU one) - writing one row per path."""
+Triton interpreter (``_scaled_mm`` is torch's CPU one) - writing one row per path; and
+``--cases grouped``, the MoE grouped GEMM against bf16 ``torch._grouped_mm`` and the
+dense loop on a tiny config."""
 
 from __future__ import annotations
+
+import math
 
 from conftest import run_bench_smoke
 
@@ -34,3 +38,33 @@ def test_kernels_w4a8_smoke_rows(tmp_path):
     assert tactics and all(r["operation"] == "w4a8" for r in tactics), tactics
     md = (tmp_path / "kernels.md").read_text()
     assert md.startswith("Command: `python -m benchmarks kernels --smoke") and "x bf16" in md
+
+
+def test_kernels_grouped_smoke_rows(tmp_path):
+    """``kernels --smoke --cases grouped``: the tiny MoE config (E=8, top-2, hidden 64,
+    intermediate 32) at 1 and 4 tokens, each projection's three paths - the grouped
+    W4A16 dispatcher, bf16 ``torch._grouped_mm`` on the same offsets, the dense loop -
+    checked against the float64 grouped reference, with both ratios."""
+    rows = run_bench_smoke(tmp_path, "kernels", "--cases", "grouped")
+    paths = {"dispatcher", "torch._grouped_mm bf16", "dense loop"}
+    cases: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        assert (r["suite"], r["case"], r["clock"]) == ("kernels", "grouped", "eager"), r
+        assert r["device"] == "cpu (smoke)" and "--cases grouped" in r["command"], r
+        assert r["failure"] is None and r["median_us"] > 0, r
+        # every path computes the same exact products: bf16 output rounding only
+        assert 0 < r["error"] < 1e-2, r
+        x = r["extra"]
+        cases.setdefault((x["proj"], x["tokens"]), {})[r["backend"]] = r
+    assert set(cases) == {("gate_up", 1), ("gate_up", 4), ("down", 1), ("down", 4)}
+    for (proj, tokens), case in cases.items():
+        assert set(case) == paths, case
+        g, bf, loop = case["dispatcher"], case["torch._grouped_mm bf16"], case["dense loop"]
+        assert (g["n"], g["k"]) == ((64, 64) if proj == "gate_up" else (64, 32))
+        assert g["m"] == tokens * 2 and 1 <= g["extra"]["touched"] <= min(g["m"], 8), g
+        assert g["operation"] == "grouped_w4a16" and g["tactic"].startswith("torch-reference")
+        assert loop["extra"]["gemms"] == g["extra"]["touched"], loop
+        assert math.isclose(g["ratios"]["bf16"], bf["median_us"] / g["median_us"])
+        assert math.isclose(g["ratios"]["loop"], loop["median_us"] / g["median_us"])
+        assert bf["ratios"]["bf16"] == 1.0 and loop["ratios"]["loop"] == 1.0
+    assert "x loop" in (tmp_path / "kernels.md").read_text()

@@ -5,7 +5,7 @@ Kernels run under TRITON_INTERPRET=1 with fp16 operands (the interpreter mishand
 operands of ``tl.dot``; fp16 is exact for e2m1 x e4m3 values), against the float64
 per-expert reference, expert by expert, for random offsets with empty experts and
 experts holding most rows; the GPU tests (bf16, CUDA graphs) run on an H200. Speed is
-measured only by benchmarks/bench_grouped.py.
+measured only by ``python -m benchmarks kernels --cases grouped``.
 """
 
 from __future__ import annotations

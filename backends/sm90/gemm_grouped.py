@@ -36,7 +36,8 @@ block's e4m3 scale and ``2**14`` in fp32 that is ``e2m1 * scale`` exactly, then 
 (exactly) to the 16-bit operand type. Shapes: any T, N >= 1, ``K % 32 == 0`` (K need not
 divide by the K tile).
 
-Not measured on a GPU yet: `benchmarks/bench_grouped.py` is the measurement.
+Not measured on a GPU yet: ``python -m benchmarks kernels --cases grouped`` is the
+measurement.
 """
 
 from __future__ import annotations
