@@ -47,8 +47,8 @@ case "${1:-}" in
   hotpath)
     cp -r "$src/tests" /tmp/fp4-tests
     timeout 150 python3 -m pytest /tmp/fp4-tests/test_quantize_kernel.py \
-      /tmp/fp4-tests/test_nvfp4.py /tmp/fp4-tests/test_triton_sm90.py \
-      /tmp/fp4-tests/test_triton_sm90_w4a16.py -m gpu -q -p no:cacheprovider 2>&1 | tail -15
+      /tmp/fp4-tests/test_nvfp4.py /tmp/fp4-tests/test_gemm_direct.py \
+      /tmp/fp4-tests/test_gemm_w4a16.py -m gpu -q -p no:cacheprovider 2>&1 | tail -15
     timeout 120 python3 "$src/benchmarks/bench_quantize.py" 2>&1 | tee "$OUT/quantize.log" | tail -25
     timeout 150 python3 "$src/benchmarks/cuda_graph_check.py" --no-tune 2>&1 \
       | tee "$OUT/cuda_graph.log" | grep -E "PASS|FAIL|SKIP"
