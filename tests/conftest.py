@@ -287,6 +287,22 @@ def _private_caches() -> None:
 _BASE_VAR = "FP4_TEST_SESSION_CACHES"
 
 
+def _private_example_database() -> None:
+    """Under pytest-xdist, Hypothesis keeps each worker's examples in a folder of its own
+    (``.hypothesis/examples-gw0``), not in the one folder every worker would write."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return
+    try:
+        from hypothesis import settings
+        from hypothesis.database import DirectoryBasedExampleDatabase
+    except ImportError:  # the test extra is not installed: no property tests to run
+        return
+    db = DirectoryBasedExampleDatabase(os.path.join(".hypothesis", f"examples-{worker}"))
+    settings.register_profile("xdist-worker", database=db)
+    settings.load_profile("xdist-worker")
+
+
 def pytest_unconfigure(config):
     import shutil
 
@@ -327,6 +343,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     """Markers live here: the tests run from a copy outside the source tree (no pyproject)."""
     _private_caches()
+    _private_example_database()
     config.addinivalue_line("markers", "slow: longer tests (still run in CI)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
     # Third-party deprecation chatter (CuTe-DSL's own internals, torch.jit) buries real output.
