@@ -86,10 +86,11 @@ export FP4_DISPATCH_SOURCE_ROOT="$src" FP4_DISPATCH_CACHE="$work/tuning-cache.js
 FP4_DISPATCH_CACHE="$work/example-cache.json" "$vpy" -m pytest "$work/example-plugin-tests" \
   -q -p no:cacheprovider > "$work/example-plugin-tests.log" 2>&1 &
 example_pid=$!
-# --dist loadgroup: tests/conftest.py keeps the tests that share a module fixture together
-# (one unit, scheduled first); every other test is a unit of its own
+# --dist loadfile: a module's tests run in one worker, so a module fixture (an interpreter
+# run, a compile, a spawned process group) is built once; the modules with the most tests
+# go first. Each worker has caches of its own (tests/conftest.py).
 status=0
-"$vpy" -m pytest tests -q -p no:cacheprovider -n "$workers" --dist loadgroup "$@" || status=$?
+"$vpy" -m pytest tests -q -p no:cacheprovider -n "$workers" --dist loadfile "$@" || status=$?
 example_status=0
 wait "$example_pid" || example_status=$?
 

@@ -310,36 +310,6 @@ def pytest_unconfigure(config):
         shutil.rmtree(base, ignore_errors=True)
 
 
-#: fixture scopes broader than one test but narrower than the session: the tests that share
-#: such a fixture must run in one worker process, or each worker would build it again
-_SHARED_SCOPES = frozenset({"class", "module", "package"})
-
-
-def _shares_a_fixture(item: pytest.Item) -> bool:
-    """Whether `item` uses a fixture that outlives it but not the session."""
-    info = getattr(item, "_fixtureinfo", None)
-    defs = info.name2fixturedefs.values() if info is not None else ()
-    return any(d.scope in _SHARED_SCOPES for chain in defs for d in chain)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``--dist loadgroup``, as scripts/test.sh runs it): every test is
-    a unit of its own, except that the tests of a module that share a module- or
-    class-scoped fixture (an interpreter run, a compile, a spawned process group, a tiny
-    model) form one unit, so the fixture is built once. Those units are the long ones and
-    go first, so that no worker is left with one at the end while the other idles.
-    Without xdist nothing changes: the order stays pytest's."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    shared = {item.nodeid.split("::")[0] for item in items if _shares_a_fixture(item)}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        if path in shared:
-            item.add_marker(pytest.mark.xdist_group(path))
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in shared)  # stable
-
-
 def pytest_configure(config):
     """Markers live here: the tests run from a copy outside the source tree (no pyproject)."""
     _private_caches()
