@@ -249,15 +249,56 @@ KERNEL_CACHE_VARS = ("FP4_DISPATCH_KERNEL_CACHE", "TRITON_CACHE_DIR", "XDG_CACHE
 _session_caches: list[str] = []
 
 
-def _redirect_kernel_caches() -> None:
-    """Point every unset kernel-cache variable into one temporary folder for the session."""
+def _private_caches() -> None:
+    """Give this test process caches of its own, in one temporary folder for the session.
+
+    Every unset kernel-cache variable points into the folder, and so does the tuning cache
+    (``FP4_DISPATCH_CACHE``) when unset. Under pytest-xdist every worker is its own process
+    and so gets its own folder (a value that points into the controller's folder, which
+    the workers inherit, counts as unset); a tuning cache the caller set (scripts/test.sh
+    sets one) becomes one file a worker beside it (``tuning-cache.gw0.json``). So no two
+    workers ever write one file, and no test reads another worker's winners or kernels.
+    """
     import tempfile
 
+    inherited = os.environ.get(_BASE_VAR)
     base = tempfile.mkdtemp(prefix="fp4-test-caches-")
     _session_caches.append(base)
+    os.environ[_BASE_VAR] = base
+
+    def ours(value: str | None) -> bool:
+        return not value or bool(inherited and value.startswith(inherited + os.sep))
+
     for var in KERNEL_CACHE_VARS:
-        if not os.environ.get(var):
+        if ours(os.environ.get(var)):
             os.environ[var] = os.path.join(base, var.lower())
+    tuning = os.environ.get("FP4_DISPATCH_CACHE")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if ours(tuning):
+        os.environ["FP4_DISPATCH_CACHE"] = os.path.join(base, "tuning.json")
+    elif worker:
+        path = Path(tuning)
+        os.environ["FP4_DISPATCH_CACHE"] = str(path.with_name(f"{path.stem}.{worker}{path.suffix}"))
+
+
+#: the session folder of `_private_caches`, for the processes this one starts
+_BASE_VAR = "FP4_TEST_SESSION_CACHES"
+
+
+def _private_example_database() -> None:
+    """Under pytest-xdist, Hypothesis keeps each worker's examples in a folder of its own
+    (``.hypothesis/examples-gw0``), not in the one folder every worker would write."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return
+    try:
+        from hypothesis import settings
+        from hypothesis.database import DirectoryBasedExampleDatabase
+    except ImportError:  # the test extra is not installed: no property tests to run
+        return
+    db = DirectoryBasedExampleDatabase(os.path.join(".hypothesis", f"examples-{worker}"))
+    settings.register_profile("xdist-worker", database=db)
+    settings.load_profile("xdist-worker")
 
 
 def pytest_unconfigure(config):
@@ -269,7 +310,8 @@ def pytest_unconfigure(config):
 
 def pytest_configure(config):
     """Markers live here: the tests run from a copy outside the source tree (no pyproject)."""
-    _redirect_kernel_caches()
+    _private_caches()
+    _private_example_database()
     config.addinivalue_line("markers", "slow: longer tests (still run in CI)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
     # Third-party deprecation chatter (CuTe-DSL's own internals, torch.jit) buries real output.

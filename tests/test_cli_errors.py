@@ -105,12 +105,8 @@ def test_every_subcommand_help_has_a_description_and_an_example(cmd):
     assert "usage:" in proc.stdout
     if cmd != "cache":  # its help text belongs to the cache module
         assert "examples:" in proc.stdout and f"fp4-dispatch {cmd}" in proc.stdout
-
-
-@pytest.mark.parametrize("cmd", ["explain", "compile"])
-def test_positional_names_are_m_n_k(cmd):
-    usage = cli(cmd, "--help").stdout
-    assert " M N K" in usage, usage
+    if cmd in ("explain", "compile"):  # the positional names are M N K
+        assert " M N K" in proc.stdout, proc.stdout
 
 
 def test_verbose_and_quiet_on_both_sides_of_the_subcommand():

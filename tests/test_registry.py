@@ -203,3 +203,57 @@ def test_same_entry_point_name_in_two_distributions_both_load(plugin_dist, tmp_p
     finally:
         sys.modules.pop("fakeplug_same_two", None)
     assert {"one-backend", "two-backend"} <= set(reg.backends), [str(e) for e in reg.errors]
+
+
+# ---- the backend filter: a pure function of the two variables, nothing installed ----------
+
+
+@pytest.mark.parametrize(
+    ("env", "plugin", "builtin", "backends", "left_out"),
+    [
+        ({}, "tp", False, ["a", "b"], {}),  # neither variable: everything stays
+        ({"FP4_DISPATCH_DISABLE": "b"}, "tp", False, ["a", "b"], {"b": "DISABLE"}),
+        ({"FP4_DISPATCH_DISABLE": " b , a"}, "reference", True, ["a", "b"],
+         {"a": "DISABLE", "b": "DISABLE"}),  # built-ins too
+        ({"FP4_DISPATCH_PLUGINS": "tp : a"}, "tp", False, ["a", "b"], {"b": "PLUGINS"}),
+        ({"FP4_DISPATCH_PLUGINS": "tp:a,tp"}, "tp", False, ["a", "b"], {}),  # whole plugin
+        ({"FP4_DISPATCH_PLUGINS": ""}, "reference", True, ["a"], {}),  # built-ins not limited
+        ({"FP4_DISPATCH_PLUGINS": "tq:a"}, "tp", False, ["a"], {"a": "PLUGINS"}),
+        ({"FP4_DISPATCH_PLUGINS": "tp:a", "FP4_DISPATCH_DISABLE": "a"}, "tp", False, ["a"],
+         {"a": "DISABLE"}),  # disabling wins
+    ],
+)  # fmt: skip
+def test_filter_backends_is_a_pure_function_of_the_variables(
+    env, plugin, builtin, backends, left_out
+):
+    selection = registry.Selection.from_env(env)
+    got = registry.filter_backends(selection, plugin, builtin, backends)
+    assert got == {name: f"{'listed' if v == 'DISABLE' else 'not listed'} in FP4_DISPATCH_{v}"
+                   for name, v in left_out.items()}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("env", "plugin", "builtin", "why"),
+    [
+        ({}, "tp", False, None),
+        ({"FP4_DISPATCH_DISABLE": "tp"}, "tp", False, "listed in FP4_DISPATCH_DISABLE"),
+        ({"FP4_DISPATCH_DISABLE": "tp"}, "reference", True, None),
+        ({"FP4_DISPATCH_DISABLE": "reference"}, "reference", True,
+         "listed in FP4_DISPATCH_DISABLE"),
+        ({"FP4_DISPATCH_PLUGINS": ""}, "tp", False, "not listed in FP4_DISPATCH_PLUGINS"),
+        ({"FP4_DISPATCH_PLUGINS": "tp:a"}, "tp", False, None),  # imported, then filtered
+        ({"FP4_DISPATCH_PLUGINS": "a"}, "tp", False, "not listed in FP4_DISPATCH_PLUGINS"),
+    ],
+)  # fmt: skip
+def test_the_loader_acts_on_plugin_names_only(env, plugin, builtin, why):
+    """A backend name never makes the loader import (or skip) a plugin: only the filter
+    reads backend names, after the import."""
+    assert registry.Selection.from_env(env).skip_plugin(plugin, builtin) == why
+
+
+def test_selection_reads_os_environ_by_default(monkeypatch):
+    monkeypatch.setenv("FP4_DISPATCH_PLUGINS", "x:y")
+    monkeypatch.setenv("FP4_DISPATCH_DISABLE", "z")
+    selection = registry.Selection.from_env()
+    assert selection == registry.Selection(frozenset({"x:y"}), frozenset({"z"}))
+    assert selection.picked == {"x": frozenset({"y"})}

@@ -49,7 +49,7 @@ loop, sm_90 cubin compiled on the CPU with Triton 3.9, 128x16x128 tile, bf16):
 | sm90-prepared | 5.20 (native) | 3.73 |
 
 Under TRITON_INTERPRET=1 (CPU) the element-wise twins compute the same bits, and
-tests/test_triton_sm90_w4a16.py runs the PTX itself through a small model of its
+tests/test_gemm_w4a16.py runs the PTX itself through a small model of its
 instructions on every byte value.
 
 Activations in the dot's order (``W4A16Config.x_dot``, token tiles of 64 or more). The
@@ -275,7 +275,7 @@ def _scale_per_byte(s, ROWS: tl.constexpr, KB: tl.constexpr, ORDER: tl.constexpr
 # A pair of values is built by one of two forms (`_pair`):
 # - "or":     ``((t << a) | (t << b)) & mask`` - 2 shifts + 1 LOP3. Valid when the
 #   magnitude source has shifted-in zeros at the sign positions and the sign source has
-#   them at the magnitude positions (checked by `tests/test_triton_sm90_w4a16.py` through
+#   them at the magnitude positions (checked by `tests/test_gemm_w4a16.py` through
 #   the twins, which are exact per element);
 # - "masked": ``((t << a) & mag) | ((t << b) & sign)`` - 2 shifts + 2 LOP3.
 # then one MUL.F16X2/BF16X2 applies two block scales.

@@ -33,7 +33,7 @@ W4A16" run 4, Nsight Compute). Here nothing is shared:
 
 A step is 235 SASS instructions for 16 x 128 weight values a warp (3.7 a value, 2.5 of
 them the dequantizer; the wgmma kernel's loop: 4.2), none of them a shared-memory access
-or a barrier (tests/test_triton_sm90_mma.py checks the cubin).
+or a barrier (tests/test_gemm_w4a16_mma.py checks the cubin).
 
 Epilogue: ``alpha * 2**14``, bias in fp32, one rounding, a masked store through
 ``out``'s strides; split-K (``SPLIT_K`` CTAs a tile) through the deterministic workspace

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Literal
@@ -106,13 +107,6 @@ class Registry:
 def strict_default() -> bool:
     """`FP4_DISPATCH_STRICT` as a boolean (1/true/yes/on)."""
     return os.environ.get("FP4_DISPATCH_STRICT", "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-def _env_list(name: str) -> set[str] | None:
-    raw = os.environ.get(name)
-    if raw is None:
-        return None
-    return {part.strip() for part in raw.split(",") if part.strip()}
 
 
 def _entry_points() -> list[metadata.EntryPoint]:
@@ -234,18 +228,90 @@ def _no_hook(target: str) -> None:
     raise TypeError(f"{target} defines no fp4_dispatch_register_backends hook")
 
 
-def _env_sources() -> tuple[set[str] | None, set[str] | None]:
-    return _env_list("FP4_DISPATCH_PLUGINS"), _env_list("FP4_DISPATCH_DISABLE")
+#: why a plugin or backend is left out, by the variable that left it out
+DISABLED_REASON = "listed in FP4_DISPATCH_DISABLE"
+NOT_ALLOWED_REASON = "not listed in FP4_DISPATCH_PLUGINS"
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which plugins and backends the user asked for: ``FP4_DISPATCH_PLUGINS`` (`allow`)
+    and ``FP4_DISPATCH_DISABLE`` (`disable`), parsed once.
+
+    Two separate questions, answered by two pure methods: which entry points the loader
+    imports (`skip_plugin`, plugin names only: an import runs a plugin's code, so nothing
+    is imported to look for a backend name) and which of the loaded backends are kept
+    (`skip_backend`, the one filter that acts on backend names). ``allow`` is None when
+    the variable is unset (no limit); an empty set keeps the built-ins only. It limits
+    third-party plugins only; ``disable`` applies to built-ins too.
+    """
+
+    allow: frozenset[str] | None = None
+    disable: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Selection:
+        """Parse both variables (comma lists, blanks ignored) from `environ` (os.environ)."""
+        env = os.environ if environ is None else environ
+        disable = _names(env.get("FP4_DISPATCH_DISABLE")) or frozenset()
+        return cls(_names(env.get("FP4_DISPATCH_PLUGINS")), disable)
+
+    @property
+    def picked(self) -> dict[str, frozenset[str]]:
+        """``plugin:backend`` entries of `allow`: plugin -> the backends named with it."""
+        out: dict[str, set[str]] = {}
+        for name in self.allow or ():
+            plugin, sep, backend = name.partition(":")
+            if sep:
+                out.setdefault(plugin, set()).add(backend)
+        return {plugin: frozenset(names) for plugin, names in out.items()}
+
+    def skip_plugin(self, plugin: str, builtin: bool) -> str | None:
+        """Why entry point `plugin` is not imported at all, or None to import it."""
+        if plugin in self.disable:
+            return DISABLED_REASON
+        if self.allow is None or builtin or plugin in self.allow or plugin in self.picked:
+            return None
+        return NOT_ALLOWED_REASON
+
+    def skip_backend(self, plugin: str, builtin: bool, backend: str) -> str | None:
+        """Why `backend`, registered by entry point `plugin`, is left out, or None."""
+        if backend in self.disable:
+            return DISABLED_REASON
+        if self.allow is None or builtin or plugin in self.allow:
+            return None
+        return None if f"{plugin}:{backend}" in self.allow else NOT_ALLOWED_REASON
+
+
+def filter_backends(
+    selection: Selection, plugin: str, builtin: bool, names: Iterable[str]
+) -> dict[str, str]:
+    """The backends of `names` (registered by entry point `plugin`) that `selection` leaves
+    out -> why. Pure: the loader applies it to each plugin's registrations as they are
+    committed, and tests call it with no plugin installed."""
+    return {
+        name: why
+        for name in names
+        if (why := selection.skip_backend(plugin, builtin, name)) is not None
+    }
+
+
+def _names(raw: str | None) -> frozenset[str] | None:
+    """A comma list as a set of names (``plugin : backend`` written ``plugin:backend``)."""
+    if raw is None:
+        return None
+    parts = (part.strip() for part in raw.split(","))
+    return frozenset(":".join(p.strip() for p in part.split(":", 1)) for part in parts if part)
 
 
 _WARNED: set[tuple[str, str]] = set()
 
 
 def _warn_unmatched(
-    var: str, names: set[str], eps: set[str], backends: set[str], hint: str = ""
+    var: str, names: Iterable[str], eps: set[str], backends: set[str], hint: str = ""
 ) -> None:
     """One warning per process for each name of `var` that matched no plugin or backend."""
-    for name in sorted(names - eps - backends):
+    for name in sorted(set(names) - eps - backends):
         if (var, name) in _WARNED:
             continue
         _WARNED.add((var, name))
@@ -260,48 +326,43 @@ def load(strict: bool | None = None) -> Registry:
     """Load every plugin of the ``fp4_dispatch`` entry-point group.
 
     ``FP4_DISPATCH_PLUGINS`` (comma list; empty = built-ins only) limits third-party
-    plugins; ``FP4_DISPATCH_DISABLE`` (comma list) skips any plugin, built-ins too. An
-    entry-point name acts on the whole plugin (a disabled or unlisted one is never
-    imported). In ``FP4_DISPATCH_PLUGINS``, ``plugin:backend`` imports that one plugin and
-    keeps only the named backends of it; in ``FP4_DISPATCH_DISABLE`` a backend name
-    leaves out that backend only (its plugin loads; its other backends stay). No name
-    makes an unlisted plugin be imported to look for it: a plugin's import runs its code,
-    so ``FP4_DISPATCH_PLUGINS=typo`` must not run every installed plugin. A name that
-    matches nothing is warned about once per process.
+    plugins; ``FP4_DISPATCH_DISABLE`` (comma list) skips any plugin, built-ins too. The
+    loader acts on entry-point names only: a disabled or unlisted plugin is never
+    imported. Backend names (``plugin:backend`` in ``FP4_DISPATCH_PLUGINS``, a backend's
+    name in ``FP4_DISPATCH_DISABLE``) are one filter over what the imported plugins
+    registered (`filter_backends`): the plugin loads, the named backends are left out or
+    kept. No name makes an unlisted plugin be imported to look for it: a plugin's import
+    runs its code, so ``FP4_DISPATCH_PLUGINS=typo`` must not run every installed plugin.
+    A name that matches nothing is warned about once per process.
     """
     strict = strict_default() if strict is None else strict
-    allow, disable = _env_sources()
+    selection = Selection.from_env()
     registry = Registry()
     eps = _entry_points()
-    ep_names = {ep.name for ep in eps}
-    picked: dict[str, set[str]] = {}  # plugin -> the backends `plugin:backend` names
-    for name in allow or ():
-        plugin, sep, backend = name.partition(":")
-        if sep:
-            picked.setdefault(plugin.strip(), set()).add(backend.strip())
     for ep in eps:
         report = _report_for(ep)
         registry.plugins.append(report)
-        if disable is not None and ep.name in disable:
-            _block(registry, report, "listed in FP4_DISPATCH_DISABLE")
+        why = selection.skip_plugin(ep.name, report.builtin)
+        if why is not None:
+            _block(registry, report, why)
             continue
-        named = allow is None or report.builtin or ep.name in allow
-        if not named and ep.name not in picked:
-            _block(registry, report, "not listed in FP4_DISPATCH_PLUGINS")
-            continue
-        _load_one(ep, report, registry, keep=None if named else picked[ep.name],
-                  disable=disable)  # fmt: skip
+        _load_one(ep, report, registry, selection)
         if strict and report.errors:
             raise PluginLoadError(report.errors[0])
+    _warn_unmatched_names(selection, registry, {ep.name for ep in eps})
+    return registry
+
+
+def _warn_unmatched_names(selection: Selection, registry: Registry, ep_names: set[str]) -> None:
+    """Warn (once) about each name of either variable that matched nothing loaded."""
     every = set(registry.backends) | {b for p in registry.plugins for b in p.disabled_backends}
-    if allow:
+    if selection.allow:
         qualified = {f"{p.name}:{b}" for p in registry.plugins
                      for b in (*p.backends, *p.disabled_backends)}  # fmt: skip
-        _warn_unmatched("FP4_DISPATCH_PLUGINS", allow, ep_names, qualified,
+        _warn_unmatched("FP4_DISPATCH_PLUGINS", selection.allow, ep_names, qualified,
                         hint="to keep one backend of a plugin, write plugin:backend")  # fmt: skip
-    if disable:
-        _warn_unmatched("FP4_DISPATCH_DISABLE", disable, ep_names, every)
-    return registry
+    if selection.disable:
+        _warn_unmatched("FP4_DISPATCH_DISABLE", selection.disable, ep_names, every)
 
 
 def _block(registry: Registry, report: PluginReport, reason: str) -> None:
@@ -311,17 +372,10 @@ def _block(registry: Registry, report: PluginReport, reason: str) -> None:
 
 
 def _load_one(
-    ep: metadata.EntryPoint,
-    report: PluginReport,
-    registry: Registry,
-    keep: set[str] | None = None,
-    disable: set[str] | None = None,
+    ep: metadata.EntryPoint, report: PluginReport, registry: Registry, selection: Selection
 ) -> None:
-    """Import one entry point and run its hook, each contained; commit what it registered.
-
-    ``keep``: when set, only these backend names are kept (FP4_DISPATCH_PLUGINS named
-    backends, not this plugin). ``disable``: backend names to leave out.
-    """
+    """Import one entry point and run its hook, each contained; commit what it registered,
+    less what `selection` leaves out (`filter_backends`), which is shown as disabled."""
     start = time.perf_counter()
     try:
         module, exc = contain(ep.load)
@@ -336,12 +390,11 @@ def _load_one(
             # on every command (list-backends still shows the time)
             level = logging.INFO if report.builtin else logging.WARNING
             log.log(level, "plugin %r took %.1f s to load", report.name, report.load_s)
-    for b in backends or ():
-        if disable is not None and b.name in disable:
-            report.disabled_backends[b.name] = "listed in FP4_DISPATCH_DISABLE"
-        elif keep is not None and b.name not in keep:
-            report.disabled_backends[b.name] = "not listed in FP4_DISPATCH_PLUGINS"
-        else:
+    backends = backends or []
+    left_out = filter_backends(selection, report.name, report.builtin, [b.name for b in backends])
+    report.disabled_backends.update(left_out)
+    for b in backends:
+        if b.name not in left_out:
             registry.backends[b.name] = b
             registry.plugin_of[b.name] = report
             report.backends.append(b.name)

@@ -16,6 +16,25 @@ decode shapes and the unpack path for prefill.
 Compute capability: 9.x (measured on an H200, cc 9.0). 8.x is not claimed: the kernel
 converts e4m3 scales with Triton's ``float8e4nv`` type, which Triton rejects below
 sm_89, and no 8.x part was measured.
+
+The family is this package (registration, tactic specs, rules, cost models: no kernel
+code) over `fp4_dispatch.backends.sm90` (the kernels: no ranking policy). Module by
+module (plugin module -> backend -> kernel module in ``backends/sm90``; the kernel
+package's docstring has the same table with each kernel's test):
+
+- ``__init__`` (this module): ``triton-sm90`` -> ``gemm_direct``; ``triton-sm90-unpack`` ->
+  ``gemm_unpack``; the family's shared rules (`smem_rule`, `split_k_rule`,
+  `triton_config`), its simulated part (`PROFILE`) and the one hookimpl that registers
+  every backend below;
+- ``w4a16``: ``triton-sm90-w4a16`` -> ``gemm_w4a16`` (direct and unpack paths) and
+  ``gemm_w4a16_decode`` (the gemv path);
+- ``dense``: ``triton-sm90-dense`` -> ``gemm_w4a4_dense``;
+- ``ws``: ``triton-sm90-ws`` -> ``gemm_w4a16_ws``;
+- ``mma``: ``triton-sm90-mma`` -> ``gemm_w4a16_mma`` (W4A4 also through ``expand_rows``);
+- ``rs``: ``triton-sm90-rs`` -> ``gemm_w4a16_rs``;
+- ``w4a8``: ``triton-sm90-w4a8`` -> ``gemm_w4a8``;
+- ``cost_model`` (+ ``cost_model.json``): the W4A4 kernels' fitted estimate; the JSON
+  holds every fitted sm90 constant.
 """
 
 from __future__ import annotations

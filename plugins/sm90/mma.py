@@ -42,7 +42,7 @@ tactic of ``triton-sm90-w4a16`` on every shape of RESULTS.md "Hopper W4A16" run 
 time is set by how many warps an SM holds, not by stages.
 
 Not offered under ``TRITON_INTERPRET=1``: Gluon kernels have no interpreter. CI compiles
-them for sm_90 (tests/test_triton_sm90_mma.py); the numerics are checked on the H200.
+them for sm_90 (tests/test_gemm_w4a16_mma.py); the numerics are checked on the H200.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ issue shapes at M = 256), and its cost model is a different one (`_estimate_ws`)
 resident CTA an SM, every K step as long as the slower of the expansion and the MMA.
 
 Not offered under ``TRITON_INTERPRET=1``: Gluon kernels have no interpreter. CI compiles
-them for sm_90 instead (tests/test_triton_sm90_ws.py); the numerics are checked on the H200
+them for sm_90 instead (tests/test_gemm_w4a16_ws.py); the numerics are checked on the H200
 (the same file's GPU tests, the conformance kit).
 """
 
