@@ -1,7 +1,9 @@
 """Running: the dispatcher, its plans, the torch custom ops, first-use checks, blame.
 
-Running: the `dispatcher` (one per device: plans, tuning on request, the public
-calls), `plans` (what one exact shape runs, with its replayable launches), the torch
-custom ops that ``torch.compile`` traces and CUDA graphs capture (`torch_ops`), the
-first-use check of third-party kernels (`firstuse`) and whose fault a failure is
-(`blame`). Imports `store` and below."""
+From the top: `dispatcher` (`Dispatcher`'s public calls), `torch_ops` (the custom ops
+that ``torch.compile`` traces and CUDA graphs capture), `runner` (`Runner`, the engine of
+one device: plans, fallback, tuning on request), `blame` (whose fault a failure is),
+`firstuse` (the first-use check of third-party kernels), `capture` (the capture state)
+and `plans` (what one exact shape runs, with its replayable launches). Each imports only
+those after it (a contract in pyproject.toml); the package imports `store` and below.
+"""

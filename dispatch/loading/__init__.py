@@ -1,5 +1,6 @@
 """Plugins in: entry-point loading, the guard around plugin code, status rows, profiles.
 
-Plugins in: entry-point loading (`registry`), the guard every call into plugin code
-goes through (`guard`), the ``list-backends`` rows (`status`) and device profiles the
-families contribute (`profiles`). Imports only the bottom layer."""
+`registry` (loading by plugin name, then one backend filter), `guard` (every call into
+plugin code goes through it), `status` (the ``list-backends`` rows) and `profiles`
+(device profiles the families contribute). Imports only the bottom layer.
+"""

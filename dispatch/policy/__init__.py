@@ -1,5 +1,6 @@
 """Ranking without running anything: cost model, merge, diversity cap, memoized ranking.
 
-Ranking without running anything: the shared cost model (`costmodel`), every
-backend's tactics merged and scored (`merge`), the diversity cap that never starves a
-family (`cap`) and the memoized per-bucket `ranking`. Imports `loading` and below."""
+`costmodel` (the shared estimate), `merge` (every backend's tactics enumerated,
+re-validated and scored), `cap` (a shortlist that never starves a family) and `ranking`
+(the memoized per-bucket `Ranker`). Imports `loading` and below.
+"""
