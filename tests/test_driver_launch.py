@@ -398,6 +398,10 @@ def test_the_layer_fast_call_in_eager_graphs_and_compile():
             for _ in range(3):
                 for x, r in zip(xs, ref, strict=True):
                     assert torch.equal(compiled(x.clone()), r), mode
+            if mode == "default":  # the compiled op's calls took its kept fast call
+                from fp4_dispatch.engine import torch_ops
+
+                assert len(torch_ops._fast) >= 1
 
 
 @pytest.mark.gpu

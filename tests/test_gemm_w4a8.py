@@ -349,3 +349,21 @@ def test_w4a8_kernels_on_gpu_match_the_emulation(path):
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
             kern(ops, out)
             assert _rel(out, want.double()) < 4e-3, (path, m, n, k)
+
+
+@pytest.mark.parametrize(("n", "k", "block_r", "block_k"),
+                         [(13824, 5120, 32, 128), (3584, 18944, 16, 256), (72, 96, 16, 128),
+                          (4096, 4096, 64, 128), (64, 160, 64, 128)])  # fmt: skip
+def test_unpack_grid_spans_cover_k_once(n, k, block_r, block_k):
+    """The weight pass's K spans cover every K tile exactly once, none is empty, and a
+    large weight gets about `UNPACK_PROGRAMS` programs (the pass was latency-bound with
+    one program per row block)."""
+    g = pytest.importorskip("fp4_dispatch.backends.sm90.gemm_w4a8")
+    (rows, spans), per = g.unpack_grid(n, k, block_r, block_k)
+    k_tiles = -(-k // block_k)
+    assert rows == -(-n // block_r)
+    covered = [t for s in range(spans) for t in range(s * per, min((s + 1) * per, k_tiles))]
+    assert covered == list(range(k_tiles))
+    assert (spans - 1) * per < k_tiles  # the last span is not empty
+    if rows * k_tiles >= g.UNPACK_PROGRAMS:
+        assert g.UNPACK_PROGRAMS // 2 <= rows * spans <= 2 * g.UNPACK_PROGRAMS

@@ -66,6 +66,9 @@ QUANT_BLOCK_K = 512
 #: rows and K elements per program step of the unpack path's weight pass
 UNPACK_BLOCK_R = (16, 32, 64)
 UNPACK_BLOCK_K = (128, 256)
+#: programs the weight pass aims for (`unpack_grid`): 8 per SM of a 132-SM H100, enough
+#: loads in flight to stream at memory speed; a round figure, not tuned
+UNPACK_PROGRAMS = 1024
 
 
 @triton.jit
@@ -333,11 +336,14 @@ class W4A8Kernel:
 
 @triton.jit
 def _weight_fp8_kernel(
-    b_ptr, bs_ptr, alpha_ptr, wq_ptr, sw_ptr, N, K, b_sblk,
+    b_ptr, bs_ptr, alpha_ptr, wq_ptr, sw_ptr, N, K, b_sblk, TILES_PER_PROG,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, HW_CVT: tl.constexpr,
 ):  # fmt: skip
-    """``BLOCK_R`` weight rows: their channel scale (first pass over the block scales),
-    then the E4M3 codes of every K step; writes ``wq`` [N, K] and ``alpha * 2**ew`` [N]."""
+    """``BLOCK_R`` weight rows x ``TILES_PER_PROG`` K tiles (grid axis 1 walks the K
+    spans, `unpack_grid`): the rows' channel scale (a pass over all their block scales,
+    repeated by every span: K/16 bytes a row, from L2 after the first), then the E4M3
+    codes of the span's K tiles; writes ``wq`` [N, K] and, span 0 only, ``alpha * 2**ew``
+    [N]."""
     KB: tl.constexpr = BLOCK_K // 2
     KG: tl.constexpr = BLOCK_K // 16
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -349,7 +355,8 @@ def _weight_fp8_kernel(
     rb = tl.arange(0, KB)
     rg = tl.arange(0, KG)
     rk = tl.arange(0, BLOCK_K)
-    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+    kt0 = tl.program_id(1) * TILES_PER_PROG
+    for kt in range(kt0, tl.minimum(kt0 + TILES_PER_PROG, tl.cdiv(K, BLOCK_K))):
         bmask = rmask[:, None] & ((kt * KB + rb) < k_half)[None, :]
         w = tl.load(b_ptr + rows.to(tl.int64)[:, None] * k_half + (kt * KB + rb)[None, :],
                     mask=bmask, other=0)  # fmt: skip
@@ -360,7 +367,8 @@ def _weight_fp8_kernel(
         kmask = rmask[:, None] & ((kt * BLOCK_K + rk) < K)[None, :]
         tl.store(wq_ptr + rows.to(tl.int64)[:, None] * K + (kt * BLOCK_K + rk)[None, :], wq,
                  mask=kmask)  # fmt: skip
-    tl.store(sw_ptr + rows, _pow2(ew) * tl.load(alpha_ptr), mask=rmask)
+    if tl.program_id(1) == 0:
+        tl.store(sw_ptr + rows, _pow2(ew) * tl.load(alpha_ptr), mask=rmask)
 
 
 def weight_to_fp8(
@@ -373,11 +381,24 @@ def weight_to_fp8(
     wq = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=b_data.device)
     sw = torch.empty((n,), dtype=torch.float32, device=b_data.device)
     sb = b_scale.view(torch.uint8)
-    _weight_fp8_kernel[(triton.cdiv(n, block_r),)](
-        b_data, sb, alpha, wq, sw, n, k, sb.shape[1] * 128, BLOCK_R=block_r, BLOCK_K=block_k,
-        HW_CVT=_HW_CVT, num_warps=4,
+    grid, per_prog = unpack_grid(n, k, block_r, block_k)
+    _weight_fp8_kernel[grid](
+        b_data, sb, alpha, wq, sw, n, k, sb.shape[1] * 128, per_prog, BLOCK_R=block_r,
+        BLOCK_K=block_k, HW_CVT=_HW_CVT, num_warps=4,
     )  # fmt: skip
     return wq, sw
+
+
+def unpack_grid(n: int, k: int, block_r: int, block_k: int) -> tuple[tuple[int, int], int]:
+    """((row programs, K spans), K tiles per span) of the weight pass: K is cut into
+    spans until the grid has about `UNPACK_PROGRAMS` programs. Why: one program per
+    ``block_r`` rows walking all of K left the pass latency-bound (3584 x 18944: 112
+    programs of 148 sequential steps on a 132-SM GPU; benchmarks/RESULTS.md, "W4A8 on
+    Hopper")."""
+    rows = triton.cdiv(n, block_r)
+    k_tiles = triton.cdiv(k, block_k)
+    per_prog = triton.cdiv(k_tiles, max(1, min(k_tiles, UNPACK_PROGRAMS // rows)))
+    return (rows, triton.cdiv(k_tiles, per_prog)), per_prog
 
 
 @dataclass(frozen=True)
@@ -407,9 +428,10 @@ class W4A8UnpackKernel:
                                      BLOCK_R=QUANT_ROWS, BLOCK_K=QUANT_BLOCK_K, HW_CVT=_HW_CVT,
                                      num_warps=4)  # fmt: skip
         sblk = -(-(k // 16) // 4) * 4 * 128
-        _weight_fp8_kernel.warmup(u8, u8, f32, f8, f32, n, k, sblk,
-                                  grid=(triton.cdiv(n, self.block_r),), BLOCK_R=self.block_r,
-                                  BLOCK_K=self.block_k, HW_CVT=_HW_CVT, num_warps=4)  # fmt: skip
+        grid, per_prog = unpack_grid(n, k, self.block_r, self.block_k)
+        _weight_fp8_kernel.warmup(u8, u8, f32, f8, f32, n, k, sblk, per_prog, grid=grid,
+                                  BLOCK_R=self.block_r, BLOCK_K=self.block_k, HW_CVT=_HW_CVT,
+                                  num_warps=4)  # fmt: skip
 
 
 def build(cfg: W4A8Config) -> W4A8Kernel:

@@ -55,6 +55,7 @@ import torch
 
 from fp4_dispatch.contracts.tactics import check_precision
 from fp4_dispatch.engine.capture import CaptureNotWarmError, not_warm, stream_capturing
+from fp4_dispatch.engine.op_fast import FastCalls, w4a16_key
 from fp4_dispatch.engine.plans import PlanKey
 from fp4_dispatch.engine.runner import Runner, dispatcher_id, runner_of
 from fp4_dispatch.format import checks, grouped
@@ -112,6 +113,7 @@ def set_default_factory(factory: Callable[[str, str], Runner]) -> None:
     """
     _factory[:] = [factory]
     _checked.clear()
+    _fast.clear()
 
 
 def _device_key(device: torch.device | str) -> str:
@@ -183,6 +185,8 @@ def is_warm(
 #: and when the default dispatcher's factory changes.
 _checked: dict[tuple, tuple[Runner, str]] = {}
 _CHECKED_MAX = 4096
+#: the W4A16 op's kept fast calls (`fp4_dispatch.engine.op_fast`), emptied with `_checked`
+_fast = FastCalls()
 
 
 def _meta(t: torch.Tensor | None) -> tuple | None:
@@ -209,9 +213,11 @@ def _op_impl(
     out: torch.Tensor,
     bias: torch.Tensor | None = None,
     b_prepared: torch.Tensor | None = None,
-) -> None:
+) -> tuple[Runner, str] | None:
     """Every GEMM op's body: check the plain-tensor operands (the ops are public), then
-    run; operands whose signature was checked before run straight away (`_checked`)."""
+    run; operands whose signature was checked before run straight away (`_checked`).
+    Returns (dispatcher, output dtype name) when the call ran unchecked operands as
+    given (a signature checked before), else None."""
     operands = (a, a_scale, b_data, b_scale, alpha, out, bias, b_prepared)
     sig = _signature(did, *operands)
     hit = _checked.get(sig)
@@ -221,12 +227,13 @@ def _op_impl(
             d.run_dense(a, b_data, b_scale, alpha, out, dtype, bias, b_prepared)
         else:
             d.run_checked(a, a_scale, b_data, b_scale, alpha, out, dtype)
-        return
+        return hit
     d, dtype, checked = _check_and_run(did, operands)
     if all(_meta(c) == _meta(t) for c, t in zip(checked, operands, strict=True)):
         if len(_checked) >= _CHECKED_MAX:
             _checked.clear()
         _checked[sig] = (d, dtype)
+    return None
 
 
 def _check_and_run(did: int, operands: tuple) -> tuple[Runner, str, tuple]:
@@ -274,7 +281,46 @@ def _check_and_run(did: int, operands: tuple) -> tuple[Runner, str, tuple]:
     return d, dtype, (a, sa, b_data, sb, alpha, out, None, None)
 
 
-@torch.library.custom_op("fp4_dispatch::gemm", mutates_args=())
+#: the ops' library. Why `torch.library.Library` and not ``torch.library.custom_op``: the
+#: latter wraps every call of the implementation in Python layers (an alias check of the
+#: outputs, a Dynamo-disabling wrapper) that cost about as much again as the C++
+#: dispatch itself - measured on this project's 2-core CPU host, a no-op op of this
+#: signature: 16.2-16.6 µs a call through ``custom_op``, 8.9-9.3 µs defined here
+#: (docs/launch.md). Under torch.compile every GEMM is such a call.
+_LIB = torch.library.Library("fp4_dispatch", "DEF")
+
+
+def _define(schema: str) -> Callable[[Callable], Callable]:
+    """Define the op of `schema` in namespace ``fp4_dispatch`` with the decorated function
+    as its implementation for every device (CompositeExplicitAutograd: no autograd
+    formula; the callers that can be differentiated refuse a gradient themselves) and
+    tag it pt2-compliant, as ``custom_op`` does."""
+
+    def register(impl: Callable) -> Callable:
+        name = schema.split("(", 1)[0]
+        _LIB.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
+        _LIB.impl(name, impl, "CompositeExplicitAutograd")
+        impl.op_name = f"fp4_dispatch::{name}"  # type: ignore[attr-defined]
+        return impl
+
+    return register
+
+
+def _fake(impl: Callable) -> Callable[[Callable], Callable]:
+    """Register the decorated function as the fake (shape-only) implementation of the op
+    `impl` was defined for (`_define`)."""
+
+    def register(fake: Callable) -> Callable:
+        torch.library.register_fake(impl.op_name, fake, lib=_LIB)  # type: ignore[attr-defined]
+        return fake
+
+    return register
+
+
+@_define(
+    "gemm(Tensor a_data, Tensor a_scale, Tensor b_data, Tensor b_scale, Tensor alpha, "
+    "ScalarType out_dtype, SymInt dispatcher=-1) -> Tensor"
+)
 def _gemm_op(
     a_data: torch.Tensor,
     a_scale: torch.Tensor,
@@ -289,12 +335,15 @@ def _gemm_op(
     return out
 
 
-@_gemm_op.register_fake
+@_fake(_gemm_op)
 def _gemm_fake(a_data, a_scale, b_data, b_scale, alpha, out_dtype, dispatcher=DEFAULT):
     return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
 
 
-@torch.library.custom_op("fp4_dispatch::gemm_out", mutates_args=("out",))
+@_define(
+    "gemm_out(Tensor a_data, Tensor a_scale, Tensor b_data, Tensor b_scale, Tensor alpha, "
+    "Tensor(a5!) out, SymInt dispatcher=-1) -> ()"
+)
 def _gemm_out_op(
     a_data: torch.Tensor,
     a_scale: torch.Tensor,
@@ -307,12 +356,15 @@ def _gemm_out_op(
     _op_impl(dispatcher, a_data, a_scale, b_data, b_scale, alpha, out)
 
 
-@_gemm_out_op.register_fake
+@_fake(_gemm_out_op)
 def _gemm_out_fake(a_data, a_scale, b_data, b_scale, alpha, out, dispatcher=DEFAULT):
     return None
 
 
-@torch.library.custom_op("fp4_dispatch::gemm_w4a16", mutates_args=())
+@_define(
+    "gemm_w4a16(Tensor a, Tensor b_data, Tensor b_scale, Tensor alpha, ScalarType out_dtype, "
+    "SymInt dispatcher=-1, Tensor? bias=None, Tensor? b_prepared=None) -> Tensor"
+)
 def _gemm_w4a16_op(
     a: torch.Tensor,
     b_data: torch.Tensor,
@@ -324,11 +376,18 @@ def _gemm_w4a16_op(
     b_prepared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     out = torch.empty((a.shape[0], b_data.shape[0]), dtype=out_dtype, device=a.device)
-    _op_impl(dispatcher, a, None, b_data, b_scale, alpha, out, bias, b_prepared)
+    key = w4a16_key(dispatcher, a, b_data, b_scale, alpha, out_dtype, bias, b_prepared)
+    fast = _fast.get(key)
+    if fast is not None and fast(a, out):
+        return out
+    hit = _op_impl(dispatcher, a, None, b_data, b_scale, alpha, out, bias, b_prepared)
+    if hit is not None and out.numel():  # checked before and run as given: keep its replay
+        _fast.keep(key, hit[0], out.shape[0], out.shape[1], a.shape[1], hit[1],
+                   (a, b_data, b_scale, alpha, out, bias, b_prepared))  # fmt: skip
     return out
 
 
-@_gemm_w4a16_op.register_fake
+@_fake(_gemm_w4a16_op)
 def _gemm_w4a16_fake(a, b_data, b_scale, alpha, out_dtype, dispatcher=DEFAULT, bias=None,
                      b_prepared=None):  # fmt: skip
     return a.new_empty((a.shape[0], b_data.shape[0]), dtype=out_dtype)
@@ -376,7 +435,10 @@ def _grouped_impl(
     _checked[sig] = (d, dtype)
 
 
-@torch.library.custom_op("fp4_dispatch::grouped_gemm", mutates_args=())
+@_define(
+    "grouped_gemm(Tensor a, Tensor? a_scale, Tensor b_data, Tensor b_scale, Tensor alpha, "
+    "Tensor offsets, ScalarType out_dtype, SymInt dispatcher=-1) -> Tensor"
+)
 def _grouped_gemm_op(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
@@ -392,7 +454,7 @@ def _grouped_gemm_op(
     return out
 
 
-@_grouped_gemm_op.register_fake
+@_fake(_grouped_gemm_op)
 def _grouped_gemm_fake(a, a_scale, b_data, b_scale, alpha, offsets, out_dtype,
                        dispatcher=DEFAULT):  # fmt: skip
     return a.new_empty((a.shape[0], b_data.shape[1]), dtype=out_dtype)
@@ -418,7 +480,7 @@ def _check_quantize_input(x: torch.Tensor) -> None:
         raise ValueError(f"x: K must be a multiple of 32 for the GEMM, got K={x.shape[1]}")
 
 
-@torch.library.custom_op("fp4_dispatch::quantize", mutates_args=())
+@_define("quantize(Tensor x, Tensor? global_scale=None) -> (Tensor, Tensor, Tensor)")
 def _quantize_op(
     x: torch.Tensor, global_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -426,7 +488,7 @@ def _quantize_op(
     return _quantize_eager(x, global_scale)
 
 
-@_quantize_op.register_fake
+@_fake(_quantize_op)
 def _quantize_fake(x, global_scale=None):
     _check_quantize_input(x)
     r, k = x.shape

@@ -186,9 +186,10 @@ def estimate_unpack(t: TritonSm90W4A8Tactic, p: Problem, device: DeviceInfo) -> 
     """Activation pass + weight pass (memory or conversion bound) + ``_scaled_mm``."""
     c = cost_model.constants()["w4a16"]
     bw = device.mem_bw_gbps * 1e3 * c["bw_fraction"]
-    programs = -(-p.n // t.block_r)
-    per_sm = math.ceil(programs / device.sm_count)
-    convert = per_sm * t.block_r * p.k * UNPACK_CONVERT_INSTR / INSTR_PER_SM_US
+    # the pass's grid cuts K into spans until every SM has programs
+    # (`gemm_w4a8.unpack_grid`): the conversion spreads evenly over the SMs
+    per_sm = math.ceil(p.n * p.k / device.sm_count)
+    convert = per_sm * UNPACK_CONVERT_INSTR / INSTR_PER_SM_US
     unpack = max(p.n * p.k * (0.5 + 1.0 / 16 + 1.0) / bw, convert) + PASS_LAUNCH_US
     gemm = max(
         p.flops / (device.fp8_tflops * 1e6 * SCALED_MM_EFF),
