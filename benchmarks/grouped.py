@@ -205,3 +205,70 @@ def routine(ctx: Context) -> None:
     d = Dispatcher(str(ctx.device), cache=False, budget=budget)
     for case in cases(ctx):
         ctx.emit(run_case(ctx, d, case))
+
+
+# ---- the MoE layer (``--cases moe-layer``) ------------------------------------------------
+
+#: kernels-suite config -> `moe_configs` model config of the same MoE shapes (``tiny``:
+#: the ``--smoke`` CPU check)
+LAYER_CONFIGS = {"qwen3-30b-a3b": "qwen3-moe", "deepseek-v3": "deepseek-like", "tiny": "tiny-moe"}
+LAYER_PATHS = {"bf16": "transformers MoE block bf16 grouped_mm"}
+
+
+def layer_blocks(config: str, device: torch.device) -> tuple[object, object]:
+    """(transformers' bf16 MoE block with ``grouped_mm`` experts, its `Nvfp4MoE`) of a
+    one-layer model of `config` (`moe_configs.build_moe_variants`: the bf16 block holds
+    the dequantized NVFP4 weights, so both compute the same layer)."""
+    from .moe_configs import build_moe_variants, moe_config
+
+    models = build_moe_variants(moe_config(LAYER_CONFIGS[config], 1), device, ["w4a16"])
+    return models["bf16"].model.layers[0].mlp, models["w4a16"].model.layers[0].mlp
+
+
+def layer_rows(ctx: Context, config: str, blocks: tuple, tokens: int) -> list:
+    """Rows of both MoE blocks on the same ``[tokens, 1, H]`` hidden states (a decode
+    step of `tokens` sequences): the whole layer (router, top-k, sort, both grouped GEMMs,
+    SiLU, combine), GPU time in a graph and eager wall, and each one's relative error
+    against the bf16 block (float64 of its output)."""
+    bf16, nv = blocks
+    hidden = nv.hidden_size
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 1, hidden, generator=gen).to(ctx.device, torch.bfloat16)
+
+    def call(block) -> Callable[[torch.Tensor], torch.Tensor]:
+        def fn(out: torch.Tensor) -> torch.Tensor:
+            y = block(x)
+            return (y[0] if isinstance(y, tuple) else y).reshape(tokens, hidden)
+
+        return fn
+
+    out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=ctx.device)
+    with torch.inference_mode():
+        ref = call(bf16)(out).double()
+        rows = []
+        for name, block, op in ((LAYER_PATHS["bf16"], bf16, "bf16"), ("Nvfp4MoE", nv, GROUPED)):
+            got = path_rows(ctx, "moe-layer", call(block), out, ref, ctx.args.clocks,
+                            backend=name, operation=op, m=tokens, n=hidden, k=hidden)  # fmt: skip
+            for r in got:
+                r.extra = {"config": config, "tokens": tokens, "experts": nv.num_experts,
+                           "top_k": nv.top_k}  # fmt: skip
+            rows += got
+    add_ratios(rows, LAYER_PATHS)
+    return rows
+
+
+def layer_routine(ctx: Context) -> None:
+    """The ``moe-layer`` routine of the kernels suite (GPU, or the tiny config with
+    ``--smoke``): one MoE layer, ours against transformers' bf16 block, per config
+    (``--configs``) and token count (``--m``, default `TOKENS`). M x N x K of a row is
+    tokens x hidden x hidden."""
+    if not on_cuda_or_smoke(ctx, "moe-layer"):
+        return
+    configs = ["tiny"] if ctx.smoke else getattr(ctx.args, "configs", None) or list(CONFIGS)
+    for config in configs:
+        blocks = layer_blocks(config, ctx.device)
+        for tokens in ctx.args.m or (SMOKE_TOKENS if ctx.smoke else TOKENS):
+            ctx.emit(layer_rows(ctx, config, blocks, tokens))
+        del blocks
+        if ctx.cuda:
+            torch.cuda.empty_cache()

@@ -25,6 +25,8 @@ compiled first in parallel. ``quantize``: `quantize_nvfp4` of a bf16 activation,
 bit for bit against the CPU reference, GB/s of bytes read and written. ``grouped``: the
 grouped W4A16 GEMM of MoE layers against bf16 ``torch._grouped_mm`` and a loop of dense
 GEMMs (`benchmarks.grouped`, with the suite's own ``--tune`` and ``--configs``).
+``moe-layer``: one whole MoE layer, `Nvfp4MoE` against transformers' bf16 block with
+``grouped_mm`` experts on the same weights (`benchmarks.grouped.layer_routine`; GPU only).
 """
 
 from __future__ import annotations
@@ -247,8 +249,9 @@ ROUTINES: dict[str, Callable[[Context], None]] = {
     "w4a8": gemm_routine("w4a8", "w4a8"),
     "quantize": quantize,
     "grouped": grouped.routine,
+    "moe-layer": grouped.layer_routine,
 }
-SMOKE = ("w4a4", "w4a16", "w4a8", "quantize", "grouped")
+SMOKE = ("w4a4", "w4a16", "w4a8", "quantize", "grouped", "moe-layer")
 
 
 def options(args: argparse.Namespace, argv: list[str]) -> None:

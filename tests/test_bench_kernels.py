@@ -68,3 +68,24 @@ def test_kernels_grouped_smoke_rows(tmp_path):
         assert math.isclose(g["ratios"]["loop"], loop["median_us"] / g["median_us"])
         assert bf["ratios"]["bf16"] == 1.0 and loop["ratios"]["loop"] == 1.0
     assert "x loop" in (tmp_path / "kernels.md").read_text()
+
+
+def test_kernels_moe_layer_smoke_rows(tmp_path):
+    """``kernels --smoke --cases moe-layer``: the tiny MoE model's layer (E=8, top-2,
+    hidden 256) at 1 and 4 tokens, `Nvfp4MoE` against transformers' bf16 block holding
+    the same (dequantized) weights: both rows timed, ours close to the bf16 block's output
+    (weight-only: the activations stay bf16) and its ratio the bf16 time over ours."""
+    rows = run_bench_smoke(tmp_path, "kernels", "--cases", "moe-layer")
+    by: dict[int, dict[str, dict]] = {}
+    for r in rows:
+        assert (r["suite"], r["case"], r["clock"]) == ("kernels", "moe-layer", "eager"), r
+        assert r["failure"] is None and r["median_us"] > 0, r
+        assert r["extra"]["config"] == "tiny" and r["extra"]["experts"] == 8, r
+        by.setdefault(r["extra"]["tokens"], {})[r["backend"]] = r
+    assert set(by) == {1, 4}
+    for tokens, pair in by.items():
+        bf = pair["transformers MoE block bf16 grouped_mm"]
+        ours = pair["Nvfp4MoE"]
+        assert (ours["m"], ours["n"], ours["k"]) == (tokens, 256, 256), ours
+        assert bf["error"] == 0.0 and 0 < ours["error"] < 3e-2, (bf, ours)
+        assert math.isclose(ours["ratios"]["bf16"], bf["median_us"] / ours["median_us"])
