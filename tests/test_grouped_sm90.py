@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TARGET_ONLY, run_interpreted, sm90_compile_env
+from conftest import TARGET_ONLY, run_interpreted, run_interpreted_split, sm90_compile_env
 
 from fp4_dispatch import Dispatcher
 from fp4_dispatch.contracts.tactics import Problem
@@ -102,6 +102,149 @@ def test_grouped_kernel_matches_the_reference_per_expert():
         assert len(res["errs"]) == sum(1 for s in sizes if s), case
         assert all(err < 1e-2 for err in res["errs"]), (case, res)
         assert res["untouched"], case  # rows past the last offset are never written
+
+
+# ---- split-K ----------------------------------------------------------------------------
+
+_SPLIT_SCRIPT = r"""
+import json, sys
+import torch
+from fp4_dispatch.contracts.backend import GroupedOperands
+from fp4_dispatch.backends.sm90 import gemm_grouped as gg
+from fp4_dispatch.format.grouped import quantize_experts, reference_output
+from fp4_dispatch.format.nvfp4 import quantize_nvfp4
+
+
+def expert_errs(out, ref, off):
+    errs, start = [], 0
+    for end in off.tolist():
+        if end > start:
+            o, r = out[start:end].double(), ref[start:end]
+            errs.append(float((o - r).norm() / r.norm()) if bool(torch.isfinite(o).all())
+                        else float("nan"))
+        start = end
+    return errs
+
+
+rows = []
+for case in json.loads(sys.argv[1]):
+    sizes, tail, n, k, cfg, w4a4 = case
+    g = torch.Generator().manual_seed(n + k + 7 * sum(sizes))
+    e, t = len(sizes), sum(sizes) + tail
+    b = quantize_experts(torch.randn(e, n, k, generator=g) * torch.logspace(-2, 2, e).view(
+        e, 1, 1))
+    if w4a4:
+        qa = quantize_nvfp4(torch.randn(t, k, generator=g) * 3)
+    else:
+        a = (torch.randn(t, k, generator=g) * 3).half()
+    kernel = gg.build(gg.GroupedConfig(**cfg))
+    direct = gg.build(gg.GroupedConfig(**{**cfg, "split_k": 1}))
+    calls = []
+    # two calls in a row, the second with other routing (same T): the counters the first
+    # left must be zero again, and both calls use one workspace
+    for routing in (sizes, sizes[1:] + sizes[:1]):
+        off = torch.tensor(routing, dtype=torch.int32).cumsum(0).to(torch.int32)
+        if w4a4:
+            ops = GroupedOperands(qa.data, b.data, b.scale, b.global_scale * qa.global_scale,
+                                  off, a_scale=qa.scale)
+        else:
+            ops = GroupedOperands(a, b.data, b.scale, b.global_scale, off)
+        grid = (-(-n // cfg["block_n"]), gg.m_tile_bound(t, e, cfg["block_m"]), cfg["split_k"])
+        ws, _ = kernel.workspace(torch.device("cpu"), grid)  # the pair the call will use
+        ws.fill_(float("nan"))  # slots the call writes become finite
+        out = torch.full((t, n), float("nan"), dtype=torch.float16)
+        kernel(ops, out)
+        slot_size = cfg["split_k"] * cfg["block_m"] * cfg["block_n"]
+        written = torch.isfinite(ws.view(-1, slot_size)).all(dim=1)
+        one = torch.full((t, n), float("nan"), dtype=torch.float16)
+        direct(ops, one)
+        pairs = kernel._scratch.pairs()
+        calls.append({
+            "errs": expert_errs(out, reference_output(ops), off),
+            "untouched": bool(torch.isnan(out[sum(sizes):]).all()),
+            "counters_zero": all(bool((c == 0).all()) for _, c in pairs),
+            "counters": sum(c.numel() for _, c in pairs),
+            "pairs": len(pairs),
+            "slots_written": int(written.sum()),
+            "work_tiles": grid[0] * sum(-(-s // cfg["block_m"]) for s in routing),
+            "same_as_split1": bool(torch.equal(out.view(torch.int16), one.view(torch.int16))),
+            "split1_pairs": len(direct._scratch),
+        })
+    rows.append({"case": case, "calls": calls})
+print(json.dumps(rows))
+"""
+
+#: split-K cases: (sizes, tail rows, N, K, config, w4a4). K=288 with a 64 K tile is 5
+#: tiles, the last half full: split 2 owns 3 + 2 tiles, split 4 owns 2 + 2 + 1 + 0 (an
+#: empty split); K=64 (one tile) leaves every split past the first empty
+SPLIT_CASES = [
+    ([1, 0, 1, 1, 0, 1], 0, 24, 288, {"block_m": 1, "block_n": 16, "block_k": 64, "split_k": 4},
+     False),
+    ([2, 0, 3, 1], 1, 32, 256, {"block_m": 2, "block_n": 16, "block_k": 64, "split_k": 2},
+     False),
+    ([3, 0, 4, 1], 0, 40, 288, {"block_m": 4, "block_n": 16, "block_k": 64, "split_k": 2},
+     False),
+    ([5, 9, 0, 8], 0, 32, 288, {"block_m": 8, "block_n": 16, "block_k": 64, "split_k": 4},
+     False),
+    ([1, 1, 0, 6], 0, 24, 256, {"block_m": 8, "block_n": 16, "block_k": 64, "split_k": 2},
+     True),
+    ([0, 3, 0, 1, 20], 2, 48, 288, {"block_m": 16, "block_n": 16, "block_k": 64, "split_k": 4},
+     False),
+    ([2, 0, 17], 0, 40, 288, {"block_m": 16, "block_n": 32, "block_k": 64, "split_k": 2},
+     True),
+    ([0, 20, 0, 3], 1, 72, 288,
+     {"block_m": 16, "block_n": 64, "block_k": 64, "split_k": 4, "weights_on_m": True}, False),
+    # one K tile: the split path with nothing to sum but split 0, bit-identical to one split
+    ([1, 0, 2, 1], 0, 24, 64, {"block_m": 2, "block_n": 16, "block_k": 64, "split_k": 2},
+     False),
+    ([3, 0, 9], 0, 24, 64, {"block_m": 8, "block_n": 16, "block_k": 64, "split_k": 4}, True),
+    ([0, 18, 3], 0, 32, 64, {"block_m": 16, "block_n": 32, "block_k": 64, "split_k": 2},
+     False),
+]  # fmt: skip
+
+
+def test_grouped_split_k_matches_the_reference_and_resets_its_counters():
+    """Split 2 and 4 on every path (GEMV 1-4 dense rows, FMA 8 dense and NVFP4 rows, tl.dot
+    16 rows, weights_on_m), empty experts, an uneven last split and an empty one, rows past
+    the last offset: within the one-split tolerance of the float64 reference, expert by
+    expert; each (N tile, M tile) writes its own workspace slot (the interpreter runs
+    programs one at a time, so a shared slot would not show in the results) and the
+    slots past the routing's tiles stay unwritten; after each of two calls with other
+    routing every counter is zero again and one workspace pair (one counter per N tile
+    and M-tile slot, a power of two) served both; one split never makes a workspace.
+    With one K tile only split 0 sums anything, so the split path must equal one split
+    bit for bit; with more it changes the summation order, so only the tolerance is
+    checked."""
+    results = run_interpreted_split(_SPLIT_SCRIPT, SPLIT_CASES)  # each names its case
+    assert sorted(json.dumps(r["case"]) for r in results) == sorted(
+        json.dumps(list(c)) for c in SPLIT_CASES
+    )
+    for result in results:
+        case, calls = result["case"], result["calls"]
+        sizes, tail, n, k, cfg, _ = case
+        slots = -(-n // cfg["block_n"]) * (-(-(sum(sizes) + tail) // cfg["block_m"])
+                                           + min(len(sizes), sum(sizes) + tail))  # fmt: skip
+        for res in calls:
+            assert len(res["errs"]) == sum(1 for s in sizes if s), case
+            assert all(err < 1e-2 for err in res["errs"]), (case, res)
+            assert res["untouched"], case
+            assert res["counters_zero"], (case, res)
+            # one slot per (N tile, M tile): none shared, none written by programs that exit
+            assert res["slots_written"] == res["work_tiles"], (case, res)
+            assert res["pairs"] == 1 and res["split1_pairs"] == 0, (case, res)
+            assert res["counters"] == 1 << (slots - 1).bit_length(), (case, res)
+            if k <= cfg["block_k"]:
+                assert res["same_as_split1"], case
+
+
+def test_split_k_config_choices():
+    pytest.importorskip("triton")
+    from fp4_dispatch.backends.sm90.gemm_grouped import GroupedConfig
+
+    assert GroupedConfig().split_k == 1
+    for bad in (0, 3, 16):
+        with pytest.raises(ValueError, match="split_k"):
+            GroupedConfig(split_k=bad)
 
 
 # ---- precompile: sm_90 compiles on the CPU, and a real call hits what it compiled ----------
