@@ -21,9 +21,11 @@ from fp4_dispatch import Dispatcher
 from fp4_dispatch.contracts.tactics import Problem
 from fp4_dispatch.loading.profiles import simulated
 from fp4_dispatch.plugins.sm90.grouped import (
+    SPLIT_WORKSPACE_MAX,
     TritonSm90GroupedBackend,
     TritonSm90GroupedTactic,
     max_tile_m,
+    split_workspace_bytes,
     why_invalid,
 )
 
@@ -293,9 +295,9 @@ print(json.dumps(out))
 
 
 def test_grouped_precompile_compiles_what_a_call_launches(tmp_path):
-    """Every path (GEMV and FMA at decode, tl.dot), both operations, K tails, bf16 and fp16
-    compile for sm_90 on a CPU without a launch (the PTX dequantizer included), and a real
-    call's arguments hit the variant precompile made."""
+    """Every path (GEMV and FMA at decode, tl.dot; one split and split-K), both operations,
+    K tails, bf16 and fp16 compile for sm_90 on a CPU without a launch (the PTX
+    dequantizer included), and a real call's arguments hit the variant precompile made."""
     pytest.importorskip("triton")
     cases = [
         {"name": "fma-bf16", "t": 8, "n": 256, "k": 512, "e": 128, "dtype": "bfloat16",
@@ -312,6 +314,12 @@ def test_grouped_precompile_compiles_what_a_call_launches(tmp_path):
          "op": "grouped_w4a16", "tactic": {"tile_m": 4, "tile_n": 32, "tile_k": 128}},
         {"name": "w4a4-fma", "t": 16, "n": 256, "k": 512, "e": 64, "dtype": "bfloat16",
          "op": "grouped_w4a4", "tactic": {"tile_m": 1, "tile_n": 64, "tile_k": 128}},
+        {"name": "gemv-split4-tail", "t": 8, "n": 256, "k": 1056, "e": 128,
+         "dtype": "bfloat16", "op": "grouped_w4a16",
+         "tactic": {"tile_m": 1, "tile_n": 64, "tile_k": 128, "split_k": 4}},
+        {"name": "dot-split2", "t": 128, "n": 256, "k": 512, "e": 16, "dtype": "float16",
+         "op": "grouped_w4a16", "tactic": {"tile_m": 16, "tile_n": 64, "tile_k": 128,
+                                           "split_k": 2}},
     ]  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", _PRECOMPILE, json.dumps(cases)],
                           capture_output=True, text=True, env=sm90_compile_env(tmp_path),
@@ -371,6 +379,58 @@ def test_estimate_reads_only_touched_experts():
     few = b.estimate_us(grouped_problem(8), SM90, t)
     many = b.estimate_us(grouped_problem(128), SM90, t)
     assert few < many / 4  # 8 experts' weights vs 128
+
+
+def test_split_k_tactics_only_where_each_split_owns_two_k_tiles():
+    b = TritonSm90GroupedBackend()
+    decode = list(b.tactics(grouped_problem(8), SM90))  # K=2048
+    assert {t.split_k for t in decode} == {1, 2, 4, 8}
+    for t in decode:
+        assert -(-2048 // t.tile_k) >= 2 * t.split_k, t
+    assert {t.split_k for t in decode if t.tile_k == 256} == {1, 2, 4}  # 8 K tiles
+    short = Problem(m=8, n=1536, k=256, operation="grouped_w4a16", groups=128)
+    assert {(t.tile_k, t.split_k) for t in b.tactics(short, SM90) if t.split_k > 1} == {(64, 2)}
+    assert "split_k" in b.diversity_axes  # as the dense sm90 families: the cap keeps splits
+
+
+def test_validate_refuses_split_k_with_the_reason():
+    b, p = TritonSm90GroupedBackend(), grouped_problem(8)
+    t = TritonSm90GroupedTactic(tile_m=1, tile_n=64, tile_k=256, split_k=8)
+    assert "split_k=8 leaves < 2 K tiles per split (8 K tiles)" in b.validate(t, p, SM90)
+    assert b.validate(t.model_copy(update={"split_k": 4}), p, SM90) is None
+    # a prefill grid's partials would be GBs: refused by the workspace bound
+    big = TritonSm90GroupedTactic(tile_m=128, tile_n=128, tile_k=64, split_k=2)
+    prefill = grouped_problem(65536)
+    assert split_workspace_bytes(big, prefill) > SPLIT_WORKSPACE_MAX
+    assert "workspace bytes" in b.validate(big, prefill, SM90)
+    assert b.validate(big.model_copy(update={"split_k": 1}), prefill, SM90) is None
+
+
+def test_split_k_estimate_helps_a_latency_bound_decode():
+    """8 rows over 8 of 128 experts, N=1536, K=2048: few programs each walking 16 K tiles
+    (issue 35's measured case) - a split shortens each program's chain."""
+    b, p = TritonSm90GroupedBackend(), grouped_problem(8)
+    est = {s: b.estimate_us(p, SM90, TritonSm90GroupedTactic(tile_m=1, tile_n=64,
+                                                             tile_k=128, split_k=s))
+           for s in (1, 2, 4)}  # fmt: skip
+    assert est[2] < est[1] and est[4] < est[1], est
+    # at prefill the chain is not the bound: a split only adds its partials and sync
+    big = grouped_problem(4096)
+    one = TritonSm90GroupedTactic(tile_m=32, tile_n=128, tile_k=64)
+    two = one.model_copy(update={"split_k": 2})
+    assert b.estimate_us(big, SM90, two) > b.estimate_us(big, SM90, one)
+
+
+def test_split_k_tactic_round_trips_and_reaches_the_kernel_config():
+    t = TritonSm90GroupedTactic(tile_m=1, tile_n=64, tile_k=128, split_k=4)
+    assert TritonSm90GroupedTactic.model_validate(t.model_dump()) == t
+    assert TritonSm90GroupedTactic.model_validate_json(t.model_dump_json()).split_k == 4
+    assert TritonSm90GroupedTactic(tile_m=4, tile_n=64).split_k == 1
+    with pytest.raises(ValueError):
+        TritonSm90GroupedTactic(tile_m=4, tile_n=64, split_k=3)
+    pytest.importorskip("triton")
+    assert t.kernel_config().split_k == 4
+    assert TritonSm90GroupedTactic(tile_m=1, tile_n=64).kernel_config().split_k == 1
 
 
 # ---- on the GPU ------------------------------------------------------------------------
