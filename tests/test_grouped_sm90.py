@@ -503,3 +503,81 @@ def test_gpu_grouped_every_path_bf16_and_graph_replay():
     torch.cuda.synchronize()
     ref = grouped_reference(a, b, off)
     assert float((out.double().cpu() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90_gpu(), reason="needs a CUDA device of compute capability 9.x")
+def test_gpu_grouped_split_k_paths_driver_replay_and_graph():
+    """Split 2 and 4 on every path (GEMV, FMA, tl.dot, weights_on_m; dense and NVFP4 rows)
+    with bf16 rows and a K tail, within the dense W4A16 tolerance of the float64
+    reference (a split changes the summation order: not bit-identical to one split);
+    every counter zero after each call. Then one split kernel through the plan's
+    driver-API replay and a CUDA graph, each replayed with new routing (offsets changed
+    in place): the recorded workspace pointers stay valid."""
+    import torch
+
+    from fp4_dispatch.backends.sm90 import gemm_grouped as gg
+    from fp4_dispatch.contracts.backend import GroupedOperands
+    from fp4_dispatch.format.grouped import quantize_experts, reference_output
+    from fp4_dispatch.format.nvfp4 import quantize_nvfp4
+
+    e, n, k = 16, 384, 1056  # 1056 = 8.25 K tiles of 128: an uneven last split
+    g = torch.Generator().manual_seed(1)
+    b = quantize_experts(torch.randn(e, n, k, generator=g) * torch.logspace(-2, 1, e).view(
+        e, 1, 1)).to("cuda")  # fmt: skip
+
+    def operands(a, off, w4a4):
+        if not w4a4:
+            return GroupedOperands(a, b.data, b.scale, b.global_scale, off)
+        qa = quantize_nvfp4(a.float())
+        return GroupedOperands(qa.data, b.data, b.scale, b.global_scale * qa.global_scale, off,
+                               a_scale=qa.scale)  # fmt: skip
+
+    def check(kernel, ops, out):
+        ref = reference_output(ops)
+        err = float((out.double().cpu() - ref.cpu()).norm() / ref.norm())
+        assert err < 1e-2, (kernel.cfg, err)
+        assert all(bool((c == 0).all()) for _, c in kernel._scratch.pairs()), kernel.cfg
+
+    configs = [
+        (dict(block_m=1, block_n=64), False), (dict(block_m=4, block_n=32), False),
+        (dict(block_m=8, block_n=16), False), (dict(block_m=8, block_n=16), True),
+        (dict(block_m=16, block_n=64), False), (dict(block_m=16, block_n=64), True),
+        (dict(block_m=16, block_n=64, weights_on_m=True), False),
+    ]  # fmt: skip
+    for sizes in ([0, 1, 0, 2, 1, 0, 0, 1, 3, 0, 0, 0, 1, 0, 0, 1], [40, 0, 3, 0] * 4):
+        t = sum(sizes)
+        a = (torch.randn(t, k, generator=g) * 3).to(torch.bfloat16).cuda()
+        off = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
+        for cfg, w4a4 in configs:
+            for split in (2, 4):
+                kernel = gg.build(gg.GroupedConfig(block_k=128, split_k=split, **cfg))
+                ops = operands(a, off, w4a4)
+                out = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                kernel(ops, out)
+                check(kernel, ops, out)
+
+    kernel = gg.build(gg.GroupedConfig(block_m=1, block_n=64, block_k=128, split_k=4))
+    sizes = [1] * 8 + [0] * 8
+    a = torch.randn(8, k, device="cuda").to(torch.bfloat16)
+    off = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
+    ops = operands(a, off, False)
+    out = torch.empty(8, n, dtype=torch.bfloat16, device="cuda")
+    kernel(ops, out)  # makes the workspace, outside any recording or capture
+    with kernel.record("split", [a, off, out], [b.data, b.scale, b.global_scale]) as rec:
+        kernel(ops, out)
+    assert rec.replay is not None, rec.why
+    for shift in range(1, 4):
+        off.copy_(torch.roll(torch.tensor(sizes), shift * 3).cumsum(0).to(torch.int32))
+        fresh = torch.full_like(out, float("nan"))
+        assert rec.replay([a, off, fresh])
+        torch.cuda.synchronize()
+        check(kernel, ops, fresh)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel(ops, out)
+    off.copy_(torch.tensor([0] * 8 + [1] * 8, dtype=torch.int32).cumsum(0).to(torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(kernel, ops, out)
+    assert len(kernel._scratch) == 1  # one T: one workspace, recorded and captured alike
