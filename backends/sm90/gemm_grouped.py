@@ -8,8 +8,8 @@ has no FP4 MMA, and e2m1 x e4m3 values are exact in fp16, so both operands dequa
 exactly and the products are the tensor cores' fp16/bf16 ones with fp32 accumulation).
 
 Scheduling, with no host synchronisation (CUDA-graph safe): the grid is
-``(N tiles, M-tile bound, split_k)`` where the bound is ``cdiv(T, BLOCK_M) + min(E, T)`` (each
-non-empty expert adds at most one partial tile; at most ``min(E, T)`` experts are
+``(N tiles, M-tile bound, split_k)`` where the bound is ``cdiv(T, BLOCK_M) + min(E, T)``
+(each non-empty expert adds at most one partial tile; at most ``min(E, T)`` experts are
 non-empty) - host facts only. Each program reads all E offsets (E int32, from L2),
 computes every expert's tile count and their running sum on the device, finds its
 (expert, M tile), and exits at once when its index is past the last tile. So a decode
@@ -22,15 +22,16 @@ Split-K (``GroupedConfig.split_k`` 2, 4 or 8; 1 by default): the grid's third ax
 splits each tile's K tiles into equal shares (`splitk.k_tile_range`; the last share may
 be shorter or empty), as the dense decode kernels do. Why: at decode a few hundred
 programs each walk all of K one step after another, latency-bound (8 rows over 8 of 128
-experts, N=1536, K=2048 took 31 us on an H100 where the touched weights' bytes take ~4 us
-at memory bandwidth: the lead's measurement in issue 35); splitting multiplies the
-programs in flight and divides each one's chain of steps. Each split stores its fp32
-partial into a workspace kept on the kernel object and the last to arrive sums them in
-split order (deterministic), writes the output and resets the tile's counter
-(`splitk.store_tile`: one launch, no memset). A slot of the workspace belongs to one
-(N tile, M-tile slot of the grid), so it is sized from host facts (``N tiles x M-tile
-bound x split_k`` tiles); a slot past the routing's last tile exits in every split
-before touching its counter. With one split the tile is stored directly, as before.
+experts, N=1536, K=2048 took 31 us on an H100 where the touched weights' bytes take
+~4 us at memory bandwidth: issue 35); splitting multiplies the programs in flight and
+divides each one's chain of steps. Each split stores its fp32 partial into a workspace
+kept on the kernel object and the last to arrive sums them in split order
+(deterministic), writes the output and resets the tile's counter (`splitk.store_tile`:
+one launch, no memset). A slot of the workspace belongs to one (N tile, M-tile slot of
+the grid), so it is sized from host facts (``N tiles x M-tile bound`` slots rounded up
+to a power of two, ``split_k`` tiles each: one pair per T, the same on every call); a
+slot past the routing's last tile exits in every split before touching its counter.
+With one split the tile is stored directly, as before.
 
 Three inner products, by ``BLOCK_M`` (a compile-time knob):
 
