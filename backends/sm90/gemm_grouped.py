@@ -8,8 +8,8 @@ has no FP4 MMA, and e2m1 x e4m3 values are exact in fp16, so both operands dequa
 exactly and the products are the tensor cores' fp16/bf16 ones with fp32 accumulation).
 
 Scheduling, with no host synchronisation (CUDA-graph safe): the grid is
-``(N tiles, M-tile bound)`` where the bound is ``cdiv(T, BLOCK_M) + min(E, T)`` (each
-non-empty expert adds at most one partial tile; at most ``min(E, T)`` experts are
+``(N tiles, M-tile bound, split_k)`` where the bound is ``cdiv(T, BLOCK_M) + min(E, T)``
+(each non-empty expert adds at most one partial tile; at most ``min(E, T)`` experts are
 non-empty) - host facts only. Each program reads all E offsets (E int32, from L2),
 computes every expert's tile count and their running sum on the device, finds its
 (expert, M tile), and exits at once when its index is past the last tile. So a decode
@@ -17,6 +17,21 @@ step (8 rows over 128 experts) launches ``cdiv(8, BLOCK_M) + 8`` M programs per 
 not ``128``: the cheap choice at decode, where each expert has 1-8 rows. The M tiles of
 one expert sit next to each other in the grid's second axis and the first axis walks N,
 so one expert's weight tile is read by its M tiles at nearly the same time (L2 reuse).
+
+Split-K (``GroupedConfig.split_k`` 2, 4 or 8; 1 by default): the grid's third axis
+splits each tile's K tiles into equal shares (`splitk.k_tile_range`; the last share may
+be shorter or empty), as the dense decode kernels do. Why: at decode a few hundred
+programs each walk all of K one step after another, latency-bound (8 rows over 8 of 128
+experts, N=1536, K=2048 took 31 us on an H100 where the touched weights' bytes take
+~4 us at memory bandwidth: issue 35); splitting multiplies the programs in flight and
+divides each one's chain of steps. Each split stores its fp32 partial into a workspace
+kept on the kernel object and the last to arrive sums them in split order
+(deterministic), writes the output and resets the tile's counter (`splitk.store_tile`:
+one launch, no memset). A slot of the workspace belongs to one (N tile, M-tile slot of
+the grid), so it is sized from host facts (``N tiles x M-tile bound`` slots rounded up
+to a power of two, ``split_k`` tiles each: one pair per T, the same on every call); a
+slot past the routing's last tile exits in every split before touching its counter.
+With one split the tile is stored directly, as before.
 
 Three inner products, by ``BLOCK_M`` (a compile-time knob):
 
@@ -54,14 +69,23 @@ import triton.language as tl
 from fp4_dispatch.backends.driver_launch import record_launches
 from fp4_dispatch.backends.sm90.gemm_w4a16 import _USE_ASM
 from fp4_dispatch.backends.sm90.gemm_w4a16_decode import _column, _nibbles, _token_blocks
+from fp4_dispatch.backends.sm90.splitk import k_tile_range, store_tile
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
 from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher
+from fp4_dispatch.backends.workspace import Scratch
 from fp4_dispatch.contracts.backend import GroupedOperands
 from fp4_dispatch.format.nvfp4 import swizzled_scale_shape
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BLOCK_K_CHOICES", "BLOCK_M_CHOICES", "GroupedConfig", "GroupedKernel", "build"]
+__all__ = [
+    "BLOCK_K_CHOICES",
+    "BLOCK_M_CHOICES",
+    "SPLIT_K_CHOICES",
+    "GroupedConfig",
+    "GroupedKernel",
+    "build",
+]
 
 #: rows (tokens x top-k of one expert) per program: 1-8 run on FMAs, 16+ on tl.dot
 BLOCK_M_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -69,6 +93,8 @@ BLOCK_M_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
 BLOCK_N_CHOICES = (16, 32, 64, 128, 256)
 #: K elements per loop step (a multiple of 64: one swizzled 4-group step per 64)
 BLOCK_K_CHOICES = (64, 128, 256)
+#: K splits per output tile (`splitk`: partials in a kept workspace, the last split sums)
+SPLIT_K_CHOICES = (1, 2, 4, 8)
 #: the smallest BLOCK_M that runs on the tensor cores (tl.dot's minimum M)
 DOT_MIN_M = 16
 #: dense rows per tile up to which the decode GEMV's inner loop runs (`_gemv_tile`: one
@@ -85,7 +111,8 @@ class GroupedConfig:
     elements per step, Triton's ``num_warps`` and ``num_stages``; ``weights_on_m``: the
     tensor-core path multiplies ``W @ A.T`` (weight rows on the MMA's M side, as the
     dense W4A16 decode kernel does: Hopper's wgmma needs 64 rows there, a few tokens
-    per expert do not have them) instead of ``A @ W.T``."""
+    per expert do not have them) instead of ``A @ W.T``; ``split_k``: programs per output
+    tile along K (module docstring, "Split-K")."""
 
     block_m: int = 16
     block_n: int = 64
@@ -93,12 +120,14 @@ class GroupedConfig:
     num_warps: int = 4
     num_stages: int = 3
     weights_on_m: bool = False
+    split_k: int = 1
 
     def __post_init__(self) -> None:
         for name, choices in (
             ("block_m", BLOCK_M_CHOICES),
             ("block_n", BLOCK_N_CHOICES),
             ("block_k", BLOCK_K_CHOICES),
+            ("split_k", SPLIT_K_CHOICES),
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}: expected one of {choices}, got {getattr(self, name)}")
@@ -157,15 +186,15 @@ def _nvfp4_tile(data_ptr, scale_ptr, rows, row_ok, k0, K, s_blk, KT: tl.constexp
 
 
 @triton.jit
-def _gemv_tile(a_ptr, b_e, bs_e, alpha_ptr, out_ptr, row0, row_end, rn, offs_n, n_ok, K,
-               stride_am, stride_om, stride_on, s_blk, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               USE_ASM: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
-    """One expert's rows ``row0..row0+BLOCK_M`` (at most 4; those from ``row_end`` on
-    are read as ``row0`` and never stored) times ``BLOCK_N`` weight rows, the decode
-    GEMV's way (`gemm_w4a16_decode`): per token, each 16-element block's products summed
-    as one FMA chain in registers, times the block scale, accumulated per block; one
-    rounding at the store."""
+def _gemv_tile(a_ptr, b_e, bs_e, row0, row_end, rn, n_ok, k_lo, k_hi, K, stride_am, s_blk,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
+    """The fp32 ``[BLOCK_N, BLOCK_M]`` tile (weight rows x tokens, in units of
+    ``2**-14``: the caller's scale undoes it) of one expert's rows ``row0..row0+BLOCK_M``
+    (at most 4; those from ``row_end`` on are read as ``row0`` and never stored) over K
+    elements ``k_lo..k_hi``, the decode GEMV's way (`gemm_w4a16_decode`): per token, each
+    16-element block's products summed as one FMA chain in registers, times the block
+    scale, accumulated per block."""
     KG: tl.constexpr = BLOCK_K // 16
     # K element of (block g, byte i, nibble e): 16 g + 2 i + e, as [KG, 8, 2]
     rk = (16 * tl.arange(0, KG)[:, None, None] + 2 * tl.arange(0, 8)[None, :, None]
@@ -178,7 +207,7 @@ def _gemv_tile(a_ptr, b_e, bs_e, alpha_ptr, out_ptr, row0, row_end, rn, offs_n, 
     acc1 = tl.zeros((BLOCK_N, KG), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, KG), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, KG), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         lo, hi, s = _nvfp4_bytes(b_e, bs_e, rn, n_ok, k0, K, s_blk, BLOCK_K, EVEN_K, USE_ASM)
         xmask = None if EVEN_K else (k0 + rk) < K
         acc0 += _token_blocks(lo, hi, x0 + k0, xmask, EVEN_K) * s
@@ -194,80 +223,22 @@ def _gemv_tile(a_ptr, b_e, bs_e, alpha_ptr, out_ptr, row0, row_end, rn, offs_n, 
     if BLOCK_M > 2:
         total = _column(total, tl.sum(acc2, axis=1), 2)
         total = _column(total, tl.sum(acc3, axis=1), 3)
-    y = (total * (tl.load(alpha_ptr) * 16384.0)).to(out_ptr.dtype.element_ty)  # alpha * 2**14
-    rows = row0 + tl.arange(0, BLOCK_M)
-    o_ptrs = (out_ptr + rows[None, :].to(tl.int64) * stride_om
-              + offs_n[:, None].to(tl.int64) * stride_on)  # fmt: skip
-    tl.store(o_ptrs, y, mask=(rows < row_end)[None, :] & n_ok[:, None])
+    return total
 
 
-@triton.jit(do_not_specialize=["T", "N"])
-def _grouped_kernel(
-    a_ptr,
-    as_ptr,
-    b_ptr,
-    bs_ptr,
-    alpha_ptr,
-    off_ptr,
-    out_ptr,
-    T,
-    N,
-    K,
-    E,
-    stride_am,
-    stride_om,
-    stride_on,
-    a_sblk,
-    b_sblk,
-    b_eslab,
-    E_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    A_FP4: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    USE_ASM: tl.constexpr,
-    GEMV: tl.constexpr,
-    W_ON_M: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    tile = tl.program_id(1)
-    # ---- which (expert, M tile): from the offsets, on the device -------------------
-    ex = tl.arange(0, E_PAD)
-    in_e = ex < E
-    ends = tl.load(off_ptr + ex, mask=in_e, other=0)
-    starts = tl.load(off_ptr + ex - 1, mask=in_e & (ex > 0), other=0)
-    sizes = tl.maximum(ends - starts, 0)
-    tiles = tl.where(in_e, (sizes + BLOCK_M - 1) // BLOCK_M, 0)
-    csum = tl.cumsum(tiles, axis=0)  # inclusive
-    total = tl.sum(tiles, axis=0)
-    e = tl.sum((csum <= tile).to(tl.int32), axis=0)  # empty experts are stepped over
-    if tile >= total:
-        return
-    first = tl.sum(tl.where(ex == e, csum - tiles, 0), axis=0)  # expert e's first tile
-    row0 = tl.sum(tl.where(ex == e, starts, 0), axis=0) + (tile - first) * BLOCK_M
-    row_end = tl.sum(tl.where(ex == e, ends, 0), axis=0)
-
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < row_end
-    rm = tl.where(m_ok, offs_m, row0).to(tl.int64)  # masked rows read row0 (in bounds)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    rn = tl.where(n_ok, offs_n, 0).to(tl.int64)
-    e64 = e.to(tl.int64)
-    b_e = b_ptr + e64 * N * (K // 2)
-    bs_e = bs_ptr + e64 * b_eslab
-    if GEMV:  # dense rows, at most 4 per tile: the decode GEMV's inner loop
-        _gemv_tile(a_ptr, b_e, bs_e, alpha_ptr + e, out_ptr, row0, row_end, rn, offs_n, n_ok,
-                   K, stride_am, stride_om, stride_on, b_sblk, BLOCK_M, BLOCK_N, BLOCK_K,
-                   EVEN_K, USE_ASM, NUM_STAGES)  # fmt: skip
-        return
+@triton.jit
+def _mma_tile(a_ptr, as_ptr, b_e, bs_e, rm, m_ok, rn, n_ok, k_lo, k_hi, K, stride_am, a_sblk,
+              b_sblk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              A_FP4: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+              USE_ASM: tl.constexpr, W_ON_M: tl.constexpr):  # fmt: skip
+    """The fp32 ``[BLOCK_M, BLOCK_N]`` tile of rows ``rm`` (``m_ok``) times weight rows
+    ``rn`` (``n_ok``) over K elements ``k_lo..k_hi``: ``tl.dot`` from ``BLOCK_M`` 16
+    (``W_ON_M``: as ``W @ A.T``, then transposed), else the dequantized tiles' fp32
+    products reduced per step."""
     rk = tl.arange(0, BLOCK_K)
-
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # W_ON_M: out tile transposed
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         w = _nvfp4_tile(b_e, bs_e, rn, n_ok, k0, K, b_sblk, BLOCK_K, EVEN_K, USE_ASM)
         if A_FP4:
             x = _nvfp4_tile(a_ptr, as_ptr, rm, m_ok, k0, K, a_sblk, BLOCK_K, EVEN_K, USE_ASM)
@@ -291,11 +262,103 @@ def _grouped_kernel(
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if W_ON_M:
         acc = tl.trans(acc_t)
+    return acc
 
-    alpha = tl.load(alpha_ptr + e)
-    y = (acc * alpha).to(out_ptr.dtype.element_ty)
+
+@triton.jit
+def _k_bounds(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, pid_k):
+    """``(k_lo, k_hi)``: the K elements split ``pid_k`` reduces (`splitk.k_tile_range`'s
+    K tiles; the last split's range may be shorter or empty). One split: all of K."""
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_hi = K
+    else:
+        kt0, kt1 = k_tile_range(K, BLOCK_K, SPLIT_K, pid_k)
+        k_lo = kt0 * BLOCK_K
+        k_hi = tl.minimum(kt1 * BLOCK_K, K)
+    return k_lo, k_hi
+
+
+@triton.jit(do_not_specialize=["T", "N"])
+def _grouped_kernel(
+    a_ptr,
+    as_ptr,
+    b_ptr,
+    bs_ptr,
+    alpha_ptr,
+    off_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    T,
+    N,
+    K,
+    E,
+    stride_am,
+    stride_om,
+    stride_on,
+    a_sblk,
+    b_sblk,
+    b_eslab,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    A_FP4: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    GEMV: tl.constexpr,
+    W_ON_M: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    tile = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    # ---- which (expert, M tile): from the offsets, on the device -------------------
+    ex = tl.arange(0, E_PAD)
+    in_e = ex < E
+    ends = tl.load(off_ptr + ex, mask=in_e, other=0)
+    starts = tl.load(off_ptr + ex - 1, mask=in_e & (ex > 0), other=0)
+    sizes = tl.maximum(ends - starts, 0)
+    tiles = tl.where(in_e, (sizes + BLOCK_M - 1) // BLOCK_M, 0)
+    csum = tl.cumsum(tiles, axis=0)  # inclusive
+    total = tl.sum(tiles, axis=0)
+    e = tl.sum((csum <= tile).to(tl.int32), axis=0)  # empty experts are stepped over
+    if tile >= total:  # every split of this slot leaves here: its counter stays untouched
+        return
+    first = tl.sum(tl.where(ex == e, csum - tiles, 0), axis=0)  # expert e's first tile
+    row0 = tl.sum(tl.where(ex == e, starts, 0), axis=0) + (tile - first) * BLOCK_M
+    row_end = tl.sum(tl.where(ex == e, ends, 0), axis=0)
+    # split-K: this split's K range, and the workspace slot of this (N tile, M-tile slot)
+    k_lo, k_hi = _k_bounds(K, BLOCK_K, SPLIT_K, pid_k)
+    slot = pid_n * tl.num_programs(1) + tile
+
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < row_end
+    rm = tl.where(m_ok, offs_m, row0).to(tl.int64)  # masked rows read row0 (in bounds)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rn = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    e64 = e.to(tl.int64)
+    b_e = b_ptr + e64 * N * (K // 2)
+    bs_e = bs_ptr + e64 * b_eslab
+    if GEMV:  # dense rows, at most 4 per tile: the decode GEMV's inner loop
+        acc_t = _gemv_tile(a_ptr, b_e, bs_e, row0, row_end, rn, n_ok, k_lo, k_hi, K,
+                           stride_am, b_sblk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_ASM,
+                           NUM_STAGES)  # fmt: skip
+        o_ptrs = (out_ptr + rm[None, :] * stride_om
+                  + offs_n[:, None].to(tl.int64) * stride_on)  # fmt: skip
+        store_tile(acc_t, tl.load(alpha_ptr + e) * 16384.0, o_ptrs,  # alpha * 2**14
+                   m_ok[None, :] & n_ok[:, None], ws_ptr, cnt_ptr, slot, pid_k, BLOCK_N,
+                   BLOCK_M, SPLIT_K, 0.0, False)  # fmt: skip
+        return
+    acc = _mma_tile(a_ptr, as_ptr, b_e, bs_e, rm, m_ok, rn, n_ok, k_lo, k_hi, K, stride_am,
+                    a_sblk, b_sblk, BLOCK_M, BLOCK_N, BLOCK_K, A_FP4, EVEN_K, NUM_STAGES,
+                    USE_ASM, W_ON_M)  # fmt: skip
     o_ptrs = out_ptr + rm[:, None] * stride_om + offs_n[None, :].to(tl.int64) * stride_on
-    tl.store(o_ptrs, y, mask=m_ok[:, None] & n_ok[None, :])
+    store_tile(acc, tl.load(alpha_ptr + e), o_ptrs, m_ok[:, None] & n_ok[None, :], ws_ptr,
+               cnt_ptr, slot, pid_k, BLOCK_M, BLOCK_N, SPLIT_K, 0.0, False)  # fmt: skip
 
 
 def m_tile_bound(t: int, e: int, block_m: int) -> int:
@@ -313,18 +376,38 @@ class GroupedKernel:
     Launches through `triton_launch.CachedLauncher` (the compiled binary called directly
     after the first call of a specialization) and records its launch for the plan's
     driver-API replays (``record``: `fp4_dispatch.engine.plans`): no torch operation runs in a
-    call, so a warm eager call is one launch with the per-call pointers patched."""
+    call, so a warm eager call is one launch with the per-call pointers patched.
+
+    Split-K (``cfg.split_k > 1``) keeps its fp32 partials and int32 counters on the
+    object (`fp4_dispatch.backends.workspace.Scratch`, made outside CUDA-graph pools on
+    the first call of a size, never freed while the object lives, counters reset by the
+    kernel): the same T always gets the same pair, so a recorded replay's and a CUDA
+    graph's workspace pointers stay valid. Run the first call of a T outside capture;
+    one object must not run on two streams at once."""
 
     cfg: GroupedConfig
     record: ClassVar = staticmethod(record_launches)
     #: constexpr values -> launcher binding (`_binding`)
     _bound: dict = field(default_factory=dict, repr=False)
+    _scratch: Scratch = field(default_factory=Scratch, repr=False)
 
     def __call__(self, ops: GroupedOperands, out: torch.Tensor) -> None:
         if ops.m == 0 or ops.n == 0:
             return
         grid, args, meta = self._launch(ops, out)
         self._binding(meta)(grid, args)
+
+    def workspace(
+        self, device: torch.device, grid: tuple[int, int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 partials, int32 counters) for a launch on `grid`: one slot per (N tile,
+        M-tile slot), whether or not the routing fills it. The slot count is rounded up
+        to a power of two, so the calls of one T share a pair and calls of many T (a
+        prefill's varying lengths) make at most one pair per power of two, each at most
+        twice the size needed, instead of one per T."""
+        slots = 1 << (grid[0] * grid[1] - 1).bit_length()
+        elems = slots * self.cfg.split_k * self.cfg.block_m * self.cfg.block_n
+        return self._scratch.get(device, elems, slots)
 
     def _binding(self, meta: dict) -> BoundLaunch:
         """The launcher binding of these constexprs (made once per kernel object)."""
@@ -349,15 +432,21 @@ class GroupedKernel:
         ops = _StandIn(a, b_data, b_scale, a_scale, t, n, k, e)
         grid, args, meta = self._launch(ops, _Shaped((t, n), out_dtype))
         dtypes = (a.dtype, (a_scale or a).dtype, u8, f8, torch.float32, torch.int32, out_dtype)
-        pointers = [torch.empty(16, dtype=dt) for dt in dtypes]  # aligned like real ones
+        ws = (torch.float32, torch.int32) if self.cfg.split_k > 1 else (out_dtype, out_dtype)
+        pointers = [torch.empty(16, dtype=dt) for dt in (*dtypes, *ws)]  # aligned like real
         return self._binding(meta).warmup(grid, [*pointers, *args[len(pointers) :]])
 
-    def _launch(self, ops, out) -> tuple[tuple[int, int], list, dict]:
-        """(grid, positional arguments, meta-parameters) of one call."""
+    def _launch(self, ops, out) -> tuple[tuple[int, int, int], list, dict]:
+        """(grid, positional arguments, meta-parameters) of one call; a precompile's
+        stand-in output leaves the split-K workspace unmade (its pointers are replaced)."""
         t, n, k, e = ops.m, ops.n, ops.k, ops.groups
         cfg = self.cfg
         a_fp4 = ops.a_scale is not None
-        grid = (triton.cdiv(n, cfg.block_n), m_tile_bound(t, e, cfg.block_m))
+        grid = (triton.cdiv(n, cfg.block_n), m_tile_bound(t, e, cfg.block_m), cfg.split_k)
+        if cfg.split_k > 1 and isinstance(out, torch.Tensor):
+            ws, cnt = self.workspace(out.device, grid)
+        else:  # one split never reads them: the output stands in
+            ws = cnt = out
         b_sblk = ops.b_scale.shape[2] * 128
         a_sblk = ops.a_scale.shape[1] * 128 if a_fp4 else 0
         args = [
@@ -368,6 +457,8 @@ class GroupedKernel:
             ops.alpha,
             ops.offsets,
             out,
+            ws,
+            cnt,
             t,
             n,
             k,
@@ -384,6 +475,7 @@ class GroupedKernel:
             "BLOCK_M": cfg.block_m,
             "BLOCK_N": cfg.block_n,
             "BLOCK_K": cfg.block_k,
+            "SPLIT_K": cfg.split_k,
             "A_FP4": a_fp4,
             "EVEN_K": k % cfg.block_k == 0,
             "NUM_STAGES": cfg.num_stages,
