@@ -244,6 +244,11 @@ def layer_rows(ctx: Context, config: str, blocks: tuple, tokens: int) -> list:
 
     out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=ctx.device)
     with torch.inference_mode():
+        if ctx.args.tune:  # the layer's two grouped buckets at this token count, first
+            from fp4_dispatch.engine.torch_ops import default_dispatcher
+
+            with default_dispatcher(ctx.device).autotuning():
+                call(nv)(out)
         ref = call(bf16)(out).double()
         rows = []
         for name, block, op in ((LAYER_PATHS["bf16"], bf16, "bf16"), ("Nvfp4MoE", nv, GROUPED)):
@@ -260,8 +265,9 @@ def layer_rows(ctx: Context, config: str, blocks: tuple, tokens: int) -> list:
 def layer_routine(ctx: Context) -> None:
     """The ``moe-layer`` routine of the kernels suite (GPU, or the tiny config with
     ``--smoke``): one MoE layer, ours against transformers' bf16 block, per config
-    (``--configs``) and token count (``--m``, default `TOKENS`). M x N x K of a row is
-    tokens x hidden x hidden."""
+    (``--configs``) and token count (``--m``, default `TOKENS`); with ``--tune`` the
+    layer's grouped buckets are tuned first (``autotuning`` on the default dispatcher,
+    its budget). M x N x K of a row is tokens x hidden x hidden."""
     if not on_cuda_or_smoke(ctx, "moe-layer"):
         return
     configs = ["tiny"] if ctx.smoke else getattr(ctx.args, "configs", None) or list(CONFIGS)

@@ -260,7 +260,8 @@ def options(args: argparse.Namespace, argv: list[str]) -> None:
     ap.add_argument(
         "--tune",
         action="store_true",
-        help="grouped: tune each bucket first (--top tactics, 0: the shortlist)",
+        help="grouped: tune each bucket first (--top tactics, 0: the shortlist); moe-layer: "
+        "tune the layer's buckets first (the default dispatcher's budget)",
     )
     ap.add_argument("--configs", nargs="+", default=None, choices=list(grouped.CONFIGS),
                     help="grouped: MoE layers (default: all)")  # fmt: skip
