@@ -1,0 +1,206 @@
+"""The fused MoE routing and combine kernels (`fp4_dispatch.backends.moe_route`) against
+the torch path of `fp4_dispatch.integrations.moe` (``route`` + ``sort_by_expert``,
+``combine``), which tests/test_moe.py checks against transformers' conventions.
+
+The kernels run under TRITON_INTERPRET=1 in subprocesses (`run_interpreted_split`).
+Every routing case runs twice: with the default tile budget and a tiny one
+(``_TILE_ELEMS = 8``, ``_COMBINE_BLOCK = 16``) so that small inputs still walk several
+token blocks, pair blocks and column blocks. Logits are tie-free (distinct multiples of
+1/16 per row, exact in bf16/fp16; or float32 normals): ``torch.topk`` documents no tie
+rule, so ties are checked against the kernel's own rule (lowest expert index first),
+separately. Ids, order, token and offsets compare bit for bit; weights to float32
+rounding (rtol 1e-6: torch's exp and summation order are its own). The combined output
+compares bit for bit with float32 products added in slot order (the kernel's
+documented order), and to float32 rounding with torch's ``combine``, whose order of the
+k additions is its own (on the CPU it changes with H).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import run_interpreted_split
+
+SCRIPT = r"""
+import json, sys
+import torch
+from fp4_dispatch.backends import moe_route as mr
+from fp4_dispatch.integrations.moe import combine, route, sort_by_expert
+
+DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def logits_of(c, gen):
+    t, e = c["t"], c["e"]
+    if c["kind"] == "normal":
+        return (torch.randn(t, e, generator=gen) * 2).to(DT[c["dtype"]])
+    if c["kind"] == "ties":  # few distinct values: many equal logits in every row
+        return torch.randint(0, 3, (t, e), generator=gen).to(DT[c["dtype"]])
+    perm = torch.stack([torch.randperm(e, generator=gen) for _ in range(t)])
+    return ((perm - e / 2) / 16).to(DT[c["dtype"]])  # distinct, exact in 16 bits
+
+
+def tie_rule(logits, k, norm):
+    # the kernel's documented rule: largest logit first, lowest index among equals
+    x = logits.float()
+    _, ids = torch.sort(x, dim=-1, descending=True, stable=True)
+    ids = ids[:, :k]
+    w = torch.softmax(x, -1).gather(1, ids)
+    return (w / w.sum(-1, keepdim=True) if norm else w), ids
+
+
+def in_slot_order(y, order, w):
+    # the kernel's documented sum: float32 products added from slot 0, one at a time
+    t, k = w.shape
+    pairs = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1).float()
+    acc = torch.zeros(t, y.shape[1])
+    for j in range(k):
+        acc = acc + pairs[:, j] * w[:, j : j + 1]
+    return acc, (pairs.abs() * w.unsqueeze(-1)).sum(1)
+
+
+def bits(t):
+    return t.view({torch.float32: torch.int32}.get(t.dtype, torch.int16))
+
+
+def run(c):
+    mr._TILE_ELEMS, mr._COMBINE_BLOCK = (8, 16) if c["tiny"] else (8192, 1024)
+    gen = torch.Generator().manual_seed(c["seed"])
+    t, e, k, norm = c["t"], c["e"], c["k"], c["norm"]
+    logits = logits_of(c, gen)
+    w, order, token, offsets, inv = mr.route_sorted(logits, k, norm)
+    rw, ids = (tie_rule if c["kind"] == "ties" else route)(logits, k, norm)
+    ro, rt, roff = sort_by_expert(ids, e)
+    r = dict(c)
+    r["order"] = torch.equal(order, ro) and order.dtype == torch.int64
+    r["token"] = torch.equal(token, rt) and token.dtype == torch.int64
+    r["offsets"] = torch.equal(offsets, roff) and offsets.dtype == torch.int32
+    r["inv"] = torch.equal(inv.long(), torch.argsort(ro))
+    r["weights"] = bool(torch.allclose(w, rw, rtol=1e-6, atol=0)) and w.dtype == torch.float32
+    r["combine"] = {}
+    h = c["h"]
+    for od in ("bf16", "fp16", "fp32"):
+        y = torch.randn(t * k, h, generator=gen) * torch.exp(torch.randn(t * k, h, generator=gen))
+        y = y.to(DT[od])
+        got = mr.combine_rows(y, inv, w, DT[od])
+        want, size = in_slot_order(y, ro, w)
+        exact = got.dtype == DT[od] and torch.equal(bits(got), bits(want.to(DT[od])))
+        # torch's own combine adds the k terms in an order of its choosing (on the CPU
+        # it depends on H): equal to float32 rounding, then one rounding to the dtype
+        err = (combine(y, ro, w) - want).abs()
+        close = bool((err <= k * 2.0**-23 * size).all())
+        ulp = {"bf16": 2.0**-8, "fp16": 2.0**-11, "fp32": 0.0}[od]
+        near = (got.float() - combine(y, ro, w).to(DT[od]).float()).abs()
+        close &= bool((near <= ulp * want.abs() + k * 2.0**-23 * size).all())
+        r["combine"][od] = [exact, close]
+    return r
+
+
+def rounding(c):
+    # float32 -> bf16 in combine_rows (k = 1, weight 1: the product is the value itself)
+    # at the hard cases: halfway ties both ways, a carry into the exponent, overflow to
+    # inf, inf, NaN, subnormals, signed values
+    mr._COMBINE_BLOCK = 16
+    f = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 2 - 2**-9, 3.3895e38, 3.4e38, float("inf"),
+                      -float("inf"), 1e-40, -1e-40, 2**-133, -2.5 - 2**-7, 0.1, -7.77e-3,
+                      65504.0, 1e-8, 12345.678, 0.0], dtype=torch.float32)
+    y = f[:, None].repeat(1, c["h"])
+    w = torch.ones(len(f), 1)
+    inv = torch.arange(len(f), dtype=torch.int32)
+    got = mr.combine_rows(y, inv, w, torch.bfloat16)
+    want = y.to(torch.bfloat16)  # torch's cast rounds to nearest even
+    nan = torch.tensor([float("nan")]).repeat(1, c["h"])
+    got_nan = mr.combine_rows(nan, inv[:1], w[:1], torch.bfloat16)
+    return {"rounding": torch.equal(bits(got), bits(want)), "nan": bool(got_nan.isnan().all())}
+
+
+cases = json.loads(sys.argv[1])
+print(json.dumps([rounding(c) if c["kind"] == "rounding" else run(c) for c in cases]))
+"""
+
+#: (T, E, k, norm_topk_prob, logits dtype, kind): T = 1 and k = 1, k = E, E not a power
+#: of two, E = 1, a decode step of a Qwen3-30B-A3B-like layer (128 experts, k = 8)
+SHAPES = [
+    (1, 8, 2, True, "bf16", "perm"),
+    (1, 128, 8, True, "bf16", "perm"),
+    (1, 5, 1, False, "fp32", "normal"),
+    (3, 4, 4, True, "fp16", "perm"),
+    (6, 7, 3, False, "fp32", "normal"),
+    (13, 60, 4, True, "bf16", "perm"),
+    (9, 1, 1, False, "fp32", "normal"),
+    (5, 12, 5, False, "bf16", "perm"),
+    (4, 6, 3, True, "fp32", "ties"),
+    (3, 9, 9, False, "bf16", "ties"),
+]
+
+
+def _cases() -> list[dict]:
+    cases = []
+    for t, e, k, norm, dtype, kind in SHAPES:
+        for tiny in (False, True):
+            cases.append({"t": t, "e": e, "k": k, "norm": norm, "dtype": dtype, "kind": kind,
+                          "tiny": tiny, "h": 48})  # fmt: skip
+    cases.append({"kind": "rounding", "h": 20})
+    for i, c in enumerate(cases):
+        c["seed"] = i
+    return cases
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_interpreted_split(SCRIPT, _cases())
+
+
+def _routing(results: list[dict]) -> list[dict]:
+    return [r for r in results if "rounding" not in r]
+
+
+def test_every_case_ran(results: list[dict]) -> None:
+    assert len(_routing(results)) == 2 * len(SHAPES)
+    assert sum(r["tiny"] for r in _routing(results)) == len(SHAPES)
+
+
+def test_route_sorted_equals_route_and_sort_by_expert(results: list[dict]) -> None:
+    fields = ("order", "token", "offsets", "inv", "weights")
+    bad = [(r["t"], r["e"], r["k"], r["kind"], r["tiny"], [f for f in fields if not r[f]])
+           for r in _routing(results) if not all(r[f] for f in fields)]  # fmt: skip
+    assert not bad
+
+
+def test_ties_go_to_the_lowest_expert_index_first(results: list[dict]) -> None:
+    ties = [r for r in _routing(results) if r["kind"] == "ties"]
+    assert len(ties) == 4
+    assert all(r["order"] and r["offsets"] and r["weights"] for r in ties)
+
+
+def test_combine_rows_adds_in_slot_order_bit_for_bit(results: list[dict]) -> None:
+    bad = [(r["t"], r["e"], r["k"], r["tiny"], od)
+           for r in _routing(results) for od, ok in r["combine"].items() if not ok[0]]  # fmt: skip
+    assert not bad
+
+
+def test_combine_rows_equals_combine_to_float32_rounding(results: list[dict]) -> None:
+    bad = [(r["t"], r["e"], r["k"], r["tiny"], od)
+           for r in _routing(results) for od, ok in r["combine"].items() if not ok[1]]  # fmt: skip
+    assert not bad
+
+
+def test_combine_rows_rounds_to_bf16_to_nearest_even(results: list[dict]) -> None:
+    (r,) = [r for r in results if "rounding" in r]
+    assert r["rounding"] and r["nan"]
+
+
+def test_sizes_beyond_one_program_are_refused() -> None:
+    pytest.importorskip("triton")
+    from fp4_dispatch.backends import moe_route as mr
+
+    assert mr.fits(1, 128, 8) and mr.fits(mr.MAX_PAIRS // 8, mr.MAX_EXPERTS, 8)
+    assert not mr.fits(mr.MAX_PAIRS // 8 + 1, 128, 8)
+    assert not mr.fits(1, mr.MAX_EXPERTS + 1, 1)
+    assert not mr.fits(0, 8, 2)
+    with pytest.raises(ValueError, match="limits"):
+        mr.route_sorted(torch.zeros(mr.MAX_PAIRS + 1, 4), 1, True)
+    with pytest.raises(ValueError, match="limits"):
+        mr.route_sorted(torch.zeros(2, 4), 5, True)
+    with pytest.raises(TypeError, match="logits"):
+        mr.route_sorted(torch.zeros(2, 4, dtype=torch.float64), 2, True)
