@@ -58,7 +58,7 @@ from .triton_launch import CachedLauncher
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_EXPERTS", "MAX_PAIRS", "combine_rows", "fits", "route_sorted"]
+__all__ = ["LOGIT_DTYPES", "MAX_EXPERTS", "MAX_PAIRS", "combine_rows", "fits", "route_sorted"]
 
 #: the most (token, slot) pairs one `route_sorted` program takes (the brief's bound)
 MAX_PAIRS = 4096
@@ -70,7 +70,8 @@ _TILE_ELEMS = 8192
 #: columns of ``y`` one `combine_rows` program sums (not tuned)
 _COMBINE_BLOCK = 1024
 
-_LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: the router logits' dtypes the kernel reads
+LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def fits(tokens: int, experts: int, top_k: int) -> bool:
@@ -212,7 +213,7 @@ def route_sorted(
     t, e = logits.shape
     if not fits(t, e, top_k) or top_k > e:
         raise ValueError(f"route_sorted: T={t}, E={e}, k={top_k} beyond the kernel's limits")
-    if logits.dtype not in _LOGIT_DTYPES:
+    if logits.dtype not in LOGIT_DTYPES:
         raise TypeError(f"logits: expected float32, float16 or bfloat16, got {logits.dtype}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()

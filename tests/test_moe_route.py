@@ -21,6 +21,9 @@ import pytest
 import torch
 from conftest import run_interpreted_split
 
+from fp4_dispatch import Nvfp4MoE
+from fp4_dispatch.integrations.moe import route, sort_by_expert
+
 SCRIPT = r"""
 import json, sys
 import torch
@@ -114,8 +117,40 @@ def rounding(c):
     return {"rounding": torch.equal(bits(got), bits(want)), "nan": bool(got_nan.isnan().all())}
 
 
+def layer(c):
+    # Nvfp4MoE.forward's fused branch on the CPU: `_kernels_for` made to pick the kernels
+    # (on CUDA it does so itself), against the torch path of the same layer
+    from fp4_dispatch import Nvfp4MoE
+
+    gen = torch.Generator().manual_seed(c["seed"])
+    e, h, i, k = 6, 64, 32, 3
+    moe = Nvfp4MoE.from_experts((torch.randn(e, h, generator=gen) * 0.1).bfloat16(),
+                                (torch.randn(e, 2 * i, h, generator=gen) * 0.05).bfloat16(),
+                                (torch.randn(e, h, i, generator=gen) * 0.05).bfloat16(), k,
+                                activations="bf16")  # fmt: skip
+    calls = []
+    Nvfp4MoE._kernels_for = lambda self, logits: calls.append(1) or mr
+    for _ in range(50):  # an input whose router logits have no ties (docstring)
+        x = torch.randn(c["t"], h, generator=gen).bfloat16()
+        s = moe.gate(x).float().sort(dim=-1).values
+        if bool((s[:, 1:] != s[:, :-1]).all()):
+            break
+    with torch.no_grad():
+        fused = moe(x)
+        again = moe(x)  # a warm layer (its gate/up flag cached) takes the same branch
+        moe.fused_routing = False
+        Nvfp4MoE._kernels_for = lambda self, logits: False
+        plain = moe(x)
+    diff = (fused.float() - plain.float()).abs()
+    same = calls == [1, 1] and torch.equal(fused, again)
+    return {"layer": same and fused.dtype == plain.dtype and fused.shape == x.shape,
+            "close": bool((diff <= 2.0**-8 * plain.float().abs()).all()),
+            "mostly_equal": float((diff == 0).float().mean()) > 0.99}
+
+
 cases = json.loads(sys.argv[1])
-print(json.dumps([rounding(c) if c["kind"] == "rounding" else run(c) for c in cases]))
+kinds = {"rounding": rounding, "layer": layer}
+print(json.dumps([kinds.get(c["kind"], run)(c) for c in cases]))
 """
 
 #: (T, E, k, norm_topk_prob, logits dtype, kind): T = 1 and k = 1, k = E, E not a power
@@ -141,6 +176,7 @@ def _cases() -> list[dict]:
             cases.append({"t": t, "e": e, "k": k, "norm": norm, "dtype": dtype, "kind": kind,
                           "tiny": tiny, "h": 48})  # fmt: skip
     cases.append({"kind": "rounding", "h": 20})
+    cases.append({"kind": "layer", "t": 9})
     for i, c in enumerate(cases):
         c["seed"] = i
     return cases
@@ -152,7 +188,7 @@ def results() -> list[dict]:
 
 
 def _routing(results: list[dict]) -> list[dict]:
-    return [r for r in results if "rounding" not in r]
+    return [r for r in results if "rounding" not in r and "layer" not in r]
 
 
 def test_every_case_ran(results: list[dict]) -> None:
@@ -190,6 +226,14 @@ def test_combine_rows_rounds_to_bf16_to_nearest_even(results: list[dict]) -> Non
     assert r["rounding"] and r["nan"]
 
 
+def test_the_layers_fused_branch_equals_its_torch_path(results: list[dict]) -> None:
+    """`Nvfp4MoE.forward` with the kernels (interpreted) against the same layer's torch
+    path: same rows through the same GEMMs; the weights agree to float32 rounding, so
+    the bf16 output may differ by one rounding step where a sum sits next to a tie."""
+    (r,) = [r for r in results if "layer" in r]
+    assert r["layer"] and r["close"] and r["mostly_equal"]
+
+
 def test_sizes_beyond_one_program_are_refused() -> None:
     pytest.importorskip("triton")
     from fp4_dispatch.backends import moe_route as mr
@@ -204,3 +248,90 @@ def test_sizes_beyond_one_program_are_refused() -> None:
         mr.route_sorted(torch.zeros(2, 4), 5, True)
     with pytest.raises(TypeError, match="logits"):
         mr.route_sorted(torch.zeros(2, 4, dtype=torch.float64), 2, True)
+
+
+# ---- on a GPU: the compiled kernels, and the layer's forward with them ----------------
+
+
+def _distinct_logits(t: int, e: int, gen: torch.Generator) -> torch.Tensor:
+    perm = torch.stack([torch.randperm(e, generator=gen) for _ in range(t)])
+    return ((perm - e / 2) / 16).bfloat16()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("t", "e", "k"), [(1, 128, 8), (16, 128, 8), (300, 60, 4), (7, 8, 8)])
+def test_compiled_kernels_equal_the_torch_path_on_a_gpu(t: int, e: int, k: int) -> None:
+    """Routing bit for bit (weights to float32 rounding) against torch on the same GPU;
+    combine bit for bit against float32 products added in slot order on the CPU (no FMA
+    contraction, round-to-nearest casts)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from fp4_dispatch.backends import moe_route as mr
+
+    gen = torch.Generator().manual_seed(t * e + k)
+    logits = _distinct_logits(t, e, gen).cuda()
+    w, order, token, offsets, inv = mr.route_sorted(logits, k, True)
+    rw, ids = route(logits, k, True)
+    ro, rt, roff = sort_by_expert(ids, e)
+    assert torch.equal(order, ro) and torch.equal(token, rt) and torch.equal(offsets, roff)
+    assert torch.equal(inv.long(), torch.argsort(ro))
+    assert torch.allclose(w, rw, rtol=1e-6, atol=0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        y = (torch.randn(t * k, 2048, generator=gen) * 4).to(dtype)
+        got = mr.combine_rows(y.cuda(), inv, w, dtype).cpu()
+        pairs = torch.empty_like(y).index_copy_(0, ro.cpu(), y).view(t, k, -1).float()
+        acc = torch.zeros(t, y.shape[1])
+        for j in range(k):
+            acc = acc + pairs[:, j] * w.cpu()[:, j : j + 1]
+        assert torch.equal(got, acc.to(dtype)), dtype
+
+
+def _moe_with_tie_free_logits(t: int) -> tuple[Nvfp4MoE, torch.Tensor]:
+    """A small bf16 layer on the GPU and an input whose router logits have no two equal
+    values in a row (ties may order differently in the two paths: module docstring)."""
+    e, h, i, k = 8, 128, 64, 2
+    gen = torch.Generator().manual_seed(0)
+    router = (torch.randn(e, h, generator=gen) * 0.1).bfloat16()
+    gate_up = (torch.randn(e, 2 * i, h, generator=gen) * 0.05).bfloat16()
+    down = (torch.randn(e, h, i, generator=gen) * 0.05).bfloat16()
+    moe = Nvfp4MoE.from_experts(router, gate_up, down, k, activations="bf16").cuda()
+    for _ in range(50):
+        x = torch.randn(t, h, generator=gen).bfloat16().cuda()
+        s = moe.gate(x).sort(dim=-1).values
+        if bool((s[:, 1:] != s[:, :-1]).all()):
+            return moe, x
+    raise AssertionError("no tie-free input in 50 draws")
+
+
+@pytest.mark.gpu
+def test_the_fused_forward_equals_the_torch_path_and_captures(monkeypatch) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from fp4_dispatch.backends import moe_route as mr
+
+    calls = []
+    for name in ("route_sorted", "combine_rows"):
+        real = getattr(mr, name)
+        monkeypatch.setattr(mr, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
+    moe, x = _moe_with_tie_free_logits(16)
+    with torch.inference_mode():
+        fused = moe(x)
+        assert torch.equal(moe(x), fused)  # warm: the same branch again
+        assert calls == ["route_sorted", "combine_rows"] * 2
+        moe.fused_routing = False
+        plain = moe(x)
+        assert len(calls) == 4  # the torch path ran
+        moe.fused_routing = True
+        # same rows, same GEMMs; the weights agree to float32 rounding, so the bf16
+        # output may differ by one rounding step where a sum sits next to a tie
+        diff = (fused.float() - plain.float()).abs()
+        assert bool((diff <= 2.0**-8 * plain.float().abs()).all())
+        assert float((diff == 0).float().mean()) > 0.99
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = moe(x)
+        x2 = torch.randn_like(x)
+        x.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, moe(x))
