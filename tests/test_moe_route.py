@@ -35,8 +35,9 @@ DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 def logits_of(c, gen):
     t, e = c["t"], c["e"]
-    if c["kind"] == "normal":
-        return (torch.randn(t, e, generator=gen) * 2).to(DT[c["dtype"]])
+    if c["kind"] in ("normal", "wide"):  # wide: exp's arguments down to about -100
+        scale = 2 if c["kind"] == "normal" else 25
+        return (torch.randn(t, e, generator=gen) * scale).to(DT[c["dtype"]])
     if c["kind"] == "ties":  # few distinct values: many equal logits in every row
         return torch.randint(0, 3, (t, e), generator=gen).to(DT[c["dtype"]])
     perm = torch.stack([torch.randperm(e, generator=gen) for _ in range(t)])
@@ -164,6 +165,7 @@ SHAPES = [
     (13, 60, 4, True, "bf16", "perm"),
     (9, 1, 1, False, "fp32", "normal"),
     (5, 12, 5, False, "bf16", "perm"),
+    (7, 12, 4, False, "fp32", "wide"),
     (4, 6, 3, True, "fp32", "ties"),
     (3, 9, 9, False, "bf16", "ties"),
 ]
