@@ -31,17 +31,20 @@ Semantics equal the torch path's (tests/test_moe_route.py): ``ids`` are chosen b
 float32 logits, not the probabilities (softmax is monotone, so the same experts, and
 no two logits that round to one probability can swap); among EQUAL logits the lowest
 expert index comes first. ``torch.topk`` documents no tie rule, so with ties the two
-paths may pick or order experts differently (random router logits have none). NaN
-logits: unspecified. The weights are the probabilities of the chosen experts,
-renormalised by their sum when ``norm_topk_prob``, computed as torch does (``exp(x -
-max) / sum``, divisions rounded to nearest, the exp range-reduced: `_exp_nonpositive`):
-equal to float32 rounding (a few ulps, not bits: torch's exp and summation order are
-its own).
+paths may pick or order experts differently (float32 random logits have none; bf16
+router logits tie now and then). A NaN logit is chosen as if it were -inf
+(``torch.topk`` takes NaN as the largest); its row's probabilities are NaN in both
+paths, so that token's output is NaN either way, and every index stays valid. The
+weights are the probabilities of the chosen experts, renormalised by their sum when
+``norm_topk_prob``, computed as torch does (``exp(x - max) / sum``, divisions rounded
+to nearest, the exp range-reduced: `_exp_nonpositive`): equal to float32 rounding (a
+few ulps, not bits: torch's exp and summation order are its own).
 
 Limits (one program: decode-sized calls): ``T * k <= MAX_PAIRS`` and ``E <=
 MAX_EXPERTS`` (`fits`); the caller uses the torch path beyond them. Both constants are
-the brief's bounds for a one-program kernel, not fitted on a GPU; the tile sizes
-(`_TILE_ELEMS`) are not tuned either.
+issue 35's bounds for a one-program kernel, not fitted on a GPU (a large prefill may
+well be faster on the torch path); the tile sizes (`_TILE_ELEMS`) and warp count are
+not tuned either.
 
 No host synchronisation and no allocation besides the ``torch.empty`` outputs: a warm
 call captures in a CUDA graph. Launches go through `fp4_dispatch.backends.triton_launch`.
@@ -61,9 +64,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["LOGIT_DTYPES", "MAX_EXPERTS", "MAX_PAIRS", "combine_rows", "fits", "route_sorted"]
 
-#: the most (token, slot) pairs one `route_sorted` program takes (the brief's bound)
+#: the most (token, slot) pairs one `route_sorted` program takes (issue 35; not fitted)
 MAX_PAIRS = 4096
-#: the most experts (the brief's bound: a ``[BT, E]`` logits tile per block)
+#: the most experts (issue 35; not fitted: a ``[BT, E]`` logits tile per block)
 MAX_EXPERTS = 1024
 #: elements of one 2-D tile (``[BT, E_PAD]`` in phase A, ``[BP, E_PAD]`` in phase B);
 #: a register budget for 4 warps, not tuned
@@ -129,6 +132,7 @@ def _route_sorted_kernel(
         ex = _exp_nonpositive(x - m[:, None])
         probs = tl.math.div_rn(ex, tl.sum(ex, axis=1)[:, None])
         free = col_ok[None, :] & (rows[:, None] >= 0)  # [BT, E_PAD]: not yet chosen
+        x = tl.where(x == x, x, float("-inf"))  # NaN: chosen as -inf (its probs stay NaN)
         w = tl.zeros([BT, K_PAD], dtype=tl.float32)
         ids = tl.zeros([BT, K_PAD], dtype=tl.int32)
         for j in tl.static_range(K):
