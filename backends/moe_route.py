@@ -47,7 +47,9 @@ well be faster on the torch path); the tile sizes (`_TILE_ELEMS`) and warp count
 not tuned either.
 
 No host synchronisation and no allocation besides the ``torch.empty`` outputs: a warm
-call captures in a CUDA graph. Launches go through `fp4_dispatch.backends.triton_launch`.
+call captures in a CUDA graph. Launches go through `fp4_dispatch.backends.triton_launch`,
+both with ``enable_fp_fusion=False`` (the same arithmetic whatever a Triton version's
+default; tests/test_moe_route.py compiles both for sm90 and sm100 on the CPU).
 """
 
 from __future__ import annotations
@@ -247,7 +249,7 @@ def route_sorted(
     per_tile = max(1, _TILE_ELEMS // e_pad)
     meta = {"K": top_k, "K_PAD": _pow2(top_k), "E_PAD": e_pad, "NORM": bool(norm_topk_prob),
             "BT": min(_pow2(t), per_tile), "BP": min(_pow2(p), per_tile)}  # fmt: skip
-    bound = _route.bind(meta, num_warps=4)
+    bound = _route.bind(meta, num_warps=4, enable_fp_fusion=False)  # as any Triton version
     bound((1,), (logits, weights, order, token, offsets, inv, t, e, logits.stride(0)))
     return weights, order, token, offsets, inv
 

@@ -357,3 +357,46 @@ def test_the_fused_forward_equals_the_torch_path_and_captures(monkeypatch) -> No
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, moe(x))
+
+
+# ---- compiled for a GPU (PTX, on the CPU: no GPU needed) --------------------------------
+
+
+def _compile(kernel, types: dict, consts: dict, arch: int, **options):
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(kernel.arg_names)
+    src = ASTSource(
+        fn=kernel,
+        signature={n: "constexpr" if n in consts else types[n] for n in names},
+        constexprs={(names.index(n),): v for n, v in consts.items()},
+    )
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+@pytest.mark.parametrize("arch", [90, 100])
+def test_kernels_compile_for_hopper_and_blackwell(arch: int) -> None:
+    """Both kernels compile for sm90 and sm100 at a decode size (Qwen3-30B-A3B's 128
+    experts, top-8); the routing program's phases are separated by a CTA barrier and
+    its divisions are IEEE (``div.rn``); the combine has no FMA (each product rounded
+    before its add, as torch's mul then sum) and rounds to bf16 by hand (no ``cvt``)."""
+    pytest.importorskip("triton")
+    from fp4_dispatch.backends import moe_route as mr
+
+    route_types = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "order_ptr": "*i64",
+                   "token_ptr": "*i64", "offsets_ptr": "*i32", "inv_ptr": "*i32",
+                   "T": "i32", "E": "i32", "stride_t": "i32"}  # fmt: skip
+    route_consts = {"K": 8, "K_PAD": 8, "E_PAD": 128, "BT": 1, "BP": 8, "NORM": True}
+    ptx = _compile(mr._route_sorted_kernel, route_types, route_consts, arch, num_warps=4,
+                   enable_fp_fusion=False).asm["ptx"]  # fmt: skip
+    assert "bar.sync" in ptx and "div.rn.f32" in ptx
+    combine_types = {"y_ptr": "*bf16", "inv_ptr": "*i32", "weights_ptr": "*fp32",
+                     "out_ptr": "*bf16", "H": "i32", "stride_y": "i32",
+                     "stride_o": "i32"}  # fmt: skip
+    combine_consts = {"K": 8, "BH": 1024, "OUT_BF16": True}
+    ptx = _compile(mr._combine_kernel, combine_types, combine_consts, arch, num_warps=4,
+                   enable_fp_fusion=False).asm["ptx"]  # fmt: skip
+    assert "fma.rn.f32" not in ptx and "mul.rn.f32" in ptx and "add.rn.f32" in ptx
+    assert "cvt.rn.bf16.f32" not in ptx
