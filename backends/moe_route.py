@@ -43,8 +43,8 @@ few ulps, not bits: torch's exp and summation order are its own).
 Limits (one program: decode-sized calls): ``T * k <= MAX_PAIRS`` and ``E <=
 MAX_EXPERTS`` (`fits`); the caller uses the torch path beyond them. Both constants are
 issue 35's bounds for a one-program kernel, not fitted on a GPU (a large prefill may
-well be faster on the torch path); the tile sizes (`_TILE_ELEMS`) and warp count are
-not tuned either.
+well be faster on the torch path); the tile sizes (`_TILE_ELEMS`) and warp counts
+(`_ONE_WARP_ELEMS`) are not tuned either.
 
 No host synchronisation and no allocation besides the ``torch.empty`` outputs: a warm
 call captures in a CUDA graph. Launches go through `fp4_dispatch.backends.triton_launch`,
@@ -73,6 +73,10 @@ MAX_EXPERTS = 1024
 #: elements of one 2-D tile (``[BT, E_PAD]`` in phase A, ``[BP, E_PAD]`` in phase B);
 #: a register budget for 4 warps, not tuned
 _TILE_ELEMS = 8192
+#: up to this many elements in the larger tile, `route_sorted` runs as one warp: its
+#: row reductions (three a top-k round) are then warp shuffles with no CTA barrier (a decode:
+#: ``[1, 128]`` and ``[8, 128]`` for Qwen3-30B-A3B); a guess, not measured
+_ONE_WARP_ELEMS = 2048
 #: columns of ``y`` one `combine_rows` program sums (not tuned)
 _COMBINE_BLOCK = 1024
 
@@ -249,7 +253,8 @@ def route_sorted(
     per_tile = max(1, _TILE_ELEMS // e_pad)
     meta = {"K": top_k, "K_PAD": _pow2(top_k), "E_PAD": e_pad, "NORM": bool(norm_topk_prob),
             "BT": min(_pow2(t), per_tile), "BP": min(_pow2(p), per_tile)}  # fmt: skip
-    bound = _route.bind(meta, num_warps=4, enable_fp_fusion=False)  # as any Triton version
+    warps = 1 if max(meta["BT"], meta["BP"]) * e_pad <= _ONE_WARP_ELEMS else 4
+    bound = _route.bind(meta, num_warps=warps, enable_fp_fusion=False)  # as any Triton
     bound((1,), (logits, weights, order, token, offsets, inv, t, e, logits.stride(0)))
     return weights, order, token, offsets, inv
 

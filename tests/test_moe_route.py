@@ -389,9 +389,10 @@ def test_kernels_compile_for_hopper_and_blackwell(arch: int) -> None:
                    "token_ptr": "*i64", "offsets_ptr": "*i32", "inv_ptr": "*i32",
                    "T": "i32", "E": "i32", "stride_t": "i32"}  # fmt: skip
     route_consts = {"K": 8, "K_PAD": 8, "E_PAD": 128, "BT": 1, "BP": 8, "NORM": True}
-    ptx = _compile(mr._route_sorted_kernel, route_types, route_consts, arch, num_warps=4,
-                   enable_fp_fusion=False).asm["ptx"]  # fmt: skip
-    assert "bar.sync" in ptx and "div.rn.f32" in ptx
+    for warps in (1, 4):  # decode sizes run as one warp (`_ONE_WARP_ELEMS`)
+        ptx = _compile(mr._route_sorted_kernel, route_types, route_consts, arch,
+                       num_warps=warps, enable_fp_fusion=False).asm["ptx"]  # fmt: skip
+        assert "bar.sync" in ptx and "div.rn.f32" in ptx
     combine_types = {"y_ptr": "*bf16", "inv_ptr": "*i32", "weights_ptr": "*fp32",
                      "out_ptr": "*bf16", "H": "i32", "stride_y": "i32",
                      "stride_o": "i32"}  # fmt: skip
