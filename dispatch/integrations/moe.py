@@ -22,6 +22,16 @@ sync, so a warmed-up forward can be captured in a CUDA graph:
 5. ``out[t] = sum over t's pairs of weight * y`` in float32, the k terms of a token in
    slot order (`combine`: deterministic, no atomics), rounded once to the output dtype.
 
+On CUDA, eagerly (not under torch.compile, which traces the torch functions), with
+Triton and at most `fp4_dispatch.backends.moe_route.MAX_PAIRS` pairs and
+``MAX_EXPERTS`` experts, steps 2-3 are one Triton launch (``route_sorted``) and step 5
+another (``combine_rows``, reading the rows where the GEMM wrote them): two launches for
+~15 small kernels. Same experts, weights to float32 rounding, same sort; where logits
+tie, the kernel takes the lowest expert index first (``torch.topk`` has no documented
+rule), and its k additions run in slot order (torch's sum picks its own order), so
+the two paths agree to float32 rounding before the final rounding, not always bit for
+bit (docs/moe.md). Set ``fused_routing = False`` on a layer for the torch path.
+
 Numerics under ``activations="bf16"`` (W4A16, the exact default): every expert
 multiplies by exactly its dequantized NVFP4 weight, with fp32 accumulation; the only
 roundings are the bf16 outputs of the two GEMMs and of ``silu(g) * u`` (as in
@@ -109,6 +119,23 @@ def combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torc
     return (pairs.view(t, k, -1).float() * weights.unsqueeze(-1)).sum(dim=1)
 
 
+_fused_kernels: object = None  # None: not looked up yet; False: unavailable
+
+
+def _route_kernels() -> object:
+    """`fp4_dispatch.backends.moe_route` when Triton imports, else False (looked up once)."""
+    global _fused_kernels
+    if _fused_kernels is None:
+        try:
+            from fp4_dispatch.backends import moe_route  # noqa: PLC0415 - optional: Triton
+        except ImportError as exc:  # triton is an optional dependency
+            logger.info("Triton MoE routing kernels unavailable (%s); using the torch path", exc)
+            _fused_kernels = False
+        else:
+            _fused_kernels = moe_route
+    return _fused_kernels
+
+
 def _check_dims(hidden_size: int, intermediate_size: int, num_experts: int, top_k: int) -> None:
     for name, value, k_rule in (
         ("hidden_size", hidden_size, True),
@@ -167,7 +194,13 @@ class Nvfp4MoE(nn.Module):
 
     Inference only (no gradient through the quantized GEMMs). Dtype casts reach only the
     router; ``.to(device)`` moves everything.
+
+    ``fused_routing`` (default True; set it on an instance to compare): on CUDA, eager,
+    the routing, sort and combine run as two Triton launches (module docstring).
     """
+
+    #: run routing + sort and combine as the fused Triton kernels where they apply
+    fused_routing: bool = True
 
     def __init__(
         self,
@@ -407,13 +440,39 @@ class Nvfp4MoE(nn.Module):
         out_dtype = x.dtype if x.dtype in _OUT_DTYPES else self.gate.weight.dtype
         out_dtype = out_dtype if out_dtype in _OUT_DTYPES else torch.bfloat16
         x2 = x.reshape(-1, h)
-        weights, ids = route(self.gate(x2), self.top_k, self.norm_topk_prob)
-        order, token, offsets = sort_by_expert(ids, self.num_experts)
+        logits = self.gate(x2)
+        # torch.compile traces the torch functions (dynamo does not enter `_kernels_for`)
+        kernels = False if torch.compiler.is_compiling() else self._kernels_for(logits)
+        if kernels:
+            weights, order, token, offsets, inv = kernels.route_sorted(
+                logits, self.top_k, self.norm_topk_prob
+            )
+        else:
+            weights, ids = route(logits, self.top_k, self.norm_topk_prob)
+            order, token, offsets = sort_by_expert(ids, self.num_experts)
         a = x2.index_select(0, token).to(out_dtype)
         dense = self.operation(x.device) == "w4a16"
         act = self._gate_up(a, offsets, out_dtype, dense)
         y = self._grouped(act, "down", offsets, out_dtype, dense)
+        if kernels:
+            return kernels.combine_rows(y, inv, weights, out_dtype).reshape(x.shape)
         return combine(y, order, weights).to(out_dtype).reshape(x.shape)
+
+    def _kernels_for(self, logits: torch.Tensor) -> object:
+        """The fused routing and combine kernels (`fp4_dispatch.backends.moe_route`) when
+        they take this call - eager, on CUDA, Triton importable, ``T * k`` and E within
+        one program's limits, float32/16-bit logits, `fused_routing` on - else False
+        (the torch functions)."""
+        if not (self.fused_routing and logits.is_cuda):
+            return False
+        kernels = _route_kernels()
+        if (
+            kernels
+            and logits.dtype in kernels.LOGIT_DTYPES
+            and kernels.fits(logits.shape[0], self.num_experts, self.top_k)
+        ):
+            return kernels
+        return False
 
     def _gate_up(
         self, a: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype, dense: bool
