@@ -30,7 +30,9 @@ another (``combine_rows``, reading the rows where the GEMM wrote them): two laun
 tie, the kernel takes the lowest expert index first (``torch.topk`` has no documented
 rule), and its k additions run in slot order (torch's sum picks its own order), so
 the two paths agree to float32 rounding before the final rounding, not always bit for
-bit (docs/moe.md). Set ``fused_routing = False`` on a layer for the torch path.
+bit (docs/moe.md). Off by default: the kernels are tested under the Triton interpreter
+and compiled for sm_90/sm_100 on a CPU, but have not run on a GPU yet; set
+``fused_routing = True`` on a layer (or on the class) to use them.
 
 Numerics under ``activations="bf16"`` (W4A16, the exact default): every expert
 multiplies by exactly its dequantized NVFP4 weight, with fp32 accumulation; the only
@@ -195,12 +197,14 @@ class Nvfp4MoE(nn.Module):
     Inference only (no gradient through the quantized GEMMs). Dtype casts reach only the
     router; ``.to(device)`` moves everything.
 
-    ``fused_routing`` (default True; set it on an instance to compare): on CUDA, eager,
-    the routing, sort and combine run as two Triton launches (module docstring).
+    ``fused_routing`` (default False until the kernels have run on a GPU; set it on an
+    instance or the class): on CUDA, eager, the routing, sort and combine run as two
+    Triton launches (module docstring).
     """
 
-    #: run routing + sort and combine as the fused Triton kernels where they apply
-    fused_routing: bool = True
+    #: run routing + sort and combine as the fused Triton kernels where they apply (off:
+    #: not run on a GPU yet, module docstring)
+    fused_routing: bool = False
 
     def __init__(
         self,
