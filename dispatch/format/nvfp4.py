@@ -53,6 +53,8 @@ from typing import Literal
 
 import torch
 
+from fp4_dispatch.support.optional import OptionalCode
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -633,21 +635,15 @@ def quantize_blocks(xf: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, to
     return pack_e2m1(round_to_e2m1(y).reshape(r, k)), scale
 
 
-_triton_quantize: object = None  # None: not looked up yet; False: unavailable
+def _load_quantizer() -> object:
+    """The Triton kernel's entry (raises ImportError without Triton)."""
+    from fp4_dispatch.backends.quantize import quantize_checked  # noqa: PLC0415 - optional: Triton
+
+    return quantize_checked
 
 
-def _kernel_quantizer() -> object:
-    """The Triton kernel's entry when Triton imports, else False (looked up once)."""
-    global _triton_quantize
-    if _triton_quantize is None:
-        try:
-            from fp4_dispatch.backends.quantize import quantize_checked  # noqa: PLC0415 - optional: Triton
-        except ImportError as exc:  # triton is an optional dependency
-            logger.info("Triton quantize kernel unavailable (%s); using the torch path", exc)
-            _triton_quantize = False
-        else:
-            _triton_quantize = quantize_checked
-    return _triton_quantize
+#: the Triton kernel's entry when Triton imports, else False (looked up once)
+_kernel_quantizer = OptionalCode(_load_quantizer, "Triton quantize kernel", logger)
 
 
 def quantize_fields(

@@ -63,6 +63,7 @@ from fp4_dispatch.format.nvfp4 import (
     unswizzle_scales,
 )
 from fp4_dispatch.integrations.nn import ACTIVATIONS, Activations, precision_of
+from fp4_dispatch.support.optional import OptionalCode
 
 logger = logging.getLogger(__name__)
 
@@ -121,21 +122,15 @@ def combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torc
     return (pairs.view(t, k, -1).float() * weights.unsqueeze(-1)).sum(dim=1)
 
 
-_fused_kernels: object = None  # None: not looked up yet; False: unavailable
+def _load_route_kernels() -> object:
+    """`fp4_dispatch.backends.moe_route` (raises ImportError without Triton)."""
+    from fp4_dispatch.backends import moe_route  # noqa: PLC0415 - optional: Triton
+
+    return moe_route
 
 
-def _route_kernels() -> object:
-    """`fp4_dispatch.backends.moe_route` when Triton imports, else False (looked up once)."""
-    global _fused_kernels
-    if _fused_kernels is None:
-        try:
-            from fp4_dispatch.backends import moe_route  # noqa: PLC0415 - optional: Triton
-        except ImportError as exc:  # triton is an optional dependency
-            logger.info("Triton MoE routing kernels unavailable (%s); using the torch path", exc)
-            _fused_kernels = False
-        else:
-            _fused_kernels = moe_route
-    return _fused_kernels
+#: `fp4_dispatch.backends.moe_route` when Triton imports, else False (looked up once)
+_route_kernels = OptionalCode(_load_route_kernels, "Triton MoE routing kernels", logger)
 
 
 def _check_dims(hidden_size: int, intermediate_size: int, num_experts: int, top_k: int) -> None:
