@@ -225,6 +225,14 @@ def layer_blocks(config: str, device: torch.device) -> tuple[object, object]:
     return models["bf16"].model.layers[0].mlp, models["w4a16"].model.layers[0].mlp
 
 
+def routing_label(block, x: torch.Tensor) -> str:
+    """How `block` (an `Nvfp4MoE`) routes `x`: ``fused`` kernels or the ``torch`` path
+    (its own rule: the flag, the device and the kernels' size limits)."""
+    with torch.inference_mode():
+        logits = block.gate(x.reshape(-1, block.hidden_size))
+    return "fused" if block._kernels_for(logits) else "torch"
+
+
 def layer_rows(ctx: Context, config: str, blocks: tuple, tokens: int) -> list:
     """Rows of both MoE blocks on the same ``[tokens, 1, H]`` hidden states (a decode
     step of `tokens` sequences): the whole layer (router, top-k, sort, both grouped GEMMs,
@@ -256,7 +264,7 @@ def layer_rows(ctx: Context, config: str, blocks: tuple, tokens: int) -> list:
                             backend=name, operation=op, m=tokens, n=hidden, k=hidden)  # fmt: skip
             for r in got:
                 r.extra = {"config": config, "tokens": tokens, "experts": nv.num_experts,
-                           "top_k": nv.top_k}  # fmt: skip
+                           "top_k": nv.top_k, "routing": routing_label(nv, x)}  # fmt: skip
             rows += got
     add_ratios(rows, LAYER_PATHS)
     return rows
@@ -267,12 +275,14 @@ def layer_routine(ctx: Context) -> None:
     ``--smoke``): one MoE layer, ours against transformers' bf16 block, per config
     (``--configs``) and token count (``--m``, default `TOKENS`); with ``--tune`` the
     layer's grouped buckets are tuned first (``autotuning`` on the default dispatcher,
-    its budget). M x N x K of a row is tokens x hidden x hidden."""
+    its budget); ``--fused-routing`` turns on `Nvfp4MoE.fused_routing` (off by default
+    until its kernels have run on a GPU). M x N x K of a row is tokens x hidden x hidden."""
     if not on_cuda_or_smoke(ctx, "moe-layer"):
         return
     configs = ["tiny"] if ctx.smoke else getattr(ctx.args, "configs", None) or list(CONFIGS)
     for config in configs:
         blocks = layer_blocks(config, ctx.device)
+        blocks[1].fused_routing = bool(ctx.args.fused_routing)
         for tokens in ctx.args.m or (SMOKE_TOKENS if ctx.smoke else TOKENS):
             ctx.emit(layer_rows(ctx, config, blocks, tokens))
         del blocks

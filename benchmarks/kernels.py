@@ -263,6 +263,11 @@ def options(args: argparse.Namespace, argv: list[str]) -> None:
         help="grouped: tune each bucket first (--top tactics, 0: the shortlist); moe-layer: "
         "tune the layer's buckets first (the default dispatcher's budget)",
     )
+    ap.add_argument(
+        "--fused-routing",
+        action="store_true",
+        help="moe-layer: Nvfp4MoE's fused routing kernels on (off by default)",
+    )
     ap.add_argument("--configs", nargs="+", default=None, choices=list(grouped.CONFIGS),
                     help="grouped: MoE layers (default: all)")  # fmt: skip
     ap.parse_args(argv, namespace=args)

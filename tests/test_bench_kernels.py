@@ -81,6 +81,7 @@ def test_kernels_moe_layer_smoke_rows(tmp_path):
         assert (r["suite"], r["case"], r["clock"]) == ("kernels", "moe-layer", "eager"), r
         assert r["failure"] is None and r["median_us"] > 0, r
         assert r["extra"]["config"] == "tiny" and r["extra"]["experts"] == 8, r
+        assert r["extra"]["routing"] == "torch", r  # the default (--fused-routing: fused)
         by.setdefault(r["extra"]["tokens"], {})[r["backend"]] = r
     assert set(by) == {1, 4}
     for tokens, pair in by.items():
