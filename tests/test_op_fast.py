@@ -83,6 +83,15 @@ def test_keep_asks_the_plan_of_the_call_and_keeps_only_a_replay():
     none = _Runner(replay=None)
     calls.keep("k", none, 2, 8, 64, "bfloat16", (a, b, sb, alpha, out, None, None))
     assert none.asked == [(2, 8, 64, "bfloat16", "w4a16")] and calls.get("k") is None
+    calls.keep("k", none, 2, 8, 64, "bfloat16", (a, b, sb, alpha, out, None, None))
+    assert len(none.asked) == 1  # no replay at this plan epoch: not asked again
+    none.plan_epoch += 1
+    calls.keep("k", none, 2, 8, 64, "bfloat16", (a, b, sb, alpha, out, None, None))
+    assert len(none.asked) == 2 and calls.get("k") is None  # the plans changed: asked anew
+    none._autotune_depth = 1  # an autotuning block may leave the replay unrecorded
+    calls.keep("t", none, 2, 8, 64, "bfloat16", (a, b, sb, alpha, out, None, None))
+    calls.keep("t", none, 2, 8, 64, "bfloat16", (a, b, sb, alpha, out, None, None))
+    assert len(none.asked) == 4
     d = _Runner(replay=lambda tensors: True)
     calls.keep("k", d, 2, 8, 64, "bfloat16", (a, b, sb, alpha, out, None, None))
     assert isinstance(calls.get("k"), op_fast.OpFastCall) and len(calls) == 1

@@ -75,10 +75,18 @@ class OpFastCall:
 
 class FastCalls:
     """Kept `OpFastCall`s by key: ``get(key)``; ``keep(key, d, m, n, k, dtype, args)``
-    after an ordinary call that ran checked ``args`` (`Runner.run_dense` order)."""
+    after an ordinary call that ran checked ``args`` (`Runner.run_dense` order).
+
+    A key whose warm plan has no replay (a CPU plan, ``replay=False``, a kernel the
+    driver path cannot describe) is remembered with the dispatcher's ``plan_epoch``, so
+    its later calls do not ask the plan again until the plans change; only when the
+    answer cannot change otherwise (no ``autotuning`` block, an aligned activation:
+    `OpFastCall`'s other reasons to decline)."""
 
     def __init__(self) -> None:
         self._calls: dict[Hashable, OpFastCall] = {}
+        #: key -> the ``plan_epoch`` at which its plan had no replay
+        self._none: dict[Hashable, int] = {}
 
     def get(self, key: Hashable) -> OpFastCall | None:
         return self._calls.get(key)
@@ -86,15 +94,19 @@ class FastCalls:
     def keep(self, key: Hashable, d: Runner, m: int, n: int, k: int, dtype: str,
              args: tuple) -> None:  # fmt: skip
         """Keep the replay the warm plan of (m, n, k, dtype) recorded for `args`, if any."""
-        replay = d.replay_of((m, n, k, dtype, d.dense_operation), args)
-        if replay is None:
+        if self._none.get(key) == d.plan_epoch:
             return
-        if len(self._calls) >= MAX_KEPT:
-            self._calls.clear()
-        self._calls[key] = OpFastCall(d, replay)
+        replay = d.replay_of((m, n, k, dtype, d.dense_operation), args)
+        if len(self._calls) + len(self._none) >= MAX_KEPT:
+            self.clear()
+        if replay is not None:
+            self._calls[key] = OpFastCall(d, replay)
+        elif not (d._autotune_depth or args[0].data_ptr() & 15):
+            self._none[key] = d.plan_epoch
 
     def clear(self) -> None:
         self._calls.clear()
+        self._none.clear()
 
     def __len__(self) -> int:
         return len(self._calls)
