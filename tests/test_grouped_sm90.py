@@ -31,7 +31,9 @@ from fp4_dispatch.plugins.sm90.grouped import (
 
 SM90 = simulated("sm90")
 
-_SCRIPT = r"""
+#: what both interpreter scripts share: imports, the experts of a case, and the relative
+#: error of each non-empty expert's rows against the float64 reference
+_PRELUDE = r"""
 import json, sys
 import torch
 from fp4_dispatch.contracts.backend import GroupedOperands
@@ -39,12 +41,31 @@ from fp4_dispatch.backends.sm90 import gemm_grouped as gg
 from fp4_dispatch.format.grouped import quantize_experts, reference_output
 from fp4_dispatch.format.nvfp4 import quantize_nvfp4
 
+
+def experts(e, n, k, g):
+    spread = torch.logspace(-2, 2, e).view(e, 1, 1)  # experts 1e4 apart: a mix-up shows
+    return quantize_experts(torch.randn(e, n, k, generator=g) * spread)
+
+
+def expert_errs(out, ref, off):
+    errs, start = [], 0
+    for end in off.tolist():
+        if end > start:
+            o, r = out[start:end].double(), ref[start:end]
+            errs.append(float((o - r).norm() / r.norm()) if bool(torch.isfinite(o).all())
+                        else float("nan"))
+        start = end
+    return errs
+"""
+
+_SCRIPT = (
+    _PRELUDE
+    + r"""
 rows = []
 for sizes, tail, n, k, cfg, w4a4 in json.loads(sys.argv[1]):
     g = torch.Generator().manual_seed(n + k + 7 * sum(sizes))
     e, t = len(sizes), sum(sizes) + tail  # `tail` rows past the last offset: no expert
-    spread = torch.logspace(-2, 2, e).view(e, 1, 1)  # experts 1e4 apart: a mix-up shows
-    b = quantize_experts(torch.randn(e, n, k, generator=g) * spread)
+    b = experts(e, n, k, g)
     off = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
     if w4a4:
         qa = quantize_nvfp4(torch.randn(t, k, generator=g) * 3)
@@ -55,18 +76,11 @@ for sizes, tail, n, k, cfg, w4a4 in json.loads(sys.argv[1]):
         ops = GroupedOperands(a, b.data, b.scale, b.global_scale, off)
     out = torch.full((t, n), float("nan"), dtype=torch.float16)
     gg.build(gg.GroupedConfig(**cfg))(ops, out)
-    ref = reference_output(ops)
-    errs, start = [], 0
-    for end in off.tolist():
-        if end > start:
-            o, r = out[start:end].double(), ref[start:end]
-            errs.append(float((o - r).norm() / r.norm()) if bool(torch.isfinite(o).all())
-                        else float("nan"))
-        start = end
     untouched = bool(torch.isnan(out[sum(sizes):]).all())
-    rows.append({"errs": errs, "untouched": untouched})
+    rows.append({"errs": expert_errs(out, reference_output(ops), off), "untouched": untouched})
 print(json.dumps(rows))
 """
+)
 
 CASES = [
     # sizes, tail rows, N, K, config, w4a4
@@ -108,33 +122,15 @@ def test_grouped_kernel_matches_the_reference_per_expert():
 
 # ---- split-K ----------------------------------------------------------------------------
 
-_SPLIT_SCRIPT = r"""
-import json, sys
-import torch
-from fp4_dispatch.contracts.backend import GroupedOperands
-from fp4_dispatch.backends.sm90 import gemm_grouped as gg
-from fp4_dispatch.format.grouped import quantize_experts, reference_output
-from fp4_dispatch.format.nvfp4 import quantize_nvfp4
-
-
-def expert_errs(out, ref, off):
-    errs, start = [], 0
-    for end in off.tolist():
-        if end > start:
-            o, r = out[start:end].double(), ref[start:end]
-            errs.append(float((o - r).norm() / r.norm()) if bool(torch.isfinite(o).all())
-                        else float("nan"))
-        start = end
-    return errs
-
-
+_SPLIT_SCRIPT = (
+    _PRELUDE
+    + r"""
 rows = []
 for case in json.loads(sys.argv[1]):
     sizes, tail, n, k, cfg, w4a4 = case
     g = torch.Generator().manual_seed(n + k + 7 * sum(sizes))
     e, t = len(sizes), sum(sizes) + tail
-    b = quantize_experts(torch.randn(e, n, k, generator=g) * torch.logspace(-2, 2, e).view(
-        e, 1, 1))
+    b = experts(e, n, k, g)
     if w4a4:
         qa = quantize_nvfp4(torch.randn(t, k, generator=g) * 3)
     else:
@@ -175,6 +171,7 @@ for case in json.loads(sys.argv[1]):
     rows.append({"case": case, "calls": calls})
 print(json.dumps(rows))
 """
+)
 
 #: split-K cases: (sizes, tail rows, N, K, config, w4a4). K=288 with a 64 K tile is 5
 #: tiles, the last half full: split 2 owns 3 + 2 tiles, split 4 owns 2 + 2 + 1 + 0 (an
