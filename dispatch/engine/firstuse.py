@@ -1,7 +1,9 @@
 """Verify before trusting: a third-party kernel's first use is checked on sampled outputs.
 
 The first run in a process of each (backend, tactic, shape bucket) of a plugin that is
-not built in is compared with the float64 reference on a sample of its output.
+not built in, or of a built-in backend whose kernels were compiled but never run on
+hardware (`Backend.compile_only_note` set), is compared with the float64 reference on a
+sample of its output.
 
 Why: only tuning used to verify kernels. An untuned call ran the heuristic pick as it
 was, so an installed third-party kernel that writes zeros, NaN rows or ignores strides

@@ -116,10 +116,10 @@ class Runner:
             raise TypeError(
                 f"verify_plugins: expected a bool or None, got {type(verify_plugins).__name__}"
             )
-        #: the first run of each third-party (backend, tactic, bucket) is checked
+        #: the first run of each third-party (backend, tactic, bucket) is checked, and of
+        #: each built-in one whose kernels have not run on hardware (`_unproven`)
         self.first_use = _firstuse.FirstUse(
-            _firstuse.default() if verify_plugins is None else verify_plugins,
-            lambda name: not getattr(self.registry.plugin_of.get(name), "builtin", True),
+            _firstuse.default() if verify_plugins is None else verify_plugins, self._unproven
         )
         context = StoreContext(
             device=self.device,
@@ -141,6 +141,14 @@ class Runner:
         #: (bucket, policy) pairs `autotuning` has settled (tuned, or a hit of that policy)
         self._autotuned: set[tuple[BucketKey, str]] = set()
         self._capture_warned: set[BucketKey] = set()
+
+    def _unproven(self, name: str) -> bool:
+        """Whether backend `name`'s kernels are unproven here: a plugin that is not built
+        in (this project's CI never ran it), or a built-in backend whose kernels were
+        compiled but never run on hardware (`Backend.compile_only_note`)."""
+        if not getattr(self.registry.plugin_of.get(name), "builtin", True):
+            return True
+        return bool(getattr(self.registry.backends.get(name), "compile_only_note", ""))
 
     def __repr__(self) -> str:
         """``Dispatcher(device=..., backends=[...], budget=N, cache=path)``: what it serves."""

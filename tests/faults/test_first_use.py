@@ -164,6 +164,20 @@ def test_built_in_kernels_and_the_switch_are_not_checked(install, monkeypatch):
     assert calls == [1]
 
 
+def test_built_in_kernels_never_run_on_hardware_are_checked(install, monkeypatch, caplog):
+    """A built-in backend whose kernels were compiled but never run on hardware
+    (`Backend.compile_only_note`) is checked on first use like a plugin's: a wrong
+    result falls back and marks the tactic broken."""
+    install(_zeros, builtin=True)
+    monkeypatch.setattr(Ext, "compile_only_note", "compiled, not run on hardware")
+    qa, qb, ref = _operands()
+    d = Dispatcher(device="cpu", cache=False)
+    with caplog.at_level(logging.WARNING):
+        out = d.gemm(qa, qb)
+    assert _rel(out, ref) < 5e-3 and ("ext", ExtTactic()) in d.guard.broken
+    assert "first-use check" in caplog.text
+
+
 def test_verify_plugins_must_be_a_bool():
     with pytest.raises(TypeError, match="verify_plugins: expected a bool or None, got str"):
         Dispatcher(device="cpu", cache=False, verify_plugins="yes")
