@@ -92,6 +92,43 @@ def compile_real_call(kernel, ops, res, k, act_dtype):
 """
 
 
+#: a compile-only script's helper (after `TARGET_ONLY`): ``loop_stats(compiled, name)``
+#: disassembles a compiled kernel's cubin (Triton's nvdisasm, the file kept in
+#: TRITON_CACHE_DIR as ``name.cubin``) and counts its main loop (the longest backward
+#: branch): instructions, HMMAs, shared-memory accesses and barriers; and the kernel's
+#: register spills
+SASS_LOOP = r"""
+import collections, pathlib, re, subprocess
+
+
+def loop_stats(compiled, name):
+    nvdisasm = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    path = pathlib.Path(os.environ["TRITON_CACHE_DIR"]) / f"{name}.cubin"
+    path.write_bytes(compiled.asm["cubin"])
+    sass = subprocess.run([str(nvdisasm), "-c", str(path)], capture_output=True,
+                          text=True).stdout
+    labels, seq = {}, []
+    for line in sass.splitlines():
+        s = line.strip()
+        lab = re.match(r"\.(L_x_\d+):", s)
+        if lab:
+            labels[lab.group(1)] = len(seq)
+        ins = re.match(r"/\*[0-9a-f]+\*/\s+(.*?)\s*;", s)
+        if ins:
+            seq.append(ins.group(1))
+    body = []
+    for i, ins in enumerate(seq):
+        br = re.search(r"BRA[^`]*`\(\.(L_x_\d+)\)", ins)
+        if br and labels.get(br.group(1), 1 << 30) <= i and i + 1 - labels[br.group(1)] > len(body):
+            body = seq[labels[br.group(1)]: i + 1]
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                              for t in body)
+    return {"loop": len(body), "hmma": ops["HMMA"],
+            "loop_shared_or_barrier": ops["LDS"] + ops["STS"] + ops["BAR"] + ops["LDSM"],
+            "spills": len(re.findall(r"\b(STL|LDL)\b", sass))}
+"""
+
+
 def run_interpreted(script: str, cases: object) -> dict:
     """Run `script` (given ``json.dumps(cases)`` as argv[1]) under TRITON_INTERPRET=1.
 

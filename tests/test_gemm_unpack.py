@@ -224,6 +224,8 @@ def test_registered_next_to_the_other_sm90_backends():
         "triton-sm90-rs",
         "triton-sm90-w4a8",
         "triton-sm90-grouped",
+        "triton-sm90-grouped-mma",
+        "triton-sm90-grouped-rs",
     ]
     assert {b.family for b in got} == {"sm90"}
 

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from conftest import (
+    SASS_LOOP,
     TARGET_ONLY,
     check_w4a16_kernel_on_gpu,
     run_interpreted,
@@ -168,13 +169,12 @@ def test_passes_the_conformance_kit_on_the_simulated_part():
 
 _COMPILE = (
     TARGET_ONLY
+    + SASS_LOOP
     + r"""
-import collections, pathlib, re, subprocess
 from fp4_dispatch.backends.sm90 import gemm_w4a16 as w4
 from fp4_dispatch.backends.sm90 import gemm_w4a16_mma as mm
 from fp4_dispatch.format.nvfp4 import swizzled_scale_shape
 
-nvdisasm = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
 cache = mm._w4a16_mma_kernel.device_caches[0][0]
 out = {}
 for spec in json.loads(sys.argv[1]):
@@ -189,33 +189,9 @@ for spec in json.loads(sys.argv[1]):
                            torch.zeros(swizzled_scale_shape(n, k), dtype=torch.float8_e4m3fn),
                            torch.ones(1))
     compile_real_call(kernel, ops, torch.empty(m, n, dtype=dtype), k, dtype)
-    path = pathlib.Path(os.environ["TRITON_CACHE_DIR"]) / f"{spec['name']}.cubin"
-    path.write_bytes(compiled.asm["cubin"])
-    sass = subprocess.run([str(nvdisasm), "-c", str(path)], capture_output=True,
-                          text=True).stdout
-    # the main loop: the longest backward branch
-    labels, seq = {}, []
-    for line in sass.splitlines():
-        s = line.strip()
-        lab = re.match(r"\.(L_x_\d+):", s)
-        if lab:
-            labels[lab.group(1)] = len(seq)
-        ins = re.match(r"/\*[0-9a-f]+\*/\s+(.*?)\s*;", s)
-        if ins:
-            seq.append(ins.group(1))
-    body = []
-    for i, ins in enumerate(seq):
-        br = re.search(r"BRA[^`]*`\(\.(L_x_\d+)\)", ins)
-        if br and labels.get(br.group(1), 1 << 30) <= i and i + 1 - labels[br.group(1)] > len(body):
-            body = seq[labels[br.group(1)]: i + 1]
-    ops_ = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
-                               for t in body)
     out[spec["name"]] = {"new_by_precompile": after - before,
                          "new_by_real_args": len(cache) - after,
-                         "loop": len(body), "hmma": ops_["HMMA"],
-                         "loop_shared_or_barrier": ops_["LDS"] + ops_["STS"] + ops_["BAR"]
-                                                   + ops_["LDSM"],
-                         "spills": len(re.findall(r"\b(STL|LDL)\b", sass))}
+                         **loop_stats(compiled, spec["name"])}
 print(json.dumps(out))
 """
 )

@@ -289,7 +289,10 @@ def test_cli_explain_and_tune_take_groups(tmp_path, capsys, monkeypatch):
                  "--device", "sm90", "--json"]) == 0  # fmt: skip
     shown = json.loads(capsys.readouterr().out)
     assert shown["problem"]["groups"] == 128 and shown["problem"]["operation"] == "grouped_w4a16"
-    assert {c["backend"] for c in shown["candidates"]} == {"triton-sm90-grouped"}
+    assert {c["backend"] for c in shown["candidates"]} == {
+        "triton-sm90-grouped",
+        "triton-sm90-grouped-mma",  # 64 rows over 64+ experts: 1 row per expert
+    }
     assert main(["explain", "8", "48", "64", "--op", "grouped_w4a4", "--groups", "6",
                  "--device", "cpu"]) == 0  # fmt: skip
     text = capsys.readouterr().out

@@ -387,6 +387,8 @@ class GroupedKernel:
 
     cfg: GroupedConfig
     record: ClassVar = staticmethod(record_launches)
+    #: the kernel's launcher (a subclass runs another kernel of the same arguments)
+    launcher: ClassVar[CachedLauncher] = _LAUNCH
     #: constexpr values -> launcher binding (`_binding`)
     _bound: dict = field(default_factory=dict, repr=False)
     _scratch: Scratch = field(default_factory=Scratch, repr=False)
@@ -406,15 +408,33 @@ class GroupedKernel:
         prefill's varying lengths) make at most one pair per power of two, each at most
         twice the size needed, instead of one per T."""
         slots = 1 << (grid[0] * grid[1] - 1).bit_length()
-        elems = slots * self.cfg.split_k * self.cfg.block_m * self.cfg.block_n
-        return self._scratch.get(device, elems, slots)
+        elems = slots * self.cfg.split_k * math.prod(self.tile_shape)
+        return self._scratch.get(device, elems, slots * self.counters_per_tile)
+
+    @property
+    def counters_per_tile(self) -> int:
+        """Split-K counters an output tile (a kernel whose tile is stored in parts has
+        one a part)."""
+        return 1
+
+    @property
+    def tile_shape(self) -> tuple[int, int]:
+        """(rows of one expert, weight rows) of a program's output tile."""
+        return self.cfg.block_m, self.cfg.block_n
+
+    @property
+    def threads_warps(self) -> int:
+        """Warps a program."""
+        return self.cfg.num_warps
 
     def _binding(self, meta: dict) -> BoundLaunch:
         """The launcher binding of these constexprs (made once per kernel object)."""
         key = tuple(meta.values())
         bound = self._bound.get(key)
         if bound is None:
-            bound = self._bound[key] = _LAUNCH.bind(meta, self.cfg.num_warps)
+            bound = self._bound[key] = self.launcher.bind(
+                meta, self.threads_warps, **self.bind_options()
+            )
         return bound
 
     def precompile(
@@ -440,16 +460,28 @@ class GroupedKernel:
         """(grid, positional arguments, meta-parameters) of one call; a precompile's
         stand-in output leaves the split-K workspace unmade (its pointers are replaced)."""
         t, n, k, e = ops.m, ops.n, ops.k, ops.groups
-        cfg = self.cfg
         a_fp4 = ops.a_scale is not None
-        grid = (triton.cdiv(n, cfg.block_n), m_tile_bound(t, e, cfg.block_m), cfg.split_k)
-        if cfg.split_k > 1 and isinstance(out, torch.Tensor):
+        grid = self.grid(t, n, e)
+        if self.cfg.split_k > 1 and isinstance(out, torch.Tensor):
             ws, cnt = self.workspace(out.device, grid)
         else:  # one split never reads them: the output stands in
             ws = cnt = out
+        args = self.launch_args(ops, out, ws, cnt)
+        return grid, args, {"E_PAD": max(2, triton.next_power_of_2(e)), **self.meta(k, a_fp4)}
+
+    def grid(self, t: int, n: int, e: int) -> tuple[int, int, int]:
+        """``(N tiles, M-tile bound, split_k)`` for T rows over E experts of N rows."""
+        rows, cols = self.tile_shape
+        return triton.cdiv(n, cols), m_tile_bound(t, e, rows), self.cfg.split_k
+
+    def launch_args(self, ops, out, ws, cnt) -> list:
+        """The kernel's positional arguments for operands `ops`, output `out` and the
+        split-K workspace pair (``out`` standing in for both with one split)."""
+        t, n, k, e = ops.m, ops.n, ops.k, ops.groups
+        a_fp4 = ops.a_scale is not None
         b_sblk = ops.b_scale.shape[2] * 128
         a_sblk = ops.a_scale.shape[1] * 128 if a_fp4 else 0
-        args = [
+        return [
             ops.a,
             ops.a_scale if a_fp4 else ops.a,
             ops.b_data,
@@ -470,8 +502,15 @@ class GroupedKernel:
             b_sblk,
             ops.b_scale.shape[1] * ops.b_scale.shape[2],
         ]
-        meta = {
-            "E_PAD": max(2, triton.next_power_of_2(e)),
+
+    def bind_options(self) -> dict:
+        """Launch options beside the warps (none here)."""
+        return {}
+
+    def meta(self, k: int, a_fp4: bool) -> dict:
+        """The kernel's constexprs (beside ``E_PAD``) for K and the activations' format."""
+        cfg = self.cfg
+        return {
             "BLOCK_M": cfg.block_m,
             "BLOCK_N": cfg.block_n,
             "BLOCK_K": cfg.block_k,
@@ -483,7 +522,6 @@ class GroupedKernel:
             "GEMV": not a_fp4 and cfg.block_m <= GEMV_MAX_M,
             "W_ON_M": cfg.weights_on_m,
         }
-        return grid, args, meta
 
 
 class _Shaped:

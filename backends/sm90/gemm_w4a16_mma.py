@@ -179,6 +179,22 @@ def _w4a16_mma_kernel(x_ptr, b_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr, ws_ptr
                       RW: gl.constexpr, SPLIT_K: gl.constexpr, EVEN: gl.constexpr,
                       PREFETCH: gl.constexpr, UNROLL: gl.constexpr,
                       PDL: gl.constexpr):  # fmt: skip
+    pid, pid_k, _, n0, m0 = tile_origin(N, BN * RW, BM)
+    total = mma_tile(x_ptr, b_ptr, bs_ptr, M, N, K, stride_xm, b_sblk, n0, m0, pid_k, BN, BM,
+                     KW, RW, SPLIT_K, EVEN, PREFETCH, UNROLL, PDL)  # fmt: skip
+    store_tile(total, n0, m0, alpha_ptr, bias_ptr, has_bias, out_ptr, ws_ptr, cnt_ptr, M, N,
+               stride_om, stride_on, pid, pid_k, SPLIT_K)  # fmt: skip
+
+
+@gluon.jit
+def mma_tile(x_ptr, b_ptr, bs_ptr, M, N, K, stride_xm, b_sblk, n0, m0, pid_k,
+             BN: gl.constexpr, BM: gl.constexpr, KW: gl.constexpr, RW: gl.constexpr,
+             SPLIT_K: gl.constexpr, EVEN: gl.constexpr, PREFETCH: gl.constexpr,
+             UNROLL: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
+    """The fp32 ``[BN * RW, BM]`` tile (weight rows ``n0..``, tokens ``m0..`` below ``M``,
+    units of ``2**-14``: `store_tile` undoes them) of split ``pid_k`` over its K steps:
+    the module docstring's loop, shared by the dense kernel and the grouped one
+    (`gemm_grouped_mma`, which points ``b_ptr`` / ``bs_ptr`` at one expert)."""
     # NW = KW x RW warps along dim 0: warp b takes K range b // RW (of KW) and the rows
     # of group b % RW (of RW groups of BN a CTA); K last
     NW: gl.constexpr = KW * RW
@@ -192,7 +208,6 @@ def _w4a16_mma_kernel(x_ptr, b_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr, ws_ptr
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
 
-    pid, pid_k, _, n0, m0 = tile_origin(N, BN * RW, BM)
     k_steps = gl.cdiv(K, STEP_K)
     per = gl.cdiv(k_steps, SPLIT_K * KW)
     k_half = gl.multiple_of(K // 2, 16)  # K % 32 == 0: 16-byte rows
@@ -268,9 +283,7 @@ def _w4a16_mma_kernel(x_ptr, b_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr, ws_ptr
         if UNROLL == 2:
             acc = _step(w2, s2, x2, acc, NW, BN, BM, L4, A_L, B_L)
     # the KW K ranges summed (through shared memory, once); rows: RW groups of BN
-    total = gl.sum(acc.reshape([KW, RW * BN, BM]), axis=0)
-    store_tile(total, n0, m0, alpha_ptr, bias_ptr, has_bias, out_ptr, ws_ptr, cnt_ptr, M, N,
-               stride_om, stride_on, pid, pid_k, SPLIT_K)  # fmt: skip
+    return gl.sum(acc.reshape([KW, RW * BN, BM]), axis=0)
 
 
 # ---- host side ------------------------------------------------------------------------

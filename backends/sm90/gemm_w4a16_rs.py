@@ -306,6 +306,23 @@ def _w4a16_rs_ws_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws
     BN: gl.constexpr = w_desc.block_type.shape[0]
     pid, pid_k, pid_n, n0, m0 = tile_origin(N, BN, BT)
     kt0, n_steps = split_steps(K // 128, pid_k, SPLIT_K)
+    rs_ws_tile(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
+               stride_om, stride_on, has_bias, n0, n0, pid_n * s_chunks * 2, m0, kt0, n_steps,
+               pid, pid_k, SPLIT_K, STAGES, REGS, TMA_REGS, PDL)  # fmt: skip
+
+
+@gluon.jit
+def rs_ws_tile(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
+               stride_om, stride_on, has_bias, w_row0, n0, s_row0, m0, kt0, n_steps, tile_id,
+               pid_k, SPLIT_K: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr,
+               TMA_REGS: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
+    """One CTA's tile of the specialized kernel: ``n_steps`` K steps from ``kt0``, the
+    weight bytes from descriptor row ``w_row0`` (scales from chunk row ``s_row0``), the
+    tokens from row ``m0``; stored to output columns ``n0..`` and rows below ``M``
+    (split-K tile ids ``2 tile_id + warpgroup``). Shared by the dense kernel and the
+    grouped one (`gemm_grouped_rs`: one expert's rows of the stacked weights)."""
+    BT: gl.constexpr = x_desc.block_type.shape[0]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
     w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 64], w_desc.layout)
     s_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 256], s_desc.layout)
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES, BT, 64], x_desc.layout)
@@ -316,9 +333,9 @@ def _w4a16_rs_ws_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws
         mbarrier.init(empty.index(j), count=2)
     fence_async_shared()
     cons = (w_bufs, s_bufs, x_bufs, ready, empty, n_steps, n0, m0, alpha_ptr, bias_ptr, has_bias,
-            out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, stride_on, pid, pid_k)  # fmt: skip
-    prod = (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, pid_n * s_chunks * 2,
-            m0, kt0, n_steps)  # fmt: skip
+            out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, stride_on, tile_id, pid_k)  # fmt: skip
+    prod = (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, w_row0, s_row0, m0,
+            kt0, n_steps)  # fmt: skip
     gl.warp_specialize(
         [(_consumer, (cons, 0, SPLIT_K)), (_consumer, (cons, 1, SPLIT_K)),
          (_producer, (prod, PDL))],

@@ -33,6 +33,11 @@ package's docstring has the same table with each kernel's test):
 - ``mma``: ``triton-sm90-mma`` -> ``gemm_w4a16_mma`` (W4A4 also through ``expand_rows``);
 - ``rs``: ``triton-sm90-rs`` -> ``gemm_w4a16_rs``;
 - ``w4a8``: ``triton-sm90-w4a8`` -> ``gemm_w4a8``;
+- ``grouped``: ``triton-sm90-grouped`` -> ``gemm_grouped``;
+- ``grouped_mma``: ``triton-sm90-grouped-mma`` -> ``gemm_grouped_mma`` (the ``mma`` loop
+  per expert);
+- ``grouped_rs``: ``triton-sm90-grouped-rs`` -> ``gemm_grouped_rs`` (the ``rs`` kernel per
+  expert);
 - ``cost_model`` (+ ``cost_model.json``): the W4A4 kernels' fitted estimate; the JSON
   holds every fitted sm90 constant.
 """
@@ -470,6 +475,8 @@ def fp4_dispatch_register_backends(register) -> None:
     # imported after it
     from fp4_dispatch.plugins.sm90.dense import TritonSm90DenseBackend  # noqa: PLC0415
     from fp4_dispatch.plugins.sm90.grouped import TritonSm90GroupedBackend  # noqa: PLC0415
+    from fp4_dispatch.plugins.sm90.grouped_mma import TritonSm90GroupedMmaBackend  # noqa: PLC0415
+    from fp4_dispatch.plugins.sm90.grouped_rs import TritonSm90GroupedRsBackend  # noqa: PLC0415
     from fp4_dispatch.plugins.sm90.mma import TritonSm90MmaBackend  # noqa: PLC0415
     from fp4_dispatch.plugins.sm90.rs import TritonSm90RsBackend  # noqa: PLC0415
     from fp4_dispatch.plugins.sm90.w4a8 import TritonSm90W4A8Backend  # noqa: PLC0415
@@ -485,3 +492,5 @@ def fp4_dispatch_register_backends(register) -> None:
     register(TritonSm90RsBackend())
     register(TritonSm90W4A8Backend())
     register(TritonSm90GroupedBackend())
+    register(TritonSm90GroupedMmaBackend())
+    register(TritonSm90GroupedRsBackend())

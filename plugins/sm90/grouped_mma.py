@@ -1,0 +1,166 @@
+"""Plugin module: ``triton-sm90-grouped-mma``, the grouped W4A16 GEMM for up to 16 rows
+per expert on Hopper (`fp4_dispatch.backends.sm90.gemm_grouped_mma`; docs/grouped.md).
+
+The dense decode kernel of ``triton-sm90-mma`` (registers and ``mma.sync`` only, no
+shared memory in the loop) run per (expert, token tile) from the offsets on the device:
+each weight value is expanded once for up to 8 or 16 of its expert's rows. Serves
+``grouped_w4a16`` (dense rows) where the balanced rows per expert (`grouped.
+rows_per_expert`) are at most 16: decode and short prefill of a many-expert layer, the
+regime ``triton-sm90-grouped`` reaches with one-row tiles that expand each weight once a
+row.
+
+Tactics: the dense kernel's measured-best variants (`mma.MMA_VARIANTS`: 8-token tiles)
+and the same three CTA shapes with 16-token tiles (from ``mma.MMA_SPACE``: their
+registers are known), the token tile the smallest that holds the balanced rows;
+``split_k`` 1-4 while every K range of every split has a step and the kept partials stay
+within `grouped.SPLIT_WORKSPACE_MAX`.
+
+The estimate is ``triton-sm90-mma``'s fitted one (`mma._estimate_mma`) of the
+equivalent dense problem (`dense_view`: the touched experts' weight rows stacked, the
+balanced rows as tokens: the same CTAs, the same loop), plus `LOOKUP_US` for each CTA's
+look-up of its expert. That term is a guess, not fitted (`UNFITTED`).
+
+Not offered under ``TRITON_INTERPRET=1``: Gluon kernels have no interpreter. CI compiles
+them for sm_90 (tests/test_grouped_mma.py); the numerics are checked on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Iterator
+from typing import ClassVar, Literal
+
+from fp4_dispatch.contracts.backend import Backend, Kernel, Support
+from fp4_dispatch.contracts.device import DeviceInfo
+from fp4_dispatch.contracts.tactics import Problem, Tactic
+from fp4_dispatch.plugins.sm90 import _gluon_support, mma
+from fp4_dispatch.plugins.sm90 import grouped as gp
+from fp4_dispatch.support.sources import SourceVersion
+
+#: said in `explain` and the docs: `LOOKUP_US` is not fitted
+UNFITTED = True
+#: (tile_m, tile_n, num_warps, prefetch, unroll) offered: the dense kernel's offered
+#: 8-token variants and the same CTA shapes with 16-token tiles
+GROUPED_MMA_VARIANTS = mma.MMA_VARIANTS + tuple((16, *v[1:]) for v in mma.MMA_VARIANTS)
+#: the most balanced rows per expert served (the largest token tile)
+MAX_ROWS_PER_EXPERT = 16
+#: µs a CTA's expert look-up adds to the dense estimate: E offsets read from L2 and a
+#: running sum before the first weight load (one L2 round trip and a scan; a guess, not
+#: fitted)
+LOOKUP_US = 1.0
+
+
+class TritonSm90GroupedMmaTactic(mma.TritonSm90MmaTactic):
+    """One variant of the grouped mma kernel (the dense mma tactic's knobs)."""
+
+    backend: Literal["triton-sm90-grouped-mma"] = "triton-sm90-grouped-mma"  # type: ignore[assignment]
+
+
+def token_tile(problem: Problem) -> int:
+    """The token tile that holds the balanced rows per expert: 8, else 16."""
+    return 8 if gp.rows_per_expert(problem) <= 8 else 16
+
+
+def dense_view(problem: Problem) -> Problem:
+    """The dense problem of the same CTAs: the touched experts' weight rows stacked
+    (``touched x N``), the balanced rows per expert as tokens."""
+    return Problem(m=gp.rows_per_expert(problem), n=problem.touched_groups * problem.n,
+                   k=problem.k, out_dtype=problem.out_dtype)  # fmt: skip
+
+
+def workspace_bytes(t: TritonSm90GroupedMmaTactic, problem: Problem) -> int:
+    """Bytes of the fp32 partials a split-K kernel keeps for `problem`'s grid
+    (`gemm_grouped.GroupedKernel.workspace`: N tiles x the M-tile bound, rounded up to a
+    power of two, ``split_k`` tiles of ``tile_m x tile_n`` each)."""
+    m, e = problem.m, problem.groups or 1
+    slots = math.ceil(problem.n / t.tile_n) * (-(-m // t.tile_m) + min(e, m))
+    return (1 << (slots - 1).bit_length()) * t.split_k * t.tile_m * t.tile_n * 4
+
+
+def why_invalid(t: TritonSm90GroupedMmaTactic, problem: Problem) -> str | None:
+    """Why `t` is not offered for `problem`, else None (module docstring)."""
+    if problem.operation != "grouped_w4a16":
+        return f"operation {problem.operation!r}: grouped_w4a16 (dense rows) only"
+    if problem.k % 32:
+        return f"K={problem.k}: the kernel needs K % 32 == 0"
+    rows = gp.rows_per_expert(problem)
+    if rows > MAX_ROWS_PER_EXPERT:
+        return f"{rows} balanced rows per expert > {MAX_ROWS_PER_EXPERT} (the token tile)"
+    if t.tile_m != token_tile(problem):
+        return f"tile_m={t.tile_m}: {rows} rows per expert run {token_tile(problem)}-token tiles"
+    if mma.variant(t) not in GROUPED_MMA_VARIANTS:
+        return (f"(tile_m, tile_n, num_warps, prefetch, unroll) = {mma.variant(t)}: one of "
+                f"{GROUPED_MMA_VARIANTS}")  # fmt: skip
+    steps = -(-problem.k // mma.MMA_TILE_K)
+    if t.split_k > 1 and t.split_k * t.k_groups > steps:
+        return (f"split_k x K ranges = {t.split_k * t.k_groups} > {steps} K steps: "
+                "a split whose warps have no work")  # fmt: skip
+    ws = workspace_bytes(t, problem) if t.split_k > 1 else 0
+    if ws > gp.SPLIT_WORKSPACE_MAX:
+        return f"split_k={t.split_k}: {ws} workspace bytes > {gp.SPLIT_WORKSPACE_MAX}"
+    return None
+
+
+class TritonSm90GroupedMmaBackend(Backend):
+    """Hopper grouped W4A16 at up to 16 rows per expert (Gluon, ``mma.sync``)."""
+
+    name = "triton-sm90-grouped-mma"
+    family = "sm90"
+    version = SourceVersion("1", "fp4_dispatch.backends.sm90.gemm_grouped_mma", plugin=__name__)
+    tactic_type = TritonSm90GroupedMmaTactic
+    operations: ClassVar[tuple[str, ...]] = ("grouped_w4a16",)
+    diversity_axes = ("tile_n", "num_warps", "split_k")
+
+    def supports(self, device: DeviceInfo) -> Support:
+        return _gluon_support(device)
+
+    def tactics(self, problem: Problem, device: DeviceInfo) -> Iterator[TritonSm90GroupedMmaTactic]:
+        for v, split in itertools.product(GROUPED_MMA_VARIANTS, mma.MMA_SPLIT_K):
+            t = _tactic(*v, split)
+            if why_invalid(t, problem) is None:
+                yield t
+
+    def validate(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> str | None:
+        checked = TritonSm90GroupedMmaTactic.model_validate(tactic.model_dump())
+        return why_invalid(checked, problem)
+
+    def estimate_us(self, problem: Problem, device: DeviceInfo, tactic: Tactic) -> float:
+        """Microseconds: the dense mma estimate of `dense_view` plus `LOOKUP_US`."""
+        assert isinstance(tactic, TritonSm90GroupedMmaTactic)
+        return mma._estimate_mma(tactic, dense_view(problem), device) + LOOKUP_US
+
+    def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
+        assert isinstance(tactic, TritonSm90GroupedMmaTactic)
+        return _kernel_for(tactic)
+
+    def precompile(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> object:
+        """Compile (``warmup``, no launch) what a grouped call of `problem` runs: rows in
+        the output dtype, a contiguous output."""
+        assert isinstance(tactic, TritonSm90GroupedMmaTactic)
+        import torch  # noqa: PLC0415 - start-up time: the plugin module imports without torch
+
+        p = problem
+        kernel = self.build(tactic, p, device)
+        return kernel.precompile(p.m, p.n, p.k, p.groups, getattr(torch, p.out_dtype), False)  # type: ignore[attr-defined]
+
+    def precompile_key(self, tactic: Tactic, problem: Problem) -> tuple:
+        """No specialization on T (``do_not_specialize``): the tactic, N, K, E and dtype."""
+        p = problem
+        return (tactic, p.n, p.k, p.groups, p.out_dtype)
+
+
+@functools.cache
+def _tactic(tm: int, tn: int, nw: int, pf: int, un: int, split: int) -> TritonSm90GroupedMmaTactic:
+    """Cached tactic objects (the ranking memoizes validation by identity)."""
+    return TritonSm90GroupedMmaTactic(tile_m=tm, tile_n=tn, num_warps=nw, prefetch=pf,
+                                      unroll=un, split_k=split)  # fmt: skip
+
+
+@functools.cache
+def _kernel_for(tactic: TritonSm90GroupedMmaTactic) -> Kernel:
+    """One kernel object per tactic (shapes share compiled code and kept workspaces)."""
+    from fp4_dispatch.backends.sm90 import gemm_grouped_mma  # noqa: PLC0415 - optional: Triton
+
+    return gemm_grouped_mma.build(tactic.kernel_config())
