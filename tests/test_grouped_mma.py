@@ -97,16 +97,17 @@ def test_estimate_is_the_dense_estimate_of_the_touched_experts():
     assert few < many / 4  # 8 experts' weights against 128
 
 
-def test_simulated_sm90_ranks_both_grouped_families_for_decode():
-    """A decode bucket of dense rows gets both Hopper grouped backends; NVFP4 rows and a
-    prefill bucket (32 rows per expert) only the Triton grouped kernel."""
+def test_simulated_sm90_ranks_the_grouped_backends_by_rows_per_expert():
+    """Dense rows at decode get the Triton grouped kernel and this one; a prefill bucket
+    (32 rows per expert) the Triton kernel and the rs one; NVFP4 rows the Triton one."""
     d = Dispatcher("sm90", cache=False)
-    backends = {c.backend for c in d.candidates(128, 1536, 2048, "bfloat16", "grouped_w4a16",
-                                                128).candidates}  # fmt: skip
-    assert backends == {"triton-sm90-grouped", "triton-sm90-grouped-mma"}
-    for m, op in ((128, "grouped_w4a4"), (4096, "grouped_w4a16")):
+    for m, op, want in (
+        (128, "grouped_w4a16", {"triton-sm90-grouped", "triton-sm90-grouped-mma"}),
+        (4096, "grouped_w4a16", {"triton-sm90-grouped", "triton-sm90-grouped-rs"}),
+        (128, "grouped_w4a4", {"triton-sm90-grouped"}),
+    ):
         sl = d.candidates(m, 1536, 2048, "bfloat16", op, 128)
-        assert {c.backend for c in sl.candidates} == {"triton-sm90-grouped"}, (m, op)
+        assert {c.backend for c in sl.candidates} == want, (m, op)
 
 
 # ---- sm_90 compile on the CPU ---------------------------------------------------------

@@ -41,6 +41,13 @@ from fp4_dispatch.support.sources import SourceVersion
 
 #: said in `explain` and the docs: `LOOKUP_US` is not fitted
 UNFITTED = True
+#: `Backend.compile_only_note` of the grouped Gluon backends until their GPU tests have
+#: run (no GPU was lent to the session that built them): list-backends says so, and the
+#: first use of each tactic and bucket is checked against the float64 reference
+NOT_RUN = (
+    "the grouped Gluon kernels are compiled for sm_90 here; they have not been run on "
+    "hardware by this project yet (first use is checked against the reference)"
+)
 #: (tile_m, tile_n, num_warps, prefetch, unroll) offered: the dense kernel's offered
 #: 8-token variants and the same CTA shapes with 16-token tiles
 GROUPED_MMA_VARIANTS = mma.MMA_VARIANTS + tuple((16, *v[1:]) for v in mma.MMA_VARIANTS)
@@ -111,6 +118,7 @@ class TritonSm90GroupedMmaBackend(Backend):
     version = SourceVersion("1", "fp4_dispatch.backends.sm90.gemm_grouped_mma", plugin=__name__)
     tactic_type = TritonSm90GroupedMmaTactic
     operations: ClassVar[tuple[str, ...]] = ("grouped_w4a16",)
+    compile_only_note = NOT_RUN
     diversity_axes = ("tile_n", "num_warps", "split_k")
 
     def supports(self, device: DeviceInfo) -> Support:

@@ -76,6 +76,7 @@ class TritonSm90GroupedRsBackend(Backend):
     version = SourceVersion("1", "fp4_dispatch.backends.sm90.gemm_grouped_rs", plugin=__name__)
     tactic_type = TritonSm90GroupedRsTactic
     operations: ClassVar[tuple[str, ...]] = ("grouped_w4a16",)
+    compile_only_note = gm.NOT_RUN
     diversity_axes = ("tile_m", "ctas_per_sm")
 
     def supports(self, device: DeviceInfo) -> Support:
