@@ -123,10 +123,102 @@ def loop_stats(compiled, name):
             body = seq[labels[br.group(1)]: i + 1]
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
                               for t in body)
-    return {"loop": len(body), "hmma": ops["HMMA"],
+    return {"loop": len(body), "hmma": ops["HMMA"], "sass": sass,
             "loop_shared_or_barrier": ops["LDS"] + ops["STS"] + ops["BAR"] + ops["LDSM"],
             "spills": len(re.findall(r"\b(STL|LDL)\b", sass))}
 """
+
+
+#: compile-only script (after `TARGET_ONLY` + `SASS_LOOP`) for a grouped Gluon backend:
+#: argv[1] is ``{"plugin": module, "backend": class, "tactic": class, "cases": [...]}``;
+#: each case (name, t, n, k, e, dtype, tactic knobs) is precompiled, then a real call's
+#: arguments (CPU stand-ins) warm the binding; prints per case the kernels each step
+#: added to the launcher's cache, `loop_stats` and the SASS
+GROUPED_GLUON_COMPILE = r"""
+import importlib
+from fp4_dispatch.contracts.backend import GroupedOperands
+from fp4_dispatch.contracts.tactics import Problem
+from fp4_dispatch.format.nvfp4 import swizzled_scale_shape
+from fp4_dispatch.plugins.sm90 import PROFILE
+
+job = json.loads(sys.argv[1])
+plugin = importlib.import_module(job["plugin"])
+backend, dev = getattr(plugin, job["backend"])(), PROFILE.device
+tactic_type = getattr(plugin, job["tactic"])
+out = {}
+for spec in job["cases"]:
+    tactic = tactic_type(**spec["tactic"])
+    t, n, k, e = spec["t"], spec["n"], spec["k"], spec["e"]
+    dtype = getattr(torch, spec["dtype"])
+    p = Problem(m=t, n=n, k=k, out_dtype=spec["dtype"], operation="grouped_w4a16", groups=e)
+    assert backend.validate(tactic, p, dev) is None, (spec, backend.validate(tactic, p, dev))
+    kernel = backend.build(tactic, p, dev)
+    cache = kernel.launcher.kernel.device_caches[0][0]
+    before = len(cache)
+    compiled = backend.precompile(tactic, p, dev)
+    after = len(cache)
+    ops = GroupedOperands(torch.zeros(t, k, dtype=dtype),
+                          torch.zeros(e, n, k // 2, dtype=torch.uint8),
+                          torch.zeros(e, *swizzled_scale_shape(n, k), dtype=torch.float8_e4m3fn),
+                          torch.ones(e), torch.zeros(e, dtype=torch.int32))
+    grid, args, meta = kernel._launch(ops, torch.empty(t, n, dtype=dtype))
+    kernel._binding(meta).warmup(grid, args)  # the real call's variant
+    out[spec["name"]] = {"new_by_precompile": after - before,
+                         "new_by_real_args": len(cache) - after,
+                         **loop_stats(compiled, spec["name"])}
+print(json.dumps(out))
+"""
+
+
+def compile_grouped_gluon(tmp_path: Path, plugin: str, backend: str, tactic: str,
+                          cases: list[dict]) -> dict:  # fmt: skip
+    """Run `GROUPED_GLUON_COMPILE` for `cases` (sm_90, no GPU): its per-case dict."""
+    pytest.importorskip("triton")
+    job = {"plugin": plugin, "backend": backend, "tactic": tactic, "cases": cases}
+    proc = subprocess.run([sys.executable, "-c", TARGET_ONLY + SASS_LOOP + GROUPED_GLUON_COMPILE,
+                           json.dumps(job)], capture_output=True, text=True,
+                          env=sm90_compile_env(tmp_path), timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(got) == {c["name"] for c in cases}, got.keys()
+    for name, row in got.items():
+        assert row["new_by_precompile"] == 1 and row["new_by_real_args"] == 0, (name, row)
+        assert row["spills"] == 0, (name, row)
+    return got
+
+
+def check_grouped_replays(kernel, b, check) -> None:
+    """A grouped split-K kernel's recorded driver replay and a CUDA graph, each replayed
+    with new routing (offsets changed in place) over 16 experts of `b` (`Nvfp4Experts`
+    on the GPU): 8 bf16 rows, one an expert; ``check(kernel, ops, out)`` after each."""
+    import torch
+
+    from fp4_dispatch.contracts.backend import GroupedOperands
+
+    n, k = b.data.shape[1], b.data.shape[2] * 2
+    sizes = [1] * 8 + [0] * 8
+    a = torch.randn(8, k, device="cuda").to(torch.bfloat16)
+    off = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
+    ops = GroupedOperands(a, b.data, b.scale, b.global_scale, off)
+    out = torch.empty(8, n, dtype=torch.bfloat16, device="cuda")
+    kernel(ops, out)  # makes the workspace, outside any recording or capture
+    with kernel.record("split", [a, off, out], [b.data, b.scale, b.global_scale]) as rec:
+        kernel(ops, out)
+    assert rec.replay is not None, rec.why
+    for shift in range(1, 4):
+        off.copy_(torch.roll(torch.tensor(sizes), shift * 3).cumsum(0).to(torch.int32))
+        fresh = torch.full_like(out, float("nan"))
+        assert rec.replay([a, off, fresh])
+        torch.cuda.synchronize()
+        check(kernel, ops, fresh)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel(ops, out)
+    off.copy_(torch.tensor([0] * 8 + [1] * 8, dtype=torch.int32).cumsum(0).to(torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(kernel, ops, out)
+    assert len(kernel._scratch) == 1  # one T: one workspace, recorded and captured alike
 
 
 def run_interpreted(script: str, cases: object) -> dict:

@@ -10,12 +10,8 @@ grouped``.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
-from conftest import SASS_LOOP, TARGET_ONLY, sm90_compile_env
+from conftest import check_grouped_replays, compile_grouped_gluon
 
 from fp4_dispatch import Dispatcher
 from fp4_dispatch.contracts.tactics import Problem
@@ -112,44 +108,6 @@ def test_simulated_sm90_ranks_the_grouped_backends_by_rows_per_expert():
 
 # ---- sm_90 compile on the CPU ---------------------------------------------------------
 
-_COMPILE = (
-    TARGET_ONLY
-    + SASS_LOOP
-    + r"""
-from fp4_dispatch.backends.sm90 import gemm_grouped_mma as gm
-from fp4_dispatch.contracts.backend import GroupedOperands
-from fp4_dispatch.format.nvfp4 import swizzled_scale_shape
-from fp4_dispatch.plugins.sm90 import PROFILE
-from fp4_dispatch.plugins.sm90.grouped_mma import TritonSm90GroupedMmaBackend
-from fp4_dispatch.plugins.sm90.grouped_mma import TritonSm90GroupedMmaTactic
-from fp4_dispatch.contracts.tactics import Problem
-
-backend, dev = TritonSm90GroupedMmaBackend(), PROFILE.device
-cache = gm._grouped_mma_kernel.device_caches[0][0]
-out = {}
-for spec in json.loads(sys.argv[1]):
-    tactic = TritonSm90GroupedMmaTactic(**spec["tactic"])
-    t, n, k, e = spec["t"], spec["n"], spec["k"], spec["e"]
-    dtype = getattr(torch, spec["dtype"])
-    p = Problem(m=t, n=n, k=k, out_dtype=spec["dtype"], operation="grouped_w4a16", groups=e)
-    assert backend.validate(tactic, p, dev) is None, (spec, backend.validate(tactic, p, dev))
-    before = len(cache)
-    compiled = backend.precompile(tactic, p, dev)
-    after = len(cache)
-    ops = GroupedOperands(torch.zeros(t, k, dtype=dtype),
-                          torch.zeros(e, n, k // 2, dtype=torch.uint8),
-                          torch.zeros(e, *swizzled_scale_shape(n, k), dtype=torch.float8_e4m3fn),
-                          torch.ones(e), torch.zeros(e, dtype=torch.int32))
-    kernel = backend.build(tactic, p, dev)
-    grid, args, meta = kernel._launch(ops, torch.empty(t, n, dtype=dtype))
-    kernel._binding(meta).warmup(grid, args)  # the real call's variant
-    out[spec["name"]] = {"new_by_precompile": after - before,
-                         "new_by_real_args": len(cache) - after,
-                         **loop_stats(compiled, spec["name"])}
-print(json.dumps(out))
-"""
-)
-
 
 def test_compiles_for_sm90_without_shared_memory_in_the_loop(tmp_path):
     """8- and 16-token tiles, split-K with prefetch and unrolled steps, fp16 and a K that
@@ -166,12 +124,9 @@ def test_compiles_for_sm90_without_shared_memory_in_the_loop(tmp_path):
         {"name": "tile16-fp16-tail", "t": 1500, "n": 1000, "k": 2080, "e": 128,
          "dtype": "float16", "tactic": {"tile_m": 16, "tile_n": 16, "num_warps": 4}},
     ]  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)],
-                          capture_output=True, text=True, env=sm90_compile_env(tmp_path),
-                          timeout=900)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(got) == {c["name"] for c in cases}, got
+    got = compile_grouped_gluon(tmp_path, "fp4_dispatch.plugins.sm90.grouped_mma",
+                                "TritonSm90GroupedMmaBackend", "TritonSm90GroupedMmaTactic",
+                                cases)  # fmt: skip
     for name, row in got.items():
         assert row["new_by_precompile"] == 1 and row["new_by_real_args"] == 0, (name, row)
         assert row["hmma"] >= 8 and row["spills"] == 0, (name, row)
@@ -235,27 +190,8 @@ def test_gpu_grouped_mma_matches_the_reference_replays_and_graph():
 
     tactic = TritonSm90GroupedMmaTactic(tile_m=8, tile_n=16, split_k=2)
     kernel = gm.build(tactic.kernel_config())
-    sizes = [1] * 8 + [0] * 8
-    a = torch.randn(8, k, device="cuda").to(torch.bfloat16)
-    off = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
-    ops = GroupedOperands(a, b.data, b.scale, b.global_scale, off)
-    out = torch.empty(8, n, dtype=torch.bfloat16, device="cuda")
-    kernel(ops, out)  # makes the workspace, outside any recording or capture
-    with kernel.record("split", [a, off, out], [b.data, b.scale, b.global_scale]) as rec:
-        kernel(ops, out)
-    assert rec.replay is not None, rec.why
-    for shift in range(1, 4):
-        off.copy_(torch.roll(torch.tensor(sizes), shift * 3).cumsum(0).to(torch.int32))
-        fresh = torch.full_like(out, float("nan"))
-        assert rec.replay([a, off, fresh])
-        torch.cuda.synchronize()
-        check(kernel, ops, fresh)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kernel(ops, out)
-    off.copy_(torch.tensor([0] * 8 + [1] * 8, dtype=torch.int32).cumsum(0).to(torch.int32))
-    graph.replay()
-    torch.cuda.synchronize()
-    check(kernel, ops, out)
+    check_grouped_replays(kernel, b, check)
+    a, off = ops.a, ops.offsets
+    out = torch.empty(a.shape[0], n, dtype=a.dtype, device="cuda")
     with pytest.raises(ValueError, match="NVFP4 activations"):
         kernel(GroupedOperands(a, b.data, b.scale, b.global_scale, off, a_scale=b.scale), out)

@@ -9,13 +9,10 @@ kernels --cases grouped``.
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 
 import pytest
-from conftest import TARGET_ONLY, sm90_compile_env
+from conftest import compile_grouped_gluon
 
 from fp4_dispatch.contracts.tactics import Problem
 from fp4_dispatch.loading.profiles import simulated
@@ -67,50 +64,6 @@ def test_estimate_is_the_dense_rs_estimate_of_the_touched_experts():
     assert BACKEND.estimate_us(p, SM90, t) == pytest.approx(want)
 
 
-_COMPILE = (
-    TARGET_ONLY
-    + r"""
-import pathlib, re, subprocess
-from fp4_dispatch.contracts.backend import GroupedOperands
-from fp4_dispatch.backends.sm90 import gemm_grouped_rs as gr
-from fp4_dispatch.format.nvfp4 import swizzled_scale_shape
-from fp4_dispatch.plugins.sm90 import PROFILE
-from fp4_dispatch.plugins.sm90.grouped_rs import TritonSm90GroupedRsBackend
-from fp4_dispatch.plugins.sm90.grouped_rs import TritonSm90GroupedRsTactic
-from fp4_dispatch.contracts.tactics import Problem
-
-nvdisasm = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-backend, dev = TritonSm90GroupedRsBackend(), PROFILE.device
-cache = gr._grouped_rs_kernel.device_caches[0][0]
-out = {}
-for spec in json.loads(sys.argv[1]):
-    tactic = TritonSm90GroupedRsTactic(**spec["tactic"])
-    t, n, k, e = spec["t"], spec["n"], spec["k"], spec["e"]
-    dtype = getattr(torch, spec["dtype"])
-    p = Problem(m=t, n=n, k=k, out_dtype=spec["dtype"], operation="grouped_w4a16", groups=e)
-    assert backend.validate(tactic, p, dev) is None, (spec, backend.validate(tactic, p, dev))
-    before = len(cache)
-    compiled = backend.precompile(tactic, p, dev)
-    after = len(cache)
-    ops = GroupedOperands(torch.zeros(t, k, dtype=dtype),
-                          torch.zeros(e, n, k // 2, dtype=torch.uint8),
-                          torch.zeros(e, *swizzled_scale_shape(n, k), dtype=torch.float8_e4m3fn),
-                          torch.ones(e), torch.zeros(e, dtype=torch.int32))
-    kernel = backend.build(tactic, p, dev)
-    grid, args, meta = kernel._launch(ops, torch.empty(t, n, dtype=dtype))
-    kernel._binding(meta).warmup(grid, args)  # the real call's variant
-    path = pathlib.Path(os.environ["TRITON_CACHE_DIR"]) / f"{spec['name']}.cubin"
-    path.write_bytes(compiled.asm["cubin"])
-    sass = subprocess.run([str(nvdisasm), "-c", str(path)], capture_output=True,
-                          text=True).stdout
-    out[spec["name"]] = {"new_by_precompile": after - before,
-                         "new_by_real_args": len(cache) - after,
-                         "sass": sass}
-print(json.dumps(out))
-"""
-)
-
-
 def test_compiles_for_sm90_with_the_weights_from_registers(tmp_path):
     """Every token tile, bf16 and fp16, compiles for sm_90 on a CPU: wgmma takes its A
     operand (the expanded weights) from registers, no register spills; a real call's
@@ -124,16 +77,11 @@ def test_compiles_for_sm90_with_the_weights_from_registers(tmp_path):
         {"name": "t64-2cta", "t": 4096, "n": 1000, "k": 2048, "e": 128, "dtype": "bfloat16",
          "tactic": {"tile_m": 64, "num_stages": 4, "ctas_per_sm": 2}},
     ]  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)],
-                          capture_output=True, text=True, env=sm90_compile_env(tmp_path),
-                          timeout=900)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(got) == {c["name"] for c in cases}, got.keys()
-    for name, row in got.items():
-        assert row["new_by_precompile"] == 1 and row["new_by_real_args"] == 0, name
+    got = compile_grouped_gluon(tmp_path, "fp4_dispatch.plugins.sm90.grouped_rs",
+                                "TritonSm90GroupedRsBackend", "TritonSm90GroupedRsTactic",
+                                cases)  # fmt: skip
+    for name, row in got.items():  # wgmma with its A operand (the weights) in registers
         assert len(re.findall(r"HGMMA\S* R\d+, R\d+, gdesc", row["sass"])) >= 8, name
-        assert not re.findall(r"\b(STL|LDL)\b", row["sass"]), name
 
 
 # ---- on the GPU ------------------------------------------------------------------------

@@ -15,7 +15,13 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TARGET_ONLY, run_interpreted, run_interpreted_split, sm90_compile_env
+from conftest import (
+    TARGET_ONLY,
+    check_grouped_replays,
+    run_interpreted,
+    run_interpreted_split,
+    sm90_compile_env,
+)
 
 from fp4_dispatch import Dispatcher
 from fp4_dispatch.contracts.tactics import Problem
@@ -559,26 +565,4 @@ def test_gpu_grouped_split_k_paths_driver_replay_and_graph():
                 check(kernel, ops, out)
 
     kernel = gg.build(gg.GroupedConfig(block_m=1, block_n=64, block_k=128, split_k=4))
-    sizes = [1] * 8 + [0] * 8
-    a = torch.randn(8, k, device="cuda").to(torch.bfloat16)
-    off = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
-    ops = operands(a, off, False)
-    out = torch.empty(8, n, dtype=torch.bfloat16, device="cuda")
-    kernel(ops, out)  # makes the workspace, outside any recording or capture
-    with kernel.record("split", [a, off, out], [b.data, b.scale, b.global_scale]) as rec:
-        kernel(ops, out)
-    assert rec.replay is not None, rec.why
-    for shift in range(1, 4):
-        off.copy_(torch.roll(torch.tensor(sizes), shift * 3).cumsum(0).to(torch.int32))
-        fresh = torch.full_like(out, float("nan"))
-        assert rec.replay([a, off, fresh])
-        torch.cuda.synchronize()
-        check(kernel, ops, fresh)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kernel(ops, out)
-    off.copy_(torch.tensor([0] * 8 + [1] * 8, dtype=torch.int32).cumsum(0).to(torch.int32))
-    graph.replay()
-    torch.cuda.synchronize()
-    check(kernel, ops, out)
-    assert len(kernel._scratch) == 1  # one T: one workspace, recorded and captured alike
+    check_grouped_replays(kernel, b, check)

@@ -52,7 +52,7 @@ from fp4_dispatch.backends.sm90.gemm_w4a16_rs import (
     SM_REGISTERS,
     STEP_K,
     RsConfig,
-    dot_order_into,
+    dot_order_kept,
     rs_ws_tile,
 )
 from fp4_dispatch.backends.sm90.gemm_w4a16_ws import _descriptor, _x_layout
@@ -139,15 +139,8 @@ class GroupedRsKernel(GroupedKernel):
         return 2
 
     def permute_activations(self, a: torch.Tensor) -> torch.Tensor:
-        """``a`` in the dot's K order, in this object's kept buffer (a view per (T, K,
-        dtype, device), made once)."""
-        key = (*a.shape, a.dtype, a.get_device())
-        x = self._views.get(key)
-        if x is None:
-            t, k = a.shape
-            buf, _ = self._acts.get(a.device, t * k // 2, 0)
-            x = self._views[key] = buf.view(a.dtype)[: t * k].view(t, k)
-        return dot_order_into(a, x)
+        """``a`` in the dot's K order, in this object's kept buffer (`dot_order_kept`)."""
+        return dot_order_kept(a, self._acts, self._views)
 
     def launch_args(self, ops, out, ws, cnt) -> list:
         """The kernel's arguments: TMA descriptors of the dot-ordered rows, the stacked

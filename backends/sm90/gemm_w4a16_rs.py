@@ -380,6 +380,20 @@ def dot_order_into(a: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def dot_order_kept(a: torch.Tensor, acts: Scratch, views: dict) -> torch.Tensor:
+    """``a`` in the dot's K order (`dot_order_into`) in a buffer kept in `acts`: a view per
+    (M, K, dtype, device) made once and kept in `views`, so no slicing on the hot path
+    (the first call of a shape allocates, outside CUDA-graph pools: make it outside
+    capture)."""
+    key = (*a.shape, a.dtype, a.get_device())
+    x = views.get(key)
+    if x is None:
+        m, k = a.shape
+        buf, _ = acts.get(a.device, m * k // 2, 0)
+        x = views[key] = buf.view(a.dtype)[: m * k].view(m, k)
+    return dot_order_into(a, x)
+
+
 @functools.cache
 def _pass_binding() -> BoundLaunch:
     return _PASS_LAUNCH.bind({"BLOCK_R": PASS_ROWS, "PDL": pdl.ENABLED}, 4)
@@ -473,14 +487,8 @@ class RsKernel(DenseKernel):
 
     def permute_activations(self, a: torch.Tensor) -> torch.Tensor:
         """``a`` in the dot's K order (`dot_order`), in this kernel object's kept buffer
-        (a view per (M, K, dtype, device), made once: no slicing on the hot path)."""
-        key = (*a.shape, a.dtype, a.get_device())
-        x = self._views.get(key)
-        if x is None:
-            m, k = a.shape
-            buf, _ = self._acts.get(a.device, m * k // 2, 0)
-            x = self._views[key] = buf.view(a.dtype)[: m * k].view(m, k)
-        return dot_order_into(a, x)
+        (`dot_order_kept`)."""
+        return dot_order_kept(a, self._acts, self._views)
 
     def launch(
         self, x: torch.Tensor, operands: W4A16Operands, out: torch.Tensor, with_pdl: bool = False

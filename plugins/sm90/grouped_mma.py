@@ -27,6 +27,7 @@ them for sm_90 (tests/test_grouped_mma.py); the numerics are checked on a GPU.
 from __future__ import annotations
 
 import functools
+import importlib
 import itertools
 import math
 from collections.abc import Iterator
@@ -110,43 +111,42 @@ def why_invalid(t: TritonSm90GroupedMmaTactic, problem: Problem) -> str | None:
     return None
 
 
-class TritonSm90GroupedMmaBackend(Backend):
-    """Hopper grouped W4A16 at up to 16 rows per expert (Gluon, ``mma.sync``)."""
+class PerExpertBackend(Backend):
+    """What the grouped backends that run a dense Gluon kernel per expert share (this
+    one and ``triton-sm90-grouped-rs``): Gluon's support rule, dense rows only, the
+    `NOT_RUN` note, validation by the subclass's `why_invalid`, one kernel object per
+    tactic from `kernel_module`'s ``build``, the precompile of dense rows and its key."""
 
-    name = "triton-sm90-grouped-mma"
     family = "sm90"
-    version = SourceVersion("1", "fp4_dispatch.backends.sm90.gemm_grouped_mma", plugin=__name__)
-    tactic_type = TritonSm90GroupedMmaTactic
     operations: ClassVar[tuple[str, ...]] = ("grouped_w4a16",)
     compile_only_note = NOT_RUN
-    diversity_axes = ("tile_n", "num_warps", "split_k")
+    #: the backend module whose ``build(config)`` makes the kernel object
+    kernel_module: ClassVar[str]
+    #: ``why_invalid(tactic, problem) -> str | None`` of the subclass's tactics
+    why_invalid: ClassVar = staticmethod(lambda tactic, problem: "no rule")
 
     def supports(self, device: DeviceInfo) -> Support:
         return _gluon_support(device)
 
-    def tactics(self, problem: Problem, device: DeviceInfo) -> Iterator[TritonSm90GroupedMmaTactic]:
-        for v, split in itertools.product(GROUPED_MMA_VARIANTS, mma.MMA_SPLIT_K):
-            t = _tactic(*v, split)
-            if why_invalid(t, problem) is None:
+    def tactics(self, problem: Problem, device: DeviceInfo) -> Iterator[Tactic]:
+        for t in self.space():
+            if self.why_invalid(t, problem) is None:
                 yield t
 
-    def validate(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> str | None:
-        checked = TritonSm90GroupedMmaTactic.model_validate(tactic.model_dump())
-        return why_invalid(checked, problem)
+    def space(self) -> Iterator[Tactic]:
+        """Every tactic the backend may offer (`tactics` filters by `why_invalid`)."""
+        raise NotImplementedError
 
-    def estimate_us(self, problem: Problem, device: DeviceInfo, tactic: Tactic) -> float:
-        """Microseconds: the dense mma estimate of `dense_view` plus `LOOKUP_US`."""
-        assert isinstance(tactic, TritonSm90GroupedMmaTactic)
-        return mma._estimate_mma(tactic, dense_view(problem), device) + LOOKUP_US
+    def validate(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> str | None:
+        return self.why_invalid(self.tactic_type.model_validate(tactic.model_dump()), problem)
 
     def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
-        assert isinstance(tactic, TritonSm90GroupedMmaTactic)
-        return _kernel_for(tactic)
+        assert isinstance(tactic, self.tactic_type)
+        return _kernel_for(tactic, self.kernel_module)
 
     def precompile(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> object:
         """Compile (``warmup``, no launch) what a grouped call of `problem` runs: rows in
         the output dtype, a contiguous output."""
-        assert isinstance(tactic, TritonSm90GroupedMmaTactic)
         import torch  # noqa: PLC0415 - start-up time: the plugin module imports without torch
 
         p = problem
@@ -159,6 +159,26 @@ class TritonSm90GroupedMmaBackend(Backend):
         return (tactic, p.n, p.k, p.groups, p.out_dtype)
 
 
+class TritonSm90GroupedMmaBackend(PerExpertBackend):
+    """Hopper grouped W4A16 at up to 16 rows per expert (Gluon, ``mma.sync``)."""
+
+    name = "triton-sm90-grouped-mma"
+    version = SourceVersion("1", "fp4_dispatch.backends.sm90.gemm_grouped_mma", plugin=__name__)
+    tactic_type = TritonSm90GroupedMmaTactic
+    kernel_module = "fp4_dispatch.backends.sm90.gemm_grouped_mma"
+    why_invalid = staticmethod(why_invalid)
+    diversity_axes = ("tile_n", "num_warps", "split_k")
+
+    def space(self) -> Iterator[TritonSm90GroupedMmaTactic]:
+        for v, split in itertools.product(GROUPED_MMA_VARIANTS, mma.MMA_SPLIT_K):
+            yield _tactic(*v, split)
+
+    def estimate_us(self, problem: Problem, device: DeviceInfo, tactic: Tactic) -> float:
+        """Microseconds: the dense mma estimate of `dense_view` plus `LOOKUP_US`."""
+        assert isinstance(tactic, TritonSm90GroupedMmaTactic)
+        return mma._estimate_mma(tactic, dense_view(problem), device) + LOOKUP_US
+
+
 @functools.cache
 def _tactic(tm: int, tn: int, nw: int, pf: int, un: int, split: int) -> TritonSm90GroupedMmaTactic:
     """Cached tactic objects (the ranking memoizes validation by identity)."""
@@ -167,8 +187,7 @@ def _tactic(tm: int, tn: int, nw: int, pf: int, un: int, split: int) -> TritonSm
 
 
 @functools.cache
-def _kernel_for(tactic: TritonSm90GroupedMmaTactic) -> Kernel:
-    """One kernel object per tactic (shapes share compiled code and kept workspaces)."""
-    from fp4_dispatch.backends.sm90 import gemm_grouped_mma  # noqa: PLC0415 - optional: Triton
-
-    return gemm_grouped_mma.build(tactic.kernel_config())
+def _kernel_for(tactic: Tactic, module: str) -> Kernel:
+    """One kernel object per tactic (shapes share compiled code and kept workspaces):
+    `module`'s ``build`` of the tactic's config (imported here: optional, Triton)."""
+    return importlib.import_module(module).build(tactic.kernel_config())  # type: ignore[attr-defined]

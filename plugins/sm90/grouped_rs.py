@@ -25,12 +25,11 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Iterator
-from typing import ClassVar, Literal
+from typing import Literal
 
-from fp4_dispatch.contracts.backend import Backend, Kernel, Support
 from fp4_dispatch.contracts.device import DeviceInfo
 from fp4_dispatch.contracts.tactics import Problem, Tactic
-from fp4_dispatch.plugins.sm90 import _gluon_support, _pow2_at_least, rs
+from fp4_dispatch.plugins.sm90 import _pow2_at_least, rs
 from fp4_dispatch.plugins.sm90 import grouped as gp
 from fp4_dispatch.plugins.sm90 import grouped_mma as gm
 from fp4_dispatch.support.sources import SourceVersion
@@ -68,29 +67,19 @@ def why_invalid(t: TritonSm90GroupedRsTactic, problem: Problem) -> str | None:
     return None
 
 
-class TritonSm90GroupedRsBackend(Backend):
+class TritonSm90GroupedRsBackend(gm.PerExpertBackend):
     """Hopper grouped W4A16 from 16 rows per expert (Gluon, register-sourced ``wgmma``)."""
 
     name = "triton-sm90-grouped-rs"
-    family = "sm90"
     version = SourceVersion("1", "fp4_dispatch.backends.sm90.gemm_grouped_rs", plugin=__name__)
     tactic_type = TritonSm90GroupedRsTactic
-    operations: ClassVar[tuple[str, ...]] = ("grouped_w4a16",)
-    compile_only_note = gm.NOT_RUN
+    kernel_module = "fp4_dispatch.backends.sm90.gemm_grouped_rs"
+    why_invalid = staticmethod(why_invalid)
     diversity_axes = ("tile_m", "ctas_per_sm")
 
-    def supports(self, device: DeviceInfo) -> Support:
-        return _gluon_support(device)
-
-    def tactics(self, problem: Problem, device: DeviceInfo) -> Iterator[TritonSm90GroupedRsTactic]:
+    def space(self) -> Iterator[TritonSm90GroupedRsTactic]:
         for tm, ctas in itertools.product(rs.RS_TILE_M, (1, 2)):
-            t = _tactic(tm, ctas)
-            if why_invalid(t, problem) is None:
-                yield t
-
-    def validate(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> str | None:
-        checked = TritonSm90GroupedRsTactic.model_validate(tactic.model_dump())
-        return why_invalid(checked, problem)
+            yield _tactic(tm, ctas)
 
     def estimate_us(self, problem: Problem, device: DeviceInfo, tactic: Tactic) -> float:
         """Microseconds: the dense rs estimate of `grouped_mma.dense_view` plus the
@@ -98,36 +87,9 @@ class TritonSm90GroupedRsBackend(Backend):
         assert isinstance(tactic, TritonSm90GroupedRsTactic)
         return rs._estimate_rs(tactic, gm.dense_view(problem), device) + gm.LOOKUP_US
 
-    def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
-        assert isinstance(tactic, TritonSm90GroupedRsTactic)
-        return _kernel_for(tactic)
-
-    def precompile(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> object:
-        """Compile (``warmup``, no launch) what a grouped call of `problem` runs: rows in
-        the output dtype, a contiguous output."""
-        assert isinstance(tactic, TritonSm90GroupedRsTactic)
-        import torch  # noqa: PLC0415 - start-up time: the plugin module imports without torch
-
-        p = problem
-        kernel = self.build(tactic, p, device)
-        return kernel.precompile(p.m, p.n, p.k, p.groups, getattr(torch, p.out_dtype), False)  # type: ignore[attr-defined]
-
-    def precompile_key(self, tactic: Tactic, problem: Problem) -> tuple:
-        """No specialization on T (``do_not_specialize``): the tactic, N, K, E and dtype."""
-        p = problem
-        return (tactic, p.n, p.k, p.groups, p.out_dtype)
-
 
 @functools.cache
 def _tactic(tile_m: int, ctas: int) -> TritonSm90GroupedRsTactic:
     """Cached tactic objects (the ranking memoizes validation by identity)."""
     return TritonSm90GroupedRsTactic(tile_m=tile_m, num_stages=rs.RS_STAGES[tile_m],
                                      ctas_per_sm=ctas)  # fmt: skip
-
-
-@functools.cache
-def _kernel_for(tactic: TritonSm90GroupedRsTactic) -> Kernel:
-    """One kernel object per tactic (shapes share compiled code and kept buffers)."""
-    from fp4_dispatch.backends.sm90 import gemm_grouped_rs  # noqa: PLC0415 - optional: Triton
-
-    return gemm_grouped_rs.build(tactic.kernel_config())
