@@ -24,7 +24,6 @@ from fp4_dispatch.plugins.sm90.grouped_mma import (
     TritonSm90GroupedMmaBackend,
     TritonSm90GroupedMmaTactic,
     dense_view,
-    workspace_bytes,
 )
 
 SM90 = simulated("sm90")
@@ -76,7 +75,7 @@ def test_split_workspace_is_bounded():
     a split whose partials pass the bound is refused with the bytes."""
     p = grouped(128, e=256, n=7168, k=2048)
     t = TritonSm90GroupedMmaTactic(tile_m=8, tile_n=16, num_warps=4, split_k=4)
-    assert workspace_bytes(t, p) == 2 * gp.SPLIT_WORKSPACE_MAX  # 16384 slots x 4 x 8 x 16
+    assert gp.split_workspace_bytes(t, p) == 2 * gp.SPLIT_WORKSPACE_MAX  # 16384 slots x 4 x 8 x 16
     assert "workspace bytes" in BACKEND.validate(t, p, SM90)
     assert BACKEND.validate(t.model_copy(update={"split_k": 2}), p, SM90) is None
 

@@ -466,8 +466,12 @@ class GroupedKernel:
             ws, cnt = self.workspace(out.device, grid)
         else:  # one split never reads them: the output stands in
             ws = cnt = out
-        args = self.launch_args(ops, out, ws, cnt)
-        return grid, args, {"E_PAD": max(2, triton.next_power_of_2(e)), **self.meta(k, a_fp4)}
+        return grid, self.launch_args(ops, out, ws, cnt), self.constexprs(k, e, a_fp4)
+
+    def constexprs(self, k: int, e: int, a_fp4: bool) -> dict:
+        """Every constexpr of a launch: ``E_PAD`` (E as a power of two, for the offsets'
+        scan) and the kernel's own (`meta`)."""
+        return {"E_PAD": max(2, triton.next_power_of_2(e)), **self.meta(k, a_fp4)}
 
     def grid(self, t: int, n: int, e: int) -> tuple[int, int, int]:
         """``(N tiles, M-tile bound, split_k)`` for T rows over E experts of N rows."""

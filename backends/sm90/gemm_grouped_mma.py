@@ -40,7 +40,7 @@ from triton.experimental.gluon import language as gl
 
 from fp4_dispatch.backends.sm90.epilogue_gluon import store_tile
 from fp4_dispatch.backends.sm90.gemm_grouped import GroupedKernel
-from fp4_dispatch.backends.sm90.gemm_w4a16_mma import MmaConfig, mma_tile
+from fp4_dispatch.backends.sm90.gemm_w4a16_mma import MmaConfig, even_steps, mma_tile
 from fp4_dispatch.backends.triton_launch import CachedLauncher
 from fp4_dispatch.contracts.backend import GroupedOperands
 
@@ -90,6 +90,15 @@ def _grouped_mma_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, alpha_ptr, off_ptr, out_pt
                    row_end, N, stride_om, stride_on, slot, pid_k, SPLIT_K)  # fmt: skip
 
 
+def why_not_dense_rows(ops: GroupedOperands) -> str | None:
+    """Why `ops` are not grouped W4A16 operands (NVFP4 rows), else None: the per-expert
+    Gluon kernels take dense rows only."""
+    if ops.a_scale is None:
+        return None
+    return ("a: expected dense bf16/fp16 rows (grouped W4A16), got NVFP4 activations; "
+            "grouped W4A4 runs the Triton grouped kernel (gemm_grouped)")  # fmt: skip
+
+
 @dataclass
 class GroupedMmaKernel(GroupedKernel):
     """A built kernel: ``kernel(operands, out)`` with `GroupedOperands` of dense rows.
@@ -101,11 +110,9 @@ class GroupedMmaKernel(GroupedKernel):
     launcher: ClassVar[CachedLauncher] = CachedLauncher(_grouped_mma_kernel)
 
     def __call__(self, ops: GroupedOperands, out: torch.Tensor) -> None:
-        if ops.a_scale is not None:
-            raise ValueError(
-                "a: expected dense bf16/fp16 rows (grouped W4A16), got NVFP4 activations; "
-                "grouped W4A4 runs the Triton grouped kernel (gemm_grouped)"
-            )
+        why = why_not_dense_rows(ops)
+        if why is not None:
+            raise ValueError(why)
         super().__call__(ops, out)
 
     @property
@@ -121,9 +128,8 @@ class GroupedMmaKernel(GroupedKernel):
         ``EVEN`` when every warp's K range is whole 128-wide steps."""
         del a_fp4  # dense rows only (`__call__`)
         cfg = self.cfg
-        even = k % 128 == 0 and (k // 128) % (cfg.split_k * cfg.warps) == 0
         return {"BN": cfg.block_n, "BM": cfg.block_m, "KW": cfg.warps, "RW": cfg.row_warps,
-                "SPLIT_K": cfg.split_k, "EVEN": even, "PREFETCH": cfg.prefetch,
+                "SPLIT_K": cfg.split_k, "EVEN": even_steps(cfg, k), "PREFETCH": cfg.prefetch,
                 "UNROLL": cfg.unroll}  # fmt: skip
 
 

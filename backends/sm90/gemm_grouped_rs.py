@@ -38,19 +38,17 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from fp4_dispatch.backends.sm90 import gemm_w4a16_ws
+from fp4_dispatch.backends.sm90 import gemm_w4a16_rs, gemm_w4a16_ws
 from fp4_dispatch.backends.sm90.epilogue_gluon import split_steps
 from fp4_dispatch.backends.sm90.gemm_grouped import GroupedKernel
-from fp4_dispatch.backends.sm90.gemm_grouped_mma import _expert_tile
+from fp4_dispatch.backends.sm90.gemm_grouped_mma import _expert_tile, why_not_dense_rows
 from fp4_dispatch.backends.sm90.gemm_w4a16_rs import (
     _W_LAYOUT,
     BLOCK_N,
     SM_REGISTERS,
-    STEP_K,
     RsConfig,
     dot_order_kept,
     rs_ws_tile,
@@ -89,18 +87,10 @@ def _grouped_rs_kernel(x_desc, w_desc, s_desc, alpha_ptr, off_ptr, out_ptr, ws_p
 
 
 def why_unsupported(ops: GroupedOperands) -> str | None:
-    """Why this kernel cannot run `ops` (None if it can): dense bf16/fp16 rows with unit
-    stride along K, ``K % 128 == 0``."""
-    a = ops.a
-    if ops.a_scale is not None:
-        return "a: expected dense bf16/fp16 rows (grouped W4A16), got NVFP4 activations"
-    if a.dtype not in (torch.bfloat16, torch.float16):
-        return f"a: expected bfloat16 or float16 rows, got {a.dtype}"
-    if a.shape[1] % STEP_K:
-        return f"a: expected K % {STEP_K} == 0, got K={a.shape[1]}"
-    if a.shape[1] > 1 and a.stride(1) != 1:
-        return f"a: expected unit stride along K, got strides {tuple(a.stride())}"
-    return None
+    """Why this kernel cannot run `ops` (None if it can): dense rows
+    (`gemm_grouped_mma.why_not_dense_rows`) the dense rs kernel can read
+    (`gemm_w4a16_rs.why_unsupported`: bf16/fp16, unit stride along K, ``K % 128 == 0``)."""
+    return why_not_dense_rows(ops) or gemm_w4a16_rs.why_unsupported(ops)
 
 
 @dataclass
@@ -186,8 +176,7 @@ class GroupedRsKernel(GroupedKernel):
         if self.cfg.split_k > 1:
             ws, cnt = (torch.empty(16, dtype=dt, device=dev) for dt in (torch.float32, torch.int32))
         args = self.launch_args(ops, out, ws, cnt)
-        meta = {"E_PAD": max(2, triton.next_power_of_2(e)), **self.meta(k, False)}
-        return self._binding(meta).warmup(self.grid(t, n, e), args)
+        return self._binding(self.constexprs(k, e, False)).warmup(self.grid(t, n, e), args)
 
     def bind_options(self) -> dict:
         """The launch's register cap (`gemm_w4a16_rs.SM_REGISTERS`: at launch)."""

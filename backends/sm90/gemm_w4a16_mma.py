@@ -334,6 +334,12 @@ class MmaConfig:
             )
 
 
+def even_steps(cfg: MmaConfig, k: int) -> bool:
+    """Whether every warp's K range is whole 128-wide steps inside K (``EVEN``: no masks),
+    for `cfg`'s splits and K ranges."""
+    return k % 128 == 0 and (k // 128) % (cfg.split_k * cfg.warps) == 0
+
+
 @dataclass
 class W4A16MmaKernel(DenseKernel):
     """A built kernel: ``kernel(operands, out)``; ``out = alpha * a @ dequant(b).T`` plus
@@ -362,9 +368,8 @@ class W4A16MmaKernel(DenseKernel):
         self.compiled = bound.last_compiled
 
     def even(self, k: int) -> bool:
-        """Whether every warp's K range is whole 128-wide steps inside K (no masks)."""
-        cfg = self.cfg
-        return k % 128 == 0 and (k // 128) % (cfg.split_k * cfg.warps) == 0
+        """`even_steps` of this kernel's config."""
+        return even_steps(self.cfg, k)
 
     def _binding(self, k: int, prepared: bool, act_dtype: torch.dtype):
         del prepared, act_dtype  # natural bytes only; the dtype is Triton's own key

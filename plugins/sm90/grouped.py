@@ -119,8 +119,9 @@ def max_tile_m(problem: Problem) -> int:
     return min(128, max(DOT_MIN_M, rows))
 
 
-def split_workspace_bytes(t: TritonSm90GroupedTactic, problem: Problem) -> int:
-    """Bytes of the fp32 partials a split-K kernel keeps for `problem`'s grid
+def split_workspace_bytes(t: Tactic, problem: Problem) -> int:
+    """Bytes of the fp32 partials a split-K kernel keeps for `problem`'s grid (any grouped
+    tactic with ``tile_m`` rows and ``tile_n`` weight rows a program, ``split_k``)
     (`gemm_grouped.GroupedKernel.workspace`: one tile per split and slot, slots = N tiles
     x the M-tile bound ``cdiv(M, tile_m) + min(E, M)``, rounded up to a power of two)."""
     m, e = problem.m, problem.groups or 1

@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import importlib
 import itertools
-import math
 from collections.abc import Iterator
 from typing import ClassVar, Literal
 
@@ -78,15 +77,6 @@ def dense_view(problem: Problem) -> Problem:
                    k=problem.k, out_dtype=problem.out_dtype)  # fmt: skip
 
 
-def workspace_bytes(t: TritonSm90GroupedMmaTactic, problem: Problem) -> int:
-    """Bytes of the fp32 partials a split-K kernel keeps for `problem`'s grid
-    (`gemm_grouped.GroupedKernel.workspace`: N tiles x the M-tile bound, rounded up to a
-    power of two, ``split_k`` tiles of ``tile_m x tile_n`` each)."""
-    m, e = problem.m, problem.groups or 1
-    slots = math.ceil(problem.n / t.tile_n) * (-(-m // t.tile_m) + min(e, m))
-    return (1 << (slots - 1).bit_length()) * t.split_k * t.tile_m * t.tile_n * 4
-
-
 def why_invalid(t: TritonSm90GroupedMmaTactic, problem: Problem) -> str | None:
     """Why `t` is not offered for `problem`, else None (module docstring)."""
     if problem.operation != "grouped_w4a16":
@@ -105,7 +95,7 @@ def why_invalid(t: TritonSm90GroupedMmaTactic, problem: Problem) -> str | None:
     if t.split_k > 1 and t.split_k * t.k_groups > steps:
         return (f"split_k x K ranges = {t.split_k * t.k_groups} > {steps} K steps: "
                 "a split whose warps have no work")  # fmt: skip
-    ws = workspace_bytes(t, problem) if t.split_k > 1 else 0
+    ws = gp.split_workspace_bytes(t, problem) if t.split_k > 1 else 0  # the same grid
     if ws > gp.SPLIT_WORKSPACE_MAX:
         return f"split_k={t.split_k}: {ws} workspace bytes > {gp.SPLIT_WORKSPACE_MAX}"
     return None
