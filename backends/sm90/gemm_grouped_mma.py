@@ -48,6 +48,11 @@ __all__ = ["GroupedMmaKernel", "build"]
 
 
 @gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
 def _expert_tile(off_ptr, E, tile, E_PAD: gl.constexpr, BM: gl.constexpr):
     """(expert, first row, row end, live) of token tile ``tile`` of ``BM`` rows, from the
     offsets: the experts' tile counts, their running sum, the expert whose range holds
@@ -58,7 +63,8 @@ def _expert_tile(off_ptr, E, tile, E_PAD: gl.constexpr, BM: gl.constexpr):
     ends = gl.load(off_ptr + ex, mask=in_e, other=0)
     starts = gl.load(off_ptr + ex - 1, mask=in_e & (ex > 0), other=0)
     tiles = gl.where(in_e, (gl.maximum(ends - starts, 0) + BM - 1) // BM, 0)
-    csum = gl.cumsum(tiles, axis=0)  # inclusive
+    # inclusive running sum; gl.cumsum is not in Triton 3.6's Gluon, associative_scan is
+    csum = gl.associative_scan(tiles, 0, _add)
     e = gl.sum((csum <= tile).to(gl.int32), axis=0)
     first = gl.sum(gl.where(ex == e, csum - tiles, 0), axis=0)  # expert e's first tile
     row0 = gl.sum(gl.where(ex == e, starts, 0), axis=0) + (tile - first) * BM
