@@ -12,6 +12,7 @@ they reach against the public names of Triton 3.6.0's Gluon modules, listed in
 from __future__ import annotations
 
 import ast
+import functools
 import json
 from pathlib import Path
 
@@ -27,15 +28,14 @@ def _gluon_names(tree: ast.Module) -> set[tuple[str, str]]:
     aliases: dict[str, str] = {}
     used: set[tuple[str, str]] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-            "triton.experimental.gluon"
-        ):
-            for a in node.names:
-                sub = f"{node.module}.{a.name}"
-                if sub in MODULES:  # a module imported by name: its attributes are checked
-                    aliases[a.asname or a.name] = sub
-                else:
-                    used.add((node.module, a.name))
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        for a in node.names:
+            sub = f"{node.module}.{a.name}"
+            if sub in MODULES:  # a module imported by name (``gluon``, ``gl``, ``tma``)
+                aliases[a.asname or a.name] = sub
+            elif node.module in MODULES:
+                used.add((node.module, a.name))
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.Attribute)
@@ -46,17 +46,22 @@ def _gluon_names(tree: ast.Module) -> set[tuple[str, str]]:
     return used
 
 
-def _sources() -> list[Path]:
-    # the kernels' package (a package of its own in an editable install's mapping)
+@functools.cache
+def _kernel_names() -> dict[str, set[tuple[str, str]]]:
+    """File name -> `_gluon_names` of each module of the installed kernels' package that
+    imports from ``triton.experimental`` (a package of its own in an editable install's
+    mapping, hence ``fp4_dispatch.backends``)."""
     root = Path(fp4_dispatch.backends.__file__).parent
-    return [p for p in sorted(root.rglob("*.py")) if "triton.experimental" in p.read_text()]
+    texts = {p.name: p.read_text() for p in sorted(root.rglob("*.py"))}
+    return {n: _gluon_names(ast.parse(t)) for n, t in texts.items() if "triton.experimental" in t}
 
 
 def test_the_scan_sees_the_gluon_kernels():
     """The scan reaches the Gluon kernels (else the next test would pass on nothing)."""
-    names = {p.name for p in _sources()}
-    assert {"gemm_grouped_mma.py", "gemm_grouped_rs.py", "gemm_w4a16_rs.py"} <= names, names
-    used = set().union(*(_gluon_names(ast.parse(p.read_text())) for p in _sources()))
+    names = _kernel_names()
+    assert {"gemm_grouped_mma.py", "gemm_grouped_rs.py", "gemm_w4a16_rs.py"} <= set(names), names
+    used = set().union(*names.values())
+    assert ("triton.experimental.gluon", "jit") in used
     assert ("triton.experimental.gluon.language", "associative_scan") in used
     assert (
         "triton.experimental.gluon.language.nvidia.hopper.tma",
@@ -66,10 +71,10 @@ def test_the_scan_sees_the_gluon_kernels():
 
 def test_every_gluon_name_exists_in_triton_36():
     missing = sorted(
-        f"{p.name}: {mod}.{name}"
-        for p in _sources()
-        for mod, name in _gluon_names(ast.parse(p.read_text()))
-        if mod in MODULES and name not in MODULES[mod]
+        f"{file}: {mod}.{name}"
+        for file, used in _kernel_names().items()
+        for mod, name in used
+        if name not in MODULES[mod]
     )
     assert not missing, f"not in Triton 3.6's Gluon: {missing}"
 
