@@ -78,7 +78,7 @@ from .triton_launch import BoundLaunch, CachedLauncher
 
 log = logging.getLogger(__name__)
 
-__all__ = ["quantize_checked", "quantize_triton"]
+__all__ = ["KeptQuantize", "kept_quantize", "quantize_checked", "quantize_triton"]
 
 #: fp32 max: ``|v| <= FLT_MAX`` is False exactly for NaN and ±inf.
 _FLT_MAX = 3.4028234663852886e38
@@ -881,13 +881,8 @@ def _quantize(
     (the outputs are fresh caching-allocator blocks, always 16-byte aligned).
     """
     m, k = x.shape
-    if global_scale is None:
-        kind = "dynamic"
-    elif isinstance(global_scale, torch.Tensor):
-        kind = "tensor"
-    else:
-        kind = "value"
-    pkey = (m, k, layout, kind)
+    pkey, key, g_value = _launch_key(x, global_scale, layout)
+    kind = pkey[3]
     plan = _plans.get(pkey)
     if plan is None:
         plan = _plans[pkey] = _make_plan(m, k, layout == "swizzled", kind)
@@ -898,14 +893,10 @@ def _quantize(
     scale = torch.empty(plan.scale_shape, dtype=torch.float8_e4m3fn, device=dev)
     g_out = torch.empty((), dtype=torch.float32, device=dev)
     stride = x.stride(0)
-    key = (x.dtype, x.data_ptr() % 16, stride)
-    g_ptr, g_value, parts = x, 1.0, x
+    g_ptr, parts = x, x
     if kind == "tensor":
         g_ptr = global_scale  # one element: the kernel loads it through its data pointer
-        key = (*key, global_scale.data_ptr() % 16)
-    elif kind == "value":
-        g_value = float(global_scale)
-    elif plan.amax_grid is not None:
+    elif kind == "dynamic" and plan.amax_grid is not None:
         parts = torch.empty((plan.n_part,), dtype=torch.float32, device=dev)
         plan.amax_launch.launch_keyed(key, plan.amax_grid, (x, stride, parts, m, k))
     elif plan.g_mode == _G_BARRIER:  # one launch: the barrier words take parts' place
@@ -926,6 +917,67 @@ _replays: dict[tuple, object] = {}
 #: replay keys launched once through Triton (the kernel is compiled): record on the next
 _launched: set[tuple] = set()
 _UNSEEN = object()
+
+
+def _launch_key(
+    x: torch.Tensor, g: torch.Tensor | float | None, layout: str = "swizzled"
+) -> tuple[tuple, tuple, float]:
+    """(plan key, launch key, scalar scale) of a call: what `_quantize` looks a plan and a
+    replay up by (`_kind` of the scale, the input's dtype, 16-byte alignment and row
+    stride, a scale tensor's alignment)."""
+    m, k = x.shape
+    key: tuple = (x.dtype, x.data_ptr() % 16, x.stride(0))
+    if g is None:
+        return (m, k, layout, "dynamic"), key, 1.0
+    if isinstance(g, torch.Tensor):
+        return (m, k, layout, "tensor"), (*key, g.data_ptr() % 16), 1.0
+    return (m, k, layout, "value"), key, float(g)
+
+
+@dataclass(frozen=True)
+class KeptQuantize:
+    """The recorded replay of one swizzled quantize call, kept by a caller that checks the
+    call's signature itself (`fp4_dispatch.integrations.nn`'s W4A4 fast call):
+    ``kept(x)`` allocates the three outputs and replays the launch for ``x`` (same shape,
+    dtype, row stride and 16-byte alignment as the recorded call; a given scale tensor
+    stays the one it was recorded with). Returns ``(data, scale, g)`` as `quantize_checked`
+    does, or None, launching nothing, while a Triton launch hook is set."""
+
+    replay: object
+    data_shape: tuple[int, int]
+    scale_shape: tuple[int, int]
+    #: the given global-scale tensor (patched like the input), or None: the input's
+    #: address fills the unused pointer slot, as `_quantize` passes it
+    scale_tensor: torch.Tensor | None
+    device: torch.device
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        dev = self.device
+        data = torch.empty(self.data_shape, dtype=torch.uint8, device=dev)
+        scale = torch.empty(self.scale_shape, dtype=torch.float8_e4m3fn, device=dev)
+        g_out = torch.empty((), dtype=torch.float32, device=dev)
+        g = x if self.scale_tensor is None else self.scale_tensor
+        if self.replay((x, data, scale, g_out, g)):
+            return data, scale, g_out
+        return None
+
+
+def kept_quantize(x: torch.Tensor, global_scale: torch.Tensor | None) -> KeptQuantize | None:
+    """The replay a swizzled `quantize_checked` call with these arguments would run, once
+    one is recorded (the third call of its kind), as a `KeptQuantize`; None where there
+    is none: not recorded yet, refused (logged), a two-launch plan (large dynamic
+    scale), replays turned off, or a Python-float scale (baked into the recording)."""
+    if global_scale is not None and not isinstance(global_scale, torch.Tensor):
+        return None
+    pkey, key, g_value = _launch_key(x, global_scale)
+    plan = _plans.get(pkey)
+    if plan is None or plan.amax_grid is not None or not _replays_on():
+        return None
+    replay = _replays.get((pkey, key, g_value, x.device.index))
+    if not callable(replay):
+        return None
+    data_shape = (x.shape[0], x.shape[1] // 2)
+    return KeptQuantize(replay, data_shape, plan.scale_shape, global_scale, x.device)
 
 
 def _replays_on() -> bool:

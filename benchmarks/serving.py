@@ -97,6 +97,10 @@ def layer_shape(ctx: Context, on, off, m: int, n: int, k: int) -> list:
         paths[f"Dispatcher.gemm w4a4{name}"] = (lambda o, d=d: d.gemm(qa, qb), ref4, "w4a4")
         paths[f"Dispatcher.gemm w4a16{name}"] = (lambda o, d=d: d.gemm(x, qb), ref16, "w4a16")
         paths[f"Nvfp4Linear{name}"] = (lambda o, q=q: q(x), ref, op)
+        if op != "w4a4":  # the W4A4 layer too (its quantize + GEMM fast call)
+            q4 = Nvfp4Linear.from_linear(lin, dispatcher=d, activations="nvfp4")
+            ref_q4 = ref4 + lin.bias.double()
+            paths[f"Nvfp4Linear w4a4{name}"] = (lambda o, q=q4: q(x), ref_q4, "w4a4")
     exact = x.double() @ lin.weight.double().T + lin.bias.double()  # its own reference
     paths["nn.Linear bf16"] = (lambda o: lin(x), exact, "bf16")
     fp8 = baselines(x, qb, dense=True)["_scaled_mm fp8"]

@@ -328,6 +328,90 @@ def test_the_layer_fast_call_checks_everything_it_was_recorded_with():
     assert len(seen) == 1
 
 
+def test_the_w4a4_fast_call_quantizes_then_replays_the_gemm():
+    """`_FastCallW4A4`: the kept quantize's outputs go to the GEMM replay in the plan's
+    per-call order (a, sa, alpha, out), the bias is added after; a quantize or replay
+    that declines, another ``input_global_scale`` object or a mismatched input give None
+    (the ordinary path)."""
+    from fp4_dispatch.integrations.nn import Nvfp4Linear, _FastCallW4A4
+
+    layer = Nvfp4Linear(32, 8, bias=True, activations="nvfp4")
+    layer.bias.data.fill_(0.5)
+    d = types.SimpleNamespace(plan_epoch=0, _autotune_depth=0)
+    x = torch.zeros(2, 1, 32, dtype=torch.bfloat16)
+    y = torch.zeros(2, 8, dtype=torch.bfloat16)
+    q_out = (torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(128, 4), torch.ones(()))
+    quantized, replayed = [], []
+    answers = {"quantize": True, "replay": True}
+
+    def quantize(t):
+        quantized.append(t)
+        return q_out if answers["quantize"] else None
+
+    def replay(tensors):
+        replayed.append(tensors)
+        tensors[3].fill_(1.0)
+        return answers["replay"]
+
+    bufs, bias = layer._buffers, layer.bias
+    fast = _FastCallW4A4(x, y, replay, d, bufs, bias, quantize, bufs["input_global_scale"])
+    got = fast(x, bufs, bias)
+    assert got.shape == (2, 1, 8) and torch.equal(got, torch.full_like(got, 1.5))
+    assert quantized == [x] and replayed[0][:3] == q_out and replayed[0][3] is got
+    answers["quantize"] = False
+    assert fast(x, bufs, bias) is None and len(replayed) == 1
+    answers["quantize"], answers["replay"] = True, False
+    assert fast(x, bufs, bias) is None and len(replayed) == 2
+    answers["replay"] = True
+    layer.set_input_global_scale(0.01)  # a new buffer object: the kept replay read the old
+    assert fast(x, bufs, bias) is None
+    layer.set_input_global_scale(None)
+    assert fast(torch.zeros(3, 1, 32, dtype=torch.bfloat16), bufs, bias) is None
+    assert len(replayed) == 2
+
+
+def test_kept_quantize_is_only_a_recorded_one_launch_replay(monkeypatch):
+    """`kept_quantize` (the quantize kernel's kept replay) returns nothing before a replay
+    is recorded, for a Python-float scale, a two-launch plan or with replays off; a kept
+    one allocates the three outputs and patches (x, data, scale, g_out, g) in
+    `_quantize`'s order, the given scale tensor as the last pointer (else x)."""
+    from fp4_dispatch.backends import quantize as qk
+
+    monkeypatch.setattr(qk, "_plans", {})
+    monkeypatch.setattr(qk, "_replays", {})
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    g = torch.tensor(0.5)
+    assert qk.kept_quantize(x, None) is None  # no plan yet
+    plan = types.SimpleNamespace(amax_grid=None, scale_shape=(128, 4))
+    qk._plans[(1, 64, "swizzled", "dynamic")] = plan
+    qk._plans[(1, 64, "swizzled", "tensor")] = plan
+    assert qk.kept_quantize(x, None) is None  # no replay recorded yet
+    seen = []
+    replay = lambda tensors: seen.append(tensors) or True  # noqa: E731
+    pkey, key, value = qk._launch_key(x, None)
+    qk._replays[(pkey, key, value, None)] = replay
+    pkey, key, value = qk._launch_key(x, g)
+    qk._replays[(pkey, key, value, None)] = replay
+    kept = qk.kept_quantize(x, None)
+    data, scale, g_out = kept(x)
+    assert data.shape == (1, 32) and data.dtype == torch.uint8
+    assert scale.shape == (128, 4) and scale.dtype == torch.float8_e4m3fn
+    assert g_out.shape == () and g_out.dtype == torch.float32
+    assert seen[-1][0] is x and seen[-1][4] is x and seen[-1][1] is data
+    qk.kept_quantize(x, g)(x)
+    assert seen[-1][4] is g
+    assert qk.kept_quantize(x, 0.5) is None  # a float scale is baked into its recording
+    monkeypatch.setenv("FP4_DISPATCH_REPLAY", "0")
+    assert qk.kept_quantize(x, None) is None
+    monkeypatch.delenv("FP4_DISPATCH_REPLAY")
+    plan.amax_grid = (4, 1)  # partial maxima in a temporary: never replayed
+    assert qk.kept_quantize(x, None) is None
+    from fp4_dispatch.format.nvfp4 import kept_quantize
+
+    plan.amax_grid = None
+    assert kept_quantize(x, None) is None  # the format layer's entry: CUDA tensors only
+
+
 # ---- on the H200 --------------------------------------------------------------------------
 
 
@@ -438,3 +522,47 @@ def test_quantize_replays_match_the_reference_and_capture(rows, scale):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(q.data, quantize_nvfp4(xs[1], g).data)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("static_scale", [False, True])
+def test_the_w4a4_layer_fast_call_in_eager_and_graphs(static_scale):
+    """`Nvfp4Linear(activations="nvfp4")` at 1x1x4096 -> 14336 with a bias, dynamic or
+    static input scale: from the third call the layer keeps its W4A4 fast call (quantize
+    and GEMM replays back to back), and every output equals a replays-off layer's bit
+    for bit, eagerly and replayed from a CUDA graph."""
+    _sm90()
+    from fp4_dispatch import Dispatcher
+    from fp4_dispatch.integrations.nn import Nvfp4Linear, _FastCallW4A4
+
+    dev = torch.device("cuda")
+    lin = torch.nn.Linear(4096, 14336, device=dev, dtype=torch.bfloat16)
+    made = [Nvfp4Linear.from_linear(lin, dispatcher=Dispatcher(cache=False, replay=r),
+                                    activations="nvfp4") for r in (True, False)]  # fmt: skip
+    layer, plain = made
+    if static_scale:
+        for q in made:
+            q.set_input_global_scale(0.02)
+    xs = [torch.randn(1, 1, 4096, device=dev, dtype=torch.bfloat16) for _ in range(5)]
+    with torch.inference_mode():
+        ref = [plain(x).clone() for x in xs]
+        for x, r in zip(xs, ref, strict=True):
+            assert torch.equal(layer(x), r)
+        assert isinstance(layer.__dict__.get("_fast"), _FastCallW4A4)
+        for x, r in zip(xs, ref, strict=True):  # the fast call's own outputs
+            assert torch.equal(layer(x), r)
+        static = xs[0].clone()
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            layer(static)
+            graph.capture_begin()
+            out = layer(static)
+            graph.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
+        for x, r in zip(xs, ref, strict=True):
+            static.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, r)

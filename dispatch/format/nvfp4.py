@@ -48,6 +48,7 @@ from __future__ import annotations
 import logging
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -644,6 +645,29 @@ def _load_quantizer() -> object:
 
 #: the Triton kernel's entry when Triton imports, else False (looked up once)
 _kernel_quantizer = OptionalCode(_load_quantizer, "Triton quantize kernel", logger)
+
+
+def _load_keeper() -> object:
+    """The Triton kernel's kept-replay look-up (raises ImportError without Triton)."""
+    from fp4_dispatch.backends.quantize import kept_quantize  # noqa: PLC0415 - optional: Triton
+
+    return kept_quantize
+
+
+_kept_quantize = OptionalCode(_load_keeper, "Triton quantize kernel's replays", logger)
+
+
+def kept_quantize(x: torch.Tensor, g: torch.Tensor | None) -> Callable | None:
+    """A kept form of `quantize_fields` (swizzled) for calls like this one: ``kept(x2)``
+    returns ``(data, scale, global_scale)`` of a new ``x2`` of the same signature through
+    the fused kernel's recorded driver-API replay, or None (nothing launched). None when
+    there is no such replay (a CPU tensor, no Triton, replays off, not recorded yet:
+    the kernel records on the third call of a kind). For callers that check the
+    signature themselves (`fp4_dispatch.integrations.nn`)."""
+    if not x.is_cuda:
+        return None
+    look_up = _kept_quantize()
+    return look_up(x, g) if look_up else None
 
 
 def quantize_fields(

@@ -35,6 +35,7 @@ from fp4_dispatch.format.nvfp4 import (
     SM90_GROUP,
     Nvfp4Tensor,
     dequantize,
+    kept_quantize,
     quantize_nvfp4,
     sm90_prepare_data,
     swizzled_scale_shape,
@@ -440,6 +441,8 @@ class Nvfp4Linear(nn.Module):
                               out_dtype, None, bufs["weight_global_scale"])  # fmt: skip
             if bias is not None:
                 y = y.add_(bias) if bias.dtype == out_dtype else y + bias.to(out_dtype)
+            if x.device.type == "cuda" and not x.requires_grad:
+                self._keep_fast_w4a4(x, x2, (a, sa, ga), y, d)
         if torch.is_grad_enabled() and (x.requires_grad or self._bias_wants_grad()):
             wanting = [t for t in (x, bias) if t is not None and t.requires_grad]
             y = _NoGradient.apply(y, *wanting)
@@ -460,6 +463,34 @@ class Nvfp4Linear(nn.Module):
         replay = d.replay_of(key, (x2, w, sb, alpha, y2, bias_arg, prepared))
         if replay is not None:
             self.__dict__["_fast"] = _FastCall(x, y, replay, d, self._buffers, bias, prepared)
+
+    def _keep_fast_w4a4(self, x: torch.Tensor, x2: torch.Tensor, quantized: tuple,
+                        y: torch.Tensor, d: Dispatcher | None) -> None:  # fmt: skip
+        """Keep a `_FastCallW4A4` for calls shaped like `x` once both launches of this W4A4
+        call have replays: the activation quantize (`kept_quantize`) and the GEMM plan's
+        (`Dispatcher.replay_of`)."""
+        bias = self._parameters["bias"]
+        if bias is not None and (bias.requires_grad or bias.dtype != y.dtype):
+            return  # a per-call cast of the bias, or autograd: keep the ordinary path
+        if x2.data_ptr() & 15:  # the replays are recorded for aligned inputs only
+            return
+        bufs = self._buffers
+        igs = bufs["input_global_scale"]
+        g = None if igs is None else igs.detach().reshape(())
+        if g is not None and (g.dtype != torch.float32 or g.device != x.device):
+            return  # the ordinary path copies it per call
+        quantize = kept_quantize(x2, g)
+        if quantize is None:
+            return
+        d = d if d is not None else torch_ops.default_dispatcher(x.device)
+        a, sa, ga = quantized
+        m, n = x2.shape[0], self.out_features
+        key = (m, n, self.in_features, checks.out_dtype_name(y.dtype), "w4a4")
+        y2 = y if y.dim() == 2 else y.view(m, n)
+        w, sb, wgs = bufs["weight_data"], bufs["weight_scale"], bufs["weight_global_scale"]
+        replay = d.replay_of(key, (a, sa, w, sb, ga, y2, wgs))
+        if replay is not None:
+            self.__dict__["_fast"] = _FastCallW4A4(x, y, replay, d, bufs, bias, quantize, igs)
 
     @staticmethod
     def _bias_in(bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
@@ -574,16 +605,51 @@ class _FastCall:
         self.version = _version(w)
         self.bias, self.prepared = bias, prepared
 
-    def __call__(self, x: torch.Tensor, bufs: dict[str, torch.Tensor],
-                 bias: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
+    def holds(self, x: torch.Tensor, bufs: dict[str, torch.Tensor],
+              bias: torch.Tensor | None) -> bool:  # fmt: skip
+        """Whether a call with `x` may take this fast call (the class docstring's list)."""
         w, sb, g = self.weights
         d = self.dispatcher
-        if (x.shape != self.shape or x.dtype is not self.dtype or x.stride() != self.stride
-                or x.requires_grad or x.get_device() != self.index or bias is not self.bias
-                or bufs["weight_data"] is not w or bufs["weight_scale"] is not sb
-                or bufs["weight_global_scale"] is not g or _version(w) != self.version
-                or d.plan_epoch != self.epoch or d._autotune_depth
-                or x.data_ptr() & 15):  # fmt: skip
+        return not (x.shape != self.shape or x.dtype is not self.dtype
+                    or x.stride() != self.stride or x.requires_grad
+                    or x.get_device() != self.index or bias is not self.bias
+                    or bufs["weight_data"] is not w or bufs["weight_scale"] is not sb
+                    or bufs["weight_global_scale"] is not g or _version(w) != self.version
+                    or d.plan_epoch != self.epoch or d._autotune_depth
+                    or x.data_ptr() & 15)  # fmt: skip
+
+    def __call__(self, x: torch.Tensor, bufs: dict[str, torch.Tensor],
+                 bias: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
+        if not self.holds(x, bufs, bias):
             return None
         y = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
         return y if self.replay((x, y)) else None
+
+
+class _FastCallW4A4(_FastCall):
+    """An eager W4A4 call of one layer at one input signature: the activation quantize's
+    replay and the GEMM plan's replay launched back to back, with the bias (if any)
+    added after them as the ordinary path does. Taken under `_FastCall`'s conditions and
+    only while the layer's ``input_global_scale`` buffer is the object it was kept with
+    (a static scale is read by the kernel through its address; None: dynamic)."""
+
+    __slots__ = ("input_scale", "quantize")
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, replay, d: Dispatcher,
+                 bufs: dict[str, torch.Tensor], bias: torch.Tensor | None, quantize,
+                 input_scale: torch.Tensor | None) -> None:  # fmt: skip
+        super().__init__(x, y, replay, d, bufs, bias, None)
+        self.quantize, self.input_scale = quantize, input_scale
+
+    def __call__(self, x: torch.Tensor, bufs: dict[str, torch.Tensor],
+                 bias: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
+        if bufs["input_global_scale"] is not self.input_scale or not self.holds(x, bufs, bias):
+            return None
+        quantized = self.quantize(x)  # reads x's address only: any rank of the same rows
+        if quantized is None:
+            return None
+        a, sa, ga = quantized
+        y = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+        if not self.replay((a, sa, ga, y)):
+            return None
+        return y if bias is None else y.add_(bias)
