@@ -13,8 +13,12 @@ pytest.importorskip("transformers")
 def test_serving_layer_and_load_rows(tmp_path):
     rows = run_bench_smoke(tmp_path, "serving", "--cases", "layer", "load")
     layer = {r["backend"]: r for r in rows if r["case"] == "layer"}
+    layers = ["Nvfp4Linear"]
+    if layer["Nvfp4Linear"]["operation"] != "w4a4":  # "auto" is W4A16: the W4A4 layer too
+        layers.append("Nvfp4Linear w4a4")
+        assert layer["Nvfp4Linear w4a4"]["operation"] == "w4a4"
     paths = {"quantize_nvfp4", "nn.Linear bf16", "_scaled_mm fp8"} | {
-        f"{p}{s}" for p in ("Dispatcher.gemm w4a4", "Dispatcher.gemm w4a16", "Nvfp4Linear")
+        f"{p}{s}" for p in ("Dispatcher.gemm w4a4", "Dispatcher.gemm w4a16", *layers)
         for s in ("", " [no replay]")}  # fmt: skip
     assert set(layer) == paths
     for r in layer.values():
