@@ -951,12 +951,19 @@ class KeptQuantize:
     scale_tensor: torch.Tensor | None
     device: torch.device
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def __call__(
+        self, x: torch.Tensor, g: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``g``: another float32 one-element scale tensor of the recorded alignment to
+        read instead of the kept one (ignored for a dynamic scale)."""
         dev = self.device
         data = torch.empty(self.data_shape, dtype=torch.uint8, device=dev)
         scale = torch.empty(self.scale_shape, dtype=torch.float8_e4m3fn, device=dev)
         g_out = torch.empty((), dtype=torch.float32, device=dev)
-        g = x if self.scale_tensor is None else self.scale_tensor
+        if self.scale_tensor is None:
+            g = x
+        elif g is None:
+            g = self.scale_tensor
         if self.replay((x, data, scale, g_out, g)):
             return data, scale, g_out
         return None

@@ -412,6 +412,44 @@ def test_kept_quantize_is_only_a_recorded_one_launch_replay(monkeypatch):
     assert kept_quantize(x, None) is None  # the format layer's entry: CUDA tensors only
 
 
+def test_quantize_nvfp4_keeps_a_replayed_call_per_signature(monkeypatch):
+    """`quantize_nvfp4` keeps the kernel's replay (`kept_quantize`) by call signature once
+    one exists and later calls of that signature take it, reading the caller's scale
+    tensor; a declining replay, replays off, another layout, ``check_finite`` or
+    ``encode_scale`` take the ordinary path. (On a CPU the signature is faked: CUDA
+    tensors only have one.)"""
+    from fp4_dispatch.format import nvfp4
+
+    monkeypatch.setattr(nvfp4, "_kept_calls", {})
+    monkeypatch.setattr(nvfp4, "_kept_key", lambda x, g: ("sig", tuple(x.shape)))
+    x = torch.randn(2, 64)
+    want = nvfp4.quantize_nvfp4(x)  # the ordinary path (no replay: nothing kept)
+    assert nvfp4._kept_calls == {}
+    calls, answer = [], {"ok": True}
+
+    def kept(t, g=None):
+        calls.append((t, g))
+        return (want.data, want.scale, want.global_scale) if answer["ok"] else None
+
+    monkeypatch.setattr(nvfp4, "kept_quantize", lambda t, g: kept)
+    nvfp4.quantize_nvfp4(x)  # ordinary, then kept
+    assert nvfp4._kept_calls == {("sig", (2, 64)): kept} and calls == []
+    g = torch.tensor(0.5)
+    got = nvfp4.quantize_nvfp4(x, g)
+    assert calls == [(x, g)] and got.data is want.data and got.shape == (2, 64)
+    answer["ok"] = False  # the replay declines (a launch hook): the ordinary path
+    got = nvfp4.quantize_nvfp4(x)
+    assert len(calls) == 2 and torch.equal(got.data, want.data) and got.data is not want.data
+    answer["ok"] = True
+    monkeypatch.setenv("FP4_DISPATCH_REPLAY", "0")
+    nvfp4.quantize_nvfp4(x)
+    monkeypatch.delenv("FP4_DISPATCH_REPLAY")
+    nvfp4.quantize_nvfp4(x, layout="linear")
+    nvfp4.quantize_nvfp4(x, check_finite=True)
+    nvfp4.quantize_nvfp4(x, encode_scale=2.0)
+    assert len(calls) == 2
+
+
 # ---- on the H200 --------------------------------------------------------------------------
 
 
@@ -514,6 +552,10 @@ def test_quantize_replays_match_the_reference_and_capture(rows, scale):
     plan = qk._plans[(rows, 5120, "swizzled", scale)]
     if plan.amax_grid is None:  # a two-launch dynamic plan (a temporary between) never replays
         assert made, "no quantize replay was recorded"
+        if scale != "value":  # the public call kept it: calls 3 and 4 skipped the look-ups
+            from fp4_dispatch.format import nvfp4
+
+            assert nvfp4._kept_key(xs[0], g) in nvfp4._kept_calls
     static = xs[0].clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -734,13 +735,54 @@ def quantize_nvfp4(
     always validated). On CUDA with Triton installed this is one fused kernel launch
     (two for a large dynamic scale) and can be captured in a CUDA graph.
     """
+    key = kept = None
+    if encode_scale is None and not check_finite and layout == "swizzled":
+        key = _kept_key(x, global_scale)
+        kept = _kept_calls.get(key) if key is not None else None
+        if kept is not None and _replays_on():
+            got = kept(x, global_scale)
+            if got is not None:
+                return Nvfp4Tensor._trusted(*got, "swizzled", (x.shape[0], x.shape[1]))
     _check_input(x, layout)
     r, k = x.shape
     g = _global_scale_arg(global_scale, encode_scale, x.device, check_finite)
     if check_finite and not bool(torch.isfinite(x).all()):
         raise ValueError("x: contains NaN or inf; NVFP4 has no encoding for them")
     data, scale, gt = quantize_fields(x, g, layout)
+    if key is not None and kept is None:
+        kept = kept_quantize(x, g)
+        if kept is not None:
+            _kept_calls[key] = kept
     return Nvfp4Tensor._trusted(data, scale, gt, layout, (r, k))
+
+
+#: `quantize_nvfp4`'s kept calls: the quantize kernel's recorded replay (`kept_quantize`)
+#: by call signature (`_kept_key`). A call that matches one skips the checks and look-ups
+#: that the first calls of its signature made (its signature implies they pass).
+_kept_calls: dict[tuple, Callable] = {}
+
+
+def _kept_key(x: object, g: object) -> tuple | None:
+    """The signature of a swizzled call on a CUDA tensor with a dynamic scale or a
+    float32 one-element scale tensor on x's device (what the kept replay depends on:
+    shape, dtype, strides, 16-byte alignment and device of each); None for anything else
+    (a CPU tensor, a subclass, a Python-float scale: the ordinary path)."""
+    if type(x) is not torch.Tensor or not x.is_cuda:
+        return None
+    dev = x.get_device()
+    if g is None:
+        gk = None
+    elif (type(g) is torch.Tensor and g.dtype is torch.float32 and g.numel() == 1
+          and g.get_device() == dev):  # fmt: skip
+        gk = g.data_ptr() & 15
+    else:
+        return None
+    return (x.shape, x.dtype, x.stride(), x.data_ptr() & 15, dev, gk)
+
+
+def _replays_on() -> bool:
+    """``FP4_DISPATCH_REPLAY`` (on unless ``0``), read per call like the kernel's own."""
+    return os.environ.get("FP4_DISPATCH_REPLAY", "1") != "0"
 
 
 def dequantize(q: Nvfp4Tensor) -> torch.Tensor:
