@@ -458,6 +458,26 @@ def _sm90() -> None:
         pytest.skip("needs an sm90 GPU")
 
 
+def _graph_replays_equal(layer, xs: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
+    """Capture ``layer(static)`` (warmed on a side stream) and check that each replay with
+    ``xs[i]`` copied in gives ``ref[i]`` bit for bit."""
+    static = xs[0].clone()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(static)
+        graph.capture_begin()
+        out = layer(static)
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    for x, r in zip(xs, ref, strict=True):
+        static.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, r)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 4096, 4096), (8, 14336, 4096), (16, 4096, 14336)])
 @pytest.mark.parametrize("operation", ["w4a16", "w4a4"])
@@ -500,21 +520,7 @@ def test_the_layer_fast_call_in_eager_graphs_and_compile():
         for x, r in zip(xs, ref, strict=True):
             assert torch.equal(layer(x), r)
         assert layer.__dict__.get("_fast") is not None
-        static = xs[0].clone()
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            layer(static)
-            graph.capture_begin()
-            out = layer(static)
-            graph.capture_end()
-        torch.cuda.current_stream().wait_stream(side)
-        for x, r in zip(xs, ref, strict=True):
-            static.copy_(x)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, r)
+        _graph_replays_equal(layer, xs, ref)
         for mode in ("default", "reduce-overhead"):
             compiled = torch.compile(layer, mode=mode)
             for _ in range(3):
@@ -593,18 +599,4 @@ def test_the_w4a4_layer_fast_call_in_eager_and_graphs(static_scale):
         assert isinstance(layer.__dict__.get("_fast"), _FastCallW4A4)
         for x, r in zip(xs, ref, strict=True):  # the fast call's own outputs
             assert torch.equal(layer(x), r)
-        static = xs[0].clone()
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            layer(static)
-            graph.capture_begin()
-            out = layer(static)
-            graph.capture_end()
-        torch.cuda.current_stream().wait_stream(side)
-        for x, r in zip(xs, ref, strict=True):
-            static.copy_(x)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, r)
+        _graph_replays_equal(layer, xs, ref)
