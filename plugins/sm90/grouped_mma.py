@@ -41,13 +41,6 @@ from fp4_dispatch.support.sources import SourceVersion
 
 #: said in `explain` and the docs: `LOOKUP_US` is not fitted
 UNFITTED = True
-#: `Backend.compile_only_note` of the grouped Gluon backends until their GPU tests have
-#: run (no GPU was lent to the session that built them): list-backends says so, and the
-#: first use of each tactic and bucket is checked against the float64 reference
-NOT_RUN = (
-    "the grouped Gluon kernels are compiled for sm_90 here; they have not been run on "
-    "hardware by this project yet (first use is checked against the reference)"
-)
 #: (tile_m, tile_n, num_warps, prefetch, unroll) offered: the dense kernel's offered
 #: 8-token variants and the same CTA shapes with 16-token tiles
 GROUPED_MMA_VARIANTS = mma.MMA_VARIANTS + tuple((16, *v[1:]) for v in mma.MMA_VARIANTS)
@@ -103,13 +96,12 @@ def why_invalid(t: TritonSm90GroupedMmaTactic, problem: Problem) -> str | None:
 
 class PerExpertBackend(Backend):
     """What the grouped backends that run a dense Gluon kernel per expert share (this
-    one and ``triton-sm90-grouped-rs``): Gluon's support rule, dense rows only, the
-    `NOT_RUN` note, validation by the subclass's `why_invalid`, one kernel object per
+    one and ``triton-sm90-grouped-rs``): Gluon's support rule, dense rows only,
+    validation by the subclass's `why_invalid`, one kernel object per
     tactic from `kernel_module`'s ``build``, the precompile of dense rows and its key."""
 
     family = "sm90"
     operations: ClassVar[tuple[str, ...]] = ("grouped_w4a16",)
-    compile_only_note = NOT_RUN
     #: the backend module whose ``build(config)`` makes the kernel object
     kernel_module: ClassVar[str]
     #: ``why_invalid(tactic, problem) -> str | None`` of the subclass's tactics
