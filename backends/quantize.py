@@ -923,8 +923,8 @@ def _launch_key(
     x: torch.Tensor, g: torch.Tensor | float | None, layout: str = "swizzled"
 ) -> tuple[tuple, tuple, float]:
     """(plan key, launch key, scalar scale) of a call: what `_quantize` looks a plan and a
-    replay up by (`_kind` of the scale, the input's dtype, 16-byte alignment and row
-    stride, a scale tensor's alignment)."""
+    replay up by (the kind of scale - dynamic, tensor or value - the input's dtype,
+    16-byte alignment and row stride, a scale tensor's alignment)."""
     m, k = x.shape
     key: tuple = (x.dtype, x.data_ptr() % 16, x.stride(0))
     if g is None:
@@ -941,7 +941,8 @@ class KeptQuantize:
     ``kept(x)`` allocates the three outputs and replays the launch for ``x`` (same shape,
     dtype, row stride and 16-byte alignment as the recorded call; a given scale tensor
     stays the one it was recorded with). Returns ``(data, scale, g)`` as `quantize_checked`
-    does, or None, launching nothing, while a Triton launch hook is set."""
+    does, or None, launching nothing, while a Triton launch hook is set or replays are
+    turned off (`_replays_on`, read per call as `_quantize` reads it)."""
 
     replay: object
     data_shape: tuple[int, int]
@@ -956,6 +957,8 @@ class KeptQuantize:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``g``: another float32 one-element scale tensor of the recorded alignment to
         read instead of the kept one (ignored for a dynamic scale)."""
+        if not _replays_on():
+            return None
         dev = self.device
         data = torch.empty(self.data_shape, dtype=torch.uint8, device=dev)
         scale = torch.empty(self.scale_shape, dtype=torch.float8_e4m3fn, device=dev)

@@ -400,6 +400,9 @@ def test_kept_quantize_is_only_a_recorded_one_launch_replay(monkeypatch):
     assert seen[-1][0] is x and seen[-1][4] is x and seen[-1][1] is data
     qk.kept_quantize(x, g)(x)
     assert seen[-1][4] is g
+    monkeypatch.setenv("FP4_DISPATCH_REPLAY", "0")  # turned off after it was kept
+    assert kept(x) is None and len(seen) == 2
+    monkeypatch.delenv("FP4_DISPATCH_REPLAY")
     assert qk.kept_quantize(x, 0.5) is None  # a float scale is baked into its recording
     monkeypatch.setenv("FP4_DISPATCH_REPLAY", "0")
     assert qk.kept_quantize(x, None) is None
@@ -415,9 +418,9 @@ def test_kept_quantize_is_only_a_recorded_one_launch_replay(monkeypatch):
 def test_quantize_nvfp4_keeps_a_replayed_call_per_signature(monkeypatch):
     """`quantize_nvfp4` keeps the kernel's replay (`kept_quantize`) by call signature once
     one exists and later calls of that signature take it, reading the caller's scale
-    tensor; a declining replay, replays off, another layout, ``check_finite`` or
-    ``encode_scale`` take the ordinary path. (On a CPU the signature is faked: CUDA
-    tensors only have one.)"""
+    tensor; a declining replay (a launch hook, or replays turned off: the kept object's
+    own rule), another layout, ``check_finite`` or ``encode_scale`` take the ordinary
+    path. (On a CPU the signature is faked: CUDA tensors only have one.)"""
     from fp4_dispatch.format import nvfp4
 
     monkeypatch.setattr(nvfp4, "_kept_calls", {})
@@ -441,9 +444,6 @@ def test_quantize_nvfp4_keeps_a_replayed_call_per_signature(monkeypatch):
     got = nvfp4.quantize_nvfp4(x)
     assert len(calls) == 2 and torch.equal(got.data, want.data) and got.data is not want.data
     answer["ok"] = True
-    monkeypatch.setenv("FP4_DISPATCH_REPLAY", "0")
-    nvfp4.quantize_nvfp4(x)
-    monkeypatch.delenv("FP4_DISPATCH_REPLAY")
     nvfp4.quantize_nvfp4(x, layout="linear")
     nvfp4.quantize_nvfp4(x, check_finite=True)
     nvfp4.quantize_nvfp4(x, encode_scale=2.0)
