@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from fp4_dispatch.backends.sm90.gemm_unpack import _e2m1_to_f32, _e4m3_to_f32
-from fp4_dispatch.backends.sm90.gemm_w4a16 import store_dense
+from fp4_dispatch.backends.sm90.gemm_w4a16 import _dequant_scaled_bf16, store_dense
 from fp4_dispatch.backends.sm90.splitk import k_tile_range
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
 from fp4_dispatch.backends.workspace import Scratch
@@ -60,9 +60,13 @@ from fp4_dispatch.contracts.backend import DenseOperands
 #: the GPU's conversion instruction; the integer rounding under TRITON_INTERPRET=1
 _HW_CVT = os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
 
-#: rows per program and K elements per step of the activation pass
-QUANT_ROWS = 4
-QUANT_BLOCK_K = 512
+#: rows per program, K elements per step and warps of the activation pass. One row a
+#: program and long steps: at 4 rows x 512 (before) a 1024-token pass had 256 programs
+#: with 32 bytes a thread in flight and ran at 2-3x its memory floor for K >= 14336
+#: (benchmarks/RESULTS.md, "W4A8 on Hopper", run 2)
+QUANT_ROWS = 1
+QUANT_BLOCK_K = 4096
+QUANT_WARPS = 4
 #: rows and K elements per program step of the unpack path's weight pass
 UNPACK_BLOCK_R = (16, 32, 64)
 UNPACK_BLOCK_K = (128, 256)
@@ -151,6 +155,15 @@ def _quantize_rows_kernel(
     tl.store(s_ptr + rows, _pow2(e), mask=rows < M)
 
 
+#: the activation pass's compile-time arguments (`QUANT_ROWS` and beside it)
+_QUANT_META = dict(BLOCK_R=QUANT_ROWS, BLOCK_K=QUANT_BLOCK_K, HW_CVT=_HW_CVT, num_warps=QUANT_WARPS)
+
+
+def _quant_grid(m: int) -> tuple[int]:
+    """The activation pass's grid for ``m`` token rows."""
+    return (triton.cdiv(m, QUANT_ROWS),)
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(E4M3 codes ``[M, K]`` float8_e4m3fn, scales ``[M]`` float32) of a bf16/fp16/fp32
     ``[M, K]`` with unit stride along K: `reference.w4a8.quantize_activations`, one
@@ -158,9 +171,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((m,), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, QUANT_ROWS),)
-    _quantize_rows_kernel[grid](x, q, s, m, k, x.stride(0), BLOCK_R=QUANT_ROWS,
-                                BLOCK_K=QUANT_BLOCK_K, HW_CVT=_HW_CVT, num_warps=4)  # fmt: skip
+    _quantize_rows_kernel[_quant_grid(m)](x, q, s, m, k, x.stride(0), **_QUANT_META)
     return q, s
 
 
@@ -317,9 +328,7 @@ class W4A8Kernel:
         with contiguous ``dtype`` activations and output runs."""
         cfg = self.cfg
         f8, f32, u8 = torch.float8_e4m3fn, torch.float32, torch.uint8
-        _quantize_rows_kernel.warmup(dtype, f8, f32, m, k, k, grid=(triton.cdiv(m, QUANT_ROWS),),
-                                     BLOCK_R=QUANT_ROWS, BLOCK_K=QUANT_BLOCK_K, HW_CVT=_HW_CVT,
-                                     num_warps=4)  # fmt: skip
+        _quantize_rows_kernel.warmup(dtype, f8, f32, m, k, k, grid=_quant_grid(m), **_QUANT_META)
         ws, cnt = (f32, torch.int32) if cfg.split_k > 1 else (dtype, dtype)
         sblk = -(-(k // 16) // 4) * 4 * 128
         return _w4a8_kernel.warmup(
@@ -334,6 +343,55 @@ class W4A8Kernel:
 # ---- the unpack path --------------------------------------------------------------------
 
 
+#: (even K, odd K) bf16 pairs ``v * 2**-14`` of the W4A16 dequantizer -> per element
+#: pair one uint16 holding ``e4m3(v_even) | e4m3(v_odd) << 8`` (natural K order in
+#: memory): times 2**14 in bf16 (exact), widened to fp32 (exact), one ``cvt`` a pair
+_PAIR_E4M3_ASM = tl.constexpr("""{
+.reg .b32 c, l, h, l0, l1, h0, h1;
+.reg .b16 r0, r1;
+mov.b32 c, 0x46804680;
+mul.rn.bf16x2 l, $1, c;
+mul.rn.bf16x2 h, $2, c;
+shl.b32 l0, l, 16;
+and.b32 l1, l, 0xFFFF0000;
+shl.b32 h0, h, 16;
+and.b32 h1, h, 0xFFFF0000;
+cvt.rn.satfinite.e4m3x2.f32 r0, h0, l0;
+cvt.rn.satfinite.e4m3x2.f32 r1, h1, l1;
+mov.b32 $0, {r0, r1};
+}""")
+
+
+@triton.jit
+def _pack_e4m3_pairs(lo, hi, HW_CVT: tl.constexpr):
+    """(even K, odd K) bf16 values ``v * 2**-14`` -> uint16 ``e4m3(v_even) | e4m3(v_odd)
+    << 8``: `_PAIR_E4M3_ASM` on the GPU, its integer twin (`_e4m3_bits_rne`) under the
+    interpreter. Both round once, to nearest even, from the exact ``v``."""
+    if HW_CVT:
+        return tl.inline_asm_elementwise(
+            _PAIR_E4M3_ASM, "=r,r,r", [lo, hi], dtype=tl.uint16, is_pure=True, pack=2
+        )
+    even = _e4m3_bits_rne(lo.to(tl.float32) * 16384.0).to(tl.uint16)
+    odd = _e4m3_bits_rne(hi.to(tl.float32) * 16384.0).to(tl.uint16)
+    return even | (odd << 8)
+
+
+@triton.jit
+def _weight_pairs_e4m3(w, sb, inv_c, ROWS: tl.constexpr, KB: tl.constexpr,
+                       HW_CVT: tl.constexpr):  # fmt: skip
+    """A ``[ROWS, KB]`` tile of packed e2m1 bytes with its ``[ROWS, KB/8]`` block-scale
+    bytes -> ``[ROWS, KB]`` uint16, each the E4M3 codes of ``e2m1 * scale * inv_c`` of
+    the byte's two nibbles (low byte: the low nibble). Why not `_weight_tile_e4m3`: its
+    fp32 expansion took ~27 instructions an element in the weight pass (PTX of a 16x256
+    tile), which bound the pass at 1.1-1.4 TB/s; here the W4A16 kernels' bf16 dequantizer
+    (``prmt`` and ``bf16x2`` products, exact: ``e2m1 * scale`` has at most 6 significant
+    bits) and one conversion per pair. ``scale * inv_c`` stays exact in bf16 (``inv_c``
+    is a power of two and the product stays within bf16's range)."""
+    sc = _e4m3_to_f32(sb) * inv_c[:, None]
+    lo, hi = _dequant_scaled_bf16(w, sc, ROWS, KB, HW_CVT, False, 0)
+    return _pack_e4m3_pairs(lo, hi, HW_CVT)
+
+
 @triton.jit
 def _weight_fp8_kernel(
     b_ptr, bs_ptr, alpha_ptr, wq_ptr, sw_ptr, N, K, b_sblk, TILES_PER_PROG,
@@ -342,8 +400,8 @@ def _weight_fp8_kernel(
     """``BLOCK_R`` weight rows x ``TILES_PER_PROG`` K tiles (grid axis 1 walks the K
     spans, `unpack_grid`): the rows' channel scale (a pass over all their block scales,
     repeated by every span: K/16 bytes a row, from L2 after the first), then the E4M3
-    codes of the span's K tiles; writes ``wq`` [N, K] and, span 0 only, ``alpha * 2**ew``
-    [N]."""
+    codes of the span's K tiles, two a uint16 (``wq_ptr``: the [N, K] float8 workspace
+    viewed as uint16 [N, K/2]); span 0 also writes ``alpha * 2**ew`` [N]."""
     KB: tl.constexpr = BLOCK_K // 2
     KG: tl.constexpr = BLOCK_K // 16
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -354,19 +412,16 @@ def _weight_fp8_kernel(
     k_half = K // 2
     rb = tl.arange(0, KB)
     rg = tl.arange(0, KG)
-    rk = tl.arange(0, BLOCK_K)
     kt0 = tl.program_id(1) * TILES_PER_PROG
     for kt in range(kt0, tl.minimum(kt0 + TILES_PER_PROG, tl.cdiv(K, BLOCK_K))):
         bmask = rmask[:, None] & ((kt * KB + rb) < k_half)[None, :]
-        w = tl.load(b_ptr + rows.to(tl.int64)[:, None] * k_half + (kt * KB + rb)[None, :],
-                    mask=bmask, other=0)  # fmt: skip
+        offs = rows.to(tl.int64)[:, None] * k_half + (kt * KB + rb)[None, :]
+        w = tl.load(b_ptr + offs, mask=bmask, other=0)
         g = kt * KG + rg
         sb = tl.load(bs_ptr + s_row[:, None] + scale_group_offset(g)[None, :],
                      mask=rmask[:, None] & (g < K // 16)[None, :], other=0)  # fmt: skip
-        wq = _weight_tile_e4m3(w, sb, inv_c, BLOCK_R, BLOCK_K, HW_CVT)
-        kmask = rmask[:, None] & ((kt * BLOCK_K + rk) < K)[None, :]
-        tl.store(wq_ptr + rows.to(tl.int64)[:, None] * K + (kt * BLOCK_K + rk)[None, :], wq,
-                 mask=kmask)  # fmt: skip
+        tl.store(wq_ptr + offs, _weight_pairs_e4m3(w, sb, inv_c, BLOCK_R, KB, HW_CVT),
+                 mask=bmask)  # fmt: skip
     if tl.program_id(1) == 0:
         tl.store(sw_ptr + rows, _pow2(ew) * tl.load(alpha_ptr), mask=rmask)
 
@@ -383,8 +438,8 @@ def weight_to_fp8(
     sb = b_scale.view(torch.uint8)
     grid, per_prog = unpack_grid(n, k, block_r, block_k)
     _weight_fp8_kernel[grid](
-        b_data, sb, alpha, wq, sw, n, k, sb.shape[1] * 128, per_prog, BLOCK_R=block_r,
-        BLOCK_K=block_k, HW_CVT=_HW_CVT, num_warps=4,
+        b_data, sb, alpha, wq.view(torch.uint16), sw, n, k, sb.shape[1] * 128, per_prog,
+        BLOCK_R=block_r, BLOCK_K=block_k, HW_CVT=_HW_CVT, num_warps=4,
     )  # fmt: skip
     return wq, sw
 
@@ -424,12 +479,10 @@ class W4A8UnpackKernel:
     def precompile(self, m: int, n: int, k: int, dtype: torch.dtype) -> None:
         """Compile (Triton warmup, no launch) the activation and weight passes."""
         f8, f32, u8 = torch.float8_e4m3fn, torch.float32, torch.uint8
-        _quantize_rows_kernel.warmup(dtype, f8, f32, m, k, k, grid=(triton.cdiv(m, QUANT_ROWS),),
-                                     BLOCK_R=QUANT_ROWS, BLOCK_K=QUANT_BLOCK_K, HW_CVT=_HW_CVT,
-                                     num_warps=4)  # fmt: skip
+        _quantize_rows_kernel.warmup(dtype, f8, f32, m, k, k, grid=_quant_grid(m), **_QUANT_META)
         sblk = -(-(k // 16) // 4) * 4 * 128
         grid, per_prog = unpack_grid(n, k, self.block_r, self.block_k)
-        _weight_fp8_kernel.warmup(u8, u8, f32, f8, f32, n, k, sblk, per_prog, grid=grid,
+        _weight_fp8_kernel.warmup(u8, u8, f32, torch.uint16, f32, n, k, sblk, per_prog, grid=grid,
                                   BLOCK_R=self.block_r, BLOCK_K=self.block_k, HW_CVT=_HW_CVT,
                                   num_warps=4)  # fmt: skip
 
