@@ -126,11 +126,50 @@ def check_prefetch(asm: str) -> None:
 PREFETCH = "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }"
 
 
+def _bf16_bits(v: float) -> int:
+    return int(torch.tensor([v]).to(torch.bfloat16).view(torch.int16).item()) & 0xFFFF
+
+
+def _pair_inputs() -> list[int]:
+    """bf16 bits of ``v * 2**-14``: every product the W4A8 weight pass forms (each e2m1
+    value times each e4m3 block scale times a channel factor ``2**k``, within E4M3's
+    range, ties to even among them), then random bf16 values of that range."""
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    scales = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float().tolist()
+    out = []
+    for k in range(-3, 4):
+        for c in e2m1:
+            for sc in scales:
+                v = c * sc * 2.0**k
+                if v <= 448:
+                    out += [_bf16_bits(v * 2.0**-14), _bf16_bits(-v * 2.0**-14)]
+    rng = random.Random(5)
+    out += [_bf16_bits(rng.uniform(-448, 448) * 2.0**-14) for _ in range(2000)]
+    return out
+
+
+def check_pair_e4m3(asm: str) -> None:
+    """$1, $2: two bf16 lanes each (even K, odd K) of ``v * 2**-14`` -> $0: the E4M3 codes
+    of the four ``v`` in memory order (lane 0 even, lane 0 odd, lane 1 even, lane 1 odd),
+    round to nearest even (`gemm_w4a8._PAIR_E4M3_ASM`)."""
+    vals = _pair_inputs()
+    rng = random.Random(6)
+    rng.shuffle(vals)
+    for i in range(0, len(vals) - 3, 4):
+        e0, o0, e1, o1 = vals[i : i + 4]
+        got = ptx_model.run(asm, {"$1": e0 | e1 << 16, "$2": o0 | o1 << 16})["$0"]
+        want = 0
+        for j, b in enumerate((e0, o0, e1, o1)):
+            v = torch.tensor([b], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+            want |= ptx_model.e4m3_satfinite(float(v) * 2.0**14) << 8 * j
+        assert got == want, (hex(e0), hex(o0), hex(e1), hex(o1), hex(got), hex(want))
+
+
 def _checks() -> dict[str, Callable[[str], None]]:
     """Exact block text -> its check. Module constants are taken from the modules (the
     check runs what ships); literal blocks are spelled here (an edit makes them unknown)."""
     from fp4_dispatch.backends import quantize
-    from fp4_dispatch.backends.sm90 import gemm_direct, gemm_w4a16, gemm_w4a16_decode
+    from fp4_dispatch.backends.sm90 import gemm_direct, gemm_w4a8, gemm_w4a16, gemm_w4a16_decode
 
     w = gemm_w4a16
     return {
@@ -148,6 +187,7 @@ def _checks() -> dict[str, Callable[[str], None]]:
         _text("max.u16x2 $0, $1, $2;"): check_max_u16x2,
         _text("prmt.b32 $0, $1, 0, 0xBB99;"): check_lane_mask,
         _text(PREFETCH): check_prefetch,
+        _text(gemm_w4a8._PAIR_E4M3_ASM): check_pair_e4m3,
     }
 
 
@@ -195,7 +235,7 @@ def test_every_inline_ptx_block_has_a_check():
     assert len(blocks) >= 13, sorted(blocks.values())  # the blocks this file knows of
 
 
-@pytest.mark.parametrize("index", range(14))
+@pytest.mark.parametrize("index", range(15))
 def test_each_block_matches_its_definition(index):
     text, check = list(_checks().items())[index]
     check(text)
@@ -229,13 +269,17 @@ def _mutated_blocks() -> list[tuple[str, list[dict]]]:
     for the dequantizers (each output lane depends on its own byte only), the e4m3 inputs
     for the conversion."""
     from fp4_dispatch.backends import quantize
-    from fp4_dispatch.backends.sm90 import gemm_direct, gemm_w4a16_decode
+    from fp4_dispatch.backends.sm90 import gemm_direct, gemm_w4a8, gemm_w4a16_decode
 
     words = [{"$4": b | ((b * 7 + 1) % 256) << 8 | ((b * 13 + 5) % 256) << 16 | (255 - b) << 24}
              for b in range(256)]  # fmt: skip
     floats = [{"$1": f32_bits(v)} for v in _e4m3_inputs()]
+    v = _pair_inputs()[::7]
+    pairs = [{"$1": v[i] | v[i + 1] << 16, "$2": v[i + 2] | v[i + 3] << 16}
+             for i in range(len(v) - 3)]  # fmt: skip
     return [(_text(gemm_direct._E2M1X4_TO_F16_ASM), words), (_text(quantize._E4M3_ASM), floats),
-            (_text(gemm_w4a16_decode._NATURAL), words)]  # fmt: skip
+            (_text(gemm_w4a16_decode._NATURAL), words),
+            (_text(gemm_w4a8._PAIR_E4M3_ASM), pairs)]  # fmt: skip
 
 
 def _outputs(text: str, inputs: list[dict]) -> list[tuple]:
@@ -246,11 +290,12 @@ def _outputs(text: str, inputs: list[dict]) -> list[tuple]:
     return outs
 
 
-@pytest.mark.parametrize("index", range(3))
+@pytest.mark.parametrize("index", range(4))
 def test_one_bit_changes_are_caught(index):
     """The W4A4 direct dequantizer, the quantizer's e4m3 conversion (operand swap
-    included) and an unscaled W4A16 dequantizer: every one-bit mutant either fails its
-    check or is equivalent (the same output bits on every input that covers the block:
+    included), an unscaled W4A16 dequantizer and the W4A8 weight pass's paired
+    conversion (its swaps too): every one-bit mutant either fails its check or is
+    equivalent (the same output bits on every input that covers the block:
     e.g. a selector bit that only picks which zero byte fills a masked-off position)."""
     text, inputs = _mutated_blocks()[index]
     check = _checks()[text]
