@@ -382,8 +382,9 @@ def _weight_pairs_e4m3(w, sb, inv_c, ROWS: tl.constexpr, KB: tl.constexpr,
     """A ``[ROWS, KB]`` tile of packed e2m1 bytes with its ``[ROWS, KB/8]`` block-scale
     bytes -> ``[ROWS, KB]`` uint16, each the E4M3 codes of ``e2m1 * scale * inv_c`` of
     the byte's two nibbles (low byte: the low nibble). Why not `_weight_tile_e4m3`: its
-    fp32 expansion took ~27 instructions an element in the weight pass (PTX of a 16x256
-    tile), which bound the pass at 1.1-1.4 TB/s; here the W4A16 kernels' bf16 dequantizer
+    fp32 expansion took ~21 PTX instructions an element in the weight pass (663 in the
+    loop of a 16x256 tile, 32 elements a thread), the likely bound of the pass at
+    1.1-1.4 TB/s; here the W4A16 kernels' bf16 dequantizer
     (``prmt`` and ``bf16x2`` products, exact: ``e2m1 * scale`` has at most 6 significant
     bits) and one conversion per pair. ``scale * inv_c`` stays exact in bf16 (``inv_c``
     is a power of two and the product stays within bf16's range)."""

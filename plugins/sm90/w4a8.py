@@ -61,9 +61,9 @@ MAX_CTAS_PER_SM = 8
 #: multiplies, the E4M3 rounding, register moves: counted from the kernel's source, a
 #: guess until the SASS is counted as for W4A16)
 CONVERT_INSTR = 10.0
-#: the unpack pass's conversion, per element: 270 PTX instructions in the loop of a 16 x
+#: the unpack pass's conversion, per element: 269 PTX instructions in the loop of a 16 x
 #: 256 tile for 32 elements a thread (`gemm_w4a8._weight_pairs_e4m3`; the fp32 expansion
-#: before it counted 664), counted on this project's CPU compile, not SASS
+#: before it counted 663), counted on this project's CPU compile, not SASS
 UNPACK_CONVERT_INSTR = 8.5
 #: thread-instructions one SM issues per microsecond: 4 schedulers x 32 lanes x 1.98 GHz
 #: x an assumed 60% issue efficiency (the W4A16 gemv model's figure)
