@@ -61,9 +61,10 @@ from fp4_dispatch.contracts.backend import DenseOperands
 _HW_CVT = os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
 
 #: rows per program, K elements per step and warps of the activation pass. One row a
-#: program and long steps: at 4 rows x 512 (before) a 1024-token pass had 256 programs
-#: with 32 bytes a thread in flight and ran at 2-3x its memory floor for K >= 14336
-#: (benchmarks/RESULTS.md, "W4A8 on Hopper", run 2)
+#: program and long steps: at 4 rows x 512 a 1024-token pass had 256 programs with 32
+#: bytes a thread in flight and ran at 2-3x its memory floor for K >= 14336; this is
+#: 1.35-1.86x faster (8 warps within 3% of it, 2048-element steps up to 7% slower)
+#: (benchmarks/RESULTS.md, "W4A8 on Hopper", runs 2-3)
 QUANT_ROWS = 1
 QUANT_BLOCK_K = 4096
 QUANT_WARPS = 4
@@ -384,7 +385,8 @@ def _weight_pairs_e4m3(w, sb, inv_c, ROWS: tl.constexpr, KB: tl.constexpr,
     the byte's two nibbles (low byte: the low nibble). Why not `_weight_tile_e4m3`: its
     fp32 expansion took ~21 PTX instructions an element in the weight pass (663 in the
     loop of a 16x256 tile, 32 elements a thread), the likely bound of the pass at
-    1.1-1.4 TB/s; here the W4A16 kernels' bf16 dequantizer
+    1.1-1.4 TB/s (this one is 1.3-1.7x faster, same bits: benchmarks/RESULTS.md, "W4A8 on
+    Hopper", run 3); here the W4A16 kernels' bf16 dequantizer
     (``prmt`` and ``bf16x2`` products, exact: ``e2m1 * scale`` has at most 6 significant
     bits) and one conversion per pair. ``scale * inv_c`` stays exact in bf16 (``inv_c``
     is a power of two and the product stays within bf16's range)."""
