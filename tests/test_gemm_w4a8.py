@@ -266,11 +266,7 @@ for bn, bm, split in ((128, 64, 1), (64, 16, 4)):
     res[f"{bn}x{bm}"] = {"wgmma": ptx.count("wgmma.mma_async"), "cvt": "e4m3x2" in ptx,
                          "cubin": len(ck.asm["cubin"])}
 g.build_unpack(32, 128).precompile(256, 5120, 5120, torch.bfloat16)
-u8, sblk = torch.uint8, 5120 // 16 * 128
-grid, per = g.unpack_grid(13824, 5120, 16, 256)
-wk = g._weight_fp8_kernel.warmup(u8, u8, torch.float32, torch.uint16, torch.float32, 13824, 5120,
-                                 sblk, per, grid=grid, BLOCK_R=16, BLOCK_K=256, HW_CVT=True,
-                                 num_warps=4)  # fmt: skip
+wk = g.build_unpack(16, 256).precompile(256, 13824, 5120, torch.bfloat16)
 lines = wk.asm["ptx"].splitlines()
 head = max(i for i, x in enumerate(lines) if "Inner Loop Header" in x)
 tail = next(i for i in range(head, len(lines)) if " bra" in lines[i])

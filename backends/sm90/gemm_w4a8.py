@@ -440,11 +440,15 @@ def weight_to_fp8(
     sw = torch.empty((n,), dtype=torch.float32, device=b_data.device)
     sb = b_scale.view(torch.uint8)
     grid, per_prog = unpack_grid(n, k, block_r, block_k)
-    _weight_fp8_kernel[grid](
-        b_data, sb, alpha, wq.view(torch.uint16), sw, n, k, sb.shape[1] * 128, per_prog,
-        BLOCK_R=block_r, BLOCK_K=block_k, HW_CVT=_HW_CVT, num_warps=4,
-    )  # fmt: skip
+    meta = _weight_meta(block_r, block_k)
+    _weight_fp8_kernel[grid](b_data, sb, alpha, wq.view(torch.uint16), sw, n, k,
+                             sb.shape[1] * 128, per_prog, **meta)  # fmt: skip
     return wq, sw
+
+
+def _weight_meta(block_r: int, block_k: int) -> dict:
+    """The weight pass's compile-time arguments (its launch and its precompile)."""
+    return dict(BLOCK_R=block_r, BLOCK_K=block_k, HW_CVT=_HW_CVT, num_warps=4)
 
 
 def unpack_grid(n: int, k: int, block_r: int, block_k: int) -> tuple[tuple[int, int], int]:
@@ -479,15 +483,16 @@ class W4A8UnpackKernel:
         else:
             out.copy_(torch._scaled_mm(*args, **kw))
 
-    def precompile(self, m: int, n: int, k: int, dtype: torch.dtype) -> None:
-        """Compile (Triton warmup, no launch) the activation and weight passes."""
+    def precompile(self, m: int, n: int, k: int, dtype: torch.dtype) -> object:
+        """Compile (Triton warmup, no launch) the activation and weight passes; returns
+        the weight pass's compiled kernel (its ``asm``: what the compile test reads)."""
         f8, f32, u8 = torch.float8_e4m3fn, torch.float32, torch.uint8
         _quantize_rows_kernel.warmup(dtype, f8, f32, m, k, k, grid=_quant_grid(m), **_QUANT_META)
         sblk = -(-(k // 16) // 4) * 4 * 128
         grid, per_prog = unpack_grid(n, k, self.block_r, self.block_k)
-        _weight_fp8_kernel.warmup(u8, u8, f32, torch.uint16, f32, n, k, sblk, per_prog, grid=grid,
-                                  BLOCK_R=self.block_r, BLOCK_K=self.block_k, HW_CVT=_HW_CVT,
-                                  num_warps=4)  # fmt: skip
+        meta = _weight_meta(self.block_r, self.block_k)
+        return _weight_fp8_kernel.warmup(u8, u8, f32, torch.uint16, f32, n, k, sblk, per_prog,
+                                         grid=grid, **meta)  # fmt: skip
 
 
 def build(cfg: W4A8Config) -> W4A8Kernel:
