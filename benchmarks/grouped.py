@@ -233,6 +233,18 @@ def routing_label(block, x: torch.Tensor) -> str:
     return "fused" if block._kernels_for(logits) else "torch"
 
 
+def layer_paths(bf16, nv, both_routings: bool) -> list[tuple]:
+    """(row name, block, operation, `Nvfp4MoE.fused_routing` to set or None) of each
+    timed path: the bf16 block and `Nvfp4MoE` at its default routing; with
+    ``both_routings`` `Nvfp4MoE` under each routing instead, in one run (so the default
+    is chosen on figures from one machine)."""
+    paths = [(LAYER_PATHS["bf16"], bf16, "bf16", None)]
+    if not both_routings:
+        return [*paths, ("Nvfp4MoE", nv, GROUPED, None)]
+    return [*paths, ("Nvfp4MoE", nv, GROUPED, False),
+            ("Nvfp4MoE fused routing", nv, GROUPED, True)]  # fmt: skip
+
+
 def layer_rows(ctx: Context, config: str, blocks: tuple, tokens: int) -> list:
     """Rows of both MoE blocks on the same ``[tokens, 1, H]`` hidden states (a decode
     step of `tokens` sequences): the whole layer (router, top-k, sort, both grouped GEMMs,
@@ -259,13 +271,16 @@ def layer_rows(ctx: Context, config: str, blocks: tuple, tokens: int) -> list:
                 call(nv)(out)
         ref = call(bf16)(out).double()
         rows = []
-        for name, block, op in ((LAYER_PATHS["bf16"], bf16, "bf16"), ("Nvfp4MoE", nv, GROUPED)):
+        for name, block, op, fused in layer_paths(bf16, nv, bool(ctx.args.fused_routing)):
+            if fused is not None:
+                nv.fused_routing = fused
             got = path_rows(ctx, "moe-layer", call(block), out, ref, ctx.args.clocks,
                             backend=name, operation=op, m=tokens, n=hidden, k=hidden)  # fmt: skip
             for r in got:
                 r.extra = {"config": config, "tokens": tokens, "experts": nv.num_experts,
                            "top_k": nv.top_k, "routing": routing_label(nv, x)}  # fmt: skip
             rows += got
+        nv.fused_routing = type(nv).fused_routing
     add_ratios(rows, LAYER_PATHS)
     return rows
 
@@ -275,14 +290,13 @@ def layer_routine(ctx: Context) -> None:
     ``--smoke``): one MoE layer, ours against transformers' bf16 block, per config
     (``--configs``) and token count (``--m``, default `TOKENS`); with ``--tune`` the
     layer's grouped buckets are tuned first (``autotuning`` on the default dispatcher,
-    its budget); ``--fused-routing`` turns on `Nvfp4MoE.fused_routing` (off by default
-    until its kernels have run on a GPU). M x N x K of a row is tokens x hidden x hidden."""
+    its budget); ``--fused-routing`` times `Nvfp4MoE` under both routings
+    (`layer_paths`). M x N x K of a row is tokens x hidden x hidden."""
     if not on_cuda_or_smoke(ctx, "moe-layer"):
         return
     configs = ["tiny"] if ctx.smoke else getattr(ctx.args, "configs", None) or list(CONFIGS)
     for config in configs:
         blocks = layer_blocks(config, ctx.device)
-        blocks[1].fused_routing = bool(ctx.args.fused_routing)
         for tokens in ctx.args.m or (SMOKE_TOKENS if ctx.smoke else TOKENS):
             ctx.emit(layer_rows(ctx, config, blocks, tokens))
         del blocks

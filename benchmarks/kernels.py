@@ -266,7 +266,7 @@ def options(args: argparse.Namespace, argv: list[str]) -> None:
     ap.add_argument(
         "--fused-routing",
         action="store_true",
-        help="moe-layer: Nvfp4MoE's fused routing kernels on (off by default)",
+        help="moe-layer: time Nvfp4MoE under both routings (torch and fused kernels)",
     )
     ap.add_argument("--configs", nargs="+", default=None, choices=list(grouped.CONFIGS),
                     help="grouped: MoE layers (default: all)")  # fmt: skip

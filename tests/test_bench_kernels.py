@@ -70,6 +70,24 @@ def test_kernels_grouped_smoke_rows(tmp_path):
     assert "x loop" in (tmp_path / "kernels.md").read_text()
 
 
+def test_kernels_moe_layer_both_routings(tmp_path):
+    """``--fused-routing`` times `Nvfp4MoE` under each routing in one run (a row each,
+    beside the bf16 block's), so the default is chosen on one machine's figures. On a
+    CPU the fused kernels do not apply: both rows route through torch, as labelled."""
+    rows = run_bench_smoke(tmp_path, "kernels", "--cases", "moe-layer", "--fused-routing")
+    by: dict[int, dict[str, dict]] = {}
+    for r in rows:
+        assert r["failure"] is None and r["median_us"] > 0, r
+        by.setdefault(r["extra"]["tokens"], {})[r["backend"]] = r
+    assert set(by) == {1, 4}
+    for paths in by.values():
+        assert set(paths) == {"transformers MoE block bf16 grouped_mm", "Nvfp4MoE",
+                              "Nvfp4MoE fused routing"}, paths  # fmt: skip
+        for name in ("Nvfp4MoE", "Nvfp4MoE fused routing"):
+            assert paths[name]["extra"]["routing"] == "torch", paths[name]
+            assert paths[name]["ratios"]["bf16"] > 0 and 0 < paths[name]["error"] < 3e-2
+
+
 def test_kernels_moe_layer_smoke_rows(tmp_path):
     """``kernels --smoke --cases moe-layer``: the tiny MoE model's layer (E=8, top-2,
     hidden 256) at 1 and 4 tokens, `Nvfp4MoE` against transformers' bf16 block holding
@@ -81,7 +99,7 @@ def test_kernels_moe_layer_smoke_rows(tmp_path):
         assert (r["suite"], r["case"], r["clock"]) == ("kernels", "moe-layer", "eager"), r
         assert r["failure"] is None and r["median_us"] > 0, r
         assert r["extra"]["config"] == "tiny" and r["extra"]["experts"] == 8, r
-        assert r["extra"]["routing"] == "torch", r  # the default (--fused-routing: fused)
+        assert r["extra"]["routing"] == "torch", r  # the default
         by.setdefault(r["extra"]["tokens"], {})[r["backend"]] = r
     assert set(by) == {1, 4}
     for tokens, pair in by.items():
