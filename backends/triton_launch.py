@@ -212,13 +212,19 @@ def recording() -> Iterator[list]:
         _noted = None
 
 
-def _note(bound: BoundLaunch, grid: tuple[int, ...], args: Sequence[object]) -> None:
-    """Add one launch to the active recording (`recording`) if this thread has one."""
+def _note(bound: BoundLaunch, grid: tuple[int, ...], args: Sequence[object],
+          compiled: Any = None) -> None:  # fmt: skip
+    """Add one launch to the active recording (`recording`) if this thread has one.
+    ``compiled``: the kernel that launched, where the caller knows it (a keyed launch:
+    its runner may serve arguments whose `specialization_key` differs from the call that
+    compiled it, in values Triton does not specialize on, e.g. a ``do_not_specialize``
+    flag); else looked up by the arguments' key."""
     noted = _noted
     if noted is None or noted[0] != threading.get_ident():
         return
     full = bound._all_args(args)
-    compiled = bound._compiled.get((specialization_key(args), _device_index()))
+    if compiled is None:
+        compiled = bound._compiled.get((specialization_key(args), _device_index()))
     frozen = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in full)
     alive = [weakref.ref(a) if isinstance(a, torch.Tensor) else None for a in full]
     noted[1].append((compiled, tuple(grid), frozen, alive))
@@ -286,8 +292,8 @@ class BoundLaunch:
         self._slots = [i for i, n in enumerate(names) if n not in constexprs]
         self._compiled: dict[Hashable, Any] = {}
         self._runners: dict[tuple[Hashable, tuple[int, ...]], Any] = {}
-        #: caller key -> runner (`launch_keyed`)
-        self._keyed: dict[Hashable, Any] = {}
+        #: caller key -> (runner, its compiled kernel) (`launch_keyed`)
+        self._keyed: dict[Hashable, tuple[Any, Any]] = {}
         #: the constexpr values when every constexpr follows every runtime parameter
         #: (then all parameters are ``(*runtime, *tail)``: no per-call list building)
         trailing = self._slots == list(range(len(self._slots)))
@@ -372,18 +378,19 @@ class BoundLaunch:
         one dict get and the launch.
         """
         keyed = (key, grid, _device_index())  # a runner is bound to one device
-        runner = self._keyed.get(keyed)
-        if runner is not None:
-            if not self._launch(runner, grid, args):
+        hit = self._keyed.get(keyed)
+        if hit is not None:
+            if not self._launch(hit[0], grid, args):
                 self._keyed.clear()
             if _noted is not None:
-                _note(self, grid, args)
+                _note(self, grid, args, hit[1])
             return
         self(grid, args)
         if self.owner.fast:  # remember the runner the ordinary path chose, if any
-            full = self._runners.get(((specialization_key(args), keyed[2]), grid))
+            spec = (specialization_key(args), keyed[2])
+            full = self._runners.get((spec, grid))
             if full is not None:
-                self._keyed[keyed] = full
+                self._keyed[keyed] = (full, self._compiled.get(spec))
 
 
 class CachedLauncher:

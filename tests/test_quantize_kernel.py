@@ -443,6 +443,26 @@ def test_launch_keyed_reuses_the_runner_of_its_key(monkeypatch) -> None:
     assert {k[:2] for k in bound._keyed} == {("a", (2,)), ("a", (3,))}
 
 
+def test_a_recorded_keyed_launch_names_the_kernel_that_ran(monkeypatch) -> None:
+    """A keyed launch served by the runner of an earlier call whose `specialization_key`
+    differs only in a value the caller's key leaves out (here ``n`` 1 against 0, as a
+    ``do_not_specialize`` flag such as ``has_bias`` or M = 1) is noted with that runner's
+    compiled kernel, not with None ("Triton's uncached path"): the replay of a layer
+    whose weight had first been multiplied without a bias was refused that way."""
+    from fp4_dispatch.backends import triton_launch
+
+    kernel = _TrailingKernel()
+    bound = _fast_launcher(kernel, monkeypatch).bind({"BM": 8, "NB": 4})
+    x = torch.zeros(32)
+    bound.launch_keyed("a", (2,), (x, 0))  # compiles, n = 0
+    bound.launch_keyed("a", (2,), (x, 0))  # the key's runner remembered
+    with triton_launch.recording() as notes:
+        bound.launch_keyed("a", (2,), (x, 1))  # same key, n == 1: another specialization key
+    assert specialization_key([x, 1]) != specialization_key([x, 0])
+    assert [c[0] for c in kernel.calls] == ["slow", "direct", "direct"]
+    assert len(notes) == 1 and isinstance(notes[0][0], _FakeCompiled), notes
+
+
 class _RunCompiled(_FakeCompiled):
     """A compiled kernel with the pieces of Triton's runner: ``run`` (the CUDA
     launcher), ``function`` and ``packed_metadata``."""
