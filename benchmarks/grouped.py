@@ -234,15 +234,19 @@ def routing_label(block, x: torch.Tensor) -> str:
 
 
 def layer_paths(bf16, nv, both_routings: bool) -> list[tuple]:
-    """(row name, block, operation, `Nvfp4MoE.fused_routing` to set or None) of each
-    timed path: the bf16 block and `Nvfp4MoE` at its default routing; with
-    ``both_routings`` `Nvfp4MoE` under each routing instead, in one run (so the default
-    is chosen on figures from one machine)."""
-    paths = [(LAYER_PATHS["bf16"], bf16, "bf16", None)]
+    """(row name, block, operation, `Nvfp4MoE` attributes to set) of each timed path:
+    the bf16 block and `Nvfp4MoE` as configured by default; with ``both_routings``
+    `Nvfp4MoE` with the torch routing and with the fused kernels at every size they
+    fit (``fused_routing_max_pairs`` raised to the kernels' own limit), in one run, so
+    the layer's bound is chosen on figures from one machine."""
+    paths = [(LAYER_PATHS["bf16"], bf16, "bf16", {})]
     if not both_routings:
-        return [*paths, ("Nvfp4MoE", nv, GROUPED, None)]
-    return [*paths, ("Nvfp4MoE", nv, GROUPED, False),
-            ("Nvfp4MoE fused routing", nv, GROUPED, True)]  # fmt: skip
+        return [*paths, ("Nvfp4MoE", nv, GROUPED, {})]
+    from fp4_dispatch.backends.moe_route import MAX_PAIRS  # Triton: the GPU's routing
+
+    return [*paths, ("Nvfp4MoE torch routing", nv, GROUPED, {"fused_routing": False}),
+            ("Nvfp4MoE fused routing", nv, GROUPED,
+             {"fused_routing": True, "fused_routing_max_pairs": MAX_PAIRS})]  # fmt: skip
 
 
 def layer_rows(ctx: Context, config: str, blocks: tuple, tokens: int) -> list:
@@ -271,16 +275,17 @@ def layer_rows(ctx: Context, config: str, blocks: tuple, tokens: int) -> list:
                 call(nv)(out)
         ref = call(bf16)(out).double()
         rows = []
-        for name, block, op, fused in layer_paths(bf16, nv, bool(ctx.args.fused_routing)):
-            if fused is not None:
-                nv.fused_routing = fused
+        for name, block, op, attrs in layer_paths(bf16, nv, bool(ctx.args.fused_routing)):
+            for attr, value in attrs.items():
+                setattr(nv, attr, value)
             got = path_rows(ctx, "moe-layer", call(block), out, ref, ctx.args.clocks,
                             backend=name, operation=op, m=tokens, n=hidden, k=hidden)  # fmt: skip
             for r in got:
                 r.extra = {"config": config, "tokens": tokens, "experts": nv.num_experts,
                            "top_k": nv.top_k, "routing": routing_label(nv, x)}  # fmt: skip
             rows += got
-        nv.fused_routing = type(nv).fused_routing
+            for attr in attrs:  # back to the class's defaults
+                delattr(nv, attr)
     add_ratios(rows, LAYER_PATHS)
     return rows
 

@@ -81,9 +81,9 @@ def test_kernels_moe_layer_both_routings(tmp_path):
         by.setdefault(r["extra"]["tokens"], {})[r["backend"]] = r
     assert set(by) == {1, 4}
     for paths in by.values():
-        assert set(paths) == {"transformers MoE block bf16 grouped_mm", "Nvfp4MoE",
+        assert set(paths) == {"transformers MoE block bf16 grouped_mm", "Nvfp4MoE torch routing",
                               "Nvfp4MoE fused routing"}, paths  # fmt: skip
-        for name in ("Nvfp4MoE", "Nvfp4MoE fused routing"):
+        for name in ("Nvfp4MoE torch routing", "Nvfp4MoE fused routing"):
             assert paths[name]["extra"]["routing"] == "torch", paths[name]
             assert paths[name]["ratios"]["bf16"] > 0 and 0 < paths[name]["error"] < 3e-2
 

@@ -336,8 +336,8 @@ def test_the_fused_forward_equals_the_torch_path_and_captures(monkeypatch) -> No
         real = getattr(mr, name)
         monkeypatch.setattr(mr, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
     moe, x = _moe_with_tie_free_logits(16)
-    assert moe.fused_routing is False  # opt-in until the kernels have run on a GPU
-    moe.fused_routing = True
+    assert moe.fused_routing is True  # the default, for 16 x 2 pairs <= the bound
+    assert 16 * moe.top_k <= moe.fused_routing_max_pairs
     with torch.inference_mode():
         fused = moe(x)
         assert torch.equal(moe(x), fused)  # warm: the same branch again
@@ -346,6 +346,9 @@ def test_the_fused_forward_equals_the_torch_path_and_captures(monkeypatch) -> No
         plain = moe(x)
         assert len(calls) == 4  # the torch path ran
         moe.fused_routing = True
+        moe.fused_routing_max_pairs = 16 * moe.top_k - 1  # one pair over: torch again
+        assert torch.equal(moe(x), plain) and len(calls) == 4
+        del moe.fused_routing_max_pairs  # back to the class's bound
         # same rows, same GEMMs; the weights agree to float32 rounding, so the bf16
         # output may differ by one rounding step where a sum sits next to a tie
         diff = (fused.float() - plain.float()).abs()

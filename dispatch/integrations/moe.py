@@ -30,9 +30,9 @@ another (``combine_rows``, reading the rows where the GEMM wrote them): two laun
 tie, the kernel takes the lowest expert index first (``torch.topk`` has no documented
 rule), and its k additions run in slot order (torch's sum picks its own order), so
 the two paths agree to float32 rounding before the final rounding, not always bit for
-bit (docs/moe.md). Off by default: the kernels are tested under the Triton interpreter
-and compiled for sm_90/sm_100 on a CPU, but have not run on a GPU yet; set
-``fused_routing = True`` on a layer (or on the class) to use them.
+bit (docs/moe.md). On by default up to `Nvfp4MoE.fused_routing_max_pairs` pairs, where
+they were measured faster (docs/moe.md); ``fused_routing = False`` on a layer (or on the
+class) turns them off.
 
 Numerics under ``activations="bf16"`` (W4A16, the exact default): every expert
 multiplies by exactly its dequantized NVFP4 weight, with fp32 accumulation; the only
@@ -192,14 +192,18 @@ class Nvfp4MoE(nn.Module):
     Inference only (no gradient through the quantized GEMMs). Dtype casts reach only the
     router; ``.to(device)`` moves everything.
 
-    ``fused_routing`` (default False until the kernels have run on a GPU; set it on an
-    instance or the class): on CUDA, eager, the routing, sort and combine run as two
-    Triton launches (module docstring).
+    ``fused_routing`` (default True; set it on an instance or the class): on CUDA,
+    eager, the routing, sort and combine run as two Triton launches (module docstring)
+    for calls of at most ``fused_routing_max_pairs`` (token, expert) pairs.
     """
 
-    #: run routing + sort and combine as the fused Triton kernels where they apply (off:
-    #: not run on a GPU yet, module docstring)
-    fused_routing: bool = False
+    #: run routing + sort and combine as the fused Triton kernels where they apply
+    fused_routing: bool = True
+    #: the most ``T * k`` pairs routed by the fused kernels (one program each); beyond,
+    #: the torch functions. Measured on an H100 (benchmarks/RESULTS.md, "Mixture of
+    #: experts" run 6, a Qwen3-30B-A3B-like layer, graph): fused 1.83x faster at 8 pairs,
+    #: 1.12x at 128, 0.86x at 512; the crossover between 128 and 512 is not measured
+    fused_routing_max_pairs: int = 128
 
     def __init__(
         self,
@@ -459,10 +463,12 @@ class Nvfp4MoE(nn.Module):
 
     def _kernels_for(self, logits: torch.Tensor) -> object:
         """The fused routing and combine kernels (`fp4_dispatch.backends.moe_route`) when
-        they take this call - eager, on CUDA, Triton importable, ``T * k`` and E within
-        one program's limits, float32/16-bit logits, `fused_routing` on - else False
-        (the torch functions)."""
+        they take this call - eager, on CUDA, Triton importable, ``T * k`` at most
+        `fused_routing_max_pairs` and within one program's limits with E, float32/16-bit
+        logits, `fused_routing` on - else False (the torch functions)."""
         if not (self.fused_routing and logits.is_cuda):
+            return False
+        if logits.shape[0] * self.top_k > self.fused_routing_max_pairs:
             return False
         kernels = _route_kernels()
         if (
