@@ -54,6 +54,7 @@ from fp4_dispatch.backends.sm90.gemm_unpack import _e2m1_to_f32, _e4m3_to_f32
 from fp4_dispatch.backends.sm90.gemm_w4a16 import _dequant_scaled_bf16, store_dense
 from fp4_dispatch.backends.sm90.splitk import k_tile_range
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
+from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher
 from fp4_dispatch.backends.workspace import Scratch
 from fp4_dispatch.contracts.backend import DenseOperands
 
@@ -70,7 +71,7 @@ QUANT_BLOCK_K = 4096
 QUANT_WARPS = 4
 #: rows and K elements per program step of the unpack path's weight pass
 UNPACK_BLOCK_R = (16, 32, 64)
-UNPACK_BLOCK_K = (128, 256)
+UNPACK_BLOCK_K = (128, 256, 512)
 #: programs the weight pass aims for (`unpack_grid`): 8 per SM of a 132-SM H100, enough
 #: loads in flight to stream at memory speed; a round figure, not tuned
 UNPACK_PROGRAMS = 1024
@@ -172,7 +173,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((m,), dtype=torch.float32, device=x.device)
-    _quantize_rows_kernel[_quant_grid(m)](x, q, s, m, k, x.stride(0), **_QUANT_META)
+    _QUANT_BOUND(_quant_grid(m), (x, q, s, m, k, x.stride(0)))
     return q, s
 
 
@@ -441,8 +442,8 @@ def weight_to_fp8(
     sb = b_scale.view(torch.uint8)
     grid, per_prog = unpack_grid(n, k, block_r, block_k)
     meta = _weight_meta(block_r, block_k)
-    _weight_fp8_kernel[grid](b_data, sb, alpha, wq.view(torch.uint16), sw, n, k,
-                             sb.shape[1] * 128, per_prog, **meta)  # fmt: skip
+    bound = _bound(_WEIGHT_LAUNCH, meta)
+    bound(grid, (b_data, sb, alpha, wq.view(torch.uint16), sw, n, k, sb.shape[1] * 128, per_prog))
     return wq, sw
 
 
@@ -493,6 +494,18 @@ class W4A8UnpackKernel:
         meta = _weight_meta(self.block_r, self.block_k)
         return _weight_fp8_kernel.warmup(u8, u8, f32, torch.uint16, f32, n, k, sblk, per_prog,
                                          grid=grid, **meta)  # fmt: skip
+
+
+def _bound(launcher: CachedLauncher, meta: dict) -> BoundLaunch:
+    """`launcher` bound to ``meta`` (constexprs plus ``num_warps``). Why cached launchers:
+    Triton's ``kernel[grid]`` rebinds and re-keys every argument on each call, host time
+    an eager call of the unpack path would pay for both passes."""
+    constexprs = {name: v for name, v in meta.items() if name != "num_warps"}
+    return launcher.bind(constexprs, meta["num_warps"])
+
+
+_WEIGHT_LAUNCH = CachedLauncher(_weight_fp8_kernel)
+_QUANT_BOUND = _bound(CachedLauncher(_quantize_rows_kernel), _QUANT_META)
 
 
 def build(cfg: W4A8Config) -> W4A8Kernel:

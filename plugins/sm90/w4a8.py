@@ -47,7 +47,15 @@ SPLIT_K = (1, 2, 4, 8)
 WARPS = (4, 8)
 STAGES = (3, 4)
 BLOCK_R = (16, 32, 64)
-UNPACK_TILE_K = (128, 256)
+UNPACK_TILE_K = (128, 256, 512)
+#: the weight pass's time at (block_r, tile_k) over its fastest tile's, 16 x 512
+#: (measured on an H100, GPU time in graphs, one run over 13824x5120, 3584x18944 and
+#: 4096x14336 at 4 warps, the mean of the three ratios: benchmarks/RESULTS.md, "W4A8 on
+#: Hopper" run 4); tiles not listed were slower than every listed one on all three
+UNPACK_TILE_SLOWDOWN = {(16, 512): 1.0, (32, 512): 1.17, (32, 256): 1.19, (16, 256): 1.23,
+                        (64, 256): 1.23}  # fmt: skip
+#: the slowdown assumed for a tile `UNPACK_TILE_SLOWDOWN` does not list
+UNPACK_TILE_SLOWDOWN_OTHER = 1.3
 #: the fused kernel re-converts the weight once per token tile: past this M the unpack
 #: path (one conversion, then cuBLASLt) is the one offered (as W4A16's DIRECT_MAX_M)
 FUSED_MAX_M = 1024
@@ -88,7 +96,7 @@ class TritonSm90W4A8Tactic(Tactic):
     cluster_m: Literal[1] = 1
     cluster_n: Literal[1] = 1
     swap_ab: Literal[False] = False
-    tile_k: Literal[64, 128, 256] = 128
+    tile_k: Literal[64, 128, 256, 512] = 128
     split_k: Literal[1, 2, 4, 8] = 1
     num_warps: Literal[4, 8] = 4
     num_stages: Literal[3, 4] = 3
@@ -192,7 +200,8 @@ def estimate_unpack(t: TritonSm90W4A8Tactic, p: Problem, device: DeviceInfo) -> 
     # (`gemm_w4a8.unpack_grid`): the conversion spreads evenly over the SMs
     per_sm = math.ceil(p.n * p.k / device.sm_count)
     convert = per_sm * UNPACK_CONVERT_INSTR / INSTR_PER_SM_US
-    unpack = max(p.n * p.k * (0.5 + 1.0 / 16 + 1.0) / bw, convert) + PASS_LAUNCH_US
+    slowdown = UNPACK_TILE_SLOWDOWN.get((t.block_r, t.tile_k), UNPACK_TILE_SLOWDOWN_OTHER)
+    unpack = max(p.n * p.k * (0.5 + 1.0 / 16 + 1.0) / bw, convert) * slowdown + PASS_LAUNCH_US
     gemm = max(
         p.flops / (device.fp8_tflops * 1e6 * SCALED_MM_EFF),
         ((p.m + p.n) * p.k + 2.0 * p.m * p.n) / bw,
