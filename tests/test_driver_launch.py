@@ -502,6 +502,35 @@ def test_replays_are_bit_identical_to_triton_launches(m, n, k, operation):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("k", [4096, 14336])
+def test_a_layer_replays_after_its_plan_ran_without_a_bias(k):
+    """The serving suite's M = 1 gap: an M = 1 plan whose kernel first ran for
+    `Dispatcher.gemm` (no bias) and then for a layer with a bias (a ``do_not_specialize``
+    flag, another `specialization_key`) recorded the layer's call as launched through
+    "Triton's uncached path" and never replayed it. The layer must keep its fast call,
+    with the outputs of the replays-off layer."""
+    _sm90()
+    from fp4_dispatch import Dispatcher, quantize_nvfp4
+    from fp4_dispatch.integrations.nn import Nvfp4Linear
+
+    dev = torch.device("cuda")
+    lin = torch.nn.Linear(k, 4096, bias=True, device=dev, dtype=torch.bfloat16)
+    lin.requires_grad_(False)
+    d = Dispatcher(cache=False, replay=True)
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    qb = quantize_nvfp4(lin.weight.float())
+    for _ in range(3):  # the M = 1 plan warm, its keyed launch made without a bias
+        d.gemm(x, qb)
+    layer = Nvfp4Linear.from_linear(lin, dispatcher=d)
+    plain = Nvfp4Linear.from_linear(lin, dispatcher=Dispatcher(cache=False, replay=False))
+    xs = [torch.randn(1, k, device=dev, dtype=torch.bfloat16) for _ in range(3)]
+    with torch.inference_mode():
+        for x in xs:
+            assert torch.equal(layer(x), plain(x))
+        assert layer.__dict__.get("_fast") is not None
+
+
+@pytest.mark.gpu
 def test_the_layer_fast_call_in_eager_graphs_and_compile():
     """`Nvfp4Linear` (W4A16 on the H200) at 1x1x4096 -> 14336: the fast call is kept and
     its outputs equal the replays-off layer's, eagerly, replayed from a CUDA graph and
