@@ -951,6 +951,8 @@ class KeptQuantize:
     #: address fills the unused pointer slot, as `_quantize` passes it
     scale_tensor: torch.Tensor | None
     device: torch.device
+    #: `packed_layout` of the outputs (None: three allocations)
+    packed: tuple[int, int, int] | None = None
 
     def __call__(
         self, x: torch.Tensor, g: torch.Tensor | None = None
@@ -959,10 +961,7 @@ class KeptQuantize:
         read instead of the kept one (ignored for a dynamic scale)."""
         if not _replays_on():
             return None
-        dev = self.device
-        data = torch.empty(self.data_shape, dtype=torch.uint8, device=dev)
-        scale = torch.empty(self.scale_shape, dtype=torch.float8_e4m3fn, device=dev)
-        g_out = torch.empty((), dtype=torch.float32, device=dev)
+        data, scale, g_out = self.outputs()
         if self.scale_tensor is None:
             g = x
         elif g is None:
@@ -970,6 +969,47 @@ class KeptQuantize:
         if self.replay((x, data, scale, g_out, g)):
             return data, scale, g_out
         return None
+
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """New (data, scale, global scale) tensors for one call. Up to `PACKED_MAX_BYTES`
+        in all they are views of one allocation (`packed_layout`); larger, three.
+
+        Why: on an H100 host one CUDA ``torch.empty`` costs ~5.7 µs, the three outputs of
+        a one-row quantize 17.0 of its 22.6 µs (benchmarks/RESULTS.md, "Eager launch"
+        run 6), while a view costs about a microsecond. The views share a storage, so
+        one output kept alone keeps all three alive: bounded by `PACKED_MAX_BYTES`."""
+        dev = self.device
+        layout = self.packed
+        if layout is None:
+            return (torch.empty(self.data_shape, dtype=torch.uint8, device=dev),
+                    torch.empty(self.scale_shape, dtype=torch.float8_e4m3fn, device=dev),
+                    torch.empty((), dtype=torch.float32, device=dev))  # fmt: skip
+        words, scale_at, data_at = layout
+        buf = torch.empty(words, dtype=torch.float32, device=dev)
+        u8 = buf.view(torch.uint8)
+        scale = u8.as_strided(self.scale_shape, (self.scale_shape[1], 1), scale_at)
+        data = u8.as_strided(self.data_shape, (self.data_shape[1], 1), data_at)
+        return data, scale.view(torch.float8_e4m3fn), buf.as_strided((), (), 0)
+
+
+#: the most bytes a kept quantize call's three outputs share one allocation for
+#: (`KeptQuantize.outputs`): a decode call's (the swizzled scales pad to 128 rows, so
+#: one row of K = 14336 already takes 112 KiB of scales; 16 rows of K = 28672, ~1 MiB
+#: in all); a prefill's get their own
+PACKED_MAX_BYTES = 1 << 20
+
+
+def packed_layout(data_shape: tuple[int, int], scale_shape: tuple[int, int]
+                  ) -> tuple[int, int, int] | None:  # fmt: skip
+    """(float32 words, scale's byte offset, data's byte offset) of one buffer holding the
+    global scale (bytes 0-3), the scales and the data, each at a 16-byte aligned offset
+    (what the kernels and the replays' keys assume), or None above `PACKED_MAX_BYTES`."""
+    scale_at = 16
+    data_at = scale_at + -(-scale_shape[0] * scale_shape[1] // 16) * 16
+    end = data_at + data_shape[0] * data_shape[1]
+    if end > PACKED_MAX_BYTES:
+        return None
+    return -(-end // 16) * 4, scale_at, data_at
 
 
 def kept_quantize(x: torch.Tensor, global_scale: torch.Tensor | None) -> KeptQuantize | None:
@@ -987,7 +1027,9 @@ def kept_quantize(x: torch.Tensor, global_scale: torch.Tensor | None) -> KeptQua
     if not callable(replay):
         return None
     data_shape = (x.shape[0], x.shape[1] // 2)
-    return KeptQuantize(replay, data_shape, plan.scale_shape, global_scale, x.device)
+    scale_shape = tuple(plan.scale_shape)
+    return KeptQuantize(replay, data_shape, scale_shape, global_scale, x.device,  # type: ignore[arg-type]
+                        packed_layout(data_shape, scale_shape))  # type: ignore[arg-type]  # fmt: skip
 
 
 def _replays_on() -> bool:

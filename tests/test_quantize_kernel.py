@@ -612,3 +612,41 @@ def test_large_tensors_take_the_large_tile():
     assert (big.bm * big.nb * 16, big.nb * 16, big.num_warps) == (8192, 1024, 4)
     small = kq._make_plan(16, 8192, True, "tensor")
     assert small.bm * small.nb * 16 <= kq._TILE_ELEMS and small.nb * 16 <= kq._MAX_BK
+
+
+@pytest.mark.parametrize(("rows", "k", "packed"), [(1, 4096, True), (16, 14336, True),
+                                                   (1024, 4096, False)])  # fmt: skip
+def test_kept_quantize_outputs_share_one_allocation_when_small(rows, k, packed) -> None:
+    """`KeptQuantize.outputs`: a decode call's three outputs are aligned, disjoint views
+    of one allocation (one ``torch.empty`` instead of three); a large call's are three
+    allocations. Each has the shape and dtype `quantize_checked` returns, and the replay
+    gets exactly them."""
+    from fp4_dispatch.backends import quantize as kq
+    from fp4_dispatch.format.nvfp4 import swizzled_scale_shape
+
+    data_shape, scale_shape = (rows, k // 2), tuple(swizzled_scale_shape(rows, k))
+    seen = []
+    kept = kq.KeptQuantize(lambda tensors: seen.append(tensors) or True, data_shape,
+                           scale_shape, None, torch.device("cpu"),
+                           kq.packed_layout(data_shape, scale_shape))  # fmt: skip
+    assert (kept.packed is not None) is packed
+    x = torch.zeros(rows, k, dtype=torch.bfloat16)
+    data, scale, g = kept(x)
+    assert (data.shape, data.dtype) == (data_shape, torch.uint8)
+    assert (tuple(scale.shape), scale.dtype) == (scale_shape, torch.float8_e4m3fn)
+    assert (g.shape, g.dtype) == ((), torch.float32)
+    assert data.is_contiguous() and scale.is_contiguous()
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                   for t in (data, scale, g))  # fmt: skip
+    assert all(start % 16 == 0 for start, _ in spans)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
+    storages = {t.untyped_storage().data_ptr() for t in (data, scale, g)}
+    assert len(storages) == (1 if packed else 3)
+    if packed:
+        assert data.untyped_storage().nbytes() <= kq.PACKED_MAX_BYTES
+    assert [t is u for t, u in zip(seen[0], (x, data, scale, g, x), strict=True)] == [True] * 5
+    data.fill_(7)  # writing one output leaves the others as they were
+    scale.view(torch.uint8).fill_(3)
+    g.fill_(0.5)
+    assert bool((data == 7).all()) and bool((scale.view(torch.uint8) == 3).all())
+    assert float(g) == 0.5
