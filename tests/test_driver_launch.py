@@ -111,6 +111,78 @@ def test_pdl_cooperative_and_cluster_attributes_follow_the_metadata(driver):
     assert launch.config.gridDimX == 6  # Triton multiplies grid x by the CTAs of a cluster
 
 
+class _ConfigStruct(ctypes.Structure):
+    """``CUlaunchConfig`` as the driver reads it (cuda.h)."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]  # fmt: skip
+
+
+class _AttributeStruct(ctypes.Structure):
+    """``CUlaunchAttribute``: an id, padding, a 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+@pytest.fixture
+def real_structs(driver, monkeypatch):
+    """The fake driver, but with cuda-python's own config, attribute and function objects
+    (they need no GPU), so a launch can go through `direct_launcher`'s addresses."""
+    cu = pytest.importorskip("cuda.bindings.driver")
+    for name in ("CUlaunchConfig", "CUlaunchAttribute", "CUfunction", "CUlaunchAttributeID",
+                 "CUclusterSchedulingPolicy", "CUresult"):  # fmt: skip
+        monkeypatch.setattr(driver, name, getattr(cu, name), raising=False)
+    return driver
+
+
+def test_a_direct_launch_hands_the_driver_the_kept_struct(real_structs, monkeypatch):
+    """What libcuda's ``cuLaunchKernelEx`` would read through the four addresses: the grid,
+    block, shared memory, the PDL attribute, the current stream (a stream change reaches
+    the kept struct), the function handle and the packed parameters."""
+    seen = []
+
+    def fake_direct(config, function, params, extra):
+        c = _ConfigStruct.from_address(config)
+        attr = _AttributeStruct.from_address(c.attrs)
+        ptrs = (ctypes.c_void_p * len(SIZES)).from_address(params)
+        raw = [ctypes.string_at(ptrs[i], n) for i, n in enumerate(SIZES)]
+        seen.append((tuple(c.grid), tuple(c.block), c.shared, c.stream or 0, c.num_attrs,
+                     attr.id, attr.value[0], function, extra, raw))  # fmt: skip
+        return 0
+
+    monkeypatch.setattr(dl, "_direct_entry", fake_direct)
+    compiled = fake_compiled(SIGNATURE, launch_pdl=True)
+    launch = dl.DriverLaunch.describe(compiled, (3, 2), (0x1000, 0x2000, 77, 128, 0.5, 2**40, True))
+    assert isinstance(launch, dl.DriverLaunch), launch
+    launch.launch(stream=5)
+    launch.set_pointer(0, 0x3000)
+    launch.launch(stream=7)
+    assert not real_structs.launches  # cuda-python's wrapper was not called
+    ids = real_structs.CUlaunchAttributeID
+    pdl = int(ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    (grid, block, shared, stream, n, attr, allowed, fn, extra, raw), second = seen
+    assert (grid, block, shared, stream) == ((3, 2, 1), (128, 1, 1), 1024, 5)
+    assert (n, attr, allowed, fn, extra) == (1, pdl, 1, 0xF00, None)
+    got = [struct.unpack(f, b)[0] for f, b in zip("QQifqbQQ", raw, strict=True)]
+    assert got == [0x1000, 0x2000, 77, 0.5, 2**40, 1, 0, 0]
+    assert second[3] == 7 and struct.unpack("Q", second[-1][0])[0] == 0x3000
+
+
+def test_a_driver_error_names_the_kernel_and_the_result(real_structs, monkeypatch):
+    monkeypatch.setattr(dl, "_direct_entry", lambda *addresses: 700)
+    launch = dl.DriverLaunch.describe(fake_compiled(SIGNATURE), (1,), (1, 2, 3, 4, 0.5, 5, True))
+    with pytest.raises(RuntimeError, match=r"cuLaunchKernelEx\(k\) failed: .*ILLEGAL_ADDRESS"):
+        launch.launch(stream=0)
+
+
+def test_the_direct_launch_can_be_turned_off(monkeypatch):
+    """``FP4_DISPATCH_DIRECT_LAUNCH=0``: no ctypes entry; replays use cuda-python's wrapper."""
+    monkeypatch.setenv("FP4_DISPATCH_DIRECT_LAUNCH", "0")
+    monkeypatch.setattr(dl, "_direct_entry", None)
+    assert dl.direct_launcher() is False
+
+
 @pytest.mark.parametrize(
     ("sizes", "signature", "meta", "why"),
     [
