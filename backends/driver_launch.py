@@ -38,10 +38,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import os
 import struct
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,14 +105,6 @@ class DriverLaunch:
     pointer_slots: dict[int, int]
     stream: int = -1
     _keep: list = field(default_factory=list, repr=False)  # attribute objects
-    #: (config struct, function handle, params) addresses for `direct_launcher`, or None:
-    #: launch through cuda-python's wrapper (its objects expose no address)
-    _direct: tuple[int, int, int] | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        get_ptr = getattr(self.config, "getPtr", None)
-        if get_ptr is not None:
-            self._direct = (int(get_ptr()), int(self.function), self.params_address)
 
     @property
     def params_address(self) -> int:
@@ -124,20 +115,13 @@ class DriverLaunch:
         struct.pack_into("Q", self.buffer, offset, address)
 
     def launch(self, stream: int) -> None:
-        """Launch on ``stream`` (a raw ``CUstream`` value); raises on a driver error.
-
-        Through `direct_launcher` where there is one (the kept config's C struct, whose
-        ``hStream`` cuda-python's setter writes), else through cuda-python's wrapper."""
+        """Launch on ``stream`` (a raw ``CUstream`` value); raises on a driver error."""
         if stream != self.stream:
             self.config.hStream = stream
             self.stream = stream
-        direct = self._direct and direct_launcher()
-        if direct:
-            err = direct(*self._direct, None)  # type: ignore[misc]
-        else:
-            (err,) = _cu.cuLaunchKernelEx(self.config, self.function, self.params_address, 0)
+        (err,) = _cu.cuLaunchKernelEx(self.config, self.function, self.params_address, 0)
         if err:
-            raise RuntimeError(f"cuLaunchKernelEx({self.name}) failed: {_result_name(err)}")
+            raise RuntimeError(f"cuLaunchKernelEx({self.name}) failed: {err!r}")
 
     @classmethod
     def describe(cls, compiled: Any, grid: Sequence[int], args: Sequence[object]
@@ -188,50 +172,6 @@ class DriverLaunch:
         config, keep = _config(meta, grid)
         return cls(getattr(meta, "name", "kernel"), function, config, buffer, params, pointers,
                    _keep=keep)  # fmt: skip
-
-
-def _result_name(err: object) -> str:
-    """A driver result code as its ``CUresult`` name where cuda-python knows it."""
-    try:
-        return repr(_cu.CUresult(int(err)))  # type: ignore[union-attr]
-    except (AttributeError, TypeError, ValueError):
-        return f"CUresult {int(err)}"  # type: ignore[call-overload]
-
-
-#: `direct_launcher`'s answer once looked up (False: none; use cuda-python's wrapper)
-_direct_entry: Any = None
-
-
-def direct_launcher() -> Callable[..., int] | bool:
-    """libcuda's own ``cuLaunchKernelEx`` as a ctypes function of four addresses
-    (config struct, function, params, extra), or False where it cannot be loaded (then
-    cuda-python's wrapper launches). Looked up once, on the first launch.
-
-    Why: cuda-python's wrapper converts its three objects on every call; a ctypes call
-    with the addresses kept passes four integers. What each costs on the H200 host:
-    benchmarks/RESULTS.md, "Eager launch" (run 8). ``FP4_DISPATCH_DIRECT_LAUNCH=0``
-    keeps cuda-python's wrapper."""
-    global _direct_entry
-    if _direct_entry is None:
-        _direct_entry = _load_direct()
-    return _direct_entry
-
-
-def _load_direct() -> Callable[..., int] | bool:
-    if os.environ.get("FP4_DISPATCH_DIRECT_LAUNCH", "1") == "0":
-        return False
-    try:
-        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-    except (OSError, AttributeError) as exc:  # no Linux driver library, or an old one
-        log.info(
-            "libcuda's cuLaunchKernelEx is not loadable (%s): replays launch "
-            "through cuda-python's wrapper",
-            exc,
-        )
-        return False
-    fn.argtypes = [ctypes.c_void_p] * 4
-    fn.restype = ctypes.c_int
-    return fn
 
 
 def _address(arg: object) -> int:
