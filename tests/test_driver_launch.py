@@ -23,6 +23,7 @@ import torch
 
 from fp4_dispatch.backends import driver_launch as dl
 from fp4_dispatch.backends import triton_launch as tlaunch
+from fp4_dispatch.engine.op_fast import public_gemm_key
 from fp4_dispatch.engine.plans import DensePlan, Plan
 
 
@@ -483,8 +484,9 @@ def _graph_replays_equal(layer, xs: list[torch.Tensor], ref: list[torch.Tensor])
 @pytest.mark.parametrize("operation", ["w4a16", "w4a4"])
 def test_replays_are_bit_identical_to_triton_launches(m, n, k, operation):
     """The untuned pick of each decode shape, through `Dispatcher.gemm`: calls 3.. replay
-    (checked: the plan holds a replay), and every output equals a replays-off
-    dispatcher's bit for bit, for new activations each call."""
+    through `gemm`'s kept call (checked: the plan holds a replay and `gemm` kept it), and
+    every output equals a replays-off dispatcher's bit for bit, for new activations each
+    call."""
     _sm90()
     from fp4_dispatch import Dispatcher, quantize_nvfp4
 
@@ -499,6 +501,7 @@ def test_replays_are_bit_identical_to_triton_launches(m, n, k, operation):
         assert torch.equal(got, want), (m, n, k, operation)
     plan = on.cached_plan(m, n, k, "bfloat16", operation)
     assert any(callable(r) for r in plan.replays.values()), (plan, plan.replays)
+    assert on._public_fast.get(public_gemm_key(a, qb, None)) is not None
 
 
 @pytest.mark.gpu

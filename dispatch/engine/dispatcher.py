@@ -10,9 +10,13 @@ unless every check has passed.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Hashable
+
 import torch
 
 from fp4_dispatch.engine import torch_ops
+from fp4_dispatch.engine.op_fast import FastCalls, public_gemm_key
 from fp4_dispatch.engine.runner import Runner
 from fp4_dispatch.format import checks
 from fp4_dispatch.format.grouped import Nvfp4Experts, check_offsets
@@ -49,6 +53,12 @@ class Dispatcher(Runner):
     marked broken and the call falls back (`fp4_dispatch.engine.firstuse`).
     """
 
+    @functools.cached_property
+    def _public_fast(self) -> FastCalls:
+        """`gemm`'s kept calls (`_kept_gemm`), by `public_gemm_key` (made on first use;
+        later reads are an instance-dict hit)."""
+        return FastCalls()
+
     def gemm(
         self,
         qa: Nvfp4Tensor | torch.Tensor,
@@ -63,11 +73,19 @@ class Dispatcher(Runner):
         stay as they are; ``out_dtype`` default ``qa.dtype``). Arguments are checked here,
         once; under torch.compile the GEMM is a custom op (no graph break, plan made at
         run time); eagerly the plan runs directly; inside a CUDA-graph capture only an
-        already-run plan launches.
+        already-run plan launches. Eagerly, a call without ``out`` like an earlier one
+        (the activation's layout, the same weight fields) skips the checks and runs the
+        plan's replay (`_kept_gemm`).
         """
+        key = None
+        if out is None and not torch.compiler.is_compiling():
+            key = public_gemm_key(qa, qb, out_dtype)
+            y = None if key is None else self._kept_gemm(key, qa, qb, out_dtype)
+            if y is not None:
+                return y
         qb = checks.nvfp4_operand("qb", qb)
         if isinstance(qa, torch.Tensor):
-            return self._gemm_dense(qa, qb, out_dtype, out)
+            return self._gemm_dense(qa, qb, out_dtype, out, key)
         qa = checks.nvfp4_operand("qa", qa)
         out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
         dtype = checks.out_dtype_name(out_dtype)
@@ -84,9 +102,41 @@ class Dispatcher(Runner):
         if out is None:  # eagerly: straight to the plan (checked here, once)
             out = torch.empty((qa.rows, qb.rows), dtype=out_dtype, device=device)
         # the global scales as alpha's two factors: the kernel multiplies them (or the plan)
-        self.run_checked(qa.data, qa.scale, qb.data, qb.scale, qa.global_scale, out, dtype,
-                         qb.global_scale)  # fmt: skip
+        args = (qa.data, qa.scale, qb.data, qb.scale, qa.global_scale, out, qb.global_scale)
+        self.run_checked(*args[:6], dtype, args[6])
+        if key is not None and out.numel():  # run as given: keep its replay, if it has one
+            self._keep_public(key, (qa.rows, qb.rows, qa.k, dtype, "w4a4"), args,
+                              [args[0], args[1], args[4], out])  # fmt: skip
         return out
+
+    def _keep_public(self, key: Hashable, plan_key: tuple, args: tuple,
+                     per_call: list[torch.Tensor]) -> None:  # fmt: skip
+        """After an ordinary `gemm` of `key` that ran its operands as given: keep the
+        plan's replay for `_kept_gemm`, from the key's second call (the first may be the
+        plan's first, which records nothing: `FastCalls.seen_before`)."""
+        fast = self._public_fast
+        if fast.seen_before(key):
+            fast.keep(key, self, plan_key, args, per_call)  # type: ignore[arg-type]
+
+    def _kept_gemm(self, key: Hashable, qa: torch.Tensor | Nvfp4Tensor, qb: Nvfp4Tensor,
+                   out_dtype: torch.dtype | None) -> torch.Tensor | None:  # fmt: skip
+        """`gemm` without ``out`` through the call kept for `key`
+        (`fp4_dispatch.engine.op_fast.public_gemm_key`): the output's allocation and the
+        plan's replay, no checks (an earlier call of the same key passed them). None,
+        having launched nothing, where none is kept or it declines (plans changed, an
+        autotuning block, a capture, an unaligned address): the ordinary path runs."""
+        fast = self._public_fast.get(key)
+        if fast is None:
+            return None
+        n = qb.data.shape[0]
+        if type(qa) is torch.Tensor:
+            out = torch.empty((qa.shape[0], n), dtype=out_dtype or qa.dtype, device=qa.device)
+            per_call = [qa, out]
+        else:
+            a = qa.data
+            out = torch.empty((a.shape[0], n), dtype=out_dtype or torch.bfloat16, device=a.device)
+            per_call = [a, qa.scale, qa.global_scale, out]
+        return out if fast(per_call) else None
 
     def _gemm_dense(
         self,
@@ -94,6 +144,7 @@ class Dispatcher(Runner):
         qb: Nvfp4Tensor,
         out_dtype: torch.dtype | None,
         out: torch.Tensor | None,
+        key: Hashable | None = None,
     ) -> torch.Tensor:
         a = checks.dense_activation("qa", a)
         out_dtype = a.dtype if out_dtype is None else out_dtype
@@ -110,6 +161,10 @@ class Dispatcher(Runner):
         if out is None:
             out = torch.empty((a.shape[0], qb.rows), dtype=out_dtype, device=device)
         self.run_dense(a, qb.data, qb.scale, alpha, out, dtype)
+        if key is not None and out.numel():  # `gemm`'s kept call (see `_kept_gemm`)
+            plan_key = (a.shape[0], qb.rows, a.shape[1], dtype, self.dense_operation)
+            self._keep_public(key, plan_key, (a, qb.data, qb.scale, alpha, out, None, None),
+                              [a, out])  # fmt: skip
         return out
 
     def grouped_gemm(

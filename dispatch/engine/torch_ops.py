@@ -378,12 +378,14 @@ def _gemm_w4a16_op(
     out = torch.empty((a.shape[0], b_data.shape[0]), dtype=out_dtype, device=a.device)
     key = w4a16_key(dispatcher, a, b_data, b_scale, alpha, out_dtype, bias, b_prepared)
     fast = _fast.get(key)
-    if fast is not None and fast(a, out):
+    if fast is not None and fast([a, out]):
         return out
     hit = _op_impl(dispatcher, a, None, b_data, b_scale, alpha, out, bias, b_prepared)
     if hit is not None and out.numel():  # checked before and run as given: keep its replay
-        _fast.keep(key, hit[0], out.shape[0], out.shape[1], a.shape[1], hit[1],
-                   (a, b_data, b_scale, alpha, out, bias, b_prepared))  # fmt: skip
+        d, dtype = hit
+        plan_key = (out.shape[0], out.shape[1], a.shape[1], dtype, d.dense_operation)
+        _fast.keep(key, d, plan_key, (a, b_data, b_scale, alpha, out, bias, b_prepared),
+                   [a, out])  # fmt: skip
     return out
 
 
