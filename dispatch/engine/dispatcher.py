@@ -17,6 +17,7 @@ import torch
 
 from fp4_dispatch.engine import torch_ops
 from fp4_dispatch.engine.op_fast import FastCalls, public_gemm_key
+from fp4_dispatch.engine.plans import PlanKey
 from fp4_dispatch.engine.runner import Runner
 from fp4_dispatch.format import checks
 from fp4_dispatch.format.grouped import Nvfp4Experts, check_offsets
@@ -102,21 +103,22 @@ class Dispatcher(Runner):
         if out is None:  # eagerly: straight to the plan (checked here, once)
             out = torch.empty((qa.rows, qb.rows), dtype=out_dtype, device=device)
         # the global scales as alpha's two factors: the kernel multiplies them (or the plan)
-        args = (qa.data, qa.scale, qb.data, qb.scale, qa.global_scale, out, qb.global_scale)
-        self.run_checked(*args[:6], dtype, args[6])
+        self.run_checked(qa.data, qa.scale, qb.data, qb.scale, qa.global_scale, out, dtype,
+                         qb.global_scale)  # fmt: skip
         if key is not None and out.numel():  # run as given: keep its replay, if it has one
-            self._keep_public(key, (qa.rows, qb.rows, qa.k, dtype, "w4a4"), args,
-                              [args[0], args[1], args[4], out])  # fmt: skip
+            args = (qa.data, qa.scale, qb.data, qb.scale, qa.global_scale, out, qb.global_scale)
+            self._keep_public(key, self.w4a4_plan_key(qa.data, qb.data, dtype), args,
+                              [qa.data, qa.scale, qa.global_scale, out])  # fmt: skip
         return out
 
-    def _keep_public(self, key: Hashable, plan_key: tuple, args: tuple,
+    def _keep_public(self, key: Hashable, plan_key: PlanKey, args: tuple,
                      per_call: list[torch.Tensor]) -> None:  # fmt: skip
         """After an ordinary `gemm` of `key` that ran its operands as given: keep the
         plan's replay for `_kept_gemm`, from the key's second call (the first may be the
         plan's first, which records nothing: `FastCalls.seen_before`)."""
         fast = self._public_fast
         if fast.seen_before(key):
-            fast.keep(key, self, plan_key, args, per_call)  # type: ignore[arg-type]
+            fast.keep(key, self, plan_key, args, per_call)
 
     def _kept_gemm(self, key: Hashable, qa: torch.Tensor | Nvfp4Tensor, qb: Nvfp4Tensor,
                    out_dtype: torch.dtype | None) -> torch.Tensor | None:  # fmt: skip
@@ -162,9 +164,8 @@ class Dispatcher(Runner):
             out = torch.empty((a.shape[0], qb.rows), dtype=out_dtype, device=device)
         self.run_dense(a, qb.data, qb.scale, alpha, out, dtype)
         if key is not None and out.numel():  # `gemm`'s kept call (see `_kept_gemm`)
-            plan_key = (a.shape[0], qb.rows, a.shape[1], dtype, self.dense_operation)
-            self._keep_public(key, plan_key, (a, qb.data, qb.scale, alpha, out, None, None),
-                              [a, out])  # fmt: skip
+            self._keep_public(key, self.dense_plan_key(a, qb.data, dtype),
+                              (a, qb.data, qb.scale, alpha, out, None, None), [a, out])  # fmt: skip
         return out
 
     def grouped_gemm(

@@ -581,8 +581,15 @@ class Runner:
         """The W4A4 hot path: checked operands (`GemmOperands` order) through their plan;
         ``alpha_b`` an optional second factor of ``alpha`` (`GemmOperands.alpha_b`)."""
         if a.shape[0] and b.shape[0]:  # an empty product (an empty batch): nothing to do
-            self._run((a.shape[0], b.shape[0], a.shape[1] * 2, dtype, "w4a4"),
-                      (a, sa, b, sb, alpha, out, alpha_b))  # fmt: skip
+            self._run(self.w4a4_plan_key(a, b, dtype), (a, sa, b, sb, alpha, out, alpha_b))
+
+    def w4a4_plan_key(self, a: torch.Tensor, b: torch.Tensor, dtype: str) -> PlanKey:
+        """The plan key of a `run_checked` call (``a``, ``b``: the packed data)."""
+        return (a.shape[0], b.shape[0], a.shape[1] * 2, dtype, "w4a4")
+
+    def dense_plan_key(self, a: torch.Tensor, b: torch.Tensor, dtype: str) -> PlanKey:
+        """The plan key of a `run_dense` call (``a`` dense, ``b`` the packed weight)."""
+        return (a.shape[0], b.shape[0], a.shape[1], dtype, self.dense_operation)
 
     def run_dense(
         self,
@@ -601,8 +608,7 @@ class Runner:
         ``b_prepared``: ``b`` in the sm90-prepared byte order, or None
         (`DenseOperands.b_prepared`)."""
         if a.shape[0] and b.shape[0]:
-            self._run((a.shape[0], b.shape[0], a.shape[1], dtype, self.dense_operation),
-                      (a, b, sb, alpha, out, bias, b_prepared))  # fmt: skip
+            self._run(self.dense_plan_key(a, b, dtype), (a, b, sb, alpha, out, bias, b_prepared))
 
     def run_grouped(
         self,

@@ -383,9 +383,8 @@ def _gemm_w4a16_op(
     hit = _op_impl(dispatcher, a, None, b_data, b_scale, alpha, out, bias, b_prepared)
     if hit is not None and out.numel():  # checked before and run as given: keep its replay
         d, dtype = hit
-        plan_key = (out.shape[0], out.shape[1], a.shape[1], dtype, d.dense_operation)
-        _fast.keep(key, d, plan_key, (a, b_data, b_scale, alpha, out, bias, b_prepared),
-                   [a, out])  # fmt: skip
+        _fast.keep(key, d, d.dense_plan_key(a, b_data, dtype),
+                   (a, b_data, b_scale, alpha, out, bias, b_prepared), [a, out])  # fmt: skip
     return out
 
 

@@ -457,9 +457,8 @@ class Nvfp4Linear(nn.Module):
             return  # a per-call cast of the bias, or autograd: keep the ordinary path
         d = d if d is not None else torch_ops.default_dispatcher(x.device, self.precision)
         x2, w, sb, alpha, _, bias_arg, prepared = args
-        m, n = x2.shape[0], self.out_features
-        key = (m, n, self.in_features, checks.out_dtype_name(y.dtype), d.dense_operation)
-        y2 = y if y.dim() == 2 else y.view(m, n)
+        key = d.dense_plan_key(x2, w, checks.out_dtype_name(y.dtype))
+        y2 = y if y.dim() == 2 else y.view(x2.shape[0], self.out_features)
         replay = d.replay_of(key, (x2, w, sb, alpha, y2, bias_arg, prepared))
         if replay is not None:
             self.__dict__["_fast"] = _FastCall(x, y, replay, d, self._buffers, bias, prepared)
@@ -484,10 +483,9 @@ class Nvfp4Linear(nn.Module):
             return
         d = d if d is not None else torch_ops.default_dispatcher(x.device)
         a, sa, ga = quantized
-        m, n = x2.shape[0], self.out_features
-        key = (m, n, self.in_features, checks.out_dtype_name(y.dtype), "w4a4")
-        y2 = y if y.dim() == 2 else y.view(m, n)
         w, sb, wgs = bufs["weight_data"], bufs["weight_scale"], bufs["weight_global_scale"]
+        key = d.w4a4_plan_key(a, w, checks.out_dtype_name(y.dtype))
+        y2 = y if y.dim() == 2 else y.view(x2.shape[0], self.out_features)
         replay = d.replay_of(key, (a, sa, w, sb, ga, y2, wgs))
         if replay is not None:
             self.__dict__["_fast"] = _FastCallW4A4(x, y, replay, d, bufs, bias, quantize, igs)
