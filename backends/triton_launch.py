@@ -22,6 +22,11 @@ a grid, the launcher logs once and keeps using the ordinary ``kernel[grid](...)`
 (correct, just slower). The fast path only ever runs with arguments whose
 specialization key matches the one that compiled the kernel.
 
+Tracing. Inside `tracing` (torch.compile's functionalization of an op, driven by
+`fp4_dispatch.engine.inductor`) a launch on traced operands is not run but stated as
+``torch.library.wrap_triton(kernel)[grid](...)``: Inductor then compiles and launches the
+kernel itself, with no custom op between the compiled graph and the launch.
+
 Usage: ``bound = CachedLauncher(kernel).bind({"BM": 8, ...}, num_warps=4)`` once per
 meta-parameter set, then ``bound(grid, runtime_args)`` per call (runtime parameters in
 declaration order; `BoundLaunch` interleaves the constexprs by parameter name).
@@ -39,6 +44,8 @@ from typing import Any
 
 import torch
 
+from fp4_dispatch.contracts.backend import NotTraceable
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -49,6 +56,8 @@ __all__ = [
     "launch_hooks_active",
     "recording",
     "specialization_key",
+    "tracing",
+    "tracing_active",
 ]
 
 _INT32_MAX = 2**31 - 1
@@ -149,8 +158,11 @@ def launch_aligned(
 ) -> None:
     """`BoundLaunch.launch_keyed` with ``key`` when every tensor of `tensors` (the
     pointer arguments) is 16-byte aligned (`all_aligned`), so ``key`` need not carry
-    alignment; else the full specialization path (`BoundLaunch.__call__`)."""
-    if all_aligned(*tensors):
+    alignment; else the full specialization path (`BoundLaunch.__call__`). Traced
+    operands (`tracing`) have no address: the launch is stated as it is."""
+    if _tracing is not None:
+        bound(grid, args)
+    elif all_aligned(*tensors):
         bound.launch_keyed(key, grid, args)
     else:
         bound(grid, args)
@@ -228,6 +240,55 @@ def _note(bound: BoundLaunch, grid: tuple[int, ...], args: Sequence[object],
     frozen = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in full)
     alive = [weakref.ref(a) if isinstance(a, torch.Tensor) else None for a in full]
     noted[1].append((compiled, tuple(grid), frozen, alive))
+
+
+# ---- stating launches for torch.compile (fp4_dispatch.engine.inductor) ----------------
+
+#: (thread id, ``wrap_triton``) while `tracing` is active on that thread, else None
+_tracing: tuple[int, Any] | None = None
+
+#: launch options a traced launch may drop: ``launch_pdl`` only overlaps a kernel with
+#: the one before it, and the grid-dependency instructions it pairs with are no-ops in a
+#: kernel launched without it (`fp4_dispatch.backends.pdl`), so the result is the same
+_DROPPABLE_OPTIONS = frozenset({"launch_pdl"})
+#: launch options Inductor takes with a user kernel (its ``triton.Config`` fields)
+_INDUCTOR_OPTIONS = frozenset({"num_stages"})
+
+
+@contextlib.contextmanager
+def tracing(wrap: Any = None) -> Iterator[None]:
+    """State every launch this thread makes through a `BoundLaunch` inside the block as
+    ``wrap(kernel)[grid](**arguments, num_warps=..., num_stages=...)`` instead of running
+    it (``wrap``: default ``torch.library.wrap_triton``). Scratch buffers asked for inside
+    are made in the traced graph (`fp4_dispatch.backends.workspace`). A launch that cannot
+    be stated raises `NotTraceable`. Not re-entrant."""
+    global _tracing
+    if _tracing is not None:
+        raise RuntimeError("triton_launch.tracing() is already active")
+    if wrap is None:
+        from torch.library import wrap_triton  # noqa: PLC0415 - torch >= 2.6
+
+        wrap = wrap_triton
+    _tracing = (threading.get_ident(), wrap)
+    try:
+        yield
+    finally:
+        _tracing = None
+
+
+def tracing_active() -> bool:
+    """Whether this thread is inside `tracing`."""
+    state = _tracing
+    return state is not None and state[0] == threading.get_ident()
+
+
+def _is_traced(t: torch.Tensor) -> bool:
+    """Whether `t` is an operand of the traced graph (functional or fake), not a real
+    device buffer a kernel kept (whose address a compiled graph cannot own)."""
+    from torch._subclasses.fake_tensor import FakeTensor  # noqa: PLC0415 - compile only
+    from torch._subclasses.functional_tensor import FunctionalTensor  # noqa: PLC0415
+
+    return isinstance(t, (FunctionalTensor, FakeTensor))
 
 
 def _direct_runner(compiled: Any, grid3: tuple[int, int, int], device: int, standard: Any) -> Any:
@@ -325,9 +386,34 @@ class BoundLaunch:
                                         num_warps=self.num_warps, **self.options)  # fmt: skip
 
     def __call__(self, grid: tuple[int, ...], args: Sequence[object]) -> None:
+        if _tracing is not None and tracing_active():
+            self.trace(grid, args)
+            return
         self._call(grid, args)
         if _noted is not None:
             _note(self, grid, args)
+
+    def trace(self, grid: tuple[int, ...], args: Sequence[object]) -> None:
+        """State this launch for torch.compile (`tracing`): every parameter by name, the
+        constexprs included, and the launch options Inductor takes; `NotTraceable` for a
+        real tensor argument or an option it cannot express (nothing is stated then)."""
+        names = list(self.owner.kernel.arg_names)
+        arguments = dict(zip(names, self._all_args(args), strict=True))
+        for name, value in arguments.items():
+            if isinstance(value, torch.Tensor) and not _is_traced(value):
+                raise NotTraceable(
+                    f"{self.owner.name}: argument {name!r} is a device buffer the kernel "
+                    "keeps, not an operand of the traced graph"
+                )
+        launch: dict[str, object] = {"num_warps": self.num_warps}
+        extra = {k: v for k, v in self.constexprs.items() if k not in arguments}
+        for name, value in {**extra, **self.options}.items():
+            if name in _INDUCTOR_OPTIONS:
+                launch[name] = value
+            elif name not in _DROPPABLE_OPTIONS:
+                raise NotTraceable(f"{self.owner.name}: launch option {name}={value!r} "
+                                   "has no torch.compile equivalent")  # fmt: skip
+        _tracing[1](self.owner.kernel)[tuple(grid)](**arguments, **launch)
 
     def _call(self, grid: tuple[int, ...], args: Sequence[object]) -> None:
         if not self.owner.fast:
@@ -377,6 +463,9 @@ class BoundLaunch:
         is added here. A known key skips the specialization key and both cache look-ups:
         one dict get and the launch.
         """
+        if _tracing is not None and tracing_active():
+            self.trace(grid, args)
+            return
         keyed = (key, grid, _device_index())  # a runner is bound to one device
         hit = self._keyed.get(keyed)
         if hit is not None:

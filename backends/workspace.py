@@ -12,6 +12,10 @@ so no call needs a memset.
 Buffers are never freed or replaced while the owner lives: a CUDA graph that recorded a
 launch keeps pointing at them. A kernel object that owns scratch must therefore not run on
 two streams at once (like cuBLAS workspaces).
+
+Under torch.compile (`fp4_dispatch.backends.triton_launch.tracing`) a buffer is instead
+allocated in the traced graph on every call, counters zeroed there: a compiled graph
+cannot own a kept buffer, and nothing made while tracing is kept.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from fp4_dispatch.backends import triton_launch
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +47,8 @@ class Scratch:
     def get(
         self, device: torch.device, floats: int, counters: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if triton_launch.tracing_active():
+            return _in_graph(device, floats, counters)
         key = (device.type, device.index, floats, counters)
         pair = self._buffers.get(key)
         if pair is None:
@@ -66,6 +74,8 @@ def one_like(t: torch.Tensor) -> torch.Tensor:
     CUDA-graph pools (like `Scratch`) and kept for the process: the neutral second
     factor of a kernel that takes alpha as two (`fp4_dispatch.contracts.backend.GemmOperands`).
     Looked up by ``(t.is_cuda, t.get_device())``, not ``t.device`` (a hot-path call)."""
+    if triton_launch.tracing_active():
+        return torch.ones(1, dtype=torch.float32, device=t.device)
     key = (t.is_cuda, t.get_device())
     o = _ONES.get(key)
     if o is None:
@@ -75,6 +85,14 @@ def one_like(t: torch.Tensor) -> torch.Tensor:
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # once, off the hot path
     return o
+
+
+def _in_graph(
+    device: torch.device, floats: int, counters: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pair as operations of the graph being traced (module docstring)."""
+    ws = torch.empty(floats, dtype=torch.float32, device=device)
+    return ws, torch.zeros(counters, dtype=torch.int32, device=device)
 
 
 def _make(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -94,7 +94,12 @@ from fp4_dispatch.backends.sm90.gemm_unpack import BLOCK_R_CHOICES as UR
 from fp4_dispatch.backends.sm90.gemm_unpack import unpack_nvfp4
 from fp4_dispatch.backends.sm90.splitk import k_tile_range, store_tile
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
-from fp4_dispatch.backends.triton_launch import BoundLaunch, CachedLauncher, launch_aligned
+from fp4_dispatch.backends.triton_launch import (
+    BoundLaunch,
+    CachedLauncher,
+    launch_aligned,
+    tracing,
+)
 from fp4_dispatch.backends.workspace import Scratch
 from fp4_dispatch.contracts.backend import DenseOperands
 from fp4_dispatch.format.nvfp4 import (  # noqa: F401 - rotate/unrotate re-exported
@@ -784,6 +789,9 @@ class DenseKernel:
     #: records a call's launches for the plan's driver-API replays
     #: (`fp4_dispatch.engine.plans`; a launch it cannot replay keeps Triton's launcher)
     record: ClassVar = staticmethod(record_launches)
+    #: states a call as launches torch.compile traces (`fp4_dispatch.engine.inductor`);
+    #: None in a subclass that keeps a buffer between calls beyond `Scratch`
+    trace: ClassVar = staticmethod(tracing)
     _scratch: Scratch = field(default_factory=Scratch, repr=False)
     #: the Triton launch handle of the latest compiling call (its ``asm`` holds PTX and
     #: cubin: the benchmarks count SASS instructions per element from it)

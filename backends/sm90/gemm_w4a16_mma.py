@@ -348,6 +348,9 @@ class W4A16MmaKernel(DenseKernel):
     them is ignored; prepared bytes alone run the direct kernel)."""
 
     cfg: MmaConfig
+    #: not stated for torch.compile: a Gluon kernel, and Inductor recompiles a user
+    #: kernel from its source as ``@triton.jit`` (torch 2.11); compiled calls keep the op
+    trace: ClassVar = None
     #: launched with PDL (`fp4_dispatch.backends.pdl`): only where a kernel of the same
     #: call writes the activations first (`W4A4MmaKernel`); a W4A16 call is one launch
     pdl: bool = False

@@ -466,6 +466,9 @@ class RsKernel(DenseKernel):
     pdl: bool = True
     _acts: Scratch = field(default_factory=Scratch, repr=False)
     _views: dict = field(default_factory=dict, repr=False)
+    #: not stated for torch.compile: host TMA descriptors, ``maxnreg`` and the kept
+    #: activation views (`dot_order_kept`); compiled calls keep the custom op
+    trace: ClassVar = None
 
     def __call__(self, operands: W4A16Operands, out: torch.Tensor) -> None:
         if why_unsupported(operands) is not None:

@@ -337,6 +337,9 @@ class W4A16WsKernel(DenseKernel):
     workspace and grid are `gemm_w4a16.DenseKernel`'s."""
 
     cfg: WsConfig
+    #: not stated for torch.compile: host TMA descriptors and ``maxnreg``; compiled calls
+    #: keep the custom op
+    trace: ClassVar = None
 
     def __call__(self, operands: W4A16Operands, out: torch.Tensor) -> None:
         a, b, s = operands.a, operands.b_data, operands.b_scale

@@ -191,6 +191,16 @@ Operands are `GemmOperands` for W4A4 problems, `DenseOperands` for W4A16 ones an
 `GroupedOperands` for the grouped operations."""
 
 
+class NotTraceable(RuntimeError):
+    """A kernel cannot state a call as launches torch.compile can trace (a kept device
+    buffer among its arguments, a launch option Inductor cannot express).
+
+    A kernel may offer ``kernel.trace``: a context manager inside which its calls on
+    traced (fake) operands are emitted as ``torch.library.wrap_triton`` launches, so
+    Inductor launches the kernels itself (`fp4_dispatch.engine.inductor`). A call it
+    cannot emit raises this; the engine then keeps its opaque custom op."""
+
+
 def launch(kernel: Kernel, operands: GemmOperands, out: torch.Tensor, swap_ab: bool) -> None:
     """Run `kernel` under the swap convention: for ``swap_ab`` it gets (b, a) and ``out.T``.
 

@@ -31,7 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fp4_dispatch.contracts.backend import DenseOperands, GemmOperands, GroupedOperands, Kernel
+from fp4_dispatch.contracts.backend import (
+    DenseOperands,
+    GemmOperands,
+    GroupedOperands,
+    Kernel,
+    NotTraceable,
+)
 from fp4_dispatch.contracts.tactics import DENSE_OPERATIONS
 
 if TYPE_CHECKING:
@@ -96,6 +102,17 @@ class Plan:
 
     def __iter__(self):
         return iter((self.candidate, self.kernel))
+
+    def trace(self, args: tuple) -> None:
+        """State this plan's call on traced operands (as `__call__` takes them) as launches
+        torch.compile compiles itself (`fp4_dispatch.engine.inductor`): the ordinary call
+        inside the kernel's ``trace`` context. `NotTraceable` where the kernel has none or
+        cannot state the call."""
+        tracer = getattr(self.kernel, "trace", None)
+        if tracer is None:
+            raise NotTraceable(f"{self.candidate.backend}: its kernel states no launches")
+        with tracer():
+            self(*args)
 
     def replay_key(self, args: tuple) -> Hashable | None:
         """What a replay of `args` depends on beyond the plan's key: the fixed operands'

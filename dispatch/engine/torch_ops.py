@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fp4_dispatch.contracts.tactics import check_precision
+from fp4_dispatch.engine import inductor
 from fp4_dispatch.engine.capture import CaptureNotWarmError, not_warm, stream_capturing
 from fp4_dispatch.engine.op_fast import FastCalls, w4a16_key
 from fp4_dispatch.engine.plans import PlanKey
@@ -392,6 +393,10 @@ def _gemm_w4a16_op(
 def _gemm_w4a16_fake(a, b_data, b_scale, alpha, out_dtype, dispatcher=DEFAULT, bias=None,
                      b_prepared=None):  # fmt: skip
     return a.new_empty((a.shape[0], b_data.shape[0]), dtype=out_dtype)
+
+
+# under torch.compile Inductor launches the plan's kernels itself where it can
+inductor.register_dense_rule(_LIB, _gemm_w4a16_op.op_name, get_dispatcher)
 
 
 def _grouped_impl(

@@ -1,0 +1,281 @@
+"""torch.compile launching the plans' Triton kernels itself (`fp4_dispatch.engine.inductor`).
+
+On a CPU: a launch under `triton_launch.tracing` is stated by name with its launch
+options (PDL dropped, options Inductor lacks refused), a kept buffer is refused, scratch
+is made per call and kept nowhere, a plan without a tracing kernel refuses, the CPU
+keeps the opaque op; and the source Inductor copies of each tracing W4A16 kernel (its
+transitive closure) compiles for sm_90. On an sm90 GPU (``-m gpu``): a compiled
+`Nvfp4Linear` (default and reduce-overhead) computes the eager bits, and its generated
+code launches the plan's kernel and never calls the op; ``FP4_DISPATCH_INDUCTOR=0``
+keeps the op.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from conftest import TARGET_ONLY, sm90_compile_env
+
+from fp4_dispatch.backends import triton_launch as tlaunch
+from fp4_dispatch.backends.workspace import Scratch, one_like
+from fp4_dispatch.contracts.backend import NotTraceable
+
+
+class _Kernel:
+    """Stands in for a ``@triton.jit`` function: parameter names only."""
+
+    arg_names = ("x_ptr", "out_ptr", "n", "BLOCK", "EVEN")
+    __name__ = "stand_in_kernel"
+
+
+class _Wrap:
+    """Stands in for ``torch.library.wrap_triton``: records each stated launch."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[object, tuple, dict]] = []
+
+    def __call__(self, kernel: object) -> _Wrap:
+        self._kernel = kernel
+        return self
+
+    def __getitem__(self, grid: tuple) -> object:
+        def launch(**kwargs: object) -> None:
+            self.launches.append((self._kernel, grid, kwargs))
+
+        return launch
+
+
+def _fake_operands(n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.empty(n), torch.empty(n)
+
+
+def _bound(**options: object) -> tlaunch.BoundLaunch:
+    constexprs = {"BLOCK": 128, "EVEN": True, "num_stages": 3}
+    return tlaunch.CachedLauncher(_Kernel()).bind(constexprs, 8, **options)
+
+
+@pytest.mark.parametrize("entry", ["call", "keyed", "aligned"])
+def test_a_traced_launch_is_stated_by_name_with_its_options(entry):
+    x, out = _fake_operands()
+    bound, wrap = _bound(launch_pdl=True), _Wrap()
+    with tlaunch.tracing(wrap):
+        assert tlaunch.tracing_active()
+        if entry == "call":
+            bound((4, 2), (x, out, 64))
+        elif entry == "keyed":
+            bound.launch_keyed(("k",), (4, 2), (x, out, 64))
+        else:
+            tlaunch.launch_aligned(bound, ("k",), (4, 2), (x, out, 64), (x, out))
+    assert not tlaunch.tracing_active()
+    ((kernel, grid, kwargs),) = wrap.launches
+    assert isinstance(kernel, _Kernel) and grid == (4, 2)
+    assert kwargs == {"x_ptr": x, "out_ptr": out, "n": 64, "BLOCK": 128, "EVEN": True,
+                      "num_warps": 8, "num_stages": 3}  # fmt: skip
+
+
+def test_a_launch_option_inductor_lacks_or_a_kept_buffer_is_refused():
+    x, out = _fake_operands()
+    wrap = _Wrap()
+    with tlaunch.tracing(wrap):
+        with pytest.raises(NotTraceable, match="launch option maxnreg=128"):
+            _bound(maxnreg=128)((1,), (x, out, 64))
+        with pytest.raises(NotTraceable, match="argument 'out_ptr' is a device buffer"):
+            _bound()((1,), (x, torch.empty(64), 64))
+        with pytest.raises(RuntimeError, match="already active"), tlaunch.tracing(wrap):
+            pass
+    assert wrap.launches == []
+
+
+def test_scratch_under_tracing_is_made_per_call_and_kept_nowhere():
+    scratch = Scratch()
+    with tlaunch.tracing(_Wrap()):
+        ws1, cnt1 = scratch.get(torch.device("cpu"), 32, 4)
+        ws2, _ = scratch.get(torch.device("cpu"), 32, 4)
+        one = one_like(ws1)
+    assert len(scratch) == 0 and ws1.data_ptr() != ws2.data_ptr()
+    assert ws1.shape == (32,) and ws1.dtype == torch.float32
+    assert torch.equal(cnt1, torch.zeros(4, dtype=torch.int32))
+    assert torch.equal(one, torch.ones(1)) and one is not one_like(ws1)
+    kept = scratch.get(torch.device("cpu"), 32, 4)
+    assert len(scratch) == 1 and scratch.get(torch.device("cpu"), 32, 4)[0] is kept[0]
+
+
+def test_a_plan_whose_kernel_states_no_launches_refuses():
+    from fp4_dispatch.engine.plans import DensePlan
+
+    cand = types.SimpleNamespace(backend="stand-in", tactic=types.SimpleNamespace(swap_ab=False))
+    plan = DensePlan((1, 8, 32, "bfloat16", "w4a16"), cand, lambda ops, out: None)
+    with pytest.raises(NotTraceable, match="stand-in: its kernel states no launches"):
+        plan.trace((None,) * 5)
+
+
+def test_on_the_cpu_a_compiled_layer_keeps_the_op(caplog):
+    """The rule runs under torch.compile (aot_eager) and keeps the opaque op on a CPU;
+    the compiled layer computes the eager bits."""
+    from fp4_dispatch import Dispatcher
+    from fp4_dispatch.integrations.nn import Nvfp4Linear
+
+    d = Dispatcher(device="cpu")
+    layer = Nvfp4Linear.from_linear(torch.nn.Linear(64, 24, dtype=torch.bfloat16),
+                                    dispatcher=d, activations="bf16")  # fmt: skip
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    with torch.no_grad(), caplog.at_level(logging.INFO, "fp4_dispatch.engine.inductor"):
+        eager = layer(x)
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(compiled, eager)
+    assert "kept as a custom op: device cpu" in caplog.text
+
+
+_CLOSURE = (
+    TARGET_ONLY
+    + r"""
+import types
+from torch._inductor.codegen.wrapper import (
+    user_defined_triton_kernel_transitive_closure_source_code as closure,
+)
+from fp4_dispatch.backends.triton_launch import CachedLauncher
+from fp4_dispatch.backends.sm90 import gemm_w4a16 as w, gemm_w4a16_decode as dec
+from fp4_dispatch.backends.sm90 import gemm_w4a16_mma as mma
+from fp4_dispatch.backends.sm90 import gemm_w4a16_rs as rs, gemm_w4a16_ws as ws
+
+
+def copied(kernel):
+    # what Inductor compiles: the kernel's source and its dependencies, in a new module
+    src = "import triton\nimport triton.language as tl\n@triton.jit\n" + closure(kernel)
+    mod = types.ModuleType("inductor_copy_" + kernel.__name__)
+    path = os.path.join(os.environ["TRITON_CACHE_DIR"], mod.__name__ + ".py")
+    with open(path, "w") as f:
+        f.write(src)
+    mod.__file__ = path
+    sys.modules[mod.__name__] = mod
+    exec(compile(src, path, "exec"), mod.__dict__)
+    return getattr(mod, kernel.__name__)
+
+
+def rebind(kobj):
+    # the kernel's bindings, on Inductor's copy (launch_pdl dropped, as a traced launch)
+    original = kobj._binding
+
+    def bind(*args):
+        b = original(*args)
+        options = {k: v for k, v in b.options.items() if k != "launch_pdl"}
+        return CachedLauncher(copied(b.owner.kernel)).bind(b.constexprs, b.num_warps, **options)
+
+    kobj._binding = bind
+
+
+out = {}
+kernels = {
+    "gemv": dec.build_gemv(dec.W4A16GemvConfig()),
+    "gemv-splitk": dec.build_gemv(dec.W4A16GemvConfig(split_k=4)),
+    "direct-splitk": w.build(w.W4A16Config(block_n=64, block_m=16, split_k=2)),
+}
+assert mma.build(mma.MmaConfig()).trace is None  # Gluon: Inductor copies it as @triton.jit
+for name, kobj in kernels.items():
+    assert kobj.trace is not None, name
+    rebind(kobj)
+    compiled = kobj.precompile(1, 4096, 4096, torch.bfloat16)
+    out[name] = len(compiled.asm["cubin"])
+assert rs.RsKernel.trace is None and ws.W4A16WsKernel.trace is None  # TMA, maxnreg
+print(json.dumps(out))
+"""
+)
+
+
+def test_inductors_copy_of_each_tracing_w4a16_kernel_compiles_for_sm90(tmp_path):
+    """Inductor compiles a user kernel from a copy of its source and dependencies (only
+    ``@triton.jit`` functions and constants named without a module prefix come along):
+    the copy of every W4A16 kernel that states its launches compiles for sm_90 on a CPU
+    (Triton's ptxas, no launch) with the bindings a decode call uses."""
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", _CLOSURE], capture_output=True, text=True,
+                          env=sm90_compile_env(tmp_path), timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(got) == {"gemv", "gemv-splitk", "direct-splitk"}
+    assert all(size > 1000 for size in got.values()), got
+
+
+# ---- on an sm90 GPU -----------------------------------------------------------------------
+
+
+def _sm90() -> None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm90 GPU")
+
+
+def _kernel_names(layer) -> set[str]:
+    """The Triton kernels the layer's W4A16 plans have bound (each plan's kernel)."""
+    d = layer.dispatcher or __import__("fp4_dispatch").engine.torch_ops.default_dispatcher(
+        torch.device("cuda")
+    )
+    names = set()
+    for plan in d._plans.values():
+        for bound in getattr(plan.kernel, "_bound", {}).values():
+            names.add(bound.owner.name)
+    return names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("m", "bias"), [(1, False), (16, True)])
+def test_a_compiled_layer_launches_the_plans_kernel_itself(m, bias):
+    """`Nvfp4Linear` W4A16 under torch.compile (default mode): the eager bits on fresh
+    inputs, and the generated code launches a Triton kernel of the plan, not the op;
+    under reduce-overhead the same bits from the graph."""
+    _sm90()
+    from torch._inductor.utils import run_and_get_code
+
+    from fp4_dispatch import Dispatcher
+    from fp4_dispatch.integrations.nn import Nvfp4Linear
+
+    dev = torch.device("cuda")
+    torch.manual_seed(m)
+    lin = torch.nn.Linear(4096, 4096, bias=bias, device=dev, dtype=torch.bfloat16)
+    d = Dispatcher(cache=False)
+    layer = Nvfp4Linear.from_linear(lin, dispatcher=d, prepare_weight=False)
+    xs = [torch.randn(m, 4096, device=dev, dtype=torch.bfloat16) for _ in range(3)]
+    with torch.inference_mode():
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True)
+        y, code = run_and_get_code(compiled, xs[0])
+        text = "\n".join(code)
+        assert "fp4_dispatch.gemm_w4a16" not in text, text[-3000:]
+        names = _kernel_names(layer)
+        assert any(name in text for name in names), (names, text[-3000:])
+        assert torch.equal(y, layer(xs[0]))
+        for x in xs:
+            assert torch.equal(compiled(x), layer(x))
+        torch._dynamo.reset()
+        graphed = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+        for _ in range(3):
+            for x in xs:
+                assert torch.equal(graphed(x.clone()), layer(x))
+
+
+@pytest.mark.gpu
+def test_with_fp4_dispatch_inductor_0_the_compiled_layer_keeps_the_op(monkeypatch):
+    _sm90()
+    from torch._inductor.utils import run_and_get_code
+
+    from fp4_dispatch import Dispatcher
+    from fp4_dispatch.integrations.nn import Nvfp4Linear
+
+    monkeypatch.setenv("FP4_DISPATCH_INDUCTOR", "0")
+    dev = torch.device("cuda")
+    lin = torch.nn.Linear(4096, 1024, device=dev, dtype=torch.bfloat16)
+    layer = Nvfp4Linear.from_linear(lin, dispatcher=Dispatcher(cache=False))
+    x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        torch._dynamo.reset()
+        y, code = run_and_get_code(torch.compile(layer, fullgraph=True), x)
+        assert "fp4_dispatch.gemm_w4a16" in "\n".join(code)
+        assert torch.equal(y, layer(x))
