@@ -186,6 +186,45 @@ for name, kobj in kernels.items():
     compiled = kobj.precompile(1, 4096, 4096, torch.bfloat16)
     out[name] = len(compiled.asm["cubin"])
 assert rs.RsKernel.trace is None and ws.W4A16WsKernel.trace is None  # TMA, maxnreg
+
+# what functionalization clones per call: the tensors the kernel's TTIR writes
+from torch._higher_order_ops import triton_kernel_wrap as tkw
+from fp4_dispatch.backends import triton_launch
+from fp4_dispatch.format.nvfp4 import swizzled_scale_shape
+
+
+class Wrap:
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, kernel):
+        self.kernel = kernel
+        return self
+
+    def __getitem__(self, grid):
+        return lambda **kw: self.seen.append((self.kernel, kw))
+
+
+m, n, k = 16, 4096, 4096
+ops = w.W4A16Operands(torch.empty(m, k, dtype=torch.bfloat16),
+                      torch.empty(n, k // 2, dtype=torch.uint8),
+                      torch.empty(swizzled_scale_shape(n, k), dtype=torch.float8_e4m3fn),
+                      torch.ones(1), bias=torch.empty(n, dtype=torch.bfloat16))
+triton_launch._is_traced = lambda t: True  # plain CPU tensors stand in for traced ones
+writes = {}
+for name in ("gemv-splitk", "direct-splitk"):
+    wrap = Wrap()
+    with triton_launch.tracing(wrap):
+        kernels[name](ops, torch.empty(m, n, dtype=torch.bfloat16))
+    (kernel, kw), = wrap.seen
+    kw = {key: v for key, v in kw.items() if key not in ("num_warps", "num_stages")}
+    find = getattr(tkw, "identify_accessed_tensors", None)
+    if find is not None:
+        found = [d.name for d in find(kernel, kw, {}).read_writes.writes]
+    else:
+        found = tkw.identify_mutated_tensors(kernel, kw, {})
+    writes[name] = sorted(found)
+out["writes"] = writes
 print(json.dumps(out))
 """
 )
@@ -195,14 +234,20 @@ def test_inductors_copy_of_each_tracing_w4a16_kernel_compiles_for_sm90(tmp_path)
     """Inductor compiles a user kernel from a copy of its source and dependencies (only
     ``@triton.jit`` functions and constants named without a module prefix come along):
     the copy of every W4A16 kernel that states its launches compiles for sm_90 on a CPU
-    (Triton's ptxas, no launch) with the bindings a decode call uses."""
+    (Triton's ptxas, no launch) with the bindings a decode call uses; and a stated launch
+    writes only the output and the split-K scratch (what functionalization clones)."""
     pytest.importorskip("triton")
     proc = subprocess.run([sys.executable, "-c", _CLOSURE], capture_output=True, text=True,
                           env=sm90_compile_env(tmp_path), timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
+    writes = got.pop("writes")
     assert set(got) == {"gemv", "gemv-splitk", "direct-splitk"}
     assert all(size > 1000 for size in got.values()), got
+    # functionalization clones what a launch writes: the output and split-K scratch,
+    # never the weight, its scales or the activations (a clone a call)
+    for name, found in writes.items():
+        assert found == ["cnt_ptr", "out_ptr", "ws_ptr"], (name, found)
 
 
 # ---- on an sm90 GPU -----------------------------------------------------------------------
