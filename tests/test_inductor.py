@@ -149,8 +149,11 @@ from fp4_dispatch.backends.sm90 import gemm_w4a16_rs as rs, gemm_w4a16_ws as ws
 
 
 def copied(kernel):
-    # what Inductor compiles: the kernel's source and its dependencies, in a new module
-    src = "import triton\nimport triton.language as tl\n@triton.jit\n" + closure(kernel)
+    # what Inductor compiles: the kernel's source and its dependencies, in a new module;
+    # torch 2.11 embeds it in a triple-quoted string unescaped: no backslash may be in it
+    text = closure(kernel)
+    assert "\\" not in text, [line for line in text.splitlines() if "\\" in line][:3]
+    src = "import triton\nimport triton.language as tl\n@triton.jit\n" + text
     mod = types.ModuleType("inductor_copy_" + kernel.__name__)
     path = os.path.join(os.environ["TRITON_CACHE_DIR"], mod.__name__ + ".py")
     with open(path, "w") as f:
@@ -189,6 +192,13 @@ assert rs.RsKernel.trace is None and ws.W4A16WsKernel.trace is None  # TMA, maxn
 
 # what functionalization clones per call: the tensors the kernel's TTIR writes
 from torch._higher_order_ops import triton_kernel_wrap as tkw
+from triton.compiler import ASTSource
+
+
+def triton_type(dtype):
+    return {torch.bfloat16: "bf16", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv",
+            torch.float32: "fp32", torch.int32: "i32"}[dtype]  # fmt: skip
+
 from fp4_dispatch.backends import triton_launch
 from fp4_dispatch.format.nvfp4 import swizzled_scale_shape
 
@@ -224,6 +234,20 @@ for name in ("gemv-splitk", "direct-splitk"):
     else:
         found = tkw.identify_mutated_tensors(kernel, kw, {})
     writes[name] = sorted(found)
+    # torch 2.11's analysis compiles the kernel with every non-tensor argument as a
+    # constant: the kernel must compile that way too (else it assumes all inputs written)
+    names = list(kernel.arg_names)
+    signature = {a: (f"*{triton_type(kw[a].dtype)}" if isinstance(kw[a], torch.Tensor)
+                     else "constexpr") for a in names}  # fmt: skip
+    constants = {(i,): kw[a] for i, a in enumerate(names) if signature[a] == "constexpr"}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    target = GPUTarget("cuda", 90, 32)
+    backend = triton.compiler.compiler.make_backend(target)
+    options = backend.parse_options({})
+    context = triton._C.libtriton.ir.context()
+    backend.load_dialects(context)
+    source.make_ir(target, options, backend.get_codegen_implementation(options),
+                   backend.get_module_map(), context)  # fmt: skip
 out["writes"] = writes
 print(json.dumps(out))
 """
@@ -235,7 +259,9 @@ def test_inductors_copy_of_each_tracing_w4a16_kernel_compiles_for_sm90(tmp_path)
     ``@triton.jit`` functions and constants named without a module prefix come along):
     the copy of every W4A16 kernel that states its launches compiles for sm_90 on a CPU
     (Triton's ptxas, no launch) with the bindings a decode call uses; and a stated launch
-    writes only the output and the split-K scratch (what functionalization clones)."""
+    writes only the output and the split-K scratch (what functionalization clones), found
+    with every integer argument taken as a constant as torch 2.11 does; the copy holds no
+    backslash (torch 2.11 pastes it into its module unescaped)."""
     pytest.importorskip("triton")
     proc = subprocess.run([sys.executable, "-c", _CLOSURE], capture_output=True, text=True,
                           env=sm90_compile_env(tmp_path), timeout=900)  # fmt: skip

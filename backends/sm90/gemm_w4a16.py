@@ -313,6 +313,15 @@ def _pair(out: str, a: int, b: int, mask_mag: int, mask_sign: int, form: str) ->
     )
 
 
+def ptx_one_line(text: str) -> str:
+    """`text` with its line breaks as spaces (PTX statements end at ``;``, so the code is
+    the same). Why: torch.compile copies a kernel's constants into the source of its
+    generated module inside a triple-quoted string without escaping backslashes (torch
+    2.11), so a ``\\n`` in a copied constant breaks that module; the kernels' constants
+    hold no backslash (`engine/inductor.py` launches them from Inductor's code)."""
+    return text.replace("\n", " ")
+
+
 def _dequant_asm(dtype: str, lo: tuple[int, int, str], hi: tuple[int, int, str]) -> str:
     """The PTX block for one (dtype, layout): lo/hi = (mag shift, sign shift, form)."""
     mag = 0x0E000E00 if dtype == "f16" else 0x01C001C0
@@ -332,10 +341,10 @@ _F16_NATURAL = _dequant_asm("f16", (9, 12, "masked"), (5, 8, "masked"))
 _F16_PREPARED = _dequant_asm("f16", (9, 12, "masked"), (4, 11, "masked"))
 _BF16_NATURAL = _dequant_asm("bf16", (6, 12, "or"), (2, 8, "masked"))
 _BF16_PREPARED = _dequant_asm("bf16", (6, 12, "or"), (1, 11, "or"))
-_DEQUANT_F16_NATURAL_ASM = tl.constexpr(_F16_NATURAL)
-_DEQUANT_F16_PREPARED_ASM = tl.constexpr(_F16_PREPARED)
-_DEQUANT_BF16_NATURAL_ASM = tl.constexpr(_BF16_NATURAL)
-_DEQUANT_BF16_V2_ASM = tl.constexpr(_BF16_PREPARED)
+_DEQUANT_F16_NATURAL_ASM = tl.constexpr(ptx_one_line(_F16_NATURAL))
+_DEQUANT_F16_PREPARED_ASM = tl.constexpr(ptx_one_line(_F16_PREPARED))
+_DEQUANT_BF16_NATURAL_ASM = tl.constexpr(ptx_one_line(_BF16_NATURAL))
+_DEQUANT_BF16_V2_ASM = tl.constexpr(ptx_one_line(_BF16_PREPARED))
 
 
 @triton.jit
@@ -619,7 +628,9 @@ def _w4a16_kernel(
     pid_n = pid % grid_n
     pid_m = pid // grid_n
 
-    k_half = tl.multiple_of(K // 2, 16)  # K % 32 == 0 (check_operands): 16-byte rows
+    # the cast is a no-op for a runtime K; it makes a K that torch.compile passes as a
+    # constant (its mutation analysis, torch 2.11) a tensor that can carry the hint
+    k_half = tl.multiple_of(tl.cast(K // 2, tl.int32), 16)  # K % 32 == 0: 16-byte rows
     kt0, kt1 = k_tile_range(K, BLOCK_K, SPLIT_K, pid_k)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -55,6 +55,7 @@ from fp4_dispatch.backends.sm90.gemm_w4a16 import (
     _USE_ASM,
     DenseKernel,
     _pair,
+    ptx_one_line,
     store_dense,
 )
 from fp4_dispatch.backends.sm90.splitk import k_tile_range
@@ -131,8 +132,8 @@ def _unscaled_asm(lo: tuple[int, int, str], hi: tuple[int, int, str]) -> str:
 # (magnitude shift, sign shift, form) per nibble: the fp16 rows of `gemm_w4a16`
 _NATURAL = _unscaled_asm((9, 12, "masked"), (5, 8, "masked"))
 _PREPARED = _unscaled_asm((9, 12, "masked"), (4, 11, "masked"))
-_NATURAL_ASM = tl.constexpr(_NATURAL)
-_PREPARED_ASM = tl.constexpr(_PREPARED)
+_NATURAL_ASM = tl.constexpr(ptx_one_line(_NATURAL))
+_PREPARED_ASM = tl.constexpr(ptx_one_line(_PREPARED))
 
 
 @triton.jit
@@ -286,7 +287,9 @@ def _w4a16_gemv_kernel(
     pid_n = pid % grid_n  # consecutive CTAs walk N: the tokens stay hot in L2
     pid_m = pid // grid_n
 
-    k_half = tl.multiple_of(K // 2, 16)  # K % 32 == 0 (check_operands): 16-byte rows
+    # the cast is a no-op for a runtime K; it makes a K that torch.compile passes as a
+    # constant (its mutation analysis, torch 2.11) a tensor that can carry the hint
+    k_half = tl.multiple_of(tl.cast(K // 2, tl.int32), 16)  # K % 32 == 0: 16-byte rows
     kt0, kt1 = k_tile_range(K, BLOCK_K, SPLIT_K, pid_k)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
