@@ -6,8 +6,8 @@ is made per call and kept nowhere, a plan without a tracing kernel refuses, the 
 keeps the opaque op; and the source Inductor copies of each tracing W4A16 kernel (its
 transitive closure) compiles for sm_90. On an sm90 GPU (``-m gpu``): a compiled
 `Nvfp4Linear` (default and reduce-overhead) computes the eager bits, and its generated
-code launches the plan's kernel and never calls the op; ``FP4_DISPATCH_INDUCTOR=0``
-keeps the op.
+code launches the plan's kernel and never calls the op (``FP4_DISPATCH_INDUCTOR=1``);
+without that switch the op stays.
 """
 
 from __future__ import annotations
@@ -118,12 +118,20 @@ def test_a_plan_whose_kernel_states_no_launches_refuses():
         plan.trace((None,) * 5)
 
 
-def test_on_the_cpu_a_compiled_layer_keeps_the_op(caplog):
-    """The rule runs under torch.compile (aot_eager) and keeps the opaque op on a CPU;
-    the compiled layer computes the eager bits."""
+@pytest.mark.parametrize("switch", ["1", None])
+def test_on_the_cpu_a_compiled_layer_keeps_the_op(caplog, monkeypatch, switch):
+    """The rule runs under torch.compile (aot_eager) and keeps the opaque op on a CPU, and
+    everywhere unless ``FP4_DISPATCH_INDUCTOR=1``; the compiled layer computes the eager
+    bits."""
+    if switch is None:
+        monkeypatch.delenv("FP4_DISPATCH_INDUCTOR", raising=False)
+    else:
+        monkeypatch.setenv("FP4_DISPATCH_INDUCTOR", switch)
     from fp4_dispatch import Dispatcher
+    from fp4_dispatch.engine import inductor
     from fp4_dispatch.integrations.nn import Nvfp4Linear
 
+    monkeypatch.setattr(inductor, "_logged", set())  # each outcome is logged once a process
     d = Dispatcher(device="cpu")
     layer = Nvfp4Linear.from_linear(torch.nn.Linear(64, 24, dtype=torch.bfloat16),
                                     dispatcher=d, activations="bf16")  # fmt: skip
@@ -132,7 +140,8 @@ def test_on_the_cpu_a_compiled_layer_keeps_the_op(caplog):
         eager = layer(x)
         compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
     assert torch.equal(compiled, eager)
-    assert "kept as a custom op: device cpu" in caplog.text
+    why = "device cpu" if switch else "FP4_DISPATCH_INDUCTOR is not 1"
+    assert f"kept as a custom op: {why}" in caplog.text
 
 
 _CLOSURE = (
@@ -293,7 +302,7 @@ def _plan(d, m: int, n: int, k: int):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("m", "bias"), [(1, False), (16, True)])
-def test_a_compiled_layer_launches_the_plans_kernel_itself(m, bias):
+def test_a_compiled_layer_launches_the_plans_kernel_itself(m, bias, monkeypatch):
     """`Nvfp4Linear` W4A16 under torch.compile (default mode): the eager bits on fresh
     inputs; the generated code launches the plan's Triton kernel and never calls the op
     where the kernel states its launches (the direct kernel at 16 tokens), and keeps the
@@ -304,6 +313,7 @@ def test_a_compiled_layer_launches_the_plans_kernel_itself(m, bias):
     from fp4_dispatch import Dispatcher
     from fp4_dispatch.integrations.nn import Nvfp4Linear
 
+    monkeypatch.setenv("FP4_DISPATCH_INDUCTOR", "1")
     dev = torch.device("cuda")
     torch.manual_seed(m)
     lin = torch.nn.Linear(4096, 4096, bias=bias, device=dev, dtype=torch.bfloat16)
@@ -333,14 +343,18 @@ def test_a_compiled_layer_launches_the_plans_kernel_itself(m, bias):
 
 
 @pytest.mark.gpu
-def test_with_fp4_dispatch_inductor_0_the_compiled_layer_keeps_the_op(monkeypatch):
+@pytest.mark.parametrize("switch", ["0", None])
+def test_without_fp4_dispatch_inductor_1_the_compiled_layer_keeps_the_op(monkeypatch, switch):
     _sm90()
     from torch._inductor.utils import run_and_get_code
 
     from fp4_dispatch import Dispatcher
     from fp4_dispatch.integrations.nn import Nvfp4Linear
 
-    monkeypatch.setenv("FP4_DISPATCH_INDUCTOR", "0")
+    if switch is None:
+        monkeypatch.delenv("FP4_DISPATCH_INDUCTOR", raising=False)
+    else:
+        monkeypatch.setenv("FP4_DISPATCH_INDUCTOR", switch)
     dev = torch.device("cuda")
     lin = torch.nn.Linear(4096, 1024, device=dev, dtype=torch.bfloat16)
     layer = Nvfp4Linear.from_linear(lin, dispatcher=Dispatcher(cache=False))

@@ -24,8 +24,8 @@ re-tuning later changes what eager calls run, not the compiled graph (recompile 
 The op stays opaque - its Python implementation per call, as before - when the rule
 cannot state the call: a symbolic size (dynamic shapes), a capture in progress, a
 non-CUDA device, a plan whose kernel has no ``trace`` or raises `NotTraceable`,
-``torch.export`` (which keeps custom ops), or ``FP4_DISPATCH_INDUCTOR=0`` (read per
-compile). Each outcome is logged once per plan key.
+``torch.export`` (which keeps custom ops), or the switch off (`enabled`: opt-in with
+``FP4_DISPATCH_INDUCTOR=1``, read per compile). Each outcome is logged once per plan key.
 """
 
 from __future__ import annotations
@@ -55,9 +55,11 @@ _log_lock = threading.Lock()
 
 
 def enabled() -> bool:
-    """Whether compiled graphs may launch the kernels themselves (``FP4_DISPATCH_INDUCTOR``,
-    on unless ``0``)."""
-    return os.environ.get("FP4_DISPATCH_INDUCTOR", "1") != "0"
+    """Whether compiled graphs may launch the kernels themselves: ``FP4_DISPATCH_INDUCTOR=1``
+    (opt-in). Why off by default: a kernel Inductor cannot compile fails the whole
+    ``torch.compile`` (after this rule ran, so nothing here can fall back), and the path
+    has not yet run to completion on a GPU (benchmarks/RESULTS.md, "Eager launch" run 9)."""
+    return os.environ.get("FP4_DISPATCH_INDUCTOR", "0") == "1"
 
 
 def register_dense_rule(
@@ -125,7 +127,7 @@ def _traceable_plan(
 def _why_opaque(a: torch.Tensor, b: torch.Tensor) -> str | None:
     """Why a call is not stated for Inductor (module docstring), or None."""
     if not enabled():
-        return "FP4_DISPATCH_INDUCTOR=0"
+        return "FP4_DISPATCH_INDUCTOR is not 1"
     if not torch._functorch.config.decompose_custom_triton_ops:
         return "torch.export keeps custom ops"
     if a.device.type != "cuda":
