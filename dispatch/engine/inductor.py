@@ -111,13 +111,11 @@ def _traceable_plan(
         _log_once(why, f"kept as a custom op: {why}")
         return None
     d = resolve(did, a.device)
-    dtype = checks.out_dtype_name(out_dtype)
-    m, k, n = a.shape[0], a.shape[1], b.shape[0]
-    key: PlanKey = d.dense_plan_key(a, b, dtype)
-    plan = d.cached_plan(m, n, k, dtype, "w4a16")
+    key: PlanKey = d.dense_plan_key(a, b, checks.out_dtype_name(out_dtype))
+    plan = d.cached_plan(*key)
     if plan is None or not plan.warm:
-        _warm(d, m, n, k, a.dtype, out_dtype)
-        plan = d.cached_plan(m, n, k, dtype, "w4a16")
+        _warm(d, key, a.dtype, out_dtype)
+        plan = d.cached_plan(*key)
     if plan is None or not plan.warm:
         _log_once(key, "kept as a custom op: the plan did not become warm")
         return None
@@ -142,19 +140,20 @@ def _why_opaque(a: torch.Tensor, b: torch.Tensor) -> str | None:
     return None
 
 
-def _warm(d: Runner, m: int, n: int, k: int, a_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
-    """Run the exact problem once on real operands (random activations, a quantized
+def _warm(d: Runner, key: PlanKey, a_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
+    """Run the problem of `key` once on real operands (random activations, a quantized
     random weight), outside every tracing mode, so its plan is made and warm."""
     from torch.utils._python_dispatch import _disable_current_modes  # noqa: PLC0415
 
     with _disable_current_modes(), torch.no_grad():
         device = torch.device(d.device.torch_device)
+        m, n, k, dtype = key[:4]
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(m, k, generator=gen).to(device, a_dtype)
         qb = quantize_nvfp4(torch.randn(n, k, generator=gen).to(device))
         out = torch.empty((m, n), dtype=out_dtype, device=device)
         alpha = qb.global_scale.reshape(1)
-        d.run_dense(x, qb.data, qb.scale, alpha, out, checks.out_dtype_name(out_dtype))
+        d.run_dense(x, qb.data, qb.scale, alpha, out, dtype)
 
 
 def _log_once(key: Any, outcome: str) -> None:
