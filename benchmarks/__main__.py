@@ -127,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, rest = parser().parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("fp4_dispatch").setLevel(logging.WARNING)  # one line per plan otherwise
+    # which compiled linears Inductor launches itself: one line per plan key
+    logging.getLogger("fp4_dispatch.engine.inductor").setLevel(logging.INFO)
     if rest and args.command not in SUITES:
         raise SystemExit(f"{args.command}: unknown options {rest}")
     if args.command == "table":

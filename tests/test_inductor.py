@@ -12,11 +12,13 @@ without that switch the op stays.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import subprocess
 import sys
 import types
+from typing import Literal
 
 import pytest
 import torch
@@ -142,6 +144,128 @@ def test_on_the_cpu_a_compiled_layer_keeps_the_op(caplog, monkeypatch, switch):
     assert torch.equal(compiled, eager)
     why = "device cpu" if switch else "FP4_DISPATCH_INDUCTOR is not 1"
     assert f"kept as a custom op: {why}" in caplog.text
+
+
+# ---- side plans: a candidate that states its launches where the pick does not -------------
+
+
+class _RefKernel:
+    """A W4A16 kernel computing the reference (``wrong``: twice it)."""
+
+    def __init__(self, wrong: bool) -> None:
+        self.wrong = wrong
+
+    def __call__(self, operands, out: torch.Tensor) -> None:
+        from fp4_dispatch.backends.reference import gemm_dense
+
+        gemm_dense(operands, out, "float32", 0)
+        if self.wrong:
+            out.mul_(2)
+
+
+class _TracingKernel(_RefKernel):
+    trace = staticmethod(contextlib.nullcontext)
+
+
+def _w4a16_backend(name: str, est_us: float, traces: bool, wrong: bool = False):
+    """A synthetic W4A16 family of one tactic with a fixed estimate."""
+    from fp4_dispatch import Backend, Support, Tactic
+
+    tactic_type = type(
+        f"Tactic_{name}", (Tactic,),
+        {"__annotations__": {"backend": Literal[name]}, "backend": name})  # fmt: skip
+
+    class _Family(Backend):
+        family = name
+        version = "1"
+        operations = ("w4a16",)
+
+        def supports(self, device) -> Support:
+            return Support(True, "synthetic")
+
+        def tactics(self, problem, device):
+            yield tactic_type(tile_m=64, tile_n=64)
+
+        def estimate_us(self, problem, device, tactic) -> float:
+            return est_us
+
+        def build(self, tactic, problem, device):
+            return (_TracingKernel if traces else _RefKernel)(wrong)
+
+    _Family.name, _Family.tactic_type = name, tactic_type
+    return _Family()
+
+
+@pytest.fixture
+def side_dispatcher(monkeypatch):
+    """``side_dispatcher(*backends)``: a CPU dispatcher over these families alone (each an
+    external plugin, so a kernel's first run is checked against the reference)."""
+    from test_tuning import make_registry
+
+    import fp4_dispatch.loading.registry as registry_mod
+    from fp4_dispatch import Dispatcher
+    from fp4_dispatch.engine import inductor
+
+    monkeypatch.setattr(inductor, "_logged", set())
+
+    def make(*backends):
+        monkeypatch.setattr(registry_mod, "load", lambda strict=None: make_registry(*backends))
+        return Dispatcher(device="cpu", cache=False, verify_plugins=True)
+
+    return make
+
+
+SIDE_KEY = (2, 64, 128, "bfloat16", "w4a16")
+
+
+@pytest.mark.parametrize(
+    ("families", "side"),
+    [
+        # the best that states launches within OPAQUE_OP_US (30) of the best estimate
+        ([("pick", 10, False), ("near", 35, True), ("far", 50, True)], "near"),
+        ([("pick", 10, False), ("far", 45, True)], None),
+        # a wrong first run is recorded and passed over for the next
+        ([("pick", 10, False), ("wrong", 20, True, True), ("near", 38, True)], "near"),
+        ([("pick", 10, False), ("wrong", 20, True, True)], None),
+    ],
+)
+def test_a_side_plan_is_the_best_candidate_that_states_launches_and_runs_right(
+    side_dispatcher, families, side
+):
+    from fp4_dispatch.engine import inductor
+
+    d = side_dispatcher(*(_w4a16_backend(*f) for f in families))
+    plan = inductor._side_plan(d, SIDE_KEY, torch.bfloat16, torch.bfloat16)
+    if side is None:
+        assert plan is None
+    else:
+        assert plan.candidate.backend == side and plan.warm and plan.key == SIDE_KEY
+        assert d.cached_plan(*SIDE_KEY) is not plan  # kept beside the dispatcher's plans
+    assert inductor._side_plan(d, SIDE_KEY, torch.bfloat16, torch.bfloat16) is plan  # once
+    wrong = [f.backend for f in d.faults if f.call == "kernel() result"]
+    assert wrong == (["wrong"] if any(len(f) == 4 for f in families) else [])
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_rule_states_the_side_plan_unless_a_cuda_graph_replays_the_step(
+    side_dispatcher, monkeypatch, graphs
+):
+    """Past `_why_opaque` (which a CPU never passes): the dispatcher's warm pick, whose
+    kernel states no launches, is stated by its side plan in the default mode and kept
+    (as the opaque op) under ``mode="reduce-overhead"``."""
+    from torch._inductor import config
+
+    from fp4_dispatch.engine import inductor
+    from fp4_dispatch.format.nvfp4 import quantize_nvfp4
+
+    d = side_dispatcher(_w4a16_backend("pick", 10, False), _w4a16_backend("near", 35, True))
+    monkeypatch.setattr(inductor, "_why_opaque", lambda a, b: None)
+    m, n, k = SIDE_KEY[:3]
+    a, qb = torch.randn(m, k, dtype=torch.bfloat16), quantize_nvfp4(torch.randn(n, k))
+    with config.patch({"triton.cudagraphs": graphs}):
+        plan = inductor._traceable_plan(a, qb.data, torch.bfloat16, -1, lambda did, dev: d)
+    assert plan.candidate.backend == ("pick" if graphs else "near") and plan.warm
+    assert d.cached_plan(*SIDE_KEY).candidate.backend == "pick"
 
 
 _CLOSURE = (
@@ -300,17 +424,28 @@ def _plan(d, m: int, n: int, k: int):
     return plan
 
 
+def _eager(plan, layer, x: torch.Tensor) -> torch.Tensor:
+    """`plan` run eagerly on the layer's operands (bfloat16 out)."""
+    out = torch.empty(x.shape[0], layer.out_features, device=x.device, dtype=torch.bfloat16)
+    bias = None if layer.bias is None else layer.bias.to(torch.bfloat16)
+    alpha = layer.weight_global_scale.reshape(1)
+    plan(x, layer.weight_data, layer.weight_scale, alpha, out, bias, None)
+    return out
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("m", "bias"), [(1, False), (16, True)])
 def test_a_compiled_layer_launches_the_plans_kernel_itself(m, bias, monkeypatch):
-    """`Nvfp4Linear` W4A16 under torch.compile (default mode): the eager bits on fresh
-    inputs; the generated code launches the plan's Triton kernel and never calls the op
-    where the kernel states its launches (the direct kernel at 16 tokens), and keeps the
-    op where it does not (a Gluon pick); under reduce-overhead the same bits."""
+    """`Nvfp4Linear` W4A16 under torch.compile (default mode): the generated code launches
+    a Triton kernel and never calls the op - the plan's own where its kernel states its
+    launches (the direct kernel at 16 tokens), else its side plan's (at one token, beside
+    the Gluon pick) - with that kernel's eager bits on fresh inputs; under reduce-overhead
+    the pick itself (the op where it is opaque), with the eager bits."""
     _sm90()
     from torch._inductor.utils import run_and_get_code
 
     from fp4_dispatch import Dispatcher
+    from fp4_dispatch.engine import inductor
     from fp4_dispatch.integrations.nn import Nvfp4Linear
 
     monkeypatch.setenv("FP4_DISPATCH_INDUCTOR", "1")
@@ -326,15 +461,15 @@ def test_a_compiled_layer_launches_the_plans_kernel_itself(m, bias, monkeypatch)
         y, code = run_and_get_code(compiled, xs[0])
         text = "\n".join(code)
         plan = _plan(d, m, 4096, 4096)
-        traced = getattr(plan.kernel, "trace", None) is not None
-        assert traced or m == 1, plan
-        assert ("fp4_dispatch.gemm_w4a16" in text) is not traced, (plan, text[-3000:])
-        if traced:
-            names = {bound.owner.name for bound in plan.kernel._bound.values()}
-            assert any(name in text for name in names), (names, text[-3000:])
-        assert torch.equal(y, layer(xs[0]))
+        stated = plan if inductor._states_launches(plan) else inductor._side_plans[d][plan.key]
+        assert stated is not None and inductor._states_launches(stated), plan
+        assert (stated is plan) is (m == 16), (plan, stated)
+        assert "fp4_dispatch.gemm_w4a16" not in text, text[-3000:]
+        names = {bound.owner.name for bound in stated.kernel._bound.values()}
+        assert any(name in text for name in names), (names, text[-3000:])
+        assert torch.equal(y, _eager(stated, layer, xs[0]))
         for x in xs:
-            assert torch.equal(compiled(x), layer(x))
+            assert torch.equal(compiled(x), _eager(stated, layer, x))
         torch._dynamo.reset()
         graphed = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
         for _ in range(3):

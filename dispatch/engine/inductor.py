@@ -18,6 +18,14 @@ hook ``torch.library.triton_op`` uses for its ops). The rule
    ``wrap_triton`` node that Inductor compiles from the kernel's source and launches;
    split-K scratch is allocated in the graph.
 
+Where the dispatcher's plan cannot be stated (its kernel has no ``trace``: the Gluon ``mma``
+kernel, the sm90 pick at one token) and no CUDA graph will replay the compiled step
+(``torch._inductor.config.triton.cudagraphs`` off: the default mode), the rule states a
+*side plan* instead: the best-ranked candidate whose kernel can be stated, if its estimate
+is within `OPAQUE_OP_US` of the best one (`_side_plan`). It is kept beside the
+dispatcher's plans, never replaces them (eager calls and CUDA graphs keep the pick), and
+runs once on real operands first, through the first-use check where its plugin needs one.
+
 A compiled graph keeps the kernel chosen when it was compiled, as a CUDA graph does;
 re-tuning later changes what eager calls run, not the compiled graph (recompile it).
 
@@ -33,17 +41,21 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from fp4_dispatch.contracts.backend import NotTraceable
+from fp4_dispatch.contracts.tactics import Problem
 from fp4_dispatch.engine.capture import stream_capturing
-from fp4_dispatch.engine.plans import Plan, PlanKey
+from fp4_dispatch.engine.plans import Plan, PlanKey, plan_for
 from fp4_dispatch.engine.runner import Runner
 from fp4_dispatch.format import checks
 from fp4_dispatch.format.nvfp4 import quantize_nvfp4
+from fp4_dispatch.loading.guard import PluginFault
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +64,18 @@ __all__ = ["enabled", "register_dense_rule"]
 #: (plan key or reason, outcome) already logged
 _logged: set[tuple[Any, str]] = set()
 _log_lock = threading.Lock()
+
+#: Host time, µs, an opaque op call costs a default-mode compiled step beyond a launch
+#: Inductor makes itself: ~37 µs a W4A16 linear through the op against ~5 µs for the
+#: compiled bf16 ``mm`` (benchmarks/RESULTS.md, "Eager launch" run 4 and "Whole model" run
+#: 4, H100 hosts), rounded down. A side plan estimated slower than the best candidate by
+#: more than this is not taken.
+OPAQUE_OP_US = 30.0
+
+#: dispatcher -> {plan key: its side plan, or None where no candidate qualified}
+_side_plans: weakref.WeakKeyDictionary[Runner, dict[PlanKey, Plan | None]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def enabled() -> bool:
@@ -119,7 +143,76 @@ def _traceable_plan(
     if plan is None or not plan.warm:
         _log_once(key, "kept as a custom op: the plan did not become warm")
         return None
-    return plan
+    if _states_launches(plan) or _graphs_replay():
+        return plan
+    side = _side_plan(d, key, a.dtype, out_dtype)
+    if side is None:
+        return plan
+    _log_once(
+        key, f"{plan.candidate.backend} states no launches; side plan {side.candidate.backend}"
+    )
+    return side
+
+
+def _states_launches(plan: Plan) -> bool:
+    return getattr(plan.kernel, "trace", None) is not None
+
+
+def _graphs_replay() -> bool:
+    """Whether the step being compiled will replay as a CUDA graph (``mode=
+    "reduce-overhead"`` sets this option for the compile), where an op costs no host time."""
+    from torch._inductor import config  # noqa: PLC0415
+
+    return bool(config.triton.cudagraphs)
+
+
+def _side_plan(
+    d: Runner, key: PlanKey, a_dtype: torch.dtype, out_dtype: torch.dtype
+) -> Plan | None:
+    """The warm side plan of `key` (module docstring), made once per dispatcher and key;
+    None where no candidate within `OPAQUE_OP_US` of the best estimate states its launches
+    and runs right."""
+    kept = _side_plans.setdefault(d, {})
+    if key in kept:
+        return kept[key]
+    m, n, k, dtype, op = key[:5]
+    problem = Problem(m=m, n=n, k=k, out_dtype=dtype, operation=op)
+    ranked = d.candidates(m, n, k, dtype, "w4a16").candidates
+    found = None
+    for cand in ranked:
+        if cand.est_us > ranked[0].est_us + OPAQUE_OP_US:
+            break
+        if (cand.backend, cand.tactic) in d.guard.broken:
+            continue
+        try:
+            kernel = d.kernel_for(cand, problem)
+        except PluginFault:  # recorded by the guard (the pair is marked broken)
+            continue
+        plan = plan_for(key, cand, kernel, replay=False)
+        if _states_launches(plan) and _runs_right(d, plan, a_dtype, out_dtype):
+            found = plan
+            break
+    kept[key] = found
+    return found
+
+
+def _runs_right(d: Runner, plan: Plan, a_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Run `plan` once on real operands; a plugin's kernel is also checked against the
+    reference (`fp4_dispatch.engine.firstuse`). A failure is recorded by the guard."""
+    cand = plan.candidate
+    with _real():
+        args = _operands(d, plan.key, a_dtype, out_dtype)
+        try:
+            plan(*args)
+            wrong = d.first_use.check(plan, args) if d.first_use.needed(plan) else None
+        except Exception as exc:  # a plugin's kernel: recorded, not taken
+            d.guard.fault(cand.backend, "kernel()", exc, cand.tactic)
+            return False
+    if wrong is not None:
+        d.guard.fault(cand.backend, "kernel() result", wrong, cand.tactic)
+        return False
+    plan.warm = True
+    return True
 
 
 def _why_opaque(a: torch.Tensor, b: torch.Tensor) -> str | None:
@@ -141,19 +234,31 @@ def _why_opaque(a: torch.Tensor, b: torch.Tensor) -> str | None:
 
 
 def _warm(d: Runner, key: PlanKey, a_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
-    """Run the problem of `key` once on real operands (random activations, a quantized
-    random weight), outside every tracing mode, so its plan is made and warm."""
+    """Run the problem of `key` once through the dispatcher, so its plan is made and warm."""
+    with _real():
+        a, b, sb, alpha, out, _, _ = _operands(d, key, a_dtype, out_dtype)
+        d.run_dense(a, b, sb, alpha, out, key[3])
+
+
+@contextmanager
+def _real() -> Iterator[None]:
+    """Outside every tracing mode, without autograd: where real operands can run."""
     from torch.utils._python_dispatch import _disable_current_modes  # noqa: PLC0415
 
     with _disable_current_modes(), torch.no_grad():
-        device = torch.device(d.device.torch_device)
-        m, n, k, dtype = key[:4]
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(m, k, generator=gen).to(device, a_dtype)
-        qb = quantize_nvfp4(torch.randn(n, k, generator=gen).to(device))
-        out = torch.empty((m, n), dtype=out_dtype, device=device)
-        alpha = qb.global_scale.reshape(1)
-        d.run_dense(x, qb.data, qb.scale, alpha, out, dtype)
+        yield
+
+
+def _operands(d: Runner, key: PlanKey, a_dtype: torch.dtype, out_dtype: torch.dtype) -> tuple:
+    """Real operands of `key`'s problem as a dense plan takes them: random activations, a
+    quantized random weight, no bias, no prepared copy."""
+    device = torch.device(d.device.torch_device)
+    m, n, k = key[:3]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=gen).to(device, a_dtype)
+    qb = quantize_nvfp4(torch.randn(n, k, generator=gen).to(device))
+    out = torch.empty((m, n), dtype=out_dtype, device=device)
+    return (x, qb.data, qb.scale, qb.global_scale.reshape(1), out, None, None)
 
 
 def _log_once(key: Any, outcome: str) -> None:
