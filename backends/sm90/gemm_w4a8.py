@@ -12,8 +12,9 @@ scale and the E4M3 codes, one Triton kernel, one read of ``x``):
 
 - ``fused``: one CTA owns ``BLOCK_N`` weight rows and ``BLOCK_M`` tokens. It first reads
   its rows' block scales once (``K/16`` bytes a row) for their per-channel scale, then
-  per K step expands the NVFP4 tile to fp32 (``e2m1 * block scale / channel scale``,
-  exact), rounds it to E4M3 and multiplies it with the E4M3 activation tile on the FP8
+  per K step expands the NVFP4 tile (``e2m1 * block scale / channel scale``, exact, in
+  bf16 pairs), rounds each pair to E4M3 with one conversion (`_weight_pairs_e4m3`, as
+  the unpack pass does) and multiplies the tile with the E4M3 activation tile on the FP8
   tensor cores (``tl.dot`` on ``float8e4nv``: wgmma), accumulating in fp32. Weights are
   the MMA's wide side, tokens the narrow one, as in the W4A16 direct kernel, whose
   epilogue (bias, split-K, transposed store: `gemm_w4a16.store_dense`) it shares.
@@ -50,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4_dispatch.backends.sm90.gemm_unpack import _e2m1_to_f32, _e4m3_to_f32
+from fp4_dispatch.backends.sm90.gemm_unpack import _e4m3_to_f32
 from fp4_dispatch.backends.sm90.gemm_w4a16 import _dequant_scaled_bf16, store_dense
 from fp4_dispatch.backends.sm90.splitk import k_tile_range
 from fp4_dispatch.backends.sm90.swizzle import scale_group_offset, scale_row_offset
@@ -195,19 +196,65 @@ def _channel_exponent(bs_ptr, s_row, rmask, K, ROWS: tl.constexpr, KG: tl.conste
     return _pow2_exponent(6.0 * _e4m3_to_f32(best.to(tl.uint8)))
 
 
+#: (even K, odd K) bf16 pairs ``v * 2**-14`` of the W4A16 dequantizer -> per element
+#: pair one uint16 holding ``e4m3(v_even) | e4m3(v_odd) << 8`` (natural K order in
+#: memory): times 2**14 in bf16 (exact), widened to fp32 (exact), one ``cvt`` a pair
+_PAIR_E4M3_ASM = tl.constexpr("""{
+.reg .b32 c, l, h, l0, l1, h0, h1;
+.reg .b16 r0, r1;
+mov.b32 c, 0x46804680;
+mul.rn.bf16x2 l, $1, c;
+mul.rn.bf16x2 h, $2, c;
+shl.b32 l0, l, 16;
+and.b32 l1, l, 0xFFFF0000;
+shl.b32 h0, h, 16;
+and.b32 h1, h, 0xFFFF0000;
+cvt.rn.satfinite.e4m3x2.f32 r0, h0, l0;
+cvt.rn.satfinite.e4m3x2.f32 r1, h1, l1;
+mov.b32 $0, {r0, r1};
+}""")
+
+
 @triton.jit
-def _weight_tile_e4m3(w, sb, inv_c, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                      HW_CVT: tl.constexpr):  # fmt: skip
-    """A ``[ROWS, BLOCK_K/2]`` tile of packed e2m1 bytes with its ``[ROWS, BLOCK_K/16]``
-    block-scale bytes -> ``[ROWS, BLOCK_K]`` E4M3 of ``e2m1 * scale * inv_c`` (natural K
-    order: byte j holds K 2j in its low nibble)."""
-    KB: tl.constexpr = BLOCK_K // 2
-    KG: tl.constexpr = BLOCK_K // 16
-    sc = (_e4m3_to_f32(sb) * inv_c[:, None])[:, :, None]  # exact: inv_c is a power of two
-    lo = tl.reshape(tl.reshape(_e2m1_to_f32(w & 0xF), (ROWS, KG, 8)) * sc, (ROWS, KB))
-    hi = tl.reshape(tl.reshape(_e2m1_to_f32(w >> 4), (ROWS, KG, 8)) * sc, (ROWS, KB))
-    vals = tl.reshape(tl.join(lo, hi), (ROWS, BLOCK_K))
-    return _to_e4m3(vals, HW_CVT)
+def _pack_e4m3_pairs(lo, hi, HW_CVT: tl.constexpr):
+    """(even K, odd K) bf16 values ``v * 2**-14`` -> uint16 ``e4m3(v_even) | e4m3(v_odd)
+    << 8``: `_PAIR_E4M3_ASM` on the GPU, its integer twin (`_e4m3_bits_rne`) under the
+    interpreter. Both round once, to nearest even, from the exact ``v``."""
+    if HW_CVT:
+        return tl.inline_asm_elementwise(
+            _PAIR_E4M3_ASM, "=r,r,r", [lo, hi], dtype=tl.uint16, is_pure=True, pack=2
+        )
+    even = _e4m3_bits_rne(lo.to(tl.float32) * 16384.0).to(tl.uint16)
+    odd = _e4m3_bits_rne(hi.to(tl.float32) * 16384.0).to(tl.uint16)
+    return even | (odd << 8)
+
+
+@triton.jit
+def _weight_pairs_e4m3(w, sb, inv_c, ROWS: tl.constexpr, KB: tl.constexpr,
+                       HW_CVT: tl.constexpr):  # fmt: skip
+    """A ``[ROWS, KB]`` tile of packed e2m1 bytes with its ``[ROWS, KB/8]`` block-scale
+    bytes -> ``[ROWS, KB]`` uint16, each the E4M3 codes of ``e2m1 * scale * inv_c`` of
+    the byte's two nibbles (low byte: the low nibble). Why pairs: an fp32 expansion took
+    ~21 PTX instructions an element in the weight pass (663 in the loop of a 16x256 tile,
+    32 elements a thread), the likely bound of the pass at 1.1-1.4 TB/s (this one is
+    1.3-1.7x faster, same bits: benchmarks/RESULTS.md, "W4A8 on Hopper", run 3), and in
+    the fused kernel 2,203 PTX instructions a K step at 128x64 tiles against 864 (Triton
+    3.9, sm_90, `tests/test_gemm_w4a8.py`); here the W4A16 kernels' bf16 dequantizer
+    (``prmt`` and ``bf16x2`` products, exact: ``e2m1 * scale`` has at most 6 significant
+    bits) and one conversion per pair. ``scale * inv_c`` stays exact in bf16 (``inv_c``
+    is a power of two and the product stays within bf16's range)."""
+    sc = _e4m3_to_f32(sb) * inv_c[:, None]
+    lo, hi = _dequant_scaled_bf16(w, sc, ROWS, KB, HW_CVT, False, 0)
+    return _pack_e4m3_pairs(lo, hi, HW_CVT)
+
+
+@triton.jit
+def _unpair(pairs, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[ROWS, BLOCK_K/2]`` uint16 pairs of E4M3 codes (`_weight_pairs_e4m3`: low byte
+    the even K) -> the ``[ROWS, BLOCK_K]`` float8e4nv tile in natural K order."""
+    even = (pairs & 0xFF).to(tl.uint8)
+    odd = (pairs >> 8).to(tl.uint8)
+    return tl.reshape(tl.join(even, odd), (ROWS, BLOCK_K)).to(tl.float8e4nv, bitcast=True)
 
 
 # ---- the fused kernel -------------------------------------------------------------------
@@ -258,7 +305,7 @@ def _w4a8_kernel(
             w = tl.load(w_ptrs, mask=kmask[None, :], other=0)
             sb = tl.load(s_ptrs, mask=((kt * KG + rg) < K // 16)[None, :], other=0)
             xq = tl.load(x_ptrs, mask=xrow & ((kt * BLOCK_K + rk) < K)[None, :], other=0.0)
-        wq = _weight_tile_e4m3(w, sb, inv_c, BLOCK_N, BLOCK_K, HW_CVT)
+        wq = _unpair(_weight_pairs_e4m3(w, sb, inv_c, BLOCK_N, KB, HW_CVT), BLOCK_N, BLOCK_K)
         acc = tl.dot(wq, tl.trans(xq), acc, max_num_imprecise_acc=IMPRECISE)
         w_ptrs += KB
         s_ptrs += (KG // 4) * 512
@@ -343,57 +390,6 @@ class W4A8Kernel:
 
 
 # ---- the unpack path --------------------------------------------------------------------
-
-
-#: (even K, odd K) bf16 pairs ``v * 2**-14`` of the W4A16 dequantizer -> per element
-#: pair one uint16 holding ``e4m3(v_even) | e4m3(v_odd) << 8`` (natural K order in
-#: memory): times 2**14 in bf16 (exact), widened to fp32 (exact), one ``cvt`` a pair
-_PAIR_E4M3_ASM = tl.constexpr("""{
-.reg .b32 c, l, h, l0, l1, h0, h1;
-.reg .b16 r0, r1;
-mov.b32 c, 0x46804680;
-mul.rn.bf16x2 l, $1, c;
-mul.rn.bf16x2 h, $2, c;
-shl.b32 l0, l, 16;
-and.b32 l1, l, 0xFFFF0000;
-shl.b32 h0, h, 16;
-and.b32 h1, h, 0xFFFF0000;
-cvt.rn.satfinite.e4m3x2.f32 r0, h0, l0;
-cvt.rn.satfinite.e4m3x2.f32 r1, h1, l1;
-mov.b32 $0, {r0, r1};
-}""")
-
-
-@triton.jit
-def _pack_e4m3_pairs(lo, hi, HW_CVT: tl.constexpr):
-    """(even K, odd K) bf16 values ``v * 2**-14`` -> uint16 ``e4m3(v_even) | e4m3(v_odd)
-    << 8``: `_PAIR_E4M3_ASM` on the GPU, its integer twin (`_e4m3_bits_rne`) under the
-    interpreter. Both round once, to nearest even, from the exact ``v``."""
-    if HW_CVT:
-        return tl.inline_asm_elementwise(
-            _PAIR_E4M3_ASM, "=r,r,r", [lo, hi], dtype=tl.uint16, is_pure=True, pack=2
-        )
-    even = _e4m3_bits_rne(lo.to(tl.float32) * 16384.0).to(tl.uint16)
-    odd = _e4m3_bits_rne(hi.to(tl.float32) * 16384.0).to(tl.uint16)
-    return even | (odd << 8)
-
-
-@triton.jit
-def _weight_pairs_e4m3(w, sb, inv_c, ROWS: tl.constexpr, KB: tl.constexpr,
-                       HW_CVT: tl.constexpr):  # fmt: skip
-    """A ``[ROWS, KB]`` tile of packed e2m1 bytes with its ``[ROWS, KB/8]`` block-scale
-    bytes -> ``[ROWS, KB]`` uint16, each the E4M3 codes of ``e2m1 * scale * inv_c`` of
-    the byte's two nibbles (low byte: the low nibble). Why not `_weight_tile_e4m3`: its
-    fp32 expansion took ~21 PTX instructions an element in the weight pass (663 in the
-    loop of a 16x256 tile, 32 elements a thread), the likely bound of the pass at
-    1.1-1.4 TB/s (this one is 1.3-1.7x faster, same bits: benchmarks/RESULTS.md, "W4A8 on
-    Hopper", run 3); here the W4A16 kernels' bf16 dequantizer
-    (``prmt`` and ``bf16x2`` products, exact: ``e2m1 * scale`` has at most 6 significant
-    bits) and one conversion per pair. ``scale * inv_c`` stays exact in bf16 (``inv_c``
-    is a power of two and the product stays within bf16's range)."""
-    sc = _e4m3_to_f32(sb) * inv_c[:, None]
-    lo, hi = _dequant_scaled_bf16(w, sc, ROWS, KB, HW_CVT, False, 0)
-    return _pack_e4m3_pairs(lo, hi, HW_CVT)
 
 
 @triton.jit
