@@ -12,8 +12,9 @@ the two ways users run it, in one process and beside bf16 and FP8 twins of the s
   (`harness.eager_wall_samples`). Eager walls move between H200 hosts, so the eager pass
   runs ``--rounds`` times (default 3), every variant once per round in turn, and the
   table gives the median of the rounds' medians, bf16 from the same rounds;
-- ``compile`` (opt-in): ``torch.compile`` in its default mode (no CUDA graphs), eager
-  wall as above.
+- ``compile`` (opt-in): ``torch.compile`` in its default mode (no CUDA graphs), each
+  step compiled for its own shapes (``dynamic=False``: `_compiled` says why), eager wall
+  as above.
 
 Steps: decode at batch 1, 16 and 64 (one token per sequence against a static KV cache of
 ``--context`` positions, what a serving step does) and prefill of 1024 and 4096 tokens
@@ -410,8 +411,14 @@ def eager_rounds(what: str, run: dict[str, Callable[[], object]], warm: dict[str
 
 
 def _compiled(models: dict[str, nn.Module], step: Step, device: torch.device) -> dict:
-    """`make_step` of each model under ``torch.compile`` (default mode: no CUDA graphs)."""
-    return {v: make_step(torch.compile(m), step, device) for v, m in models.items()}
+    """`make_step` of each model under ``torch.compile`` (default mode: no CUDA graphs),
+    compiled for this step's shapes alone (``dynamic=False``, Dynamo's caches reset).
+    Why: a module compiled once and called at a second shape is recompiled with symbolic
+    sizes (Dynamo's automatic dynamic shapes), and a W4A16 call of symbolic M keeps its
+    custom op (docs/launch.md); a serving engine compiles per batch size."""
+    torch._dynamo.reset()
+    return {v: make_step(torch.compile(m, dynamic=False), step, device)
+            for v, m in models.items()}  # fmt: skip
 
 
 def _rows(name, layers, steps, args, results, cosines, ctx) -> list[Row]:
