@@ -415,8 +415,13 @@ def _compiled(models: dict[str, nn.Module], step: Step, device: torch.device) ->
     compiled for this step's shapes alone (``dynamic=False``, Dynamo's caches reset).
     Why: a module compiled once and called at a second shape is recompiled with symbolic
     sizes (Dynamo's automatic dynamic shapes), and a W4A16 call of symbolic M keeps its
-    custom op (docs/launch.md); a serving engine compiles per batch size."""
+    custom op (docs/launch.md); a serving engine compiles per batch size. Inductor's
+    FX-graph and AOTAutograd caches are off: their keys hold neither this project's code
+    nor ``FP4_DISPATCH_INDUCTOR``, so a cached graph of another run could be timed
+    (benchmarks/RESULTS.md, "Eager launch" run 10)."""
     torch._dynamo.reset()
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     return {v: make_step(torch.compile(m, dynamic=False), step, device)
             for v, m in models.items()}  # fmt: skip
 

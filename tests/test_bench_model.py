@@ -50,3 +50,33 @@ def test_smoke_rows_cosines_table_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     assert (tmp_path / "model_tiny.png").stat().st_size > 1000
     assert (tmp_path / "model_tiny-moe.png").stat().st_size > 1000
+
+
+def test_the_compile_clock_compiles_each_step_for_its_shapes_without_inductors_caches(
+    monkeypatch,
+):
+    """`model._compiled`: Dynamo's caches reset, ``dynamic=False`` (a symbolic M keeps the
+    W4A16 op), Inductor's FX-graph and AOTAutograd caches off (their keys hold neither
+    this project's code nor ``FP4_DISPATCH_INDUCTOR``)."""
+    import importlib
+
+    import torch
+    from conftest import source_root
+
+    root = source_root()
+    if root is None:
+        pytest.skip("benchmarks/ not found (set FP4_DISPATCH_SOURCE_ROOT)")
+    monkeypatch.syspath_prepend(str(root))
+    model = importlib.import_module("benchmarks.model")
+    calls: list = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: calls.append("reset"))
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: calls.append(kw) or m)
+    monkeypatch.setattr(model, "make_step", lambda m, step, device: (m, step))
+    import torch._functorch.config as aot_config
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=True), aot_config.patch(enable_autograd_cache=True):
+        got = model._compiled({"bf16": "A", "w4a16": "B"}, "step", torch.device("cpu"))
+        assert not inductor_config.fx_graph_cache and not aot_config.enable_autograd_cache
+    assert got == {"bf16": ("A", "step"), "w4a16": ("B", "step")}
+    assert calls == ["reset", {"dynamic": False}, {"dynamic": False}]

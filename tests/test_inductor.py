@@ -6,8 +6,8 @@ is made per call and kept nowhere, a plan without a tracing kernel refuses, the 
 keeps the opaque op; and the source Inductor copies of each tracing W4A16 kernel (its
 transitive closure) compiles for sm_90. On an sm90 GPU (``-m gpu``): a compiled
 `Nvfp4Linear` (default and reduce-overhead) computes the eager bits, and its generated
-code launches the plan's kernel and never calls the op (``FP4_DISPATCH_INDUCTOR=1``);
-without that switch the op stays.
+code launches the plan's kernel and never calls the op (the default); with
+``FP4_DISPATCH_INDUCTOR=0`` the op stays.
 """
 
 from __future__ import annotations
@@ -120,11 +120,11 @@ def test_a_plan_whose_kernel_states_no_launches_refuses():
         plan.trace((None,) * 5)
 
 
-@pytest.mark.parametrize("switch", ["1", None])
+@pytest.mark.parametrize("switch", ["1", None, "0"])
 def test_on_the_cpu_a_compiled_layer_keeps_the_op(caplog, monkeypatch, switch):
-    """The rule runs under torch.compile (aot_eager) and keeps the opaque op on a CPU, and
-    everywhere unless ``FP4_DISPATCH_INDUCTOR=1``; the compiled layer computes the eager
-    bits."""
+    """The rule runs under torch.compile (aot_eager) and keeps the opaque op on a CPU
+    (on by default), and everywhere with ``FP4_DISPATCH_INDUCTOR=0``; the compiled layer
+    computes the eager bits."""
     if switch is None:
         monkeypatch.delenv("FP4_DISPATCH_INDUCTOR", raising=False)
     else:
@@ -142,7 +142,7 @@ def test_on_the_cpu_a_compiled_layer_keeps_the_op(caplog, monkeypatch, switch):
         eager = layer(x)
         compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
     assert torch.equal(compiled, eager)
-    why = "device cpu" if switch else "FP4_DISPATCH_INDUCTOR is not 1"
+    why = "FP4_DISPATCH_INDUCTOR=0" if switch == "0" else "device cpu"
     assert f"kept as a custom op: {why}" in caplog.text
 
 
@@ -415,6 +415,17 @@ def test_inductors_copy_of_each_tracing_w4a16_kernel_compiles_for_sm90(tmp_path)
 # ---- on an sm90 GPU -----------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _no_compiled_graph_caches():
+    """Every compile here runs the rule: Inductor's FX-graph and AOTAutograd caches would
+    serve a graph compiled earlier with another switch (their keys do not hold it)."""
+    import torch._functorch.config as aot_config
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False), aot_config.patch(enable_autograd_cache=False):
+        yield
+
+
 def _sm90() -> None:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm90 GPU")
@@ -451,7 +462,7 @@ def test_a_compiled_layer_launches_the_plans_kernel_itself(m, bias, monkeypatch)
     from fp4_dispatch.engine import inductor
     from fp4_dispatch.integrations.nn import Nvfp4Linear
 
-    monkeypatch.setenv("FP4_DISPATCH_INDUCTOR", "1")
+    monkeypatch.delenv("FP4_DISPATCH_INDUCTOR", raising=False)  # on by default
     dev = torch.device("cuda")
     torch.manual_seed(m)
     lin = torch.nn.Linear(4096, 4096, bias=bias, device=dev, dtype=torch.bfloat16)
@@ -481,18 +492,14 @@ def test_a_compiled_layer_launches_the_plans_kernel_itself(m, bias, monkeypatch)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch", ["0", None])
-def test_without_fp4_dispatch_inductor_1_the_compiled_layer_keeps_the_op(monkeypatch, switch):
+def test_with_fp4_dispatch_inductor_0_the_compiled_layer_keeps_the_op(monkeypatch):
     _sm90()
     from torch._inductor.utils import run_and_get_code
 
     from fp4_dispatch import Dispatcher
     from fp4_dispatch.integrations.nn import Nvfp4Linear
 
-    if switch is None:
-        monkeypatch.delenv("FP4_DISPATCH_INDUCTOR", raising=False)
-    else:
-        monkeypatch.setenv("FP4_DISPATCH_INDUCTOR", switch)
+    monkeypatch.setenv("FP4_DISPATCH_INDUCTOR", "0")
     dev = torch.device("cuda")
     lin = torch.nn.Linear(4096, 1024, device=dev, dtype=torch.bfloat16)
     layer = Nvfp4Linear.from_linear(lin, dispatcher=Dispatcher(cache=False))

@@ -33,8 +33,12 @@ re-tuning later changes what eager calls run, not the compiled graph (recompile 
 The op stays opaque - its Python implementation per call, as before - when the rule
 cannot state the call: a symbolic size (dynamic shapes), a capture in progress, a
 non-CUDA device, a plan whose kernel has no ``trace`` or raises `NotTraceable`,
-``torch.export`` (which keeps custom ops), or the switch off (`enabled`: opt-in with
-``FP4_DISPATCH_INDUCTOR=1``, read per compile). Each outcome is logged once per plan key.
+``torch.export`` (which keeps custom ops), or the switch off (`enabled`:
+``FP4_DISPATCH_INDUCTOR=0``, read per compile). Each outcome is logged once per plan key.
+
+Inductor's FX-graph and AOTAutograd caches key a compiled graph by the graph, not by this
+module's choices: a graph compiled with the switch on is reused with it off (and the
+reverse) until those caches are cleared; both compute the same function.
 """
 
 from __future__ import annotations
@@ -82,11 +86,12 @@ _side_plans: weakref.WeakKeyDictionary[Runner, dict[PlanKey, Plan | None]] = (
 
 
 def enabled() -> bool:
-    """Whether compiled graphs may launch the kernels themselves: ``FP4_DISPATCH_INDUCTOR=1``
-    (opt-in). Why off by default: a kernel Inductor cannot compile fails the whole
-    ``torch.compile`` (after this rule ran, so nothing here can fall back), and the path
-    has not yet run to completion on a GPU (benchmarks/RESULTS.md, "Eager launch" run 9)."""
-    return os.environ.get("FP4_DISPATCH_INDUCTOR", "0") == "1"
+    """Whether compiled graphs may launch the kernels themselves: unless
+    ``FP4_DISPATCH_INDUCTOR=0``. On by default since it ran through on GPUs and took 22%
+    off a compiled 8B decode step at batch 1 (benchmarks/RESULTS.md, "Eager launch" run
+    11); the switch is the way out should Inductor fail to compile a kernel (that fails
+    the whole ``torch.compile``, past any fallback here)."""
+    return os.environ.get("FP4_DISPATCH_INDUCTOR", "1") != "0"
 
 
 def register_dense_rule(
@@ -223,7 +228,7 @@ def _runs_right(d: Runner, plan: Plan, a_dtype: torch.dtype, out_dtype: torch.dt
 def _why_opaque(a: torch.Tensor, b: torch.Tensor) -> str | None:
     """Why a call is not stated for Inductor (module docstring), or None."""
     if not enabled():
-        return "FP4_DISPATCH_INDUCTOR is not 1"
+        return "FP4_DISPATCH_INDUCTOR=0"
     if not torch._functorch.config.decompose_custom_triton_ops:
         return "torch.export keeps custom ops"
     if a.device.type != "cuda":
