@@ -167,8 +167,11 @@ class _TracingKernel(_RefKernel):
     trace = staticmethod(contextlib.nullcontext)
 
 
-def _w4a16_backend(name: str, est_us: float, traces: bool, wrong: bool = False):
-    """A synthetic W4A16 family of one tactic with a fixed estimate."""
+def _w4a16_backend(name: str, est_us: float, traces: bool, wrong: bool = False,
+                   declares: bool | None = None):  # fmt: skip
+    """A synthetic W4A16 family of one tactic with a fixed estimate; ``declares``: its
+    ``states_launches`` (default: whether its kernel traces); an undeclared family's
+    build fails the test."""
     from fp4_dispatch import Backend, Support, Tactic
 
     tactic_type = type(
@@ -179,6 +182,7 @@ def _w4a16_backend(name: str, est_us: float, traces: bool, wrong: bool = False):
         family = name
         version = "1"
         operations = ("w4a16",)
+        states_launches = traces if declares is None else declares
 
         def supports(self, device) -> Support:
             return Support(True, "synthetic")
@@ -190,6 +194,7 @@ def _w4a16_backend(name: str, est_us: float, traces: bool, wrong: bool = False):
             return est_us
 
         def build(self, tactic, problem, device):
+            assert declares is not False, f"{name}: built though it states no launches"
             return (_TracingKernel if traces else _RefKernel)(wrong)
 
     _Family.name, _Family.tactic_type = name, tactic_type
@@ -230,6 +235,8 @@ SIDE_KEY = (2, 64, 128, "bfloat16", "w4a16")
         # a wrong first run is recorded and passed over for the next
         ([("pick", 10, False), ("wrong", 20, True, True), ("near", 33, True)], "near"),
         ([("pick", 10, False), ("wrong", 20, True, True)], None),
+        # a family that does not declare `states_launches` is never built for one
+        ([("pick", 10, False), ("undeclared", 20, True, False, False)], None),
     ],
 )
 def test_a_side_plan_is_the_best_candidate_that_states_launches_and_runs_right(
@@ -246,7 +253,8 @@ def test_a_side_plan_is_the_best_candidate_that_states_launches_and_runs_right(
         assert d.cached_plan(*SIDE_KEY) is not plan  # kept beside the dispatcher's plans
     assert inductor._side_plan(d, SIDE_KEY, torch.bfloat16, torch.bfloat16) is plan  # once
     wrong = [f.backend for f in d.faults if f.call == "kernel() result"]
-    assert wrong == (["wrong"] if any(len(f) == 4 for f in families) else [])
+    assert wrong == (["wrong"] if any(f[0] == "wrong" for f in families) else [])
+    assert not [f for f in d.faults if f.call == "build()"], d.faults
 
 
 @pytest.mark.parametrize("graphs", [False, True])

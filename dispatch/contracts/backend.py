@@ -238,6 +238,9 @@ class Backend(abc.ABC):
     compile_only_note: ClassVar[str] = ""
     #: the operations this backend serves (`fp4_dispatch.contracts.tactics.OPERATIONS`)
     operations: ClassVar[tuple[str, ...]] = ("w4a4",)
+    #: whether some kernels it builds offer ``trace`` (`NotTraceable`): torch.compile
+    #: builds a backend's candidates as side plans only if so, since a build may compile
+    states_launches: ClassVar[bool] = False
     #: parts this family targets: ``--device <alias>`` simulates them, and a real GPU of
     #: a profile's compute capability takes its peak rates (`fp4_dispatch.loading.profiles`)
     device_profiles: ClassVar[tuple[DeviceProfile, ...]] = ()

@@ -192,6 +192,9 @@ def _side_plan(
     for cand in ranked:
         if max(cand.est_us, STATED_HOST_US) >= opaque_us:
             break
+        backend = d.registry.backends.get(cand.backend)
+        if not getattr(backend, "states_launches", False):
+            continue  # not built: a build may compile
         if (cand.backend, cand.tactic) in d.guard.broken:
             continue
         try:

@@ -422,6 +422,7 @@ class TritonSm90W4A16Backend(Backend):
     tactic_type = TritonSm90W4A16Tactic
     operations: ClassVar[tuple[str, ...]] = ("w4a16",)
     diversity_axes = ("path", "split_k")
+    states_launches = True  # the direct and gemv kernels (`DenseKernel.trace`)
 
     def supports(self, device: DeviceInfo) -> Support:
         return _sm90_support(device)
