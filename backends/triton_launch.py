@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from fp4_dispatch.contracts.backend import NotTraceable
+from fp4_dispatch.format.checks import all_aligned
 
 log = logging.getLogger(__name__)
 
@@ -136,17 +137,6 @@ def _device_index() -> int:
         if _cuda:
             torch.cuda.init()
     return torch._C._cuda_getDevice() if _cuda else -1
-
-
-def all_aligned(*tensors: torch.Tensor) -> bool:
-    """Whether every tensor's data pointer is 16-byte aligned (what Triton specializes a
-    pointer on). A `BoundLaunch.launch_keyed` caller keys its aligned calls by sizes and
-    strides and sends any other call through `BoundLaunch.__call__` (the full
-    specialization key): one OR per pointer instead of a bit per pointer in the key."""
-    p = 0
-    for t in tensors:
-        p |= t.data_ptr()
-    return p % 16 == 0
 
 
 def launch_aligned(

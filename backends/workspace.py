@@ -48,7 +48,7 @@ class Scratch:
         self, device: torch.device, floats: int, counters: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if triton_launch.tracing_active():
-            return _in_graph(device, floats, counters)
+            return _pair(device, floats, counters)
         key = (device.type, device.index, floats, counters)
         pair = self._buffers.get(key)
         if pair is None:
@@ -87,17 +87,15 @@ def one_like(t: torch.Tensor) -> torch.Tensor:
     return o
 
 
-def _in_graph(
-    device: torch.device, floats: int, counters: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pair as operations of the graph being traced (module docstring)."""
+def _pair(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A new (float32 partials, zeroed int32 counters) pair: kept by `Scratch` (`_make`),
+    or operations of the graph being traced (module docstring)."""
     ws = torch.empty(floats, dtype=torch.float32, device=device)
     return ws, torch.zeros(counters, dtype=torch.int32, device=device)
 
 
 def _make(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ws = torch.empty(floats, dtype=torch.float32, device=device)
-    cnt = torch.zeros(counters, dtype=torch.int32, device=device)
+    ws, cnt = _pair(device, floats, counters)
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()  # once per buffer, off the hot path
     return ws, cnt

@@ -88,7 +88,7 @@ class Dispatcher(Runner):
         if isinstance(qa, torch.Tensor):
             return self._gemm_dense(qa, qb, out_dtype, out, key)
         qa = checks.nvfp4_operand("qa", qa)
-        out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+        out_dtype = checks.default_out_dtype(qa, out_dtype)
         dtype = checks.out_dtype_name(out_dtype)
         checks.k_dims(qa.k, qb.k)
         device = self.check_device("qa", qa.data)
@@ -130,13 +130,13 @@ class Dispatcher(Runner):
         fast = self._public_fast.get(key)
         if fast is None:
             return None
-        n = qb.data.shape[0]
+        n, dtype = qb.data.shape[0], checks.default_out_dtype(qa, out_dtype)
         if type(qa) is torch.Tensor:
-            out = torch.empty((qa.shape[0], n), dtype=out_dtype or qa.dtype, device=qa.device)
+            out = torch.empty((qa.shape[0], n), dtype=dtype, device=qa.device)
             per_call = [qa, out]
         else:
             a = qa.data
-            out = torch.empty((a.shape[0], n), dtype=out_dtype or torch.bfloat16, device=a.device)
+            out = torch.empty((a.shape[0], n), dtype=dtype, device=a.device)
             per_call = [a, qa.scale, qa.global_scale, out]
         return out if fast(per_call) else None
 
@@ -149,7 +149,7 @@ class Dispatcher(Runner):
         key: Hashable | None = None,
     ) -> torch.Tensor:
         a = checks.dense_activation("qa", a)
-        out_dtype = a.dtype if out_dtype is None else out_dtype
+        out_dtype = checks.default_out_dtype(a, out_dtype)
         dtype = checks.out_dtype_name(out_dtype)
         checks.k_dims(a.shape[1], qb.k)
         device = self.check_device("qa", a)
@@ -195,13 +195,13 @@ class Dispatcher(Runner):
         if isinstance(a, Nvfp4Tensor):
             qa = a.with_layout("swizzled").natural()
             checks.k_dims(qa.k, k, ("a", "b"))
-            out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+            out_dtype = checks.default_out_dtype(qa, out_dtype)
             device = self.check_device("a", qa.data)
             x, a_scale, t = qa.data, qa.scale, qa.rows
         else:
             x = checks.dense_activation("a", a)
             checks.k_dims(x.shape[1], k, ("a", "b"))
-            out_dtype = x.dtype if out_dtype is None else out_dtype
+            out_dtype = checks.default_out_dtype(x, out_dtype)
             if out_dtype != x.dtype:  # the problem's out dtype is then a's: families know it
                 raise ValueError(f"out_dtype: a grouped W4A16 call writes a's dtype "
                                  f"({x.dtype}), got {out_dtype}")  # fmt: skip

@@ -38,6 +38,7 @@ import torch
 from fp4_dispatch.engine.capture import stream_capturing
 from fp4_dispatch.engine.plans import PlanKey
 from fp4_dispatch.engine.runner import Runner
+from fp4_dispatch.format.checks import all_aligned
 from fp4_dispatch.format.nvfp4 import Nvfp4Tensor
 
 #: kept fast calls at most; emptied when reached (a model has a few hundred GEMM shapes)
@@ -77,19 +78,11 @@ class OpFastCall:
     def __call__(self, per_call: list[torch.Tensor]) -> bool:
         """``per_call``: the plan's per-call tensors in `Plan.PER_CALL` order."""
         d = self.dispatcher
-        if d.plan_epoch != self.epoch or d._autotune_depth or not aligned(per_call):
+        if d.plan_epoch != self.epoch or d._autotune_depth or not all_aligned(*per_call):
             return False
         if stream_capturing():
             return False
         return self.replay(per_call)
-
-
-def aligned(tensors: list[torch.Tensor]) -> bool:
-    """Whether every tensor's address is 16-byte aligned (what a replay assumes)."""
-    bits = 0
-    for t in tensors:
-        bits |= t.data_ptr()
-    return not bits & 15
 
 
 def public_gemm_key(qa: object, qb: Nvfp4Tensor, out_dtype: torch.dtype | None
@@ -156,7 +149,7 @@ class FastCalls:
             self.clear()
         if replay is not None:
             self._calls[key] = OpFastCall(d, replay)
-        elif not d._autotune_depth and aligned(per_call):
+        elif not d._autotune_depth and all_aligned(*per_call):
             self._none[key] = d.plan_epoch
 
     def clear(self) -> None:

@@ -25,6 +25,15 @@ def out_dtype_name(out_dtype: object) -> str:
     return OUT_DTYPES[out_dtype]
 
 
+def default_out_dtype(a: torch.Tensor | Nvfp4Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    """``out_dtype``, else the default of a GEMM of activations `a`: their own dtype for
+    dense activations (W4A16), bfloat16 for NVFP4 ones (W4A4). Not checked here
+    (`out_dtype_name` does)."""
+    if out_dtype is not None:
+        return out_dtype
+    return torch.bfloat16 if isinstance(a, Nvfp4Tensor) else a.dtype
+
+
 def nvfp4_operand(name: str, q: object) -> Nvfp4Tensor:
     if not isinstance(q, Nvfp4Tensor):
         raise TypeError(
@@ -107,6 +116,16 @@ def on_device(t: torch.Tensor, device: torch.device) -> bool:
     if device.type == "cuda" and device.index is not None and t.get_device() == device.index:
         return True
     return t.device == device
+
+
+def all_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor's data pointer is 16-byte aligned: what Triton specializes a
+    pointer on, and what a recorded replay assumes of its per-call tensors. One OR per
+    tensor (a hot-path check of the kept calls and keyed launches)."""
+    p = 0
+    for t in tensors:
+        p |= t.data_ptr()
+    return p % 16 == 0
 
 
 def same_device(device: torch.device, **tensors: torch.Tensor) -> None:
