@@ -6,7 +6,7 @@
 
 - ``layer``: per shape, eager wall and GPU time (CUDA graph, cold L2) of every call a
   user makes - `quantize_nvfp4`, `Dispatcher.gemm` W4A4 and W4A16 (output allocated by
-  the call), `Nvfp4Linear` - with
+  the call), `Nvfp4Linear` (2-D and 3-D ``[M, 1, K]`` inputs) - with
   the dispatcher's replays (a warm plan relaunching its recorded kernels through the
   driver) and without (``replay=False``: Triton's launcher), beside bf16 ``nn.Linear``
   and FP8 ``_scaled_mm`` from the same run; the layer's error against float64; ratios
@@ -103,6 +103,10 @@ def layer_shape(ctx: Context, on, off, m: int, n: int, k: int) -> list:
             paths[f"Nvfp4Linear w4a4{name}"] = (lambda o, q=q4: q(x), ref_q4, "w4a4")
     exact = x.double() @ lin.weight.double().T + lin.bias.double()  # its own reference
     paths["nn.Linear bf16"] = (lambda o: lin(x), exact, "bf16")
+    # what transformers passes at decode: [batch, 1, hidden]
+    x3, q3 = x.unsqueeze(1), Nvfp4Linear.from_linear(lin, dispatcher=on)
+    paths["Nvfp4Linear 3-D"] = (lambda o: q3(x3), ref.unsqueeze(1), op)  # the layer's ref
+    paths["nn.Linear bf16 3-D"] = (lambda o: lin(x3), exact.unsqueeze(1), "bf16")
     fp8 = baselines(x, qb, dense=True)["_scaled_mm fp8"]
     paths["_scaled_mm fp8"] = (fp8, None, "fp8")
     rows = []
@@ -112,7 +116,8 @@ def layer_shape(ctx: Context, on, off, m: int, n: int, k: int) -> list:
                               device=dev)  # fmt: skip
             rows += path_rows(ctx, "layer", fn, out, r, ctx.args.clocks, backend=name,
                               operation=op, m=m, n=n, k=k)  # fmt: skip
-    add_ratios(rows, {"nn.Linear": "nn.Linear bf16", "fp8": "_scaled_mm fp8"})
+    add_ratios(rows, {"nn.Linear": "nn.Linear bf16", "fp8": "_scaled_mm fp8",
+                      "nn.Linear 3-D": "nn.Linear bf16 3-D"})  # fmt: skip
     for r in rows:
         r.extra["tuned"] = tuned
     return rows
