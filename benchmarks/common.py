@@ -216,6 +216,21 @@ def precompile(planned: Iterable[tuple[Any, Any, Any]], info: Any, workers: int)
     return report
 
 
+def compiled_alone(modules: dict[str, Any]) -> dict[str, Any]:
+    """Each module under ``torch.compile`` in default mode (no CUDA graphs), compiled for
+    the shapes of its first call alone (``dynamic=False``), Dynamo's caches reset first and
+    Inductor's FX-graph and AOTAutograd caches off. Why: a module compiled once and called
+    at a second shape is recompiled with symbolic sizes (Dynamo's automatic dynamic
+    shapes), and a W4A16 call of symbolic M keeps its custom op (docs/launch.md); a
+    serving engine compiles per batch size. The caches' keys hold neither this project's
+    code nor ``FP4_DISPATCH_INDUCTOR``, so a cached graph of another run could be timed
+    (benchmarks/RESULTS.md, "Eager launch" run 10)."""
+    torch._dynamo.reset()
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    return {name: torch.compile(m, dynamic=False) for name, m in modules.items()}
+
+
 def on_cuda_or_smoke(ctx: Context, what: str) -> bool:
     """Whether a GPU routine can run: on CUDA, or as its ``--smoke`` CPU check; else a
     row saying why it was skipped."""

@@ -13,8 +13,8 @@ the two ways users run it, in one process and beside bf16 and FP8 twins of the s
   runs ``--rounds`` times (default 3), every variant once per round in turn, and the
   table gives the median of the rounds' medians, bf16 from the same rounds;
 - ``compile`` (opt-in): ``torch.compile`` in its default mode (no CUDA graphs), each
-  step compiled for its own shapes (``dynamic=False``: `_compiled` says why), eager wall
-  as above.
+  step compiled for its own shapes (``dynamic=False``: `benchmarks.common.compiled_alone`
+  says why), eager wall as above.
 
 Steps: decode at batch 1, 16 and 64 (one token per sequence against a static KV cache of
 ``--context`` positions, what a serving step does) and prefill of 1024 and 4096 tokens
@@ -71,7 +71,7 @@ from torch import nn
 
 from fp4_dispatch.autotune.harness import eager_wall_samples, gpu_time_samples
 
-from .common import Context
+from .common import Context, compiled_alone
 from .common import precompile as precompile_kernels
 from .moe_configs import MOE_CONFIGS, MOE_VARIANTS, build_moe_variants, grouped_plans, moe_config
 from .results import Row
@@ -411,19 +411,9 @@ def eager_rounds(what: str, run: dict[str, Callable[[], object]], warm: dict[str
 
 
 def _compiled(models: dict[str, nn.Module], step: Step, device: torch.device) -> dict:
-    """`make_step` of each model under ``torch.compile`` (default mode: no CUDA graphs),
-    compiled for this step's shapes alone (``dynamic=False``, Dynamo's caches reset).
-    Why: a module compiled once and called at a second shape is recompiled with symbolic
-    sizes (Dynamo's automatic dynamic shapes), and a W4A16 call of symbolic M keeps its
-    custom op (docs/launch.md); a serving engine compiles per batch size. Inductor's
-    FX-graph and AOTAutograd caches are off: their keys hold neither this project's code
-    nor ``FP4_DISPATCH_INDUCTOR``, so a cached graph of another run could be timed
-    (benchmarks/RESULTS.md, "Eager launch" run 10)."""
-    torch._dynamo.reset()
-    torch._inductor.config.fx_graph_cache = False
-    torch._functorch.config.enable_autograd_cache = False
-    return {v: make_step(torch.compile(m, dynamic=False), step, device)
-            for v, m in models.items()}  # fmt: skip
+    """`make_step` of each model under ``torch.compile`` (default mode), compiled for this
+    step's shapes alone (`benchmarks.common.compiled_alone` says why)."""
+    return {v: make_step(c, step, device) for v, c in compiled_alone(models).items()}
 
 
 def _rows(name, layers, steps, args, results, cosines, ctx) -> list[Row]:

@@ -2,6 +2,7 @@
 
     python -m benchmarks serving                  # every routine (H200: a few minutes)
     python -m benchmarks serving --cases layer --m 1 16 [--tune]
+    python -m benchmarks serving --cases compiled
     python -m benchmarks serving --cases load --load-device cpu --layers 4
 
 - ``layer``: per shape, eager wall and GPU time (CUDA graph, cold L2) of every call a
@@ -11,6 +12,12 @@
   driver) and without (``replay=False``: Triton's launcher), beside bf16 ``nn.Linear``
   and FP8 ``_scaled_mm`` from the same run; the layer's error against float64; ratios
   to ``nn.Linear bf16``. ``--tune`` tunes each bucket first.
+- ``compiled``: per shape, `Nvfp4Linear` (no bias), its bf16 ``nn.Linear`` and ``x + 1``
+  (the floor: a compiled call around one trivial kernel), each under ``torch.compile``
+  in default mode compiled alone (`benchmarks.common.compiled_alone`): eager wall per call
+  (what a compiled decode step pays per linear when the host bounds it), the error, and
+  in ``extra`` what Inductor's code does per call (allocations, kernel launches, extern
+  calls, custom ops: `inductor_calls`). Ratios to the compiled ``nn.Linear``.
 - ``graphs``: `Nvfp4Linear` (W4A4 and W4A16) captured in a CUDA graph must match the
   float64 reference and eager on fresh inputs, and change with them; capturing a shape
   never run eagerly raises `CaptureNotWarmError` and leaves the device usable;
@@ -42,10 +49,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .common import ROOT, Context, add_ratios, on_cuda_or_smoke, path_rows, python, timed_rows
+from .common import (
+    ROOT,
+    Context,
+    add_ratios,
+    compiled_alone,
+    on_cuda_or_smoke,
+    path_rows,
+    python,
+    timed_rows,
+)
 from .kernels import baselines
 
 GRID = ((1, 16, 256, 4096), ((4096, 4096), (8192, 8192), (13824, 5120)))
+COMPILED_GRID = ((1, 16), ((4096, 4096), (14336, 4096)))
 GRAPH_SHAPES = ((1, 4096, 4096), (8, 4096, 4096), (32, 14336, 4096), (128, 4096, 14336))
 TOL = 1e-2
 
@@ -121,6 +138,74 @@ def layer_shape(ctx: Context, on, off, m: int, n: int, k: int) -> list:
     for r in rows:
         r.extra["tuned"] = tuned
     return rows
+
+
+def compiled(ctx: Context) -> None:
+    if not on_cuda_or_smoke(ctx, "compiled"):
+        return
+    for m, n, k in ctx.grid(*(((1,), ((64, 128),)) if ctx.smoke else COMPILED_GRID)):
+        ctx.emit(compiled_shape(ctx, m, n, k))
+
+
+class _PlusOne(nn.Module):
+    """``x + 1``: what a compiled call costs around one trivial kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+def compiled_shape(ctx: Context, m: int, n: int, k: int) -> list:
+    """One shape of ``compiled`` (module docstring): each path compiled alone, its first
+    call's Inductor code counted (`inductor_calls`) into every row's ``extra``."""
+    from torch._inductor.utils import run_and_get_code
+
+    from fp4_dispatch import Nvfp4Linear
+
+    dev = ctx.device
+    gen = torch.Generator().manual_seed(m * 7 + n + k)
+    x = torch.randn(m, k, generator=gen).to(dev, torch.bfloat16)
+    lin = nn.Linear(k, n, bias=False).to(dev, torch.bfloat16).requires_grad_(False)
+    q = Nvfp4Linear.from_linear(lin)
+    paths = {
+        "Nvfp4Linear": (q, x.double() @ q.dequantized_weight().double().T, q.operation(dev)),
+        "nn.Linear bf16": (lin, x.double() @ lin.weight.double().T, "bf16"),
+        "x + 1": (_PlusOne(), x.double() + 1, "add"),
+    }
+    rows = []
+    with torch.inference_mode():
+        for name, (module, ref, op) in paths.items():
+            fn = compiled_alone({name: module})[name]
+            _, code = run_and_get_code(fn, x)  # the compile, and Inductor's code of the call
+            out = torch.empty(m, k if op == "add" else n, dtype=torch.bfloat16, device=dev)
+            got = path_rows(ctx, "compiled", lambda o, fn=fn: fn(x), out, ref, ("eager",),
+                            backend=f"{name} compiled", operation=op, m=m, n=n, k=k)  # fmt: skip
+            for r in got:
+                r.extra.update(inductor_calls(code))
+            rows += got
+    add_ratios(rows, {"nn.Linear": "nn.Linear bf16 compiled"})
+    return rows
+
+
+#: what one call of Inductor's generated ``call`` does, by the pattern of its line
+_CALL_PARTS = {
+    "allocations": re.compile(r"\bempty_strided\w*\("),
+    "launches": re.compile(r"\b\w+\.run\("),
+    "extern_calls": re.compile(r"\bextern_kernels\.\w+\("),
+    "custom_ops": re.compile(r"\btorch\.ops\.\w+\.\w+(?:\.\w+)?\("),
+}
+
+
+def inductor_calls(code: list[str]) -> dict[str, int]:
+    """Counts of `_CALL_PARTS` in the ``call`` functions of Inductor's generated modules
+    (kernel sources and comments left out): the host work of one compiled call."""
+    counts = dict.fromkeys(_CALL_PARTS, 0)
+    for module in code:
+        for body in re.findall(r"\n    def call\(self, args\):\n(.*?)\n        return ", module,
+                               flags=re.S):  # fmt: skip
+            lines = [ln for ln in body.splitlines() if not ln.lstrip().startswith("#")]
+            for part, pattern in _CALL_PARTS.items():
+                counts[part] += sum(len(pattern.findall(ln)) for ln in lines)
+    return counts
 
 
 def _check(ctx: Context, name: str, ok: bool, detail: str, **fields) -> bool:
@@ -418,5 +503,6 @@ on_host = sum(t.numel() * t.element_size() for t in tensors.values() if t.device
 print(json.dumps({"base": base, "peak": peak, "model_host_bytes": on_host}))
 """
 
-ROUTINES = {"layer": layer, "graphs": graphs, "first-contact": first_contact, "load": load}
-SMOKE = ("layer", "graphs", "first-contact", "load")
+ROUTINES = {"layer": layer, "compiled": compiled, "graphs": graphs,
+            "first-contact": first_contact, "load": load}  # fmt: skip
+SMOKE = ("layer", "compiled", "graphs", "first-contact", "load")

@@ -1,6 +1,7 @@
-"""`python -m benchmarks serving --smoke --cases layer load`: every call a user makes, with
-the dispatcher's replays and without, beside bf16 ``nn.Linear`` (its error against the
-float64 product), and loading a tiny ModelOpt checkpoint in a fresh process."""
+"""`python -m benchmarks serving --smoke --cases layer load compiled`: every call a user
+makes, with the dispatcher's replays and without, beside bf16 ``nn.Linear`` (its error
+against the float64 product); loading a tiny ModelOpt checkpoint in a fresh process; the
+layer under torch.compile and what Inductor's code does per call."""
 
 from __future__ import annotations
 
@@ -42,3 +43,45 @@ def test_serving_layer_and_load_rows(tmp_path):
     x = load["extra"]
     assert load["clock"] == "host" and x["shards"] >= 2 and x["layers"] == 2, load
     assert x["peak_above_base_mib"] >= x["model_on_host_mib"] >= 0, load
+
+
+def test_serving_compiled_rows_count_what_inductors_code_does(tmp_path):
+    """On a CPU the W4A16 call stays the custom op (Inductor launches kernels on CUDA only):
+    one custom op and nothing else in the layer's compiled call; the bf16 layer is one
+    extern ``mm`` into one allocation."""
+    rows = run_bench_smoke(tmp_path, "serving", "--cases", "compiled")
+    got = {r["backend"]: r for r in rows}
+    assert set(got) == {"Nvfp4Linear compiled", "nn.Linear bf16 compiled", "x + 1 compiled"}
+    for r in got.values():
+        assert r["failure"] is None and r["median_us"] > 0 and r["clock"] == "eager", r
+        assert r["error"] < 1e-2, r
+    assert got["Nvfp4Linear compiled"]["extra"] == {
+        "allocations": 0, "launches": 0, "extern_calls": 0, "custom_ops": 1}  # fmt: skip
+    assert got["nn.Linear bf16 compiled"]["extra"]["extern_calls"] == 1
+    assert got["nn.Linear bf16 compiled"]["ratios"]["nn.Linear"] == 1.0
+
+
+def test_inductor_calls_counts_the_call_body_only(monkeypatch):
+    import importlib
+
+    from conftest import source_root
+
+    root = source_root()
+    if root is None:
+        pytest.skip("benchmarks/ not found (set FP4_DISPATCH_SOURCE_ROOT)")
+    monkeypatch.syspath_prepend(str(root))
+    serving = importlib.import_module("benchmarks.serving")
+    module = (
+        "def kernel_src():\n    empty_strided_cuda((4,), (1,))  # not in call\n"
+        "class Runner:\n"
+        "    def call(self, args):\n"
+        "        buf0 = empty_strided_cuda((16, 8), (8, 1), torch.float32)\n"
+        "        # a comment: torch.ops.x.y(1) and k.run(2)\n"
+        "        triton_poi_fused_zeros_0.run(buf0, 128, stream=stream0)\n"
+        "        _w4a16_kernel_0.run(arg0_1, buf0, stream=stream0)\n"
+        "        buf1 = torch.ops.fp4_dispatch.quantize.default(arg0_1)\n"
+        "        extern_kernels.mm(arg0_1, arg1_1, out=buf0)\n"
+        "        return (buf0, )\n"
+    )
+    assert serving.inductor_calls([module, module]) == {
+        "allocations": 2, "launches": 4, "extern_calls": 2, "custom_ops": 2}  # fmt: skip
