@@ -122,7 +122,8 @@ def layer_shape(ctx: Context, on, off, m: int, n: int, k: int) -> list:
     paths["nn.Linear bf16"] = (lambda o: lin(x), exact, "bf16")
     # what transformers passes at decode: [batch, 1, hidden]
     x3, q3 = x.unsqueeze(1), Nvfp4Linear.from_linear(lin, dispatcher=on)
-    paths["Nvfp4Linear 3-D"] = (lambda o: q3(x3), ref.unsqueeze(1), op)  # the layer's ref
+    ref3 = paths["Nvfp4Linear"][1].unsqueeze(1)  # the 2-D layer's reference
+    paths["Nvfp4Linear 3-D"] = (lambda o: q3(x3), ref3, op)
     paths["nn.Linear bf16 3-D"] = (lambda o: lin(x3), exact.unsqueeze(1), "bf16")
     fp8 = baselines(x, qb, dense=True)["_scaled_mm fp8"]
     paths["_scaled_mm fp8"] = (fp8, None, "fp8")

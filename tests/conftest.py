@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -274,6 +275,16 @@ def source_root() -> Path | None:
         if root and (Path(root) / "benchmarks" / "__main__.py").exists():
             return Path(root)
     return None
+
+
+def bench_module(name: str, monkeypatch: pytest.MonkeyPatch):
+    """``benchmarks.<name>`` imported from the source tree (benchmarks/ is not in the
+    wheel), the tree on ``sys.path`` for the test; skipped where the tree is not around."""
+    root = source_root()
+    if root is None:
+        pytest.skip("benchmarks/ not found (set FP4_DISPATCH_SOURCE_ROOT)")
+    monkeypatch.syspath_prepend(str(root))
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def run_bench_smoke(tmp_path: Path, suite: str, *args: str) -> list[dict]:

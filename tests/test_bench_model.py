@@ -58,16 +58,10 @@ def test_the_compile_clock_compiles_each_step_for_its_shapes_without_inductors_c
     """`model._compiled`: Dynamo's caches reset, ``dynamic=False`` (a symbolic M keeps the
     W4A16 op), Inductor's FX-graph and AOTAutograd caches off (their keys hold neither
     this project's code nor ``FP4_DISPATCH_INDUCTOR``)."""
-    import importlib
-
     import torch
-    from conftest import source_root
+    from conftest import bench_module
 
-    root = source_root()
-    if root is None:
-        pytest.skip("benchmarks/ not found (set FP4_DISPATCH_SOURCE_ROOT)")
-    monkeypatch.syspath_prepend(str(root))
-    model = importlib.import_module("benchmarks.model")
+    model = bench_module("model", monkeypatch)
     calls: list = []
     monkeypatch.setattr(torch._dynamo, "reset", lambda: calls.append("reset"))
     monkeypatch.setattr(torch, "compile", lambda m, **kw: calls.append(kw) or m)

@@ -10,19 +10,13 @@ import subprocess
 import sys
 
 import pytest
-from conftest import source_root
+from conftest import bench_module, source_root
 
 
 @pytest.fixture(scope="module")
 def results():
-    root = source_root()
-    if root is None:
-        pytest.skip("benchmarks/ not found (set FP4_DISPATCH_SOURCE_ROOT)")
-    sys.path.insert(0, str(root))
-    try:
-        yield importlib.import_module("benchmarks.results")
-    finally:
-        sys.path.remove(str(root))
+    with pytest.MonkeyPatch.context() as mp:
+        yield bench_module("results", mp)
 
 
 def _row(results, backend: str, us: float | None, spread=None, **kw):

@@ -6,7 +6,7 @@ layer under torch.compile and what Inductor's code does per call."""
 from __future__ import annotations
 
 import pytest
-from conftest import run_bench_smoke
+from conftest import bench_module, run_bench_smoke
 
 pytest.importorskip("transformers")
 
@@ -62,15 +62,7 @@ def test_serving_compiled_rows_count_what_inductors_code_does(tmp_path):
 
 
 def test_inductor_calls_counts_the_call_body_only(monkeypatch):
-    import importlib
-
-    from conftest import source_root
-
-    root = source_root()
-    if root is None:
-        pytest.skip("benchmarks/ not found (set FP4_DISPATCH_SOURCE_ROOT)")
-    monkeypatch.syspath_prepend(str(root))
-    serving = importlib.import_module("benchmarks.serving")
+    serving = bench_module("serving", monkeypatch)
     module = (
         "def kernel_src():\n    empty_strided_cuda((4,), (1,))  # not in call\n"
         "class Runner:\n"
