@@ -13,16 +13,23 @@ Buffers are never freed or replaced while the owner lives: a CUDA graph that rec
 launch keeps pointing at them. A kernel object that owns scratch must therefore not run on
 two streams at once (like cuBLAS workspaces).
 
-Under torch.compile (`fp4_dispatch.backends.triton_launch.tracing`) a buffer is instead
-allocated in the traced graph on every call, counters zeroed there: a compiled graph
-cannot own a kept buffer, and nothing made while tracing is kept.
+Under torch.compile (`fp4_dispatch.backends.triton_launch.tracing`) the buffers are
+instead operations of the traced graph: a compiled graph cannot own a kept buffer, and
+nothing made while tracing is kept. One pair serves every launch the graph states
+(`_traced_pair`): its counters are zeroed once per call of the graph and each kernel
+leaves them zero, as with the kept pairs, so a linear in a compiled step costs no
+zero-fill launch and no scratch allocation of its own. Inductor runs the kernels on the
+one pair in place, in graph order (it re-inplaces a functionalized Triton call whose
+mutated input has no later reader).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -48,7 +55,7 @@ class Scratch:
         self, device: torch.device, floats: int, counters: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if triton_launch.tracing_active():
-            return _pair(device, floats, counters)
+            return _traced_pair(device, floats, counters)
         key = (device.type, device.index, floats, counters)
         pair = self._buffers.get(key)
         if pair is None:
@@ -75,7 +82,7 @@ def one_like(t: torch.Tensor) -> torch.Tensor:
     factor of a kernel that takes alpha as two (`fp4_dispatch.contracts.backend.GemmOperands`).
     Looked up by ``(t.is_cuda, t.get_device())``, not ``t.device`` (a hot-path call)."""
     if triton_launch.tracing_active():
-        return torch.ones(1, dtype=torch.float32, device=t.device)
+        return _traced_one(t.device)
     key = (t.is_cuda, t.get_device())
     o = _ONES.get(key)
     if o is None:
@@ -85,6 +92,54 @@ def one_like(t: torch.Tensor) -> torch.Tensor:
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # once, off the hot path
     return o
+
+
+#: counters a traced graph's pair holds at least (16 KiB): a graph's split-K launches
+#: rarely need more, so one zero-fill serves the graph (`_traced_pair`)
+TRACED_COUNTERS_MIN = 4096
+
+#: the traced graphs' scratch: functionalization mode (one per graph being traced) ->
+#: {(device type, device index): (partials, counters); (type, index, "one"): ``[1.0]``}
+_graph_scratch: weakref.WeakKeyDictionary[Any, dict[tuple, Any]] = weakref.WeakKeyDictionary()
+
+
+def _graph_pool() -> dict[tuple, Any] | None:
+    """The scratch of the graph being traced (keyed by its functionalization mode, active
+    while torch.compile states a launch: `fp4_dispatch.engine.inductor`), or None outside
+    functionalization."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL)
+    return None if mode is None else _graph_scratch.setdefault(mode, {})
+
+
+def _traced_pair(
+    device: torch.device, floats: int, counters: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partials, counters) for a launch being stated: the graph's shared pair, remade
+    larger where this launch needs more (module docstring); a new pair per call outside
+    functionalization."""
+    pool = _graph_pool()
+    if pool is None:
+        return _pair(device, floats, counters)
+    key = (device.type, device.index)
+    ws, cnt = pool.get(key, (None, None))
+    if ws is None or ws.numel() < floats:
+        ws = torch.empty(floats, dtype=torch.float32, device=device)
+    if cnt is None or cnt.numel() < counters:
+        cnt = torch.zeros(max(counters, TRACED_COUNTERS_MIN), dtype=torch.int32, device=device)
+    pool[key] = (ws, cnt)
+    return ws, cnt
+
+
+def _traced_one(device: torch.device) -> torch.Tensor:
+    """`one_like` for a launch being stated: one ``[1.0]`` per graph and device."""
+    pool = _graph_pool()
+    if pool is None:
+        return torch.ones(1, dtype=torch.float32, device=device)
+    key = (device.type, device.index, "one")
+    one = pool.get(key)
+    if one is None:
+        one = pool[key] = torch.ones(1, dtype=torch.float32, device=device)
+    return one
 
 
 def _pair(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,17 +2,20 @@
 
 On a CPU: a launch under `triton_launch.tracing` is stated by name with its launch
 options (PDL dropped, options Inductor lacks refused), a kept buffer is refused, scratch
-is made per call and kept nowhere, a plan without a tracing kernel refuses, the CPU
+is kept nowhere (one pair per traced graph under functionalization, else one per call),
+a plan without a tracing kernel refuses, the CPU
 keeps the opaque op; and the source Inductor copies of each tracing W4A16 kernel (its
 transitive closure) compiles for sm_90. On an sm90 GPU (``-m gpu``): a compiled
 `Nvfp4Linear` (default and reduce-overhead) computes the eager bits, and its generated
-code launches the plan's kernel and never calls the op (the default); with
+code launches the plan's kernel and never calls the op (the default); two split-K layers
+compiled together share one scratch pair (one zero-fill, nothing cloned); with
 ``FP4_DISPATCH_INDUCTOR=0`` the op stays.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import subprocess
@@ -109,6 +112,40 @@ def test_scratch_under_tracing_is_made_per_call_and_kept_nowhere():
     assert torch.equal(one, torch.ones(1)) and one is not one_like(ws1)
     kept = scratch.get(torch.device("cpu"), 32, 4)
     assert len(scratch) == 1 and scratch.get(torch.device("cpu"), 32, 4)[0] is kept[0]
+
+
+def test_under_functionalization_one_scratch_pair_serves_the_whole_traced_graph():
+    """What torch.compile's trace sees: every launch of one graph shares one pair (its
+    counters zeroed once, at least `TRACED_COUNTERS_MIN`), remade larger only for a launch
+    that needs more; another graph (another functionalization mode) gets its own, and a
+    graph's pair is dropped with its trace."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    from fp4_dispatch.backends import workspace
+
+    scratch, cpu = Scratch(), torch.device("cpu")
+    with FakeTensorMode(), tlaunch.tracing(_Wrap()):
+        with FunctionalTensorMode():
+            ws, cnt = scratch.get(cpu, 32, 4)
+            assert isinstance(ws, FunctionalTensor) and isinstance(cnt, FunctionalTensor)
+            assert cnt.shape == (workspace.TRACED_COUNTERS_MIN,) and cnt.dtype == torch.int32
+            assert ws.shape == (32,) and ws.dtype == torch.float32
+            again = scratch.get(cpu, 16, 2)
+            assert again[0] is ws and again[1] is cnt
+            one = one_like(ws)
+            assert one is one_like(ws) and one.shape == (1,)
+            bigger, same_cnt = scratch.get(cpu, 64, 4)
+            assert bigger is not ws and bigger.shape == (64,) and same_cnt is cnt
+            more_cnt = scratch.get(cpu, 64, workspace.TRACED_COUNTERS_MIN + 1)[1]
+            assert more_cnt is not cnt and more_cnt.shape == (workspace.TRACED_COUNTERS_MIN + 1,)
+            last = scratch.get(cpu, 64, 4)
+            assert last[0] is bigger and last[1] is more_cnt
+        with FunctionalTensorMode():
+            other = scratch.get(cpu, 32, 4)
+            assert other[0] is not ws and other[1] is not cnt and one_like(ws) is not one
+    gc.collect()
+    assert len(scratch) == 0 and len(workspace._graph_scratch) == 0  # gone with the graphs
 
 
 def test_a_plan_whose_kernel_states_no_launches_refuses():
@@ -497,6 +534,51 @@ def test_a_compiled_layer_launches_the_plans_kernel_itself(m, bias, monkeypatch)
         for _ in range(3):
             for x in xs:
                 assert torch.equal(graphed(x.clone()), layer(x))
+
+
+@pytest.mark.gpu
+def test_a_compiled_stack_of_split_k_layers_shares_one_scratch_pair(monkeypatch):
+    """Two 16-token W4A16 layers whose plans split K (the direct kernel) compiled as one
+    graph: its code zero-fills the split-K counters once and allocates one partials
+    buffer for both launches, clones nothing (Inductor ran both kernels on the pair in
+    place), and computes the eager bits call after call (each kernel leaves the counters
+    zero for the next)."""
+    _sm90()
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from fp4_dispatch import Dispatcher
+    from fp4_dispatch.engine import inductor
+    from fp4_dispatch.integrations.nn import Nvfp4Linear
+
+    monkeypatch.delenv("FP4_DISPATCH_INDUCTOR", raising=False)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    d = Dispatcher(cache=False)
+    stack = torch.nn.Sequential(
+        *(Nvfp4Linear.from_linear(torch.nn.Linear(4096, 4096, device=dev, dtype=torch.bfloat16),
+                                  dispatcher=d, prepare_weight=False) for _ in range(2))
+    )  # fmt: skip
+    xs = [torch.randn(16, 4096, device=dev, dtype=torch.bfloat16) for _ in range(3)]
+    with torch.inference_mode():
+        torch._dynamo.reset()
+        compiled = torch.compile(stack, fullgraph=True)
+        y, code = run_and_get_code(compiled, xs[0])
+        plan = _plan(d, 16, 4096, 4096)
+        split = getattr(getattr(plan.kernel, "cfg", None), "split_k", 1)
+        assert inductor._states_launches(plan) and split > 1, (plan, split)
+        text = "\n".join(code)
+        call = text[text.index("def call(") :]
+        launched = re.findall(r"^\s*(\w+)\.run\(", call, flags=re.M)
+        assert sum("zeros" in name for name in launched) == 1, launched
+        assert not any("clone" in name or "copy" in name for name in launched), launched
+        assert len([n for n in launched if "w4a16" in n]) == 2, launched
+        assert len(re.findall(r"empty_strided_cuda\(\(\d+, \), \(1, \), torch.float32", call)) == 1
+        for x in xs:
+            ref = _eager(plan, stack[1], _eager(plan, stack[0], x))
+            assert torch.equal(compiled(x), ref)
+        assert torch.equal(y, _eager(plan, stack[1], _eager(plan, stack[0], xs[0])))
 
 
 @pytest.mark.gpu
