@@ -24,9 +24,14 @@ scale and the E4M3 codes, one Triton kernel, one read of ``x``):
   with bf16 and ``torch.mm``. bf16 output only (row-wise scaling's rule in torch).
 
 Accumulation. Hopper's FP8 MMA accumulates with fewer than fp32's bits unless the sum
-is promoted to an fp32 register often enough (DeepSeek-V3 report, section 3.3.2); Triton
-promotes every ``max_num_imprecise_acc`` products, which this kernel sets to one K step
-(``fast_accum=False``, the default) and cuBLASLt does with ``use_fast_accum=False``.
+is promoted to an fp32 register often enough (DeepSeek-V3 report, section 3.3.2). The
+unpack path asks cuBLASLt for that (``use_fast_accum=False``). The fused kernel asks
+Triton for it every K step (``max_num_imprecise_acc`` = ``block_k`` unless
+``fast_accum``), but Triton's Hopper pipeliner splits a dot whose first operand is in
+registers into two halves along K and gives each half ``max_num_imprecise_acc = 2**30``,
+chaining the loop's accumulator through both: no promotion is compiled, with or without
+``fast_accum`` (docs/PRECISION.md, "Accumulation"; `tests/test_gemm_w4a8.py` pins what
+Triton compiles). A smaller value is refused by Triton's verifier after the split.
 
 Rounding to E4M3. On the GPU ``x.to(tl.float8e4nv)`` is ``cvt.rn.satfinite`` (round to
 nearest even, saturating). Triton's interpreter rounds ties away and flushes E4M3
@@ -320,8 +325,9 @@ def _w4a8_kernel(
 @dataclass(frozen=True)
 class W4A8Config:
     """Compile-time knobs of the fused kernel (the tactic's, `plugins.sm90.w4a8`).
-    ``fast_accum``: let the FP8 MMA accumulate a whole split's K in its own precision
-    (faster, less accurate: module docstring); off by default."""
+    ``fast_accum``: let the FP8 MMA accumulate a whole split's K in its own precision;
+    off by default, though Triton compiles both settings alike (module docstring,
+    "Accumulation")."""
 
     block_n: int = 128
     block_m: int = 64
