@@ -2,7 +2,8 @@
 
 On a CPU: a launch under `triton_launch.tracing` is stated by name with its launch
 options (PDL dropped, options Inductor lacks refused), a kept buffer is refused, scratch
-is kept nowhere (one pair per traced graph under functionalization, else one per call),
+is kept nowhere (one pair per traced graph under functionalization, else one per call,
+and Inductor's re-inplacing runs a graph's launches on its one pair without a clone),
 a plan without a tracing kernel refuses, the CPU
 keeps the opaque op; and the source Inductor copies of each tracing W4A16 kernel (its
 transitive closure) compiles for sm_90. On an sm90 GPU (``-m gpu``): a compiled
@@ -146,6 +147,77 @@ def test_under_functionalization_one_scratch_pair_serves_the_whole_traced_graph(
             assert other[0] is not ws and other[1] is not cnt and one_like(ws) is not one
     gc.collect()
     assert len(scratch) == 0 and len(workspace._graph_scratch) == 0  # gone with the graphs
+
+
+_REINPLACE = r"""
+import triton.language as tl
+from functorch.compile import aot_function, make_boxed_func
+from torch._inductor.fx_passes import reinplace
+
+from fp4_dispatch.backends import triton_launch as tlaunch
+from fp4_dispatch.backends.workspace import Scratch
+
+
+@triton.jit
+def _two_buffers(x_ptr, out_ptr, ws_ptr, cnt_ptr, n, BLOCK: tl.constexpr):
+    # a split-K kernel's use of its pair: partials written, a counter bumped and reset
+    offs = tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(ws_ptr + offs, v, mask=offs < n)
+    arrived = tl.atomic_add(cnt_ptr, 1)
+    tl.store(out_ptr + offs, v + arrived.to(tl.float32), mask=offs < n)
+    tl.atomic_xchg(cnt_ptr, 0)
+
+
+bound = tlaunch.CachedLauncher(_two_buffers).bind({"BLOCK": 64}, 4)
+scratch = Scratch()
+
+
+def layer(x):
+    out = torch.empty_like(x)
+    ws, cnt = scratch.get(x.device, 64, 16)
+    bound((1,), (x, out, ws, cnt, x.numel()))
+    return out
+
+
+def step(x):
+    with tlaunch.tracing():
+        return layer(layer(layer(x)))
+
+
+res = {}
+
+
+def compiler(gm, example_inputs):
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    res["zeros"] = sum("zeros" in str(n.target) for n in calls)
+    res["empty"] = sum(str(n.target) == "aten.empty.memory_format" for n in calls)
+    reinplace.reinplace_inplaceable_ops_core(gm.graph)
+    kernels = [n for n in gm.graph.nodes if "triton_kernel_wrapper_functional" in str(n.target)]
+    res["clones"] = [list(n.kwargs["tensors_to_clone"]) for n in kernels]
+    res["pairs"] = len({(n.kwargs["kwargs"]["ws_ptr"].name, n.kwargs["kwargs"]["cnt_ptr"].name)
+                        for n in kernels})
+    raise SystemExit(print(json.dumps(res)))
+
+
+aot_function(step, fw_compiler=compiler)(torch.randn(64))
+"""
+
+
+def test_inductor_runs_every_launch_of_a_graph_on_its_one_scratch_pair_in_place(tmp_path):
+    """What Inductor makes of the shared pair, on the CPU (sm_90 target, nothing runs):
+    three chained launches of a kernel that writes its partials and bumps and resets a
+    counter, traced by AOTAutograd as torch.compile does, give one counters zero-fill and
+    one partials allocation; after Inductor's re-inplacing pass no launch clones anything
+    and all three use the one pair (before the pair was shared, each launch made and
+    zeroed its own)."""
+    script = tmp_path / "reinplace.py"  # a file: @triton.jit reads its kernel's source
+    script.write_text(TARGET_ONLY + _REINPLACE)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=sm90_compile_env(tmp_path), timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"zeros": 1, "empty": 1, "clones": [[], [], []], "pairs": 1}, got
 
 
 def test_a_plan_whose_kernel_states_no_launches_refuses():
