@@ -151,7 +151,7 @@ def test_under_functionalization_one_scratch_pair_serves_the_whole_traced_graph(
 
 _REINPLACE = r"""
 import triton.language as tl
-from functorch.compile import aot_function, make_boxed_func
+from functorch.compile import aot_function
 from torch._inductor.fx_passes import reinplace
 
 from fp4_dispatch.backends import triton_launch as tlaunch
@@ -197,7 +197,8 @@ def compiler(gm, example_inputs):
     res["clones"] = [list(n.kwargs["tensors_to_clone"]) for n in kernels]
     res["pairs"] = len({(n.kwargs["kwargs"]["ws_ptr"].name, n.kwargs["kwargs"]["cnt_ptr"].name)
                         for n in kernels})
-    raise SystemExit(print(json.dumps(res)))
+    print(json.dumps(res))
+    sys.exit(0)  # the graph is never run: nothing can launch here
 
 
 aot_function(step, fw_compiler=compiler)(torch.randn(64))
