@@ -74,6 +74,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4_dispatch.support.alloc import direct_allocator
+
 from .triton_launch import BoundLaunch, CachedLauncher
 
 log = logging.getLogger(__name__)
@@ -971,14 +973,22 @@ class KeptQuantize:
         return None
 
     def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """New (data, scale, global scale) tensors for one call. Up to `PACKED_MAX_BYTES`
-        in all they are views of one allocation (`packed_layout`); larger, three.
+        """New (data, scale, global scale) tensors for one call: three allocations through
+        Inductor's allocator where it serves (`fp4_dispatch.support.alloc`: ~1 µs each);
+        else, up to `PACKED_MAX_BYTES` in all, views of one ``torch.empty``
+        (`packed_layout`), and three above that.
 
-        Why: on an H100 host one CUDA ``torch.empty`` costs ~5.7 µs, the three outputs of
-        a one-row quantize 17.0 of its 22.6 µs (benchmarks/RESULTS.md, "Eager launch"
-        run 6), while a view costs about a microsecond. The views share a storage, so
-        one output kept alone keeps all three alive: bounded by `PACKED_MAX_BYTES`."""
+        Why: one CUDA ``torch.empty`` cost ~5.7 µs on an H100 host, the three outputs of a
+        one-row quantize 17.0 of its 22.6 µs (benchmarks/RESULTS.md, "Eager launch" run
+        6); five views cost ~5 µs more (run 13), so three direct allocations beat one
+        ``torch.empty`` and its views. Packed views share a storage, so one output kept
+        alone keeps all three alive: bounded by `PACKED_MAX_BYTES`."""
         dev = self.device
+        new = direct_allocator(dev)
+        if new is not None:
+            return (new(self.data_shape, (self.data_shape[1], 1), torch.uint8),
+                    new(self.scale_shape, (self.scale_shape[1], 1), torch.float8_e4m3fn),
+                    new((), (), torch.float32))  # fmt: skip
         layout = self.packed
         if layout is None:
             return (torch.empty(self.data_shape, dtype=torch.uint8, device=dev),

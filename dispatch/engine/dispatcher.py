@@ -23,6 +23,7 @@ from fp4_dispatch.format import checks
 from fp4_dispatch.format.grouped import Nvfp4Experts, check_offsets
 from fp4_dispatch.format.nvfp4 import Nvfp4Tensor
 from fp4_dispatch.loading.status import BackendStatus
+from fp4_dispatch.support import alloc
 
 __all__ = ["BackendStatus", "Dispatcher"]
 
@@ -132,11 +133,11 @@ class Dispatcher(Runner):
             return None
         n, dtype = qb.data.shape[0], checks.default_out_dtype(qa, out_dtype)
         if type(qa) is torch.Tensor:
-            out = torch.empty((qa.shape[0], n), dtype=dtype, device=qa.device)
+            out = alloc.empty((qa.shape[0], n), (n, 1), dtype, qa.device)
             per_call = [qa, out]
         else:
             a = qa.data
-            out = torch.empty((a.shape[0], n), dtype=dtype, device=a.device)
+            out = alloc.empty((a.shape[0], n), (n, 1), dtype, a.device)
             per_call = [a, qa.scale, qa.global_scale, out]
         return out if fast(per_call) else None
 

@@ -40,6 +40,7 @@ from fp4_dispatch.format.nvfp4 import (
     sm90_prepare_data,
     swizzled_scale_shape,
 )
+from fp4_dispatch.support import alloc
 
 __all__ = ["Nvfp4Linear"]
 
@@ -588,8 +589,8 @@ class _FastCall:
     layer runs its ordinary path (which may keep a new fast call)."""
 
     __slots__ = ("bias", "device", "dispatcher", "dtype", "epoch", "index", "out_dtype",
-                 "out_shape", "prepared", "replay", "shape", "stride", "version",
-                 "weights")  # fmt: skip
+                 "out_shape", "out_stride", "prepared", "replay", "shape", "stride",
+                 "version", "weights")  # fmt: skip
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, replay, d: Dispatcher,
                  bufs: dict[str, torch.Tensor], bias: torch.Tensor | None,
@@ -597,6 +598,7 @@ class _FastCall:
         self.shape, self.dtype, self.stride = x.shape, x.dtype, x.stride()
         self.index, self.device = x.get_device(), x.device
         self.out_shape, self.out_dtype = (*x.shape[:-1], y.shape[-1]), y.dtype
+        self.out_stride = alloc.contiguous_strides(self.out_shape)
         self.replay, self.dispatcher, self.epoch = replay, d, d.plan_epoch
         w = bufs["weight_data"]
         self.weights = (w, bufs["weight_scale"], bufs["weight_global_scale"])
@@ -620,7 +622,7 @@ class _FastCall:
                  bias: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
         if not self.holds(x, bufs, bias):
             return None
-        y = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+        y = alloc.empty(self.out_shape, self.out_stride, self.out_dtype, self.device)
         return y if self.replay((x, y)) else None
 
 
@@ -647,7 +649,7 @@ class _FastCallW4A4(_FastCall):
         if quantized is None:
             return None
         a, sa, ga = quantized
-        y = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+        y = alloc.empty(self.out_shape, self.out_stride, self.out_dtype, self.device)
         if not self.replay((a, sa, ga, y)):
             return None
         return y if bias is None else y.add_(bias)
