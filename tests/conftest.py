@@ -364,6 +364,37 @@ def check_w4a16_kernel_on_gpu(build, cases) -> None:
             assert err <= 1e-2, (m, n, k, knobs, err)
 
 
+def w4a16_plan(d, m: int, n: int, k: int):
+    """The dispatcher's warm W4A16 plan of this exact problem (bfloat16 out)."""
+    plan = d.cached_plan(m, n, k, "bfloat16", "w4a16")
+    assert plan is not None and plan.warm, (m, n, k)
+    return plan
+
+
+def run_plan(plan, layer, x: torch.Tensor) -> torch.Tensor:
+    """`plan` run eagerly on an `Nvfp4Linear`'s natural operands and a 2-D `x`
+    (bfloat16 out, the bias in the epilogue as the layer passes it)."""
+    out = torch.empty(x.shape[0], layer.out_features, device=x.device, dtype=torch.bfloat16)
+    bias = None if layer.bias is None else layer.bias.to(torch.bfloat16)
+    alpha = layer.weight_global_scale.reshape(1)
+    plan(x, layer.weight_data, layer.weight_scale, alpha, out, bias, None)
+    return out
+
+
+def inductor_stated_plan(d, m: int, n: int, k: int):
+    """The plan whose kernel Inductor launches for a compiled W4A16 call of this problem
+    (default mode, after the first compiled call): the pick where its kernel states its
+    launches, else its side plan (`fp4_dispatch.engine.inductor`)."""
+    from fp4_dispatch.engine import inductor
+
+    plan = w4a16_plan(d, m, n, k)
+    if inductor._states_launches(plan):
+        return plan
+    side = inductor._side_plans[d][plan.key]
+    assert side is not None and inductor._states_launches(side), plan
+    return side
+
+
 def good_plugin(name: str, family: str = "thirdparty") -> str:
     return GOOD_PLUGIN.format(name=name, family=family)
 

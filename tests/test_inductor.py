@@ -26,7 +26,7 @@ from typing import Literal
 
 import pytest
 import torch
-from conftest import TARGET_ONLY, sm90_compile_env
+from conftest import TARGET_ONLY, run_plan, sm90_compile_env, w4a16_plan
 
 from fp4_dispatch.backends import triton_launch as tlaunch
 from fp4_dispatch.backends.workspace import Scratch, one_like
@@ -549,22 +549,6 @@ def _sm90() -> None:
         pytest.skip("needs an sm90 GPU")
 
 
-def _plan(d, m: int, n: int, k: int):
-    """The dispatcher's W4A16 plan of this exact problem (bfloat16 out)."""
-    plan = d.cached_plan(m, n, k, "bfloat16", "w4a16")
-    assert plan is not None and plan.warm, (m, n, k)
-    return plan
-
-
-def _eager(plan, layer, x: torch.Tensor) -> torch.Tensor:
-    """`plan` run eagerly on the layer's operands (bfloat16 out)."""
-    out = torch.empty(x.shape[0], layer.out_features, device=x.device, dtype=torch.bfloat16)
-    bias = None if layer.bias is None else layer.bias.to(torch.bfloat16)
-    alpha = layer.weight_global_scale.reshape(1)
-    plan(x, layer.weight_data, layer.weight_scale, alpha, out, bias, None)
-    return out
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize(("m", "bias"), [(1, False), (16, True)])
 def test_a_compiled_layer_launches_the_plans_kernel_itself(m, bias, monkeypatch):
@@ -592,16 +576,16 @@ def test_a_compiled_layer_launches_the_plans_kernel_itself(m, bias, monkeypatch)
         compiled = torch.compile(layer, fullgraph=True)
         y, code = run_and_get_code(compiled, xs[0])
         text = "\n".join(code)
-        plan = _plan(d, m, 4096, 4096)
+        plan = w4a16_plan(d, m, 4096, 4096)
         stated = plan if inductor._states_launches(plan) else inductor._side_plans[d][plan.key]
         assert stated is not None and inductor._states_launches(stated), plan
         assert (stated is plan) is (m == 16), (plan, stated)
         assert "fp4_dispatch.gemm_w4a16" not in text, text[-3000:]
         names = {bound.owner.name for bound in stated.kernel._bound.values()}
         assert any(name in text for name in names), (names, text[-3000:])
-        assert torch.equal(y, _eager(stated, layer, xs[0]))
+        assert torch.equal(y, run_plan(stated, layer, xs[0]))
         for x in xs:
-            assert torch.equal(compiled(x), _eager(stated, layer, x))
+            assert torch.equal(compiled(x), run_plan(stated, layer, x))
         torch._dynamo.reset()
         graphed = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
         for _ in range(3):
@@ -638,7 +622,7 @@ def test_a_compiled_stack_of_split_k_layers_shares_one_scratch_pair(monkeypatch)
         torch._dynamo.reset()
         compiled = torch.compile(stack, fullgraph=True)
         y, code = run_and_get_code(compiled, xs[0])
-        plan = _plan(d, 16, 4096, 4096)
+        plan = w4a16_plan(d, 16, 4096, 4096)
         split = getattr(getattr(plan.kernel, "cfg", None), "split_k", 1)
         assert inductor._states_launches(plan) and split > 1, (plan, split)
         text = "\n".join(code)
@@ -649,9 +633,9 @@ def test_a_compiled_stack_of_split_k_layers_shares_one_scratch_pair(monkeypatch)
         assert len([n for n in launched if "w4a16" in n]) == 2, launched
         assert len(re.findall(r"empty_strided_cuda\(\(\d+, \), \(1, \), torch.float32", call)) == 1
         for x in xs:
-            ref = _eager(plan, stack[1], _eager(plan, stack[0], x))
+            ref = run_plan(plan, stack[1], run_plan(plan, stack[0], x))
             assert torch.equal(compiled(x), ref)
-        assert torch.equal(y, _eager(plan, stack[1], _eager(plan, stack[0], xs[0])))
+        assert torch.equal(y, run_plan(plan, stack[1], run_plan(plan, stack[0], xs[0])))
 
 
 @pytest.mark.gpu
