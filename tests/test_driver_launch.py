@@ -540,7 +540,8 @@ def test_the_layer_fast_call_in_eager_graphs_and_compile():
     its outputs equal the replays-off layer's, eagerly, replayed from a CUDA graph and
     under torch.compile with CUDA graphs (reduce-overhead); in default mode they equal
     the eager bits of the plan Inductor launches (at one token the Gluon pick's side
-    plan: another kernel, docs/launch.md)."""
+    plan: another kernel, docs/launch.md). Inductor launches it itself, so the op and
+    its fast call are not called there (tests/test_inductor.py checks the code)."""
     _sm90()
     from fp4_dispatch import Dispatcher
     from fp4_dispatch.engine.torch_ops import default_dispatcher
@@ -566,10 +567,6 @@ def test_the_layer_fast_call_in_eager_graphs_and_compile():
                         stated = inductor_stated_plan(default_dispatcher(dev), 1, 14336, 4096)
                         r = run_plan(stated, layer, x.reshape(1, 4096)).reshape(r.shape)
                     assert torch.equal(got, r), mode
-            if mode == "default":  # the compiled op's calls took its kept fast call
-                from fp4_dispatch.engine import torch_ops
-
-                assert len(torch_ops._fast) >= 1
 
 
 @pytest.mark.gpu
