@@ -26,7 +26,7 @@ from typing import Literal
 
 import pytest
 import torch
-from conftest import TARGET_ONLY, run_plan, sm90_compile_env, w4a16_plan
+from conftest import TARGET_ONLY, inductor_stated_plan, run_plan, sm90_compile_env, w4a16_plan
 
 from fp4_dispatch.backends import triton_launch as tlaunch
 from fp4_dispatch.backends.workspace import Scratch, one_like
@@ -561,7 +561,6 @@ def test_a_compiled_layer_launches_the_plans_kernel_itself(m, bias, monkeypatch)
     from torch._inductor.utils import run_and_get_code
 
     from fp4_dispatch import Dispatcher
-    from fp4_dispatch.engine import inductor
     from fp4_dispatch.integrations.nn import Nvfp4Linear
 
     monkeypatch.delenv("FP4_DISPATCH_INDUCTOR", raising=False)  # on by default
@@ -577,8 +576,7 @@ def test_a_compiled_layer_launches_the_plans_kernel_itself(m, bias, monkeypatch)
         y, code = run_and_get_code(compiled, xs[0])
         text = "\n".join(code)
         plan = w4a16_plan(d, m, 4096, 4096)
-        stated = plan if inductor._states_launches(plan) else inductor._side_plans[d][plan.key]
-        assert stated is not None and inductor._states_launches(stated), plan
+        stated = inductor_stated_plan(d, m, 4096, 4096)
         assert (stated is plan) is (m == 16), (plan, stated)
         assert "fp4_dispatch.gemm_w4a16" not in text, text[-3000:]
         names = {bound.owner.name for bound in stated.kernel._bound.values()}

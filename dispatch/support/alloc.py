@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-#: (shape, stride, dtype) -> a new tensor on the current CUDA device; None where absent
+#: (shape, stride, dtype) -> a new uninitialized tensor on the current CUDA device
 Allocator = Callable[[tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor]
 
 
