@@ -97,17 +97,13 @@ def compile_real_call(kernel, ops, res, k, act_dtype):
 #: disassembles a compiled kernel's cubin (Triton's nvdisasm, the file kept in
 #: TRITON_CACHE_DIR as ``name.cubin``) and counts its main loop (the longest backward
 #: branch): instructions, HMMAs, shared-memory accesses and barriers; and the kernel's
-#: register spills
+#: register spills. ``sass_loops(sass)``: every backward branch's body, opcodes only
+#: (predicates dropped), in program order
 SASS_LOOP = r"""
 import collections, pathlib, re, subprocess
 
 
-def loop_stats(compiled, name):
-    nvdisasm = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    path = pathlib.Path(os.environ["TRITON_CACHE_DIR"]) / f"{name}.cubin"
-    path.write_bytes(compiled.asm["cubin"])
-    sass = subprocess.run([str(nvdisasm), "-c", str(path)], capture_output=True,
-                          text=True).stdout
+def sass_loops(sass):
     labels, seq = {}, []
     for line in sass.splitlines():
         s = line.strip()
@@ -117,13 +113,23 @@ def loop_stats(compiled, name):
         ins = re.match(r"/\*[0-9a-f]+\*/\s+(.*?)\s*;", s)
         if ins:
             seq.append(ins.group(1))
-    body = []
+    loops = []
     for i, ins in enumerate(seq):
         br = re.search(r"BRA[^`]*`\(\.(L_x_\d+)\)", ins)
-        if br and labels.get(br.group(1), 1 << 30) <= i and i + 1 - labels[br.group(1)] > len(body):
-            body = seq[labels[br.group(1)]: i + 1]
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
-                              for t in body)
+        if br and labels.get(br.group(1), 1 << 30) <= i:
+            loops.append([re.sub(r"^@!?U?P\w+\s+", "", t).split()[0]
+                          for t in seq[labels[br.group(1)]: i + 1]])
+    return loops
+
+
+def loop_stats(compiled, name):
+    nvdisasm = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    path = pathlib.Path(os.environ["TRITON_CACHE_DIR"]) / f"{name}.cubin"
+    path.write_bytes(compiled.asm["cubin"])
+    sass = subprocess.run([str(nvdisasm), "-c", str(path)], capture_output=True,
+                          text=True).stdout
+    body = max(sass_loops(sass), key=len, default=[])
+    ops = collections.Counter(op.split(".")[0] for op in body)
     return {"loop": len(body), "hmma": ops["HMMA"], "sass": sass,
             "loop_shared_or_barrier": ops["LDS"] + ops["STS"] + ops["BAR"] + ops["LDSM"],
             "spills": len(re.findall(r"\b(STL|LDL)\b", sass))}

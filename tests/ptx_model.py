@@ -126,6 +126,11 @@ def run(asm: str, regs: dict) -> dict:
                     regs[d] = regs[d] & ~(0xFF << 8 * i) | ((0xFF if byte & 0x80 else 0) << 8 * i)
         elif op == "shl.b32":
             regs[d] = (val(args[1]) << val(args[2])) & M32
+        elif op == "shr.b32":
+            regs[d] = val(args[1]) >> val(args[2])
+        elif op in ("mul.f32", "add.f32"):
+            a, b = (torch.tensor([bits_f32(val(x))], dtype=torch.float32) for x in args[1:3])
+            regs[d] = f32_bits(float(a * b if op == "mul.f32" else a + b))
         elif op == "and.b32":
             regs[d] = val(args[1]) & val(args[2])
         elif op == "or.b32":

@@ -324,19 +324,21 @@ def test_tactics_paths_and_rules():
     small = list(b.tactics(Problem(m=16, n=5120, k=5120, operation="w4a8"), SM90))
     large = list(b.tactics(Problem(m=4096, n=5120, k=5120, operation="w4a8"), SM90))
     assert small and {t.path for t in small} == {"fused"}
-    assert large and {t.path for t in large} == {"unpack"}
+    assert large and {t.path for t in large} == {"unpack", "rs"}
     mid = {t.path for t in b.tactics(Problem(m=512, n=5120, k=5120, operation="w4a8"), SM90)}
-    assert mid == {"fused", "unpack"}
+    assert mid == {"fused", "unpack", "rs"}
     assert FUSED_MAX_M >= 512 >= UNPACK_MIN_M
     for t in small + large:
         assert not t.swap_ab
         assert b.validate(t, Problem(m=16 if t in small else 4096, n=5120, k=5120,
                                      operation="w4a8"), SM90) is None  # fmt: skip
     fp16 = Problem(m=4096, n=5120, k=5120, out_dtype="float16", operation="w4a8")
-    assert not list(b.tactics(fp16, SM90))  # no unpack (bf16 only), no fused past 1024
+    # no unpack (bf16 only), no fused past 1024: the rs kernel only
+    assert {t.path for t in b.tactics(fp16, SM90)} == {"rs"}
     unpack = TritonSm90W4A8Tactic(path="unpack", tile_m=128, tile_n=128, tile_k=128)
     assert "bfloat16" in why_invalid(unpack, fp16, SM90)
     assert "multiple of 32" in why_invalid(unpack, Problem(m=256, n=64, k=48), SM90)
+    large = [t for t in large if t.path == "unpack"]
     est = [b.estimate_us(Problem(m=m, n=5120, k=5120, operation="w4a8"), SM90, t)
            for m, t in ((16, small[0]), (4096, large[0]))]  # fmt: skip
     assert all(e > 0 for e in est) and est[1] > est[0]

@@ -165,11 +165,75 @@ def check_pair_e4m3(asm: str) -> None:
         assert got == want, (hex(e0), hex(o0), hex(e1), hex(o1), hex(got), hex(want))
 
 
+_E2M1_MAGS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _table_inputs() -> list[float]:
+    """``s / sw`` of the W4A8 rs kernel's tables: every positive e4m3 block scale ``s``
+    over the channel scale of a row whose largest block scale is ``s``, 2**4 or 2**12
+    times it (`reference.w4a8.weight_exponents`: E4M3 subnormals and flushes included)."""
+    from fp4_dispatch.backends.reference import w4a8 as ref
+
+    scales = torch.arange(1, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    out = []
+    for row_max in (1, 2**4, 2**12):
+        ew = ref.pow2_exponent(ref.E2M1_MAX * scales * row_max)
+        out += (scales * ref.pow2(-ew)).tolist()
+    return out
+
+
+def check_e4m3_table(asm: str) -> None:
+    """$2 = ``f`` (fp32) -> $0, $1: the E4M3 codes of ``{0, .5, 1, 1.5}`` and ``{2, 3, 4,
+    6}`` times ``f``, a byte each, low byte first (`gemm_w4a8_rs._TABLE_ASM`)."""
+    for f in _table_inputs():
+        regs = ptx_model.run(asm, {"$2": f32_bits(f)})
+        got = regs["$0"] | regs["$1"] << 32
+        want = sum(ptx_model.e4m3_satfinite(m * f) << 8 * i for i, m in enumerate(_E2M1_MAGS))
+        assert got == want, (f, hex(got), hex(want))
+
+
+def _lookup_inputs() -> list[dict]:
+    """Words of 8 nibbles (every code at every place: 16 rotations of 0x76543210 and
+    0xFEDCBA98 mixes, then random words) with tables of 8 random magnitude codes (< 0x7F),
+    the table registers repeated as Triton passes them (``pack=4``)."""
+    rng = random.Random(11)
+    words = [0x76543210, 0xFEDCBA98, 0x8F7E6D5C, 0xC4B3A291]
+    words += [(w << 4 * r | w >> 32 - 4 * r) & 0xFFFFFFFF for w in words for r in range(1, 8)]
+    words += [rng.randrange(1 << 32) for _ in range(300)]
+    out = []
+    for w in words:
+        table = [rng.randrange(0x7F) for _ in range(8)]
+        lo = sum(b << 8 * i for i, b in enumerate(table[:4]))
+        hi = sum(b << 8 * i for i, b in enumerate(table[4:]))
+        regs = {"$2": w} | {f"${i}": lo for i in range(3, 7)}
+        out.append(regs | {f"${i}": hi for i in range(7, 11)})
+    return out
+
+
+def check_e4m3_lookup(asm: str) -> None:
+    """$2: 8 nibbles (e2m1 codes, low first), $3/$7: the table's bytes 0-3/4-7 -> $0 the
+    codes of nibbles 0-3, $1 of 4-7: ``table[n & 7] | (n & 8) << 4`` a byte each
+    (`gemm_w4a8_rs._EXPAND_ASM`)."""
+    for regs in _lookup_inputs():
+        got = ptx_model.run(asm, regs)
+        table = regs["$3"] | regs["$7"] << 32
+        nib = [(regs["$2"] >> 4 * j) & 0xF for j in range(8)]
+        codes = [(table >> 8 * (n & 7)) & 0xFF | (n & 8) << 4 for n in nib]
+        want = [sum(c << 8 * i for i, c in enumerate(codes[h * 4 : h * 4 + 4])) for h in (0, 1)]
+        assert [got["$0"], got["$1"]] == want, (hex(regs["$2"]), got["$0"], got["$1"], want)
+
+
 def _checks() -> dict[str, Callable[[str], None]]:
     """Exact block text -> its check. Module constants are taken from the modules (the
     check runs what ships); literal blocks are spelled here (an edit makes them unknown)."""
     from fp4_dispatch.backends import quantize
-    from fp4_dispatch.backends.sm90 import gemm_direct, gemm_w4a8, gemm_w4a16, gemm_w4a16_decode
+    from fp4_dispatch.backends.sm90 import (
+        gemm_direct,
+        gemm_w4a8,
+        gemm_w4a8_rs,
+        gemm_w4a16,
+        gemm_w4a16_decode,
+    )
 
     w = gemm_w4a16
     return {
@@ -188,6 +252,8 @@ def _checks() -> dict[str, Callable[[str], None]]:
         _text("prmt.b32 $0, $1, 0, 0xBB99;"): check_lane_mask,
         _text(PREFETCH): check_prefetch,
         _text(gemm_w4a8._PAIR_E4M3_ASM): check_pair_e4m3,
+        _text(gemm_w4a8_rs._TABLE_ASM): check_e4m3_table,
+        _text(gemm_w4a8_rs._EXPAND_ASM): check_e4m3_lookup,
     }
 
 
@@ -232,10 +298,10 @@ def test_every_inline_ptx_block_has_a_check():
     blocks, checks = _blocks(), _checks()
     unchecked = {where: text for text, where in blocks.items() if text not in checks}
     assert not unchecked, f"inline PTX without a CPU check (add one to CHECKS): {unchecked}"
-    assert len(blocks) >= 13, sorted(blocks.values())  # the blocks this file knows of
+    assert len(blocks) >= 15, sorted(blocks.values())  # the blocks this file knows of
 
 
-@pytest.mark.parametrize("index", range(15))
+@pytest.mark.parametrize("index", range(17))
 def test_each_block_matches_its_definition(index):
     text, check = list(_checks().items())[index]
     check(text)
@@ -269,7 +335,7 @@ def _mutated_blocks() -> list[tuple[str, list[dict]]]:
     for the dequantizers (each output lane depends on its own byte only), the e4m3 inputs
     for the conversion."""
     from fp4_dispatch.backends import quantize
-    from fp4_dispatch.backends.sm90 import gemm_direct, gemm_w4a8, gemm_w4a16_decode
+    from fp4_dispatch.backends.sm90 import gemm_direct, gemm_w4a8, gemm_w4a8_rs, gemm_w4a16_decode
 
     words = [{"$4": b | ((b * 7 + 1) % 256) << 8 | ((b * 13 + 5) % 256) << 16 | (255 - b) << 24}
              for b in range(256)]  # fmt: skip
@@ -279,7 +345,9 @@ def _mutated_blocks() -> list[tuple[str, list[dict]]]:
              for i in range(len(v) - 3)]  # fmt: skip
     return [(_text(gemm_direct._E2M1X4_TO_F16_ASM), words), (_text(quantize._E4M3_ASM), floats),
             (_text(gemm_w4a16_decode._NATURAL), words),
-            (_text(gemm_w4a8._PAIR_E4M3_ASM), pairs)]  # fmt: skip
+            (_text(gemm_w4a8._PAIR_E4M3_ASM), pairs),
+            (_text(gemm_w4a8_rs._TABLE_ASM), [{"$2": f32_bits(f)} for f in _table_inputs()]),
+            (_text(gemm_w4a8_rs._EXPAND_ASM), _lookup_inputs())]  # fmt: skip
 
 
 def _outputs(text: str, inputs: list[dict]) -> list[tuple]:
@@ -290,13 +358,14 @@ def _outputs(text: str, inputs: list[dict]) -> list[tuple]:
     return outs
 
 
-@pytest.mark.parametrize("index", range(4))
+@pytest.mark.parametrize("index", range(6))
 def test_one_bit_changes_are_caught(index):
     """The W4A4 direct dequantizer, the quantizer's e4m3 conversion (operand swap
-    included), an unscaled W4A16 dequantizer and the W4A8 weight pass's paired
-    conversion (its swaps too): every one-bit mutant either fails its check or is
-    equivalent (the same output bits on every input that covers the block:
-    e.g. a selector bit that only picks which zero byte fills a masked-off position)."""
+    included), an unscaled W4A16 dequantizer, the W4A8 weight pass's paired conversion
+    (its swaps too) and the W4A8 rs kernel's table and lookup: every one-bit mutant
+    either fails its check or is equivalent (the same output bits on every input that
+    covers the block: e.g. a selector bit that only picks which zero byte fills a
+    masked-off position)."""
     text, inputs = _mutated_blocks()[index]
     check = _checks()[text]
     original = _outputs(text, inputs)

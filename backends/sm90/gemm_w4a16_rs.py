@@ -104,6 +104,12 @@ SM_REGISTERS = {
 }
 CTAS_PER_SM_CHOICES = tuple(sorted({ctas for ctas, _ in SM_REGISTERS}))
 
+#: a consumer warpgroup's register layouts: its weight bytes [4, 16, 64] (warp w's rows
+#: 16w.., thread (g, c) bytes 16c..16c+15 of rows g and g + 8), and their [4, 16, 8, 8]
+#: view by scale block (the dequantizers' packs of 4 bytes along the last dim)
+WG_BYTES = gl.constexpr(gl.BlockedLayout([1, 1, 16], [1, 8, 4], [4, 1, 1], [2, 1, 0]))
+WG_BLOCKS = gl.constexpr(gl.BlockedLayout([1, 1, 2, 8], [1, 8, 4, 1], [4, 1, 1, 1], [3, 2, 1, 0]))
+
 #: weight bytes are read by threads, never by an MMA: no swizzle (a warp's 128-bit
 #: loads of 8 rows x 64 bytes are 512 contiguous bytes, conflict-free)
 _W_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
@@ -245,6 +251,19 @@ def _w4a16_rs_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws_pt
 
 
 @gluon.jit
+def warpgroup_slot(w_bufs, s_bufs, slot, WG: gl.constexpr, WL: gl.constexpr,
+                   L4: gl.constexpr):  # fmt: skip
+    """Warpgroup ``WG``'s weight bytes [4, 16, 64] (in ``WL``) and their block scales [4,
+    16, 8] (in ``L4`` without its last dim) from ring slot ``slot``."""
+    w = w_bufs.index(slot).reshape([8, 16, 64]).slice(4 * WG, 4).load(WL)
+    # all 128 rows' scales (a 4-warp layout holds row groups w and w + 4 per warp), then
+    # this warpgroup's half
+    sc = _scales(s_bufs.index(slot), 8).load(gl.SliceLayout(3, L4))
+    s_lo, s_hi = gl.split(sc.reshape([2, 4, 16, 8]).permute((1, 2, 3, 0)))
+    return w, gl.convert_layout(s_lo if WG == 0 else s_hi, gl.SliceLayout(3, L4))
+
+
+@gluon.jit
 def _consumer(p, WG: gl.constexpr, SPLIT_K: gl.constexpr):
     """Warpgroup ``WG``: rows ``64 WG .. 64 WG + 63`` of the CTA's weights, every step:
     expand (registers) -> two ``wgmma`` -> release the slot; then its own epilogue."""
@@ -252,8 +271,8 @@ def _consumer(p, WG: gl.constexpr, SPLIT_K: gl.constexpr):
      out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, stride_on, pid, pid_k) = p  # fmt: skip
     STAGES: gl.constexpr = w_bufs.shape[0]
     BT: gl.constexpr = x_bufs.shape[1]
-    WL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [4, 1, 1], [2, 1, 0])
-    L4: gl.constexpr = gl.BlockedLayout([1, 1, 2, 8], [1, 8, 4, 1], [4, 1, 1, 1], [3, 2, 1, 0])
+    WL: gl.constexpr = WG_BYTES
+    L4: gl.constexpr = WG_BLOCKS
     ACC: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16]
     )
@@ -262,12 +281,7 @@ def _consumer(p, WG: gl.constexpr, SPLIT_K: gl.constexpr):
     for i in range(n_steps):
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        w = w_bufs.index(slot).reshape([8, 16, 64]).slice(4 * WG, 4).load(WL)
-        # all 128 rows' scales (a 4-warp layout holds row groups w and w + 4 per warp),
-        # then this warpgroup's half
-        sc = _scales(s_bufs.index(slot), 8).load(gl.SliceLayout(3, L4))
-        s_lo, s_hi = gl.split(sc.reshape([2, 4, 16, 8]).permute((1, 2, 3, 0)))
-        sc = gl.convert_layout(s_lo if WG == 0 else s_hi, gl.SliceLayout(3, L4))
+        w, sc = warpgroup_slot(w_bufs, s_bufs, slot, WG, WL, L4)
         a = expand_dot_order(w, sc, x_bufs.dtype, 4, 16, L4).reshape([64, 2, 64])
         a0, a1 = gl.split(a.permute((0, 2, 1)))
         a0 = gl.convert_layout(a0, A_L)
@@ -312,15 +326,11 @@ def _w4a16_rs_ws_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws
 
 
 @gluon.jit
-def rs_ws_tile(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
-               stride_om, stride_on, has_bias, w_row0, n0, s_row0, m0, kt0, n_steps, tile_id,
-               pid_k, SPLIT_K: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr,
-               TMA_REGS: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
-    """One CTA's tile of the specialized kernel: ``n_steps`` K steps from ``kt0``, the
-    weight bytes from descriptor row ``w_row0`` (scales from chunk row ``s_row0``), the
-    tokens from row ``m0``; stored to output columns ``n0..`` and rows below ``M``
-    (split-K tile ids ``2 tile_id + warpgroup``). Shared by the dense kernel and the
-    grouped one (`gemm_grouped_rs`: one expert's rows of the stacked weights)."""
+def ring_buffers(x_desc, w_desc, s_desc, STAGES: gl.constexpr):
+    """The specialized kernels' TMA ring (`_producer` fills it): ``STAGES`` slots of a K
+    step's weight bytes [BN, 64], its two scale chunks and two activation boxes [BT, 64]
+    (of ``x_desc``'s dtype), with a ``ready`` barrier (the TMA's bytes) and an ``empty``
+    one (both consumer warpgroups released the slot) each."""
     BT: gl.constexpr = x_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 64], w_desc.layout)
@@ -332,6 +342,20 @@ def rs_ws_tile(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws_ptr, cnt
         mbarrier.init(ready.index(j), count=1)
         mbarrier.init(empty.index(j), count=2)
     fence_async_shared()
+    return w_bufs, s_bufs, x_bufs, ready, empty
+
+
+@gluon.jit
+def rs_ws_tile(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
+               stride_om, stride_on, has_bias, w_row0, n0, s_row0, m0, kt0, n_steps, tile_id,
+               pid_k, SPLIT_K: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr,
+               TMA_REGS: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
+    """One CTA's tile of the specialized kernel: ``n_steps`` K steps from ``kt0``, the
+    weight bytes from descriptor row ``w_row0`` (scales from chunk row ``s_row0``), the
+    tokens from row ``m0``; stored to output columns ``n0..`` and rows below ``M``
+    (split-K tile ids ``2 tile_id + warpgroup``). Shared by the dense kernel and the
+    grouped one (`gemm_grouped_rs`: one expert's rows of the stacked weights)."""
+    w_bufs, s_bufs, x_bufs, ready, empty = ring_buffers(x_desc, w_desc, s_desc, STAGES)
     cons = (w_bufs, s_bufs, x_bufs, ready, empty, n_steps, n0, m0, alpha_ptr, bias_ptr, has_bias,
             out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, stride_on, tile_id, pid_k)  # fmt: skip
     prod = (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, w_row0, s_row0, m0,

@@ -145,10 +145,27 @@ def _quantize_rows_kernel(
     """Per token row: ``amax``, ``e = _pow2_exponent(amax)``, ``q = e4m3(x * 2**-e)``;
     writes ``q`` [M, K] (contiguous) and ``2**e`` [M] float32."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    quantize_rows(x_ptr, q_ptr, s_ptr, rows, M, K, stride_xm, BLOCK_K, HW_CVT, False)
+
+
+@triton.jit
+def _natural_to_rs_order(k):
+    """Where natural column ``k`` lands in the W4A8 rs kernel's K order: the bits of its
+    place in a 128-wide block, ``(c, g, w, h, t)`` (2, 1, 1, 1, 2 bits), become ``(g, w, h,
+    c, t)`` (`gemm_w4a8_rs.rs_order` is the host twin and says why)."""
+    j = k & 127
+    return (k - j) + (((j >> 2) & 7) << 4) + ((j >> 5) << 2) + (j & 3)
+
+
+@triton.jit
+def quantize_rows(x_ptr, q_ptr, s_ptr, rows, M, K, stride_xm, BLOCK_K: tl.constexpr,
+                  HW_CVT: tl.constexpr, RS_ORDER: tl.constexpr):  # fmt: skip
+    """`_quantize_rows_kernel`'s work on token ``rows``; with ``RS_ORDER`` the codes of
+    each 128-wide K block are stored in the rs kernel's order (`_natural_to_rs_order`)."""
     rmask = (rows < M)[:, None]
     rk = tl.arange(0, BLOCK_K)
     x_row = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-    amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    amax = tl.zeros(rows.shape, dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         mask = rmask & ((k0 + rk) < K)[None, :]
         x = tl.load(x_row + (k0 + rk)[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -159,7 +176,10 @@ def _quantize_rows_kernel(
     for k0 in range(0, K, BLOCK_K):
         mask = rmask & ((k0 + rk) < K)[None, :]
         x = tl.load(x_row + (k0 + rk)[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(q_row + (k0 + rk)[None, :], _to_e4m3(x * inv, HW_CVT), mask=mask)
+        cols = k0 + rk
+        if RS_ORDER:
+            cols = _natural_to_rs_order(cols)
+        tl.store(q_row + cols[None, :], _to_e4m3(x * inv, HW_CVT), mask=mask)
     tl.store(s_ptr + rows, _pow2(e), mask=rows < M)
 
 

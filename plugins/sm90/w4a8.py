@@ -13,6 +13,10 @@ one microsecond scale. Two paths, one tactic type:
 - ``path="unpack"``: the weight in E4M3 once per call (``block_r`` rows per program,
   ``tile_k`` K per step), then cuBLASLt's FP8 GEMM (``torch._scaled_mm``); ``tile_m``/
   ``tile_n`` nominal 128. Offered for M >= `UNPACK_MIN_M`, bf16 output, N % 16 == 0.
+- ``path="rs"``: the warp-specialized Gluon kernel (`gemm_w4a8_rs`: a TMA ring, the
+  weight turned into E4M3 by a byte table per scale block in the warps that multiply
+  it); ``tile_m`` tokens (64/128), ``split_k``, ``num_stages``; ``tile_n``/``tile_k``
+  128, 4 warps nominal. Offered for M > `RS_MIN_M` and K % 128 == 0.
 
 Every tactic has ``swap_ab=False`` (the kernels have their own orientation).
 
@@ -39,6 +43,7 @@ from fp4_dispatch.support.sources import SourceVersion
 
 if TYPE_CHECKING:
     from fp4_dispatch.backends.sm90.gemm_w4a8 import W4A8Config
+    from fp4_dispatch.backends.sm90.gemm_w4a8_rs import W4A8RsConfig
 
 TILE_M = (16, 32, 64, 128)
 TILE_N = (64, 128)
@@ -61,6 +66,17 @@ UNPACK_TILE_SLOWDOWN_OTHER = 1.3
 FUSED_MAX_M = 1024
 #: below this M the weight pass alone costs more than the whole fused kernel
 UNPACK_MIN_M = 128
+#: the rs kernel's token tiles are 64 or 128: below this M most of a tile is padding
+RS_MIN_M = 32
+RS_TILE_M = (64, 128)
+#: SASS instructions of one K step (128 K) of an rs consumer thread by token tile:
+#: counted in the sm_90 compile on the CPU (Triton 3.9, `tests/test_gemm_w4a8_rs.py`
+#: pins the bound); 64 fp32 additions of the promoted sum more at 128 tokens
+RS_LOOP_INSTR = {64: 208.0, 128: 235.0}
+#: µs one CTA takes per K step whatever its tile: on an H100 the rs kernel ran 0.7-0.8 µs
+#: a step at 64 and 128 tokens, far above its issue and MMA bounds (benchmarks/RESULTS.md,
+#: "W4A8 on Hopper" run 8; read off those six shapes, not fitted or held out)
+RS_STEP_US = 0.72
 #: split-K up to this many CTAs per SM (the W4A16 direct kernel's rule)
 MAX_CTAS_PER_SM = 8
 
@@ -90,7 +106,7 @@ class TritonSm90W4A8Tactic(Tactic):
     """One variant of the W4A8 backend (module docstring)."""
 
     backend: Literal["triton-sm90-w4a8"] = "triton-sm90-w4a8"
-    path: Literal["fused", "unpack"] = "fused"
+    path: Literal["fused", "unpack", "rs"] = "fused"
     tile_m: Literal[16, 32, 64, 128] = 64
     tile_n: Literal[64, 128] = 128
     cluster_m: Literal[1] = 1
@@ -101,6 +117,12 @@ class TritonSm90W4A8Tactic(Tactic):
     num_warps: Literal[4, 8] = 4
     num_stages: Literal[3, 4] = 3
     block_r: Literal[16, 32, 64] = 32
+
+    def rs_config(self) -> W4A8RsConfig:
+        """The rs kernel's compile-time config."""
+        from fp4_dispatch.backends.sm90.gemm_w4a8_rs import W4A8RsConfig  # noqa: PLC0415 - optional: Triton
+
+        return W4A8RsConfig(block_m=self.tile_m, split_k=self.split_k, stages=self.num_stages)
 
     def kernel_config(self) -> W4A8Config:
         """The fused kernel's compile-time config."""
@@ -155,12 +177,30 @@ def _why_invalid_unpack(t: TritonSm90W4A8Tactic, p: Problem) -> str | None:
     return None
 
 
+def _why_invalid_rs(t: TritonSm90W4A8Tactic, p: Problem, device: DeviceInfo) -> str | None:
+    if p.m <= RS_MIN_M:
+        return f"M={p.m} <= {RS_MIN_M}: the rs kernel's token tiles are 64 or 128"
+    if p.k % 128:
+        return f"K={p.k} must be a multiple of 128 (the rs kernel's whole K steps)"
+    if t.tile_m not in RS_TILE_M:
+        return f"rs tile_m: expected one of {RS_TILE_M}, got {t.tile_m}"
+    if t.tile_m > max(64, _pow2_at_least(p.m)):
+        return f"tile_m={t.tile_m} exceeds M={p.m} padded to a power of 2"
+    if (t.tile_n, t.tile_k, t.num_warps, t.block_r) != (128, 128, 4, 32):
+        return "rs tactics keep tile_n 128, tile_k 128, 4 warps, block_r 32 (nominal)"
+    tiles = -(-p.m // t.tile_m) * -(-p.n // t.tile_n)
+    # one CTA an SM (the register budget of `gemm_w4a8_rs.SM_REGISTERS_W4A8`)
+    return _split_k_rule(t.split_k, tiles, p.k // 128, device.sm_count, 1)
+
+
 def why_invalid(t: TritonSm90W4A8Tactic, problem: Problem, device: DeviceInfo) -> str | None:
     """Why `t` is not offered for `problem` (M tokens, N weight rows), else None."""
     if problem.k % 32:
         return f"K={problem.k} must be a multiple of 32"
     if t.path == "fused":
         return _why_invalid_fused(t, problem, device)
+    if t.path == "rs":
+        return _why_invalid_rs(t, problem, device)
     return _why_invalid_unpack(t, problem)
 
 
@@ -192,6 +232,27 @@ def estimate_fused(t: TritonSm90W4A8Tactic, p: Problem, device: DeviceInfo) -> f
     return _activation_pass_us(p, device) + bound + c["launch_us"] + reduce
 
 
+def estimate_rs(t: TritonSm90W4A8Tactic, p: Problem, device: DeviceInfo) -> float:
+    """The pass (activations and channel scales) + a smooth maximum of the consumers'
+    issue (`RS_LOOP_INSTR`, 8 warps a CTA), the FP8 MMA, memory and the measured step
+    latency (`RS_STEP_US`) over the waves of CTAs + launch + split-K reduction."""
+    c = cost_model.constants()["w4a16"]
+    m_tiles, n_tiles = -(-p.m // t.tile_m), -(-p.n // t.tile_n)
+    waves = math.ceil(m_tiles * n_tiles * t.split_k / device.sm_count)
+    steps = math.ceil(p.k / 128 / t.split_k)
+    issue = waves * steps * 8 * 32 * RS_LOOP_INSTR[t.tile_m] / INSTR_PER_SM_US
+    mma_rate = device.fp8_tflops * 1e6 / device.sm_count * MMA_EFF[t.tile_m]
+    mma = waves * steps * 2.0 * t.tile_m * t.tile_n * 128 / mma_rate
+    bw = device.mem_bw_gbps * 1e3 * c["bw_fraction"]
+    partial = 8.0 * m_tiles * n_tiles * t.split_k * t.tile_m * t.tile_n if t.split_k > 1 else 0.0
+    memory = (p.n * p.k * (0.5 + 1.0 / 16) * m_tiles + p.m * p.k + 2.0 * p.m * p.n + partial) / bw
+    latency = waves * steps * RS_STEP_US
+    bound = (issue**4 + mma**4 + memory**4 + latency**4) ** 0.25
+    reduce = c["split_reduce_us"] * math.log2(t.split_k)
+    weight_scales = p.n * p.k / 16 / bw  # the pass reads every block scale once
+    return _activation_pass_us(p, device) + weight_scales + bound + c["launch_us"] + reduce
+
+
 def estimate_unpack(t: TritonSm90W4A8Tactic, p: Problem, device: DeviceInfo) -> float:
     """Activation pass + weight pass (memory or conversion bound) + ``_scaled_mm``."""
     c = cost_model.constants()["w4a16"]
@@ -214,7 +275,8 @@ class TritonSm90W4A8Backend(Backend):
 
     name = "triton-sm90-w4a8"
     family = "sm90"
-    version = SourceVersion("1", "fp4_dispatch.backends.sm90.gemm_w4a8", plugin=__name__)
+    version = SourceVersion("1", "fp4_dispatch.backends.sm90.gemm_w4a8",
+                            "fp4_dispatch.backends.sm90.gemm_w4a8_rs", plugin=__name__)  # fmt: skip
     tactic_type = TritonSm90W4A8Tactic
     operations: ClassVar[tuple[str, ...]] = ("w4a8",)
     diversity_axes = ("path", "split_k")
@@ -233,6 +295,10 @@ class TritonSm90W4A8Backend(Backend):
             t = _tactic("unpack", 128, 128, tk, 1, 4, 3, br)
             if why_invalid(t, problem, device) is None:
                 yield t
+        for tm, split, stages in itertools.product(RS_TILE_M, SPLIT_K, STAGES):
+            t = _tactic("rs", tm, 128, 128, split, 4, stages, 32)
+            if why_invalid(t, problem, device) is None:
+                yield t
 
     def validate(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> str | None:
         checked = TritonSm90W4A8Tactic.model_validate(tactic.model_dump())
@@ -243,12 +309,16 @@ class TritonSm90W4A8Backend(Backend):
         assert isinstance(tactic, TritonSm90W4A8Tactic)
         if tactic.path == "fused":
             return estimate_fused(tactic, problem, device)
+        if tactic.path == "rs":
+            return estimate_rs(tactic, problem, device)
         return estimate_unpack(tactic, problem, device)
 
     def build(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> Kernel:
         assert isinstance(tactic, TritonSm90W4A8Tactic)
         if tactic.path == "unpack":
             return _unpack_kernel_for(tactic.block_r, tactic.tile_k)
+        if tactic.path == "rs":
+            return _rs_kernel_for(tactic.rs_config())
         return _kernel_for(tactic.kernel_config())
 
     def precompile(self, tactic: Tactic, problem: Problem, device: DeviceInfo) -> object:
@@ -289,3 +359,10 @@ def _unpack_kernel_for(block_r: int, block_k: int) -> Kernel:
     from fp4_dispatch.backends.sm90 import gemm_w4a8  # noqa: PLC0415 - optional: Triton
 
     return gemm_w4a8.build_unpack(block_r, block_k)
+
+
+@functools.cache
+def _rs_kernel_for(cfg: W4A8RsConfig) -> Kernel:
+    from fp4_dispatch.backends.sm90 import gemm_w4a8_rs  # noqa: PLC0415 - optional: Triton
+
+    return gemm_w4a8_rs.build(cfg)
