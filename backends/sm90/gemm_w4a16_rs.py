@@ -441,6 +441,16 @@ def why_unsupported(operands: W4A16Operands) -> str | None:
     return None
 
 
+def check_ring_knobs(cfg: object, block_m_choices: tuple[int, ...]) -> None:
+    """A specialized rs config's ``block_m`` (one of `block_m_choices`), ``stages`` (one of
+    `STAGES_CHOICES`) and ``split_k`` (>= 1), or a ValueError naming the knob."""
+    for name, choices in (("block_m", block_m_choices), ("stages", STAGES_CHOICES)):
+        if getattr(cfg, name) not in choices:
+            raise ValueError(f"{name}: expected one of {choices}, got {getattr(cfg, name)}")
+    if cfg.split_k < 1:
+        raise ValueError(f"split_k: expected >= 1, got {cfg.split_k}")
+
+
 @dataclass(frozen=True)
 class RsConfig:
     """Compile-time knobs: ``block_m`` tokens per CTA (the MMA's N); ``split_k`` CTAs per
@@ -459,11 +469,7 @@ class RsConfig:
     block_k: ClassVar[int] = STEP_K
 
     def __post_init__(self) -> None:
-        for name, choices in (("block_m", BLOCK_M_CHOICES), ("stages", STAGES_CHOICES)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name}: expected one of {choices}, got {getattr(self, name)}")
-        if self.split_k < 1:
-            raise ValueError(f"split_k: expected >= 1, got {self.split_k}")
+        check_ring_knobs(self, BLOCK_M_CHOICES)
         if self.ctas_per_sm not in CTAS_PER_SM_CHOICES:
             raise ValueError(f"ctas_per_sm: expected one of {CTAS_PER_SM_CHOICES}, got "
                              f"{self.ctas_per_sm}")  # fmt: skip

@@ -77,6 +77,7 @@ from fp4_dispatch.backends.sm90.gemm_w4a16_rs import (
     WG_BYTES,
     _producer,
     _scales,
+    check_ring_knobs,
     ring_buffers,
 )
 from fp4_dispatch.backends.sm90.gemm_w4a16_ws import _descriptor, scale_descriptor
@@ -89,7 +90,6 @@ from fp4_dispatch.support.alloc import empty
 STEP_K = 128
 BLOCK_N = 128  # weight rows per CTA: two warpgroups of 64
 BLOCK_M_CHOICES = (64, 128)
-STAGES_CHOICES = (2, 3, 4)
 #: registers a thread by tokens a tile: (at launch, the consumer warpgroups', the TMA
 #: warp's), as `gemm_w4a16_rs.SM_REGISTERS` (one CTA an SM). 128 tokens hold two
 #: 64-register accumulators (the promoted sum and the step's): consumers at 240, the TMA
@@ -327,11 +327,7 @@ class W4A8RsConfig:
     stages: int = 3
 
     def __post_init__(self) -> None:
-        for name, choices in (("block_m", BLOCK_M_CHOICES), ("stages", STAGES_CHOICES)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name}: expected one of {choices}, got {getattr(self, name)}")
-        if self.split_k < 1:
-            raise ValueError(f"split_k: expected >= 1, got {self.split_k}")
+        check_ring_knobs(self, BLOCK_M_CHOICES)
 
 
 def _x_layout(block_m: int) -> object:
