@@ -251,19 +251,6 @@ def _w4a16_rs_kernel(x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, ws_pt
 
 
 @gluon.jit
-def warpgroup_slot(w_bufs, s_bufs, slot, WG: gl.constexpr, WL: gl.constexpr,
-                   L4: gl.constexpr):  # fmt: skip
-    """Warpgroup ``WG``'s weight bytes [4, 16, 64] (in ``WL``) and their block scales [4,
-    16, 8] (in ``L4`` without its last dim) from ring slot ``slot``."""
-    w = w_bufs.index(slot).reshape([8, 16, 64]).slice(4 * WG, 4).load(WL)
-    # all 128 rows' scales (a 4-warp layout holds row groups w and w + 4 per warp), then
-    # this warpgroup's half
-    sc = _scales(s_bufs.index(slot), 8).load(gl.SliceLayout(3, L4))
-    s_lo, s_hi = gl.split(sc.reshape([2, 4, 16, 8]).permute((1, 2, 3, 0)))
-    return w, gl.convert_layout(s_lo if WG == 0 else s_hi, gl.SliceLayout(3, L4))
-
-
-@gluon.jit
 def _consumer(p, WG: gl.constexpr, SPLIT_K: gl.constexpr):
     """Warpgroup ``WG``: rows ``64 WG .. 64 WG + 63`` of the CTA's weights, every step:
     expand (registers) -> two ``wgmma`` -> release the slot; then its own epilogue."""
@@ -281,7 +268,12 @@ def _consumer(p, WG: gl.constexpr, SPLIT_K: gl.constexpr):
     for i in range(n_steps):
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        w, sc = warpgroup_slot(w_bufs, s_bufs, slot, WG, WL, L4)
+        w = w_bufs.index(slot).reshape([8, 16, 64]).slice(4 * WG, 4).load(WL)
+        # all 128 rows' scales (a 4-warp layout holds row groups w and w + 4 per warp),
+        # then this warpgroup's half
+        sc = _scales(s_bufs.index(slot), 8).load(gl.SliceLayout(3, L4))
+        s_lo, s_hi = gl.split(sc.reshape([2, 4, 16, 8]).permute((1, 2, 3, 0)))
+        sc = gl.convert_layout(s_lo if WG == 0 else s_hi, gl.SliceLayout(3, L4))
         a = expand_dot_order(w, sc, x_bufs.dtype, 4, 16, L4).reshape([64, 2, 64])
         a0, a1 = gl.split(a.permute((0, 2, 1)))
         a0 = gl.convert_layout(a0, A_L)

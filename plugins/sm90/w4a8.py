@@ -210,6 +210,16 @@ def _activation_pass_us(p: Problem, device: DeviceInfo) -> float:
     return PASS_LAUNCH_US + p.m * p.k * 5.0 / bw
 
 
+def _tiled_bytes(t: TritonSm90W4A8Tactic, p: Problem) -> float:
+    """Bytes a tiled W4A8 GEMM (fused or rs) moves: the NVFP4 weight and its scales once per
+    token tile, the E4M3 activations once (L2 after), the bf16/fp16 output, and the fp32
+    split-K partials of every CTA."""
+    m_tiles, n_tiles = -(-p.m // t.tile_m), -(-p.n // t.tile_n)  # weight rows wrap in a tile
+    weight = p.n * p.k * (0.5 + 1.0 / 16) * m_tiles
+    partial = 8.0 * m_tiles * n_tiles * t.split_k * t.tile_m * t.tile_n if t.split_k > 1 else 0.0
+    return weight + p.m * p.k + 2.0 * p.m * p.n + partial
+
+
 def estimate_fused(t: TritonSm90W4A8Tactic, p: Problem, device: DeviceInfo) -> float:
     """Activation pass + a smooth maximum (4-norm, as the W4A16 model) of the conversion,
     the MMA and memory over the waves of CTAs + launch + split-K reduction."""
@@ -222,11 +232,7 @@ def estimate_fused(t: TritonSm90W4A8Tactic, p: Problem, device: DeviceInfo) -> f
     convert = per_sm * steps * elems * CONVERT_INSTR / INSTR_PER_SM_US
     mma_rate = device.fp8_tflops * 1e6 / device.sm_count * MMA_EFF[t.tile_m]
     mma = per_sm * steps * 2.0 * t.tile_m * elems / mma_rate
-    bw = device.mem_bw_gbps * 1e3 * c["direct_bw_fraction"]
-    weight = p.n * p.k * (0.5 + 1.0 / 16) * m_tiles
-    partial = 8.0 * ctas * t.tile_m * t.tile_n if t.split_k > 1 else 0.0
-    # weights re-read per token tile; E4M3 activations (1 byte) read once (L2 after)
-    memory = (weight + p.m * p.k + 2.0 * p.m * p.n + partial) / bw
+    memory = _tiled_bytes(t, p) / (device.mem_bw_gbps * 1e3 * c["direct_bw_fraction"])
     bound = (convert**4 + mma**4 + memory**4) ** 0.25
     reduce = c["split_reduce_us"] * math.log2(t.split_k)
     return _activation_pass_us(p, device) + bound + c["launch_us"] + reduce
@@ -244,8 +250,7 @@ def estimate_rs(t: TritonSm90W4A8Tactic, p: Problem, device: DeviceInfo) -> floa
     mma_rate = device.fp8_tflops * 1e6 / device.sm_count * MMA_EFF[t.tile_m]
     mma = waves * steps * 2.0 * t.tile_m * t.tile_n * 128 / mma_rate
     bw = device.mem_bw_gbps * 1e3 * c["bw_fraction"]
-    partial = 8.0 * m_tiles * n_tiles * t.split_k * t.tile_m * t.tile_n if t.split_k > 1 else 0.0
-    memory = (p.n * p.k * (0.5 + 1.0 / 16) * m_tiles + p.m * p.k + 2.0 * p.m * p.n + partial) / bw
+    memory = _tiled_bytes(t, p) / bw
     latency = waves * steps * RS_STEP_US
     bound = (issue**4 + mma**4 + memory**4 + latency**4) ** 0.25
     reduce = c["split_reduce_us"] * math.log2(t.split_k)
